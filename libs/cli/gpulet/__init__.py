@@ -1,0 +1,1 @@
+"""The gpulet command line."""

@@ -1,0 +1,175 @@
+"""Loading settings from a file, the environment and the command line.
+
+Precedence, lowest to highest:
+
+1. built-in defaults (the Structs in :mod:`gpulet_common.settings`);
+2. the config file (TOML or JSON), from ``--config`` or ``$GPULET_CONFIG``;
+3. environment variables ``GPULET_<SECTION>__<KEY>`` (``GPULET_NODE_NAME`` for
+   top-level keys), e.g. ``GPULET_COLLECTOR__SAMPLE_PERIOD_S=0.5``;
+4. command-line flags (``--set section.key=value`` and the dedicated flags).
+
+Values from the environment and the command line are strings; they are converted to
+the setting's type (``"0.5"`` to a float, ``"true"`` to a bool, ``"[1,2]"`` or
+``"1,2"`` to a list). Any invalid value raises :class:`ConfigError` naming the setting
+and what is wrong with it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from gpulet_common.settings import Settings
+
+ENV_PREFIX = "GPULET_"
+_PATH_IN_ERROR = re.compile(r" - at `\$\.?([^`]*)`$")
+
+
+class ConfigError(ValueError):
+    def __init__(self, setting: str, problem: str) -> None:
+        super().__init__(f"invalid setting {setting!r}: {problem}")
+        self.setting = setting
+        self.problem = problem
+
+
+def _deep_merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _set_path(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = [p for p in dotted.split(".") if p]
+    if not parts:
+        raise ConfigError(dotted, "empty setting name")
+    node = tree
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(dotted, f"{part!r} is not a section")
+    node[parts[-1]] = value
+
+
+def _field_type(dotted: str) -> Any:
+    """The declared type of a dotted setting, or None if there is no such setting."""
+    cls: Any = Settings
+    hint: Any = None
+    for part in dotted.split("."):
+        fields = getattr(cls, "__struct_fields__", None)
+        if fields is None or part not in fields:
+            return None
+        hint = msgspec.structs.fields(cls)[fields.index(part)].type
+        cls = hint
+    return hint
+
+
+def _parse_scalar(dotted: str, raw: str) -> Any:
+    """Strings from env/CLI: JSON-looking values are parsed, lists may be comma-separated."""
+    text = raw.strip()
+    hint = _field_type(dotted)
+    origin = getattr(hint, "__origin__", None)
+    if text[:1] in "[{":
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(dotted, f"not valid JSON: {exc.msg}") from None
+    if origin in (list, tuple, set, frozenset):
+        return [item.strip() for item in text.split(",") if item.strip()]
+    return raw
+
+
+def file_layer(path: str | os.PathLike[str]) -> dict[str, Any]:
+    p = Path(path)
+    try:
+        data = p.read_bytes()
+    except OSError as exc:
+        raise ConfigError("config", f"cannot read {p}: {exc.strerror}") from None
+    try:
+        if p.suffix == ".json":
+            loaded = json.loads(data)
+        else:
+            loaded = tomllib.loads(data.decode())
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError("config", f"{p} is not valid: {exc}") from None
+    if not isinstance(loaded, dict):
+        raise ConfigError("config", f"{p} must hold a table of settings")
+    return loaded
+
+
+def env_layer(env: Mapping[str, str]) -> dict[str, Any]:
+    tree: dict[str, Any] = {}
+    for key, raw in env.items():
+        if not key.startswith(ENV_PREFIX) or key == "GPULET_CONFIG":
+            continue
+        dotted = key[len(ENV_PREFIX) :].lower().replace("__", ".")
+        _set_path(tree, dotted, _parse_scalar(dotted, raw))
+    return tree
+
+
+def overrides_layer(pairs: list[str]) -> dict[str, Any]:
+    """``section.key=value`` pairs from ``--set``."""
+    tree: dict[str, Any] = {}
+    for pair in pairs:
+        dotted, sep, raw = pair.partition("=")
+        if not sep:
+            raise ConfigError(pair, "expected section.key=value")
+        dotted = dotted.strip()
+        _set_path(tree, dotted, _parse_scalar(dotted, raw))
+    return tree
+
+
+def build(layers: list[Mapping[str, Any]]) -> Settings:
+    merged: dict[str, Any] = {}
+    for layer in layers:
+        merged = _deep_merge(merged, layer)
+    try:
+        settings = msgspec.convert(merged, Settings, strict=False)
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        found = _PATH_IN_ERROR.search(text)
+        where = found.group(1) if found else ""
+        problem = _PATH_IN_ERROR.sub("", text)
+        if problem.startswith("Object contains unknown field"):
+            unknown = problem.split("`")[1]
+            where = f"{where}.{unknown}" if where else unknown
+            problem = "unknown setting (check the spelling; see `gpulet config show`)"
+        raise ConfigError(where.replace("[", ".").replace("]", "") or "config", problem) from None
+    return settings
+
+
+def load(
+    config_file: str | os.PathLike[str] | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> Settings:
+    """Load settings with the documented precedence."""
+    env = os.environ if env is None else env
+    layers: list[Mapping[str, Any]] = []
+    path = config_file or env.get("GPULET_CONFIG")
+    if path:
+        layers.append(file_layer(path))
+    layers.append(env_layer(env))
+    if overrides:
+        layers.append(overrides)
+    settings = build(layers)
+    if not settings.node_name:
+        settings.node_name = env.get("NODE_NAME") or socket.gethostname()
+    return settings
+
+
+def dump(settings: Settings) -> dict[str, Any]:
+    result: dict[str, Any] = msgspec.to_builtins(settings)
+    return result

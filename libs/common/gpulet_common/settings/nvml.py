@@ -1,0 +1,17 @@
+"""Which NVML the services talk to."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+
+
+class NvmlSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    # auto: the real library when it loads, otherwise run degraded and say so.
+    # mock: the in-repo mock NVML, driven by `scenario`.
+    backend: Literal["auto", "nvml", "mock"] = "auto"
+    # Scenario name (see `gpulet mock scenarios`) or path to a scenario TOML file.
+    scenario: str = "dgx-h100"
+    # A single NVML call taking longer than this marks the GPU as hung for the period.
+    call_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 0.5

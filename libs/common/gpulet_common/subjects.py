@@ -1,0 +1,107 @@
+"""Every NATS subject gpulet uses, in one place.
+
+Naming
+------
+Data that other teams consume lives under ``gpu.``; gpulet's own control traffic
+(requests, micro-service endpoints, mock fault injection) lives under ``gpulet.``,
+so a subscriber of ``gpu.>`` sees data and never requests.
+
+``gpu.health.<node>`` has exactly one token after ``gpu.health`` so that an alerting
+system subscribing to exactly ``gpu.health.*`` receives every health event of every
+node. The event kind is a field of the payload, not a subject token, for that reason.
+
+Tokens are sanitised with :func:`token`: a Kubernetes node name may contain dots
+(which would split it into several tokens) and a wildcard (``*``, ``>``) or whitespace
+must never reach a subject. The encoding is injective: ``.`` becomes ``_`` (valid node
+names never contain ``_``) and any other character outside ``[A-Za-z0-9-]`` becomes
+``~`` followed by the hex of its UTF-8 bytes, ``_`` and ``~`` included.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Final
+
+_SAFE = re.compile(r"[A-Za-z0-9-]")
+
+HEALTH_WILDCARD: Final = "gpu.health.*"
+ALL_DATA: Final = "gpu.>"
+HEALTH_STREAM_SUBJECTS: Final = ("gpu.health.*",)
+
+
+def token(value: str) -> str:
+    """Turn an arbitrary string into one safe subject token."""
+    if not value:
+        raise ValueError("a subject token cannot be empty")
+    out: list[str] = []
+    for ch in value:
+        if ch == ".":
+            out.append("_")
+        elif _SAFE.fullmatch(ch):
+            out.append(ch)
+        else:
+            out.extend(f"~{b:02x}" for b in ch.encode())
+    return "".join(out)
+
+
+def untoken(tok: str) -> str:
+    """Inverse of :func:`token`."""
+    raw = bytearray()
+    i = 0
+    while i < len(tok):
+        ch = tok[i]
+        if ch == "_":
+            raw += b"."
+            i += 1
+        elif ch == "~":
+            raw.append(int(tok[i + 1 : i + 3], 16))
+            i += 3
+        else:
+            raw += ch.encode()
+            i += 1
+    return raw.decode()
+
+
+def inventory(node: str) -> str:
+    return f"gpu.inventory.{token(node)}"
+
+
+def samples(node: str) -> str:
+    return f"gpu.samples.{token(node)}"
+
+
+def health(node: str) -> str:
+    return f"gpu.health.{token(node)}"
+
+
+def inventory_request(node: str) -> str:
+    return f"gpulet.inventory.request.{token(node)}"
+
+
+def health_state(node: str) -> str:
+    return f"gpulet.health.state.{token(node)}"
+
+
+def health_clear(node: str) -> str:
+    return f"gpulet.health.clear.{token(node)}"
+
+
+def mock_inject(node: str) -> str:
+    return f"gpulet.mock.inject.{token(node)}"
+
+
+def allocator_prefix(node: str) -> str:
+    """Prefix of the allocator micro service's endpoints for one node."""
+    return f"gpulet.allocator.{token(node)}"
+
+
+def allocator_endpoint(node: str, endpoint: str) -> str:
+    return f"{allocator_prefix(node)}.{token(endpoint)}"
+
+
+HEALTH_STREAM: Final = "GPU_HEALTH"
+HEALTH_KV_BUCKET: Final = "gpu_health"
+
+
+def health_kv_key(node: str, gpu_uuid: str) -> str:
+    return f"{token(node)}.{token(gpu_uuid)}"

@@ -1,0 +1,1 @@
+"""gpulet health service."""
