@@ -66,7 +66,7 @@ class GpuInfo(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=True):
     supported_events: int | None = None
 
 
-class Inventory(_Message, frozen=True):
+class Inventory(_Message, frozen=True, kw_only=True):
     """Everything a consumer needs to know about a node's GPUs."""
 
     node: str
@@ -112,7 +112,7 @@ class GpuSample(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=True):
     error: str | None = None
 
 
-class SampleBatch(_Message, frozen=True):
+class SampleBatch(_Message, frozen=True, kw_only=True):
     """The samples of all GPUs of one node taken in one period."""
 
     node: str
@@ -121,7 +121,7 @@ class SampleBatch(_Message, frozen=True):
     inventory_generation: int = 0
 
 
-class InventoryRequest(_Message, frozen=True):
+class InventoryRequest(_Message, frozen=True, kw_only=True):
     """Ask the collector to republish (and return) the inventory."""
 
     reason: str = "request"
@@ -157,7 +157,7 @@ HealthKind = Literal[
 ]
 
 
-class HealthEvent(_Message, frozen=True):
+class HealthEvent(_Message, frozen=True, kw_only=True):
     """One health fact about one GPU, published on ``gpu.health.<node>``."""
 
     event_id: str
@@ -201,7 +201,7 @@ class GpuHealth(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=True):
     updated_at: float = 0.0
 
 
-class HealthState(_Message, frozen=True):
+class HealthState(_Message, frozen=True, kw_only=True):
     """Current health of every GPU of a node: the answer to a state query."""
 
     node: str
@@ -209,11 +209,11 @@ class HealthState(_Message, frozen=True):
     updated_at: float = 0.0
 
 
-class HealthStateRequest(_Message, frozen=True):
+class HealthStateRequest(_Message, frozen=True, kw_only=True):
     gpu: str | None = None
 
 
-class HealthClearRequest(_Message, frozen=True):
+class HealthClearRequest(_Message, frozen=True, kw_only=True):
     """Operator's request to clear sticky conditions of one GPU (uuid or index)."""
 
     gpu: str
@@ -224,14 +224,14 @@ class HealthClearRequest(_Message, frozen=True):
 # --- control / errors ----------------------------------------------------------------
 
 
-class ErrorReply(_Message, frozen=True):
+class ErrorReply(_Message, frozen=True, kw_only=True):
     """Reply of any request/reply endpoint that rejected a request."""
 
     code: str
     message: str
 
 
-class MockInjectRequest(_Message, frozen=True):
+class MockInjectRequest(_Message, frozen=True, kw_only=True):
     """Inject a fault into the mock NVML of every process serving the node."""
 
     gpu: int | None = None
@@ -240,11 +240,11 @@ class MockInjectRequest(_Message, frozen=True):
     duration_s: float | None = None
 
 
-class MockInjectReply(_Message, frozen=True):
+class MockInjectReply(_Message, frozen=True, kw_only=True):
     applied: bool
     detail: str = ""
 
 
-class Ack(_Message, frozen=True):
+class Ack(_Message, frozen=True, kw_only=True):
     ok: bool = True
     detail: str = ""
