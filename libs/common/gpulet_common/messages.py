@@ -7,8 +7,9 @@ evolve only by *adding* fields with defaults, so an old consumer keeps decoding 
 newer producer's messages (unknown fields are ignored) and a new consumer decodes an
 old producer's messages (missing fields take their default).
 
-``omit_defaults=True`` keeps payloads small and makes an NVML field that the GPU does
-not support (NVML ``NOT_SUPPORTED``) *absent* on the wire rather than ``null``.
+Per-GPU structs use ``omit_defaults=True``: this keeps payloads small and makes an NVML
+field that the GPU does not support (NVML ``NOT_SUPPORTED``) *absent* on the wire
+rather than ``null``.
 
 The codecs for these types live in :mod:`gpulet_common.codec`; the subjects they
 travel on live in :mod:`gpulet_common.subjects`.
@@ -25,7 +26,10 @@ SCHEMA_VERSION = 1
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 
 
-class _Message(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=True):
+class _Message(msgspec.Struct, frozen=True, kw_only=True):
+    # Top-level messages always carry every field, schema_version included, so a
+    # consumer in any language can check the version. Nested per-GPU structs omit
+    # absent (unsupported) fields instead.
     schema_version: int = SCHEMA_VERSION
 
 
