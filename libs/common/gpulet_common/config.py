@@ -97,10 +97,7 @@ def file_layer(path: str | os.PathLike[str]) -> dict[str, Any]:
     except OSError as exc:
         raise ConfigError("config", f"cannot read {p}: {exc.strerror}") from None
     try:
-        if p.suffix == ".json":
-            loaded = json.loads(data)
-        else:
-            loaded = tomllib.loads(data.decode())
+        loaded = json.loads(data) if p.suffix == ".json" else tomllib.loads(data.decode())
     except (tomllib.TOMLDecodeError, json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError("config", f"{p} is not valid: {exc}") from None
     if not isinstance(loaded, dict):
@@ -167,7 +164,17 @@ def load(
     settings = build(layers)
     if not settings.node_name:
         settings.node_name = env.get("NODE_NAME") or socket.gethostname()
+    if not settings.state_dir:
+        settings.state_dir = default_state_dir(env)
     return settings
+
+
+def default_state_dir(env: Mapping[str, str]) -> str:
+    system = Path("/var/lib/gpulet")
+    if os.access(system if system.exists() else system.parent, os.W_OK):
+        return str(system)
+    base = env.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return str(Path(base) / "gpulet")
 
 
 def dump(settings: Settings) -> dict[str, Any]:

@@ -22,7 +22,8 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # Name of the Kubernetes node; empty means $NODE_NAME, then the host name.
     node_name: str = ""
     # Where services keep state (checkpoints, on-disk buffers, embedded NATS).
-    state_dir: str = "/var/lib/gpulet"
+    # Empty: /var/lib/gpulet when writable (root, containers), else ~/.local/state/gpulet.
+    state_dir: str = ""
     nats: NatsSettings = msgspec.field(default_factory=NatsSettings)
     nvml: NvmlSettings = msgspec.field(default_factory=NvmlSettings)
     telemetry: TelemetrySettings = msgspec.field(default_factory=TelemetrySettings)

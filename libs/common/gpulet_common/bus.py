@@ -1,0 +1,551 @@
+"""A thin, typed layer over nats-py that fits anyio task groups.
+
+Layers
+------
+* :meth:`Bus.connect` owns the connection: initial connect and reconnect with
+  exponential, jittered back-off; user/password, token, NKey seed, creds file and TLS.
+* :meth:`Bus.publish` encodes with a :class:`~gpulet_common.codec.Codec` and puts the
+  current OpenTelemetry trace context into the NATS headers (W3C ``traceparent``), so a
+  consumer's span joins the producer's trace.
+* :meth:`Bus.subscribe` yields typed :class:`Delivery` objects. A payload that fails to
+  decode is counted (``gpulet_bus_malformed_messages_total``), logged (rate-limited) and
+  dropped: bad input is never fatal. Backpressure comes from nats-py's bounded pending
+  queue; a consumer that falls behind is reported by the server as a slow consumer and
+  counted, rather than growing memory without bound.
+* :meth:`Bus.request` / :meth:`Bus.serve` give typed request/reply, with errors carried
+  as :class:`~gpulet_common.messages.ErrorReply` so a caller always gets a code and a
+  message instead of a timeout.
+* JetStream helpers: streams with age/size limits and de-duplication, acknowledged
+  publishes with a message id, and key-value buckets.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import ssl
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager, suppress
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+import anyio
+import anyio.abc
+import msgspec
+import nats
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.js import JetStreamContext
+from nats.js.api import DiscardPolicy, KeyValueConfig, RetentionPolicy, StorageType, StreamConfig
+from nats.js.kv import KeyValue
+from opentelemetry import context as otel_context
+from opentelemetry import metrics, propagate, trace
+from opentelemetry.trace import SpanKind
+
+from gpulet_common import codec as codecs
+from gpulet_common.codec import Codec
+from gpulet_common.logutil import RateLimitedLog
+from gpulet_common.messages import ErrorReply
+from gpulet_common.settings.nats import NatsSettings
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+log = logging.getLogger("gpulet.bus")
+_tracer = trace.get_tracer("gpulet.bus")
+
+
+class BusError(Exception):
+    pass
+
+
+class RemoteError(BusError):
+    """The responder rejected the request with an :class:`ErrorReply`."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+class RequestTimeout(BusError):
+    pass
+
+
+class RequestRejected(Exception):
+    """Raised by a :meth:`Bus.serve` handler to answer with a precise error."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery(Generic[T]):
+    subject: str
+    value: T
+    headers: dict[str, str]
+    reply: str
+    raw: Msg = field(repr=False)
+
+    def trace_context(self) -> otel_context.Context:
+        return propagate.extract(self.headers)
+
+
+@dataclass(slots=True)
+class BusMetrics:
+    published: metrics.Counter
+    received: metrics.Counter
+    malformed: metrics.Counter
+    errors: metrics.Counter
+    reconnects: metrics.Counter
+
+    @classmethod
+    def create(cls, meter: metrics.Meter) -> BusMetrics:
+        return cls(
+            published=meter.create_counter(
+                "gpulet.bus.messages_published", description="Messages published"
+            ),
+            received=meter.create_counter(
+                "gpulet.bus.messages_received", description="Messages received and decoded"
+            ),
+            malformed=meter.create_counter(
+                "gpulet.bus.malformed_messages",
+                description="Messages dropped because they failed to decode or validate",
+            ),
+            errors=meter.create_counter(
+                "gpulet.bus.errors", description="Asynchronous errors reported by the client"
+            ),
+            reconnects=meter.create_counter(
+                "gpulet.bus.reconnects", description="Reconnections to NATS"
+            ),
+        )
+
+
+def backoff_delay(attempt: int, base_s: float, max_s: float) -> float:
+    """Exponential back-off with full jitter, never below ``base_s / 2``."""
+    ceiling = min(max_s, base_s * (2 ** min(attempt, 30)))
+    return max(base_s / 2, random.uniform(0, ceiling))
+
+
+def tls_context(settings: NatsSettings) -> ssl.SSLContext | None:
+    if not (settings.tls_ca_file or settings.tls_cert_file):
+        return None
+    ctx = ssl.create_default_context(cafile=settings.tls_ca_file or None)
+    if settings.tls_cert_file:
+        ctx.load_cert_chain(settings.tls_cert_file, settings.tls_key_file or None)
+    return ctx
+
+
+def _auth_options(settings: NatsSettings) -> dict[str, Any]:
+    options: dict[str, Any] = {}
+    if settings.user:
+        options["user"] = settings.user
+        options["password"] = settings.password
+    if settings.token:
+        options["token"] = settings.token
+    if settings.creds_file:
+        options["user_credentials"] = settings.creds_file
+    elif settings.nkey_seed_file:
+        options["nkeys_seed"] = settings.nkey_seed_file
+    tls = tls_context(settings)
+    if tls is not None:
+        options["tls"] = tls
+    return options
+
+
+def describe_servers(url: str) -> str:
+    """Server URLs with any embedded credentials masked, for logs."""
+    masked = []
+    for server in url.split(","):
+        scheme, sep, rest = server.strip().rpartition("://")
+        if "@" in rest:
+            rest = "***@" + rest.split("@", 1)[1]
+        masked.append(f"{scheme}{sep}{rest}")
+    return ",".join(masked)
+
+
+class Bus:
+    """A connected NATS client with typed helpers. Create with :meth:`connect`."""
+
+    def __init__(self, nc: NatsClient, settings: NatsSettings, meter: metrics.Meter) -> None:
+        self._nc = nc
+        self._settings = settings
+        self._metrics = BusMetrics.create(meter)
+        self._malformed_log = RateLimitedLog(log, per_minute=20)
+        self._js: JetStreamContext | None = None
+        self._closing = False
+
+    # -- connection --------------------------------------------------------------
+
+    @classmethod
+    @asynccontextmanager
+    async def connect(
+        cls,
+        settings: NatsSettings,
+        *,
+        name: str | None = None,
+        meter: metrics.Meter | None = None,
+        max_initial_attempts: int | None = None,
+        drain_timeout_s: float = 1.0,
+    ) -> AsyncIterator[Bus]:
+        """Connect, retrying with back-off; drain and close on exit.
+
+        ``max_initial_attempts=None`` keeps trying until cancelled: a sidecar may
+        start before its NATS sidecar is listening.
+        """
+        meter = meter or metrics.get_meter("gpulet.bus")
+        holder: list[Bus] = []
+
+        async def on_error(exc: Exception) -> None:
+            if holder:
+                holder[0]._metrics.errors.add(1, {"error": type(exc).__name__})
+            log.warning("nats: %s: %s", type(exc).__name__, exc)
+
+        async def on_disconnect() -> None:
+            if holder and holder[0]._closing:
+                return
+            log.warning("nats: disconnected from %s", describe_servers(settings.url))
+
+        async def on_reconnect() -> None:
+            if holder:
+                holder[0]._metrics.reconnects.add(1)
+            log.info("nats: reconnected")
+
+        def choose_server(servers: list[Any], _info: dict[str, Any]) -> tuple[Any, float]:
+            attempt = min((s.reconnects for s in servers), default=0)
+            delay = backoff_delay(attempt, settings.reconnect_wait_s, settings.reconnect_max_wait_s)
+            return None, delay
+
+        servers = [s.strip() for s in settings.url.split(",") if s.strip()]
+        if not servers:
+            raise BusError("no NATS server URL configured (settings nats.url)")
+        options = _auth_options(settings)
+        attempt = 0
+        while True:
+            nc = NatsClient()
+            try:
+                await nc.connect(
+                    servers=servers,
+                    name=name or settings.name,
+                    connect_timeout=settings.connect_timeout_s,  # type: ignore[arg-type]
+                    # nats-py retries a failed *initial* connect forever when reconnects
+                    # are unlimited; we want our own bounded, jittered loop there, so
+                    # unlimited reconnects are switched on only once connected (below).
+                    allow_reconnect=False,
+                    max_reconnect_attempts=1,
+                    reconnect_time_wait=settings.reconnect_wait_s,  # type: ignore[arg-type]
+                    reconnect_to_server_handler=choose_server,
+                    error_cb=on_error,
+                    disconnected_cb=on_disconnect,
+                    reconnected_cb=on_reconnect,
+                    drain_timeout=max(1, int(drain_timeout_s)),
+                    **options,
+                )
+                nc.options["allow_reconnect"] = True
+                nc.options["max_reconnect_attempts"] = -1
+                break
+            except (OSError, nats.errors.Error, TimeoutError) as exc:
+                attempt += 1
+                if max_initial_attempts is not None and attempt >= max_initial_attempts:
+                    raise BusError(
+                        f"cannot connect to NATS at {describe_servers(settings.url)}: {exc}"
+                    ) from exc
+                delay = backoff_delay(
+                    attempt, settings.reconnect_wait_s, settings.reconnect_max_wait_s
+                )
+                log.warning(
+                    "nats: cannot connect to %s (%s); retrying in %.2fs",
+                    describe_servers(settings.url),
+                    exc or type(exc).__name__,
+                    delay,
+                )
+                await anyio.sleep(delay)
+        bus = cls(nc, settings, meter)
+        holder.append(bus)
+        log.info(
+            "nats: connected to %s",
+            describe_servers(nc.connected_url.geturl() if nc.connected_url else ""),
+        )
+        try:
+            yield bus
+        finally:
+            bus._closing = True
+            with (
+                anyio.CancelScope(shield=True),
+                anyio.move_on_after(drain_timeout_s + 0.5),
+                suppress(nats.errors.Error, OSError, TimeoutError),
+            ):
+                await nc.drain()
+            if not nc.is_closed:
+                with anyio.CancelScope(shield=True), anyio.move_on_after(0.5):
+                    await nc.close()
+
+    @property
+    def client(self) -> NatsClient:
+        """The underlying nats-py client, for APIs this layer does not wrap (nats.micro)."""
+        return self._nc
+
+    @property
+    def is_connected(self) -> bool:
+        return bool(self._nc.is_connected)
+
+    async def flush(self, timeout_s: float = 2.0) -> None:
+        await self._nc.flush(timeout=timeout_s)  # type: ignore[arg-type]
+
+    # -- publish / subscribe -----------------------------------------------------
+
+    async def publish(
+        self,
+        subject: str,
+        value: T,
+        codec: Codec[T],
+        *,
+        headers: dict[str, str] | None = None,
+        reply: str = "",
+    ) -> None:
+        data = codec.encode(value)
+        with _tracer.start_as_current_span(f"publish {subject}", kind=SpanKind.PRODUCER):
+            carrier: dict[str, str] = dict(headers) if headers else {}
+            propagate.inject(carrier)
+            await self._nc.publish(subject, data, reply=reply, headers=carrier or None)
+        self._metrics.published.add(1, {"type": codec.type.__name__})
+
+    def _count_malformed(
+        self, subject: str, codec: Codec[Any], exc: Exception, data: bytes
+    ) -> None:
+        self._metrics.malformed.add(1, {"type": codec.type.__name__})
+        preview = bytes(data[:120])
+        self._malformed_log.warning(
+            "dropped malformed %s on %s: %s (payload %d bytes: %r)",
+            codec.type.__name__,
+            subject,
+            exc,
+            len(data),
+            preview,
+        )
+
+    def decode(self, msg: Msg, codec: Codec[T]) -> Delivery[T] | None:
+        """Decode one message; count, log and drop it (return None) if malformed."""
+        try:
+            value = codec.decode(msg.data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            self._count_malformed(msg.subject, codec, exc, msg.data)
+            return None
+        self._metrics.received.add(1, {"type": codec.type.__name__})
+        return Delivery(
+            subject=msg.subject,
+            value=value,
+            headers=dict(msg.headers or {}),
+            reply=msg.reply,
+            raw=msg,
+        )
+
+    @asynccontextmanager
+    async def subscribe(
+        self, subject: str, codec: Codec[T], *, queue: str = ""
+    ) -> AsyncIterator[AsyncIterator[Delivery[T]]]:
+        """Subscribe for the duration of the ``async with`` block.
+
+        The subscription exists when the block starts, so a publish made after entering
+        it is never missed.
+        """
+        sub = await self._nc.subscribe(
+            subject, queue=queue, pending_msgs_limit=self._settings.pending_msgs_limit
+        )
+        try:
+            yield self._iterate(sub, codec)
+        finally:
+            with anyio.CancelScope(shield=True):
+                with suppress(nats.errors.Error, OSError):
+                    await sub.unsubscribe()
+
+    async def _iterate(self, sub: Subscription, codec: Codec[T]) -> AsyncIterator[Delivery[T]]:
+        async for msg in sub.messages:
+            delivery = self.decode(msg, codec)
+            if delivery is not None:
+                yield delivery
+
+    # -- request / reply ---------------------------------------------------------
+
+    async def request(
+        self,
+        subject: str,
+        value: T,
+        request_codec: Codec[T],
+        reply_codec: Codec[R],
+        *,
+        timeout_s: float | None = None,
+    ) -> R:
+        """Send a request and decode the reply; an :class:`ErrorReply` raises RemoteError."""
+        data = request_codec.encode(value)
+        carrier: dict[str, str] = {}
+        with _tracer.start_as_current_span(f"request {subject}", kind=SpanKind.CLIENT):
+            propagate.inject(carrier)
+            try:
+                msg = await self._nc.request(
+                    subject,
+                    data,
+                    timeout=timeout_s or self._settings.request_timeout_s,
+                    headers=carrier or None,
+                )
+            except nats.errors.NoRespondersError as exc:
+                raise RequestTimeout(f"no responder on {subject}") from exc
+            except nats.errors.TimeoutError as exc:
+                raise RequestTimeout(f"no reply on {subject} in time") from exc
+        if msg.headers and msg.headers.get("Gpulet-Error"):
+            error = codecs.ERROR_REPLY.decode(msg.data)
+            raise RemoteError(error.code, error.message)
+        try:
+            return reply_codec.decode(msg.data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            self._count_malformed(subject, reply_codec, exc, msg.data)
+            raise RemoteError("malformed_reply", str(exc)) from exc
+
+    async def respond(self, delivery: Delivery[Any], value: R, codec: Codec[R]) -> None:
+        if delivery.reply:
+            await self._nc.publish(delivery.reply, codec.encode(value))
+
+    async def respond_error(self, reply: str, code: str, message: str) -> None:
+        if reply:
+            await self._nc.publish(
+                reply,
+                codecs.ERROR_REPLY.encode(ErrorReply(code=code, message=message)),
+                headers={"Gpulet-Error": code},
+            )
+
+    async def serve(
+        self,
+        subject: str,
+        handler: Callable[[Delivery[T]], Awaitable[R]],
+        request_codec: Codec[T],
+        reply_codec: Codec[R],
+        *,
+        queue: str = "",
+        task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Answer requests on ``subject`` until cancelled, one at a time.
+
+        A malformed request is answered with ``malformed_request``; a handler raising
+        :class:`RequestRejected` is answered with its code. Any other handler failure
+        is logged and answered with ``internal`` so the caller never waits in vain.
+        """
+        sub = await self._nc.subscribe(
+            subject, queue=queue, pending_msgs_limit=self._settings.pending_msgs_limit
+        )
+        task_status.started()
+        try:
+            async for msg in sub.messages:
+                await self._answer(msg, handler, request_codec, reply_codec)
+        finally:
+            with anyio.CancelScope(shield=True):
+                with suppress(nats.errors.Error, OSError):
+                    await sub.unsubscribe()
+
+    async def _answer(
+        self,
+        msg: Msg,
+        handler: Callable[[Delivery[T]], Awaitable[R]],
+        request_codec: Codec[T],
+        reply_codec: Codec[R],
+    ) -> None:
+        try:
+            value = request_codec.decode(msg.data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            self._count_malformed(msg.subject, request_codec, exc, msg.data)
+            await self.respond_error(msg.reply, "malformed_request", str(exc))
+            return
+        delivery = Delivery(msg.subject, value, dict(msg.headers or {}), msg.reply, msg)
+        token = otel_context.attach(delivery.trace_context())
+        try:
+            with _tracer.start_as_current_span(f"serve {msg.subject}", kind=SpanKind.SERVER):
+                result = await handler(delivery)
+        except RequestRejected as exc:
+            await self.respond_error(msg.reply, exc.code, exc.message)
+            return
+        except Exception as exc:
+            log.exception("handler for %s failed", msg.subject)
+            await self.respond_error(msg.reply, "internal", f"{type(exc).__name__}: {exc}")
+            return
+        finally:
+            otel_context.detach(token)
+        if msg.reply:
+            await self._nc.publish(msg.reply, reply_codec.encode(result))
+
+    # -- JetStream ---------------------------------------------------------------
+
+    @property
+    def jetstream(self) -> JetStreamContext:
+        if self._js is None:
+            self._js = self._nc.jetstream()
+        return self._js
+
+    async def ensure_stream(
+        self,
+        name: str,
+        subjects: list[str],
+        *,
+        max_age_s: float,
+        max_bytes: int,
+        duplicate_window_s: float = 120.0,
+        storage: StorageType = StorageType.FILE,
+    ) -> None:
+        """Create the stream, or update its limits if it exists."""
+        config = StreamConfig(
+            name=name,
+            subjects=subjects,
+            retention=RetentionPolicy.LIMITS,
+            discard=DiscardPolicy.OLD,
+            max_age=max_age_s,
+            max_bytes=max_bytes,
+            duplicate_window=min(duplicate_window_s, max_age_s) if max_age_s else duplicate_window_s,
+            storage=storage,
+        )
+        try:
+            await self.jetstream.add_stream(config)
+        except nats.js.errors.BadRequestError:
+            await self.jetstream.update_stream(config)
+
+    async def js_publish(
+        self,
+        subject: str,
+        value: T,
+        codec: Codec[T],
+        *,
+        msg_id: str | None = None,
+        timeout_s: float = 2.0,
+    ) -> int:
+        """Publish to JetStream and wait for the ack; returns the stream sequence.
+
+        ``msg_id`` enables the server's de-duplication (``Nats-Msg-Id``).
+        """
+        carrier: dict[str, str] = {}
+        with _tracer.start_as_current_span(f"publish {subject}", kind=SpanKind.PRODUCER):
+            propagate.inject(carrier)
+            if msg_id:
+                carrier["Nats-Msg-Id"] = msg_id
+            ack = await self.jetstream.publish(
+                subject, codec.encode(value), timeout=timeout_s, headers=carrier or None
+            )
+        self._metrics.published.add(1, {"type": codec.type.__name__})
+        return int(ack.seq)
+
+    async def key_value(
+        self, bucket: str, *, history: int = 1, ttl_s: float | None = None
+    ) -> KeyValue:
+        """The KV bucket, created if missing."""
+        try:
+            return await self.jetstream.key_value(bucket)
+        except nats.js.errors.BucketNotFoundError:
+            return await self.jetstream.create_key_value(
+                KeyValueConfig(bucket=bucket, history=history, ttl=ttl_s)
+            )
+
+
+def now() -> float:
+    return time.time()

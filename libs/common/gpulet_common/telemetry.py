@@ -1,0 +1,195 @@
+"""OpenTelemetry set-up and the HTTP endpoints ``/metrics``, ``/healthz`` and ``/readyz``.
+
+Metrics are recorded through the OpenTelemetry API only. The process-wide
+:class:`Telemetry` installs a MeterProvider whose Prometheus reader feeds the
+``prometheus_client`` registry that ``/metrics`` renders, and an OTLP/HTTP exporter
+when an endpoint is configured. Components receive a ``Meter`` rather than reaching for
+a global, so tests can hand them one backed by an in-memory reader.
+
+``/healthz`` answers 200 while the event loop serves requests (liveness). ``/readyz``
+answers 200 once every component reported ready (a *degraded* component, e.g. NVML
+missing, counts as ready: it is running and saying why), and 503 otherwise; both bodies
+are JSON with each component's state and detail, so an operator sees *why*.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Literal
+
+import anyio
+import anyio.abc
+from opentelemetry import metrics, trace
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetricReader
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+from gpulet_common.settings.telemetry import TelemetrySettings
+
+log = logging.getLogger("gpulet.telemetry")
+
+ComponentState = Literal["starting", "ready", "degraded", "stopping", "stopped", "failed"]
+
+
+@dataclass(slots=True)
+class ComponentStatus:
+    state: ComponentState
+    detail: str = ""
+
+
+class StatusBoard:
+    """What each component of the process is doing, for ``/readyz`` and the logs."""
+
+    def __init__(self) -> None:
+        self._components: dict[str, ComponentStatus] = {}
+        self._lock = threading.Lock()
+
+    def set(self, name: str, state: ComponentState, detail: str = "") -> None:
+        with self._lock:
+            previous = self._components.get(name)
+            self._components[name] = ComponentStatus(state, detail)
+        if previous is None or previous.state != state or previous.detail != detail:
+            level = logging.WARNING if state in ("degraded", "failed") else logging.INFO
+            log.log(level, "%s: %s%s", name, state, f" ({detail})" if detail else "")
+
+    def get(self, name: str) -> ComponentStatus | None:
+        with self._lock:
+            return self._components.get(name)
+
+    def snapshot(self) -> dict[str, dict[str, str]]:
+        with self._lock:
+            return {n: {"state": s.state, "detail": s.detail} for n, s in self._components.items()}
+
+    @property
+    def ready(self) -> bool:
+        with self._lock:
+            return bool(self._components) and all(
+                s.state in ("ready", "degraded") for s in self._components.values()
+            )
+
+
+class Telemetry:
+    """Process-wide providers. Create once per process with :meth:`install`."""
+
+    _installed: Telemetry | None = None
+
+    def __init__(self, meter_provider: MeterProvider, tracer_provider: TracerProvider) -> None:
+        self.meter_provider = meter_provider
+        self.tracer_provider = tracer_provider
+
+    @classmethod
+    def install(cls, settings: TelemetrySettings, service_name: str) -> Telemetry:
+        if cls._installed is not None:
+            return cls._installed
+        from opentelemetry.exporter.prometheus import PrometheusMetricReader
+
+        resource = Resource.create({"service.name": service_name, "service.namespace": "gpulet"})
+        readers: list[MetricReader] = [PrometheusMetricReader()]
+        tracer_provider = TracerProvider(resource=resource)
+        if settings.otlp_endpoint:
+            try:
+                from opentelemetry.exporter.otlp.proto.http.metric_exporter import (
+                    OTLPMetricExporter,
+                )
+                from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
+                    OTLPSpanExporter,
+                )
+            except ImportError:
+                log.warning("OTLP endpoint set but gpulet[otlp] is not installed; skipping")
+            else:
+                base = settings.otlp_endpoint.rstrip("/")
+                readers.append(
+                    PeriodicExportingMetricReader(OTLPMetricExporter(endpoint=f"{base}/v1/metrics"))
+                )
+                tracer_provider.add_span_processor(
+                    BatchSpanProcessor(OTLPSpanExporter(endpoint=f"{base}/v1/traces"))
+                )
+        meter_provider = MeterProvider(resource=resource, metric_readers=readers)
+        metrics.set_meter_provider(meter_provider)
+        trace.set_tracer_provider(tracer_provider)
+        cls._installed = cls(meter_provider, tracer_provider)
+        return cls._installed
+
+    def shutdown(self) -> None:
+        self.tracer_provider.shutdown()
+        self.meter_provider.shutdown()
+
+
+def render_metrics() -> bytes:
+    from prometheus_client import REGISTRY, generate_latest
+
+    return generate_latest(REGISTRY)
+
+
+_REASONS = {200: "OK", 404: "Not Found", 405: "Method Not Allowed", 503: "Service Unavailable"}
+
+
+def _http_response(status: int, body: bytes, content_type: str) -> bytes:
+    head = (
+        f"HTTP/1.1 {status} {_REASONS.get(status, 'OK')}\r\n"
+        f"Content-Type: {content_type}\r\n"
+        f"Content-Length: {len(body)}\r\n"
+        "Connection: close\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+async def _handle(stream: anyio.abc.SocketStream, status: StatusBoard) -> None:
+    async with stream:
+        request = b""
+        with anyio.move_on_after(5):
+            while b"\r\n\r\n" not in request and len(request) < 8192:
+                try:
+                    chunk = await stream.receive(4096)
+                except (anyio.EndOfStream, anyio.BrokenResourceError):
+                    return
+                request += chunk
+        line = request.split(b"\r\n", 1)[0].decode("latin-1")
+        parts = line.split(" ")
+        if len(parts) < 2:
+            return
+        method, path = parts[0], parts[1].split("?", 1)[0]
+        if method not in ("GET", "HEAD"):
+            reply = _http_response(405, b"method not allowed\n", "text/plain")
+        elif path == "/metrics":
+            body = await anyio.to_thread.run_sync(render_metrics)
+            reply = _http_response(200, body, "text/plain; version=0.0.4; charset=utf-8")
+        elif path in ("/healthz", "/livez"):
+            body = json.dumps({"status": "ok", "components": status.snapshot()}).encode()
+            reply = _http_response(200, body, "application/json")
+        elif path == "/readyz":
+            ready = status.ready
+            body = json.dumps({"ready": ready, "components": status.snapshot()}).encode()
+            reply = _http_response(200 if ready else 503, body, "application/json")
+        else:
+            reply = _http_response(404, b"not found\n", "text/plain")
+        if method == "HEAD":
+            reply = reply.split(b"\r\n\r\n", 1)[0] + b"\r\n\r\n"
+        with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
+            await stream.send(reply)
+
+
+async def serve_http(
+    host: str,
+    port: int,
+    status: StatusBoard,
+    *,
+    task_status: anyio.abc.TaskStatus[int] = anyio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve the endpoints until cancelled; reports the bound port to ``task_status``."""
+    listener = await anyio.create_tcp_listener(local_host=host, local_port=port, reuse_port=False)
+    async with listener:
+        bound = int(listener.extra(anyio.abc.SocketAttribute.local_port))
+        log.info("metrics and health endpoints on http://%s:%d", host, bound)
+        task_status.started(bound)
+
+        async def handle(stream: anyio.abc.SocketStream) -> None:
+            await _handle(stream, status)
+
+        await listener.serve(handle)

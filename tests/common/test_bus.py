@@ -1,0 +1,123 @@
+from __future__ import annotations
+
+import anyio
+import msgspec
+import pytest
+
+from gpulet_common import codec, subjects
+from gpulet_common.bus import Bus, Delivery, RemoteError, RequestRejected, RequestTimeout
+from gpulet_common.embedded_nats import EmbeddedNats
+from gpulet_common.messages import Ack, GpuSample, InventoryRequest, SampleBatch
+from gpulet_common.settings.nats import NatsSettings
+from support.metrics import MetricsProbe
+
+pytestmark = pytest.mark.anyio
+
+
+def _batch(node: str = "n1") -> SampleBatch:
+    return SampleBatch(
+        node=node, timestamp=1.0, samples=[GpuSample(uuid="GPU-a", index=0, timestamp=1.0, temperature_c=40)]
+    )
+
+
+async def test_typed_publish_subscribe_and_trace_headers(nats_server: EmbeddedNats) -> None:
+    settings = NatsSettings(url=nats_server.url)
+    async with Bus.connect(settings) as bus:
+        async with bus.subscribe(subjects.samples("n1.example"), codec.SAMPLES) as stream:
+            await bus.publish(subjects.samples("n1.example"), _batch(), codec.SAMPLES)
+            with anyio.fail_after(2):
+                delivery = await anext(aiter(stream))
+    assert delivery.value == _batch()
+    assert delivery.subject == "gpu.samples.n1_example"
+    assert "traceparent" in delivery.headers
+
+
+async def test_malformed_messages_are_counted_logged_and_dropped(
+    nats_server: EmbeddedNats, caplog: pytest.LogCaptureFixture
+) -> None:
+    probe = MetricsProbe()
+    async with Bus.connect(NatsSettings(url=nats_server.url), meter=probe.meter) as bus:
+        subject = subjects.samples("n1")
+        async with bus.subscribe(subject, codec.SAMPLES) as stream:
+            for bad in [b"not json", b'{"node": 3}', b"[]", b'{"node":"n1"}', b"\xff\xfe"]:
+                await bus.client.publish(subject, bad)
+            await bus.publish(subject, _batch(), codec.SAMPLES)
+            with anyio.fail_after(2):
+                delivery = await anext(aiter(stream))
+    assert delivery.value == _batch()  # the good one after five bad ones
+    assert probe.value("gpulet.bus.malformed_messages", type="SampleBatch") == 5
+    assert "dropped malformed SampleBatch" in caplog.text
+
+
+async def test_request_reply_with_errors(nats_server: EmbeddedNats) -> None:
+    async def handler(request: Delivery[InventoryRequest]) -> Ack:
+        if request.value.reason == "reject":
+            raise RequestRejected("invalid_request", "reason must not be reject")
+        if request.value.reason == "crash":
+            raise RuntimeError("boom")
+        return Ack(detail=request.value.reason)
+
+    async with Bus.connect(NatsSettings(url=nats_server.url)) as bus, anyio.create_task_group() as tg:
+        await tg.start(bus.serve, "svc.test", handler, codec.INVENTORY_REQUEST, codec.ACK)
+        ok = await bus.request("svc.test", InventoryRequest(reason="hi"), codec.INVENTORY_REQUEST, codec.ACK)
+        assert ok.detail == "hi"
+        with pytest.raises(RemoteError) as info:
+            await bus.request("svc.test", InventoryRequest(reason="reject"), codec.INVENTORY_REQUEST, codec.ACK)
+        assert info.value.code == "invalid_request"
+        with pytest.raises(RemoteError) as info:
+            await bus.request("svc.test", InventoryRequest(reason="crash"), codec.INVENTORY_REQUEST, codec.ACK)
+        assert info.value.code == "internal"
+        assert "boom" in info.value.message
+        reply = await bus.client.request("svc.test", b"{bad", timeout=2)
+        assert reply.headers is not None
+        assert reply.headers["Gpulet-Error"] == "malformed_request"
+        with pytest.raises(RequestTimeout):
+            await bus.request("nobody.home", InventoryRequest(), codec.INVENTORY_REQUEST, codec.ACK, timeout_s=0.3)
+        tg.cancel_scope.cancel()
+
+
+async def test_jetstream_dedup_and_kv(nats_server: EmbeddedNats) -> None:
+    async with Bus.connect(NatsSettings(url=nats_server.url)) as bus:
+        await bus.ensure_stream("TEST", ["t.>"], max_age_s=60, max_bytes=1 << 20)
+        first = await bus.js_publish("t.a", _batch(), codec.SAMPLES, msg_id="same")
+        second = await bus.js_publish("t.a", _batch(), codec.SAMPLES, msg_id="same")
+        assert first == second  # de-duplicated by message id
+        info = await bus.jetstream.stream_info("TEST")
+        assert info.state.messages == 1
+        kv = await bus.key_value("test_bucket")
+        await kv.put("k", codec.SAMPLES.encode(_batch()))
+        entry = await kv.get("k")
+        assert entry.value is not None
+        assert codec.SAMPLES.decode(entry.value) == _batch()
+
+
+async def test_connect_gives_up_after_bounded_attempts() -> None:
+    from gpulet_common.bus import BusError
+    from gpulet_common.embedded_nats import free_port
+
+    settings = NatsSettings(url=f"nats://127.0.0.1:{free_port()}", connect_timeout_s=0.2, reconnect_wait_s=0.05)
+    with anyio.fail_after(5), pytest.raises(BusError, match="cannot connect"):
+        async with Bus.connect(settings, max_initial_attempts=2):
+            pass
+
+
+async def test_reconnects_after_server_restart(nats_server: EmbeddedNats) -> None:
+    settings = NatsSettings(url=nats_server.url, reconnect_wait_s=0.05, reconnect_max_wait_s=0.2)
+    async with Bus.connect(settings) as bus:
+        await nats_server.stop()
+        with anyio.fail_after(3):
+            while bus.is_connected:
+                await anyio.sleep(0.02)
+        await nats_server.start()
+        with anyio.fail_after(5):
+            while not bus.is_connected:
+                await anyio.sleep(0.02)
+        async with bus.subscribe("after.restart", codec.SAMPLES) as stream:
+            await bus.publish("after.restart", _batch(), codec.SAMPLES)
+            with anyio.fail_after(2):
+                assert (await anext(aiter(stream))).value == _batch()
+
+
+def test_codec_rejects_wrong_types() -> None:
+    with pytest.raises(msgspec.ValidationError):
+        codec.SAMPLES.decode(b'{"node": "n", "timestamp": "yesterday"}')
