@@ -1,0 +1,1 @@
+"""Kubelet deviceplugin API (generated stubs live in the versioned subpackage)."""

@@ -1,0 +1,1 @@
+"""Kubelet podresources API (generated stubs live in the versioned subpackage)."""

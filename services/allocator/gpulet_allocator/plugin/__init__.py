@@ -1,0 +1,81 @@
+"""The kubelet-facing device plugin of gpulet.
+
+Why and layers
+--------------
+Split the way NVIDIA's k8s-device-plugin splits its concerns, so each part can be
+tested and replaced alone:
+
+- :mod:`.resources`: the resource model (whole GPUs, core shares, memory shares) and
+  device IDs; pure data.
+- :mod:`.state`: where GPU inventory and health come from (:class:`DeviceStateSource`).
+- :mod:`.backend`: the allocation decisions, delegated (:class:`AllocationBackend`,
+  later forwarded over NATS to the allocator service) and their typed failures.
+- :mod:`.devnodes`: device specs for device files that exist.
+- :mod:`.server`: kubelet's ``DevicePlugin`` gRPC service, one server and socket per
+  resource.
+- :mod:`.manager`: registration with kubelet, kubelet restarts, start/stop of all.
+
+Node labels are not the plugin's business; the reporter owns them.
+"""
+
+from gpulet_allocator.plugin.backend import (
+    AllocationBackend,
+    AllocationRejected,
+    AllocatorUnavailable,
+    ContainerAllocation,
+    DeviceSpec,
+    Mount,
+    PreferredRequest,
+    RejectCode,
+)
+from gpulet_allocator.plugin.config import PluginConfig
+from gpulet_allocator.plugin.devnodes import DeviceNodes
+from gpulet_allocator.plugin.manager import DevicePluginManager
+from gpulet_allocator.plugin.resources import (
+    CORE_UNITS_PER_GPU,
+    MEMORY_UNIT_BYTES,
+    PluginDevice,
+    PluginGpu,
+    ResourceKind,
+    ResourceNames,
+    ResourceSpec,
+    build_devices,
+    build_inventory,
+    parse_device_id,
+    plugin_gpus_from_inventory,
+    resource_specs,
+)
+from gpulet_allocator.plugin.server import DevicePluginService, ResourceServer, socket_name
+from gpulet_allocator.plugin.state import DeviceSnapshot, DeviceState, DeviceStateSource
+
+__all__ = [
+    "CORE_UNITS_PER_GPU",
+    "MEMORY_UNIT_BYTES",
+    "AllocationBackend",
+    "AllocationRejected",
+    "AllocatorUnavailable",
+    "ContainerAllocation",
+    "DeviceNodes",
+    "DevicePluginManager",
+    "DevicePluginService",
+    "DeviceSnapshot",
+    "DeviceSpec",
+    "DeviceState",
+    "DeviceStateSource",
+    "Mount",
+    "PluginConfig",
+    "PluginDevice",
+    "PluginGpu",
+    "PreferredRequest",
+    "RejectCode",
+    "ResourceKind",
+    "ResourceNames",
+    "ResourceServer",
+    "ResourceSpec",
+    "build_devices",
+    "build_inventory",
+    "parse_device_id",
+    "plugin_gpus_from_inventory",
+    "resource_specs",
+    "socket_name",
+]

@@ -1,0 +1,66 @@
+"""Device specs for NVIDIA device files, limited to those that exist on the node.
+
+Why
+---
+A ``DeviceSpec`` whose host file is missing makes the container runtime fail the
+container, so a spec is only handed out for a file that exists: ``/dev/nvidiaN`` of
+each allocated GPU plus the control files (``nvidiactl``, ``nvidia-uvm``,
+``nvidia-uvm-tools``, ``nvidia-modeset``) that this driver created. The modeset and
+uvm-tools files are often absent, which is why NVIDIA checks them one by one too.
+
+``dev_root`` is where the files are looked up (``/host/dev`` when the plugin runs in a
+container with the host's /dev mounted there, a tmp dir in tests); ``host_dev`` is
+what kubelet must be told (the host's ``/dev``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from pathlib import Path, PurePosixPath
+from typing import Final
+
+from gpulet_allocator.plugin.backend import DeviceSpec
+
+CONTROL_DEVICES: Final = ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools", "nvidia-modeset")
+
+
+class DeviceNodes:
+    def __init__(
+        self,
+        dev_root: str | Path = "/dev",
+        host_dev: str = "/dev",
+        permissions: str = "rw",
+    ) -> None:
+        self.dev_root = Path(dev_root)
+        self.host_dev = PurePosixPath(host_dev)
+        self.permissions = permissions
+
+    def _spec(self, name: str) -> DeviceSpec | None:
+        if not (self.dev_root / name).exists():
+            return None
+        path = str(self.host_dev / name)
+        return DeviceSpec(container_path=path, host_path=path, permissions=self.permissions)
+
+    def control_specs(self) -> list[DeviceSpec]:
+        return [s for name in CONTROL_DEVICES if (s := self._spec(name)) is not None]
+
+    def gpu_specs(self, minors: Iterable[int]) -> list[DeviceSpec]:
+        return [s for m in sorted(set(minors)) if (s := self._spec(f"nvidia{m}")) is not None]
+
+    def specs_for_gpus(self, minors: Iterable[int]) -> list[DeviceSpec]:
+        """Everything a container needs to use the given GPUs; empty without GPUs."""
+        gpu = self.gpu_specs(minors)
+        return [*gpu, *self.control_specs()] if gpu else []
+
+    def existing(self, specs: Sequence[DeviceSpec]) -> list[DeviceSpec]:
+        """Drop specs under ``host_dev`` whose file is missing; keep others as given."""
+        kept: list[DeviceSpec] = []
+        for spec in specs:
+            host = PurePosixPath(spec.host_path)
+            if (
+                host.is_relative_to(self.host_dev)
+                and not (self.dev_root / host.relative_to(self.host_dev)).exists()
+            ):
+                continue
+            kept.append(spec)
+        return kept
