@@ -82,6 +82,17 @@ SUBJECTS: tuple[SubjectSpec, ...] = (
 )
 
 
+def could_match(pattern: str, subject: str) -> bool:
+    """Whether the NATS subscription ``pattern`` receives ``subject``."""
+    want, have = pattern.split("."), subject.split(".")
+    for i, tok in enumerate(want):
+        if tok == ">":
+            return len(have) > i
+        if i >= len(have) or (tok != "*" and tok != have[i]):
+            return False
+    return len(want) == len(have)
+
+
 def codec_for(subject: str) -> Codec[Any] | None:
     for spec in SUBJECTS:
         if spec.matches(subject):

@@ -1,0 +1,3 @@
+from gpulet.cli import main
+
+main()

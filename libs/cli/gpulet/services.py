@@ -1,0 +1,43 @@
+"""Which services exist and how each is built from a :class:`Runtime`.
+
+Imports are lazy so that a sidecar image holding only one service's extras (say the
+reporter without grpcio) starts without importing the others.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from importlib import import_module
+
+from gpulet_common.lifecycle import Service
+from gpulet_common.runtime import Runtime
+
+# name -> "module:Class"; the class takes a Runtime.
+REGISTRY: dict[str, str] = {
+    "collector": "gpulet_collector.service:CollectorService",
+    "health": "gpulet_health.service:HealthService",
+    "reporter": "gpulet_reporter.service:ReporterService",
+    "allocator": "gpulet_allocator.service:AllocatorService",
+    "device-plugin": "gpulet_allocator.plugin.service:DevicePluginService",
+}
+
+# `gpulet run` starts these, in this order (producers before consumers).
+RUN_ORDER: tuple[str, ...] = ("collector",)
+
+# Packages that add their own subcommands through a `cli` module with
+# `add_commands(subparsers, add_settings_flags, load_settings)`.
+COMMAND_MODULES: tuple[str, ...] = (
+    "gpulet_health.cli",
+    "gpulet_reporter.cli",
+    "gpulet_allocator.cli",
+)
+
+
+def factory(name: str) -> Callable[[Runtime], Service]:
+    module_name, _, class_name = REGISTRY[name].partition(":")
+    cls: Callable[[Runtime], Service] = getattr(import_module(module_name), class_name)
+    return cls
+
+
+def build(names: list[str], runtime: Runtime) -> list[Service]:
+    return [factory(name)(runtime) for name in names]

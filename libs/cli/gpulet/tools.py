@@ -1,0 +1,180 @@
+"""Operator tools that talk to a running agent: watch, schema, mock."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+import msgspec
+
+from gpulet_common import catalog, codec, subjects
+from gpulet_common.bus import Bus, BusError, RemoteError, RequestTimeout
+from gpulet_common.messages import InventoryRequest, MockInjectRequest
+from gpulet_common.settings import Settings
+
+DEFAULT_URL = "nats://127.0.0.1:4222"
+
+AddFlags = Callable[[argparse.ArgumentParser], None]
+LoadSettings = Callable[[argparse.Namespace], Settings]
+
+
+def _nats_settings(settings: Settings) -> Any:
+    if settings.nats.url:
+        return settings.nats
+    return msgspec.structs.replace(settings.nats, url=DEFAULT_URL)
+
+
+async def watch(
+    settings: Settings, subject: str, *, count: int, timeout_s: float, raw: bool
+) -> int:
+    received = 0
+    async with Bus.connect(
+        _nats_settings(settings), name="gpulet-watch", max_initial_attempts=3
+    ) as bus:
+        sub = await bus.client.subscribe(subject)
+        if catalog.could_match(subject, subjects.inventory(settings.node_name)):
+            # The inventory is published on change; ask for it so the watcher sees it now.
+            await bus.client.publish(
+                subjects.inventory_request(settings.node_name),
+                codec.INVENTORY_REQUEST.encode(InventoryRequest(reason="gpulet watch")),
+            )
+        with anyio.move_on_after(timeout_s if timeout_s > 0 else float("inf")):
+            async for msg in sub.messages:
+                msg_codec = None if raw else catalog.codec_for(msg.subject)
+                if msg_codec is None:
+                    body: Any = msg.data.decode(errors="replace")
+                    with contextlib.suppress(json.JSONDecodeError):
+                        body = json.loads(body)
+                else:
+                    delivery = bus.decode(msg, msg_codec)
+                    if delivery is None:
+                        print(
+                            f"# {msg.subject}: malformed {msg_codec.type.__name__}, dropped",
+                            file=sys.stderr,
+                        )
+                        continue
+                    body = msgspec.to_builtins(delivery.value)
+                print(json.dumps({"subject": msg.subject, "data": body}), flush=True)
+                received += 1
+                if count and received >= count:
+                    break
+    return 0
+
+
+def _cmd_watch(args: argparse.Namespace, load: LoadSettings) -> int:
+    settings = load(args)
+    try:
+        return anyio.run(
+            lambda: watch(
+                settings, args.subject, count=args.count, timeout_s=args.timeout, raw=args.raw
+            )
+        )
+    except BusError as exc:
+        print(f"gpulet watch: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+
+
+def _cmd_schema(args: argparse.Namespace, _load: LoadSettings) -> int:
+    schemas = catalog.json_schemas()
+    if args.subject:
+        wanted = {k: v for k, v in schemas["subjects"].items() if args.subject in k}
+        if not wanted:
+            print(f"gpulet schema: no subject matches {args.subject!r}", file=sys.stderr)
+            return 1
+        schemas["subjects"] = wanted
+    print(json.dumps(schemas, indent=2))
+    return 0
+
+
+async def inject(settings: Settings, request: MockInjectRequest, timeout_s: float) -> int:
+    async with Bus.connect(
+        _nats_settings(settings), name="gpulet-mock", max_initial_attempts=3
+    ) as bus:
+        try:
+            reply = await bus.request(
+                subjects.mock_inject(settings.node_name),
+                request,
+                codec.MOCK_INJECT_REQUEST,
+                codec.MOCK_INJECT_REPLY,
+                timeout_s=timeout_s,
+            )
+        except RequestTimeout:
+            print(
+                "gpulet mock inject: no agent with a mock NVML answered for node "
+                f"{settings.node_name!r} (is `gpulet run --nvml mock` running? is --node right?)",
+                file=sys.stderr,
+            )
+            return 1
+        except RemoteError as exc:
+            print(f"gpulet mock inject: rejected: {exc}", file=sys.stderr)
+            return 1
+    print(json.dumps(msgspec.to_builtins(reply)))
+    return 0 if reply.applied else 1
+
+
+def _cmd_mock_inject(args: argparse.Namespace, load: LoadSettings) -> int:
+    settings = load(args)
+    fault, value = args.fault, args.value
+    if args.xid is not None:
+        fault, value = "xid", float(args.xid)
+    if not fault:
+        print("gpulet mock inject: give --fault or --xid", file=sys.stderr)
+        return 2
+    request = MockInjectRequest(gpu=args.gpu, fault=fault, value=value, duration_s=args.duration)
+    try:
+        return anyio.run(lambda: inject(settings, request, args.timeout))
+    except BusError as exc:
+        print(f"gpulet mock inject: {exc}", file=sys.stderr)
+        return 1
+
+
+def _cmd_mock_scenarios(_args: argparse.Namespace, _load: LoadSettings) -> int:
+    from gpulet_common.mock_nvml.scenario import list_scenarios
+
+    for name in list_scenarios():
+        print(name)
+    return 0
+
+
+def add_commands(sub: Any, add_flags: AddFlags, load: LoadSettings) -> None:
+    def bind(
+        fn: Callable[[argparse.Namespace, LoadSettings], int],
+    ) -> Callable[[argparse.Namespace], int]:
+        return lambda args: fn(args, load)
+
+    w = sub.add_parser("watch", help="print decoded messages of a subject as JSON lines")
+    w.add_argument("subject", help="subject or wildcard, e.g. 'gpu.>' or 'gpu.health.*'")
+    w.add_argument("--count", type=int, default=0, help="stop after N messages (0: never)")
+    w.add_argument("--timeout", type=float, default=0, help="stop after S seconds (0: never)")
+    w.add_argument("--raw", action="store_true", help="print payloads without decoding")
+    add_flags(w)
+    w.set_defaults(func=bind(_cmd_watch))
+
+    s = sub.add_parser("schema", help="print the JSON Schema of every subject's payload")
+    s.add_argument("subject", nargs="?", help="only subjects containing this text")
+    s.set_defaults(func=bind(_cmd_schema))
+
+    mock = sub.add_parser("mock", help="drive the mock NVML of a running agent")
+    mock_sub = mock.add_subparsers(dest="mock_command", required=True)
+    inj = mock_sub.add_parser("inject", help="inject a fault, e.g. --gpu 2 --xid 79")
+    inj.add_argument("--gpu", type=int, help="GPU index (omit for node-wide faults)")
+    inj.add_argument("--xid", type=int, help="shorthand for --fault xid --value N")
+    inj.add_argument(
+        "--fault",
+        help="xid, ecc_sbe, ecc_dbe, temperature, lost, fall_off_bus, remove, hot_add, "
+        "remap_pending, remap_failure, hang, nvml_vanish, nvml_return, reset",
+    )
+    inj.add_argument("--value", type=float, help="fault value (XID code, temperature, count)")
+    inj.add_argument("--duration", type=float, help="seconds the fault lasts, where it applies")
+    inj.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for the agent")
+    add_flags(inj)
+    inj.set_defaults(func=bind(_cmd_mock_inject))
+    scen = mock_sub.add_parser("scenarios", help="list the shipped mock scenarios")
+    scen.set_defaults(func=bind(_cmd_mock_scenarios))

@@ -1,0 +1,69 @@
+"""What every service receives: settings, the bus, a meter, the status board and NVML.
+
+In ``gpulet run`` all services share one :class:`Runtime`, so one NVML (or one mock
+GPU node) serves them all. In sidecar mode each process builds its own.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import anyio
+from opentelemetry import metrics
+
+from gpulet_common.bus import Bus
+from gpulet_common.nvml.adapter import NvmlAdapter
+from gpulet_common.nvml.loader import open_nvml
+from gpulet_common.settings import Settings
+from gpulet_common.settings.nvml import NvmlSettings
+from gpulet_common.telemetry import StatusBoard
+
+
+@dataclass(frozen=True, slots=True)
+class NvmlHandle:
+    adapter: NvmlAdapter | None
+    # Why there is no adapter: shown in logs, /readyz and the published inventory.
+    reason: str | None
+    backend: str
+
+
+class NvmlProvider:
+    """Opens NVML once per process, off the event loop, and shares it."""
+
+    def __init__(self, settings: NvmlSettings) -> None:
+        self._settings = settings
+        self._handle: NvmlHandle | None = None
+        self._lock = anyio.Lock()
+        self._thread_lock = threading.Lock()
+
+    async def get(self, *, retry: bool = False) -> NvmlHandle:
+        """The shared NVML; with ``retry``, try again if it was unavailable."""
+        async with self._lock:
+            if self._handle is None or (retry and self._handle.adapter is None):
+                self._handle = await anyio.to_thread.run_sync(self._open)
+            return self._handle
+
+    def _open(self) -> NvmlHandle:
+        with self._thread_lock:
+            adapter, reason = open_nvml(self._settings)
+            backend = "none" if adapter is None else adapter.backend
+            return NvmlHandle(adapter, reason, backend)
+
+    def close(self) -> None:
+        handle, self._handle = self._handle, None
+        if handle is not None and handle.adapter is not None:
+            handle.adapter.shutdown()
+
+
+@dataclass(slots=True)
+class Runtime:
+    settings: Settings
+    bus: Bus
+    status: StatusBoard
+    nvml: NvmlProvider
+    meter: metrics.Meter = field(default_factory=lambda: metrics.get_meter("gpulet"))
+
+    @property
+    def node(self) -> str:
+        return self.settings.node_name

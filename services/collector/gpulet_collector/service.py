@@ -1,0 +1,194 @@
+"""The collector service: publishes the node's GPU inventory and periodic samples.
+
+Flow
+----
+1. Open NVML (shared per process). Without NVML the service runs *degraded*: it
+   publishes an inventory with ``degraded_reason`` set and retries opening NVML with
+   back-off, so a driver that loads later is picked up without a restart.
+2. Publish the inventory on ``gpu.inventory.<node>``; answer inventory requests on
+   ``gpulet.inventory.request.<node>`` (and republish, so late subscribers catch up).
+3. Every ``sample_period_s`` read every GPU in parallel (:mod:`.sampler`) and publish
+   one :class:`SampleBatch` on ``gpu.samples.<node>``. Ticks are drift-free; a period
+   that overran is skipped rather than queued.
+4. When the GPU count changes (hot-add, removal) the inventory is rebuilt and
+   republished with a new ``generation``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import anyio
+import anyio.abc
+import msgspec
+
+from gpulet_collector.gauges import GpuGauges
+from gpulet_collector.sampler import ParallelSampler
+from gpulet_common import codec, subjects
+from gpulet_common.bus import Delivery
+from gpulet_common.messages import Inventory, InventoryRequest, SampleBatch
+from gpulet_common.nvml.adapter import NvmlAdapter
+from gpulet_common.nvml.errors import GpuLostError, NvmlCallError, NvmlUnavailable
+from gpulet_common.runtime import Runtime
+
+log = logging.getLogger("gpulet.collector")
+
+NVML_RETRY_MIN_S = 5.0
+NVML_RETRY_MAX_S = 300.0
+
+
+class CollectorService:
+    name = "collector"
+
+    def __init__(self, runtime: Runtime) -> None:
+        self._rt = runtime
+        self._settings = runtime.settings.collector
+        self._node = runtime.node
+        self._generation = 0
+        self._inventory = Inventory(node=self._node, nvml_backend="none")
+        self._adapter: NvmlAdapter | None = None
+        self._gauges = GpuGauges(runtime.meter)
+        self._sample_count = runtime.meter.create_counter(
+            "gpulet.collector.samples", description="GPU samples taken"
+        )
+        self._sample_errors = runtime.meter.create_counter(
+            "gpulet.collector.sample_errors", description="GPU samples that failed"
+        )
+        self._sampler: ParallelSampler | None = None
+
+    @property
+    def inventory(self) -> Inventory:
+        return self._inventory
+
+    async def run(
+        self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        handle = await self._rt.nvml.get()
+        async with anyio.create_task_group() as tg:
+            await tg.start(self._serve_inventory_requests)
+            if handle.adapter is None:
+                reason = handle.reason or "NVML unavailable"
+                self._rt.status.set(self.name, "degraded", reason)
+                await self._publish_inventory(
+                    Inventory(node=self._node, degraded_reason=reason, nvml_backend="none")
+                )
+                task_status.started()
+                adapter = await self._wait_for_nvml()
+            else:
+                adapter = handle.adapter
+                task_status.started()
+            await self._adopt(adapter)
+            self._rt.status.set(self.name, "ready", f"{len(self._inventory.gpus)} GPUs")
+            await self._sample_forever()
+
+    async def _wait_for_nvml(self) -> NvmlAdapter:
+        delay = NVML_RETRY_MIN_S
+        while True:
+            await anyio.sleep(delay)
+            handle = await self._rt.nvml.get(retry=True)
+            if handle.adapter is not None:
+                log.info("NVML became available (%s)", handle.backend)
+                return handle.adapter
+            delay = min(delay * 2, NVML_RETRY_MAX_S)
+
+    async def _adopt(self, adapter: NvmlAdapter) -> None:
+        self._adapter = adapter
+        self._sampler = ParallelSampler(
+            adapter.sample,
+            call_timeout_s=self._rt.settings.nvml.call_timeout_s,
+            worker_threads=self._settings.worker_threads,
+        )
+        await self._refresh_inventory("start")
+
+    async def _refresh_inventory(self, why: str) -> None:
+        adapter = self._adapter
+        if adapter is None:
+            return
+        self._generation += 1
+        try:
+            inventory = await anyio.to_thread.run_sync(
+                adapter.inventory, self._node, self._generation
+            )
+        except NvmlUnavailable as exc:
+            inventory = Inventory(
+                node=self._node,
+                generation=self._generation,
+                degraded_reason=str(exc),
+                nvml_backend="none",
+            )
+            self._rt.status.set(self.name, "degraded", str(exc))
+        log.info(
+            "inventory generation %d (%s): %d GPUs", self._generation, why, len(inventory.gpus)
+        )
+        await self._publish_inventory(inventory)
+
+    async def _publish_inventory(self, inventory: Inventory) -> None:
+        inventory = msgspec.structs.replace(inventory, published_at=time.time())
+        self._inventory = inventory
+        self._gauges.update_inventory(inventory)
+        await self._rt.bus.publish(subjects.inventory(self._node), inventory, codec.INVENTORY)
+
+    async def _serve_inventory_requests(
+        self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        async def answer(_request: Delivery[InventoryRequest]) -> Inventory:
+            await self._publish_inventory(self._inventory)
+            return self._inventory
+
+        await self._rt.bus.serve(
+            subjects.inventory_request(self._node),
+            answer,
+            codec.INVENTORY_REQUEST,
+            codec.INVENTORY,
+            task_status=task_status,
+        )
+
+    async def _sample_forever(self) -> None:
+        period = self._settings.sample_period_s
+        republish = self._settings.inventory_republish_s
+        next_tick = time.monotonic()
+        next_republish = next_tick + republish
+        while True:
+            await self.sample_once()
+            if republish and time.monotonic() >= next_republish:
+                next_republish = time.monotonic() + republish
+                await self._publish_inventory(self._inventory)
+            next_tick += period
+            now = time.monotonic()
+            if next_tick < now:
+                skipped = int((now - next_tick) // period) + 1
+                log.debug("sampling overran; skipping %d period(s)", skipped)
+                next_tick += skipped * period
+            await anyio.sleep(next_tick - now)
+
+    async def sample_once(self) -> SampleBatch | None:
+        adapter, sampler = self._adapter, self._sampler
+        if adapter is None or sampler is None:
+            return None
+        if await self._gpu_count_changed(adapter):
+            await self._refresh_inventory("GPU count changed")
+        gpus = [(g.index, g.uuid) for g in self._inventory.gpus]
+        samples = await sampler.sample(gpus)
+        batch = SampleBatch(
+            node=self._node,
+            timestamp=time.time(),
+            samples=samples,
+            inventory_generation=self._inventory.generation,
+        )
+        errors = sum(1 for s in samples if s.error)
+        self._sample_count.add(len(samples) - errors)
+        if errors:
+            self._sample_errors.add(errors)
+        self._gauges.update_samples(batch)
+        await self._rt.bus.publish(subjects.samples(self._node), batch, codec.SAMPLES)
+        return batch
+
+    async def _gpu_count_changed(self, adapter: NvmlAdapter) -> bool:
+        try:
+            with anyio.fail_after(self._rt.settings.nvml.call_timeout_s):
+                count = await anyio.to_thread.run_sync(adapter.device_count, abandon_on_cancel=True)
+        except (TimeoutError, GpuLostError, NvmlCallError, NvmlUnavailable) as exc:
+            log.debug("device count unavailable: %s", exc)
+            return False
+        return count != len(self._inventory.gpus)
