@@ -37,6 +37,13 @@ class NvmlProvider:
         self._lock = anyio.Lock()
         self._thread_lock = threading.Lock()
 
+    @classmethod
+    def preopened(cls, settings: NvmlSettings, adapter: NvmlAdapter) -> NvmlProvider:
+        """A provider over an adapter opened by the caller (tests, embedding)."""
+        provider = cls(settings)
+        provider._handle = NvmlHandle(adapter, None, adapter.backend)
+        return provider
+
     async def get(self, *, retry: bool = False) -> NvmlHandle:
         """The shared NVML; with ``retry``, try again if it was unavailable."""
         async with self._lock:

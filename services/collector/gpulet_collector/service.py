@@ -75,10 +75,11 @@ class CollectorService:
                 )
                 task_status.started()
                 adapter = await self._wait_for_nvml()
+                await self._adopt(adapter)
             else:
-                adapter = handle.adapter
+                # Started means the first inventory is out: consumers can rely on it.
+                await self._adopt(handle.adapter)
                 task_status.started()
-            await self._adopt(adapter)
             self._rt.status.set(self.name, "ready", f"{len(self._inventory.gpus)} GPUs")
             await self._sample_forever()
 

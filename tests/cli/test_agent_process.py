@@ -1,0 +1,204 @@
+"""`gpulet run` as a real process: embedded NATS, mock GPUs, watch, inject, shutdown."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gpulet_common.embedded_nats import free_port
+
+GPULET = [sys.executable, "-m", "gpulet"]
+
+
+def _get(url: str) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=1) as resp:
+            return int(resp.status), bytes(resp.read())
+    except urllib.error.HTTPError as exc:
+        return int(exc.code), bytes(exc.read())
+
+
+class Agent:
+    def __init__(self, tmp_path: Path, *extra: str) -> None:
+        self.nats_port = free_port()
+        self.http_port = free_port()
+        self.nats_url = f"nats://127.0.0.1:{self.nats_port}"
+        self.log = (tmp_path / "agent.log").open("w+b")
+        self.proc = subprocess.Popen(
+            [
+                *GPULET,
+                "run",
+                "--nvml",
+                "mock",
+                "--node",
+                "test.node",
+                "--state-dir",
+                str(tmp_path / "state"),
+                "--set",
+                f"nats.embedded_port={self.nats_port}",
+                "--metrics-port",
+                str(self.http_port),
+                *extra,
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
+
+    def wait_ready(self, timeout_s: float = 20) -> dict[str, object]:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.output()
+            try:
+                status, body = _get(f"http://127.0.0.1:{self.http_port}/readyz")
+            except OSError:
+                time.sleep(0.1)
+                continue
+            if status == 200:
+                ready: dict[str, object] = json.loads(body)
+                return ready
+            time.sleep(0.1)
+        raise AssertionError(f"agent not ready in {timeout_s}s:\n{self.output()}")
+
+    def output(self) -> str:
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read().decode(errors="replace")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(5)
+        self.log.close()
+
+
+@pytest.fixture
+def agent(tmp_path: Path) -> Iterator[Agent]:
+    running = Agent(tmp_path, "--only", "collector")
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+def _gpulet(*args: str, timeout_s: float = 15) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*GPULET, *args], capture_output=True, text=True, timeout=timeout_s, check=False
+    )
+
+
+def test_run_watch_inject_and_metrics(agent: Agent) -> None:
+    ready = agent.wait_ready()
+    components = ready["components"]
+    assert isinstance(components, dict)
+    assert components["collector"]["state"] == "ready"
+    assert components["nats-server"]["state"] == "ready"
+
+    watched = _gpulet(
+        "watch",
+        "gpu.>",
+        "--nats",
+        agent.nats_url,
+        "--node",
+        "test.node",
+        "--count",
+        "3",
+        "--timeout",
+        "10",
+    )
+    assert watched.returncode == 0, watched.stderr
+    lines = [json.loads(line) for line in watched.stdout.splitlines()]
+    subjects = {line["subject"] for line in lines}
+    assert "gpu.inventory.test_node" in subjects  # asked for by watch itself
+    assert "gpu.samples.test_node" in subjects
+    inventory = next(line["data"] for line in lines if line["subject"].startswith("gpu.inventory"))
+    assert len(inventory["gpus"]) == 8
+
+    injected = _gpulet(
+        "mock",
+        "inject",
+        "--gpu",
+        "2",
+        "--xid",
+        "79",
+        "--nats",
+        agent.nats_url,
+        "--node",
+        "test.node",
+    )
+    assert injected.returncode == 0, injected.stderr
+    assert json.loads(injected.stdout)["applied"] is True
+    bad = _gpulet(
+        "mock",
+        "inject",
+        "--gpu",
+        "42",
+        "--xid",
+        "79",
+        "--nats",
+        agent.nats_url,
+        "--node",
+        "test.node",
+    )
+    assert bad.returncode == 1
+    assert "42" in bad.stdout + bad.stderr
+
+    status, body = _get(f"http://127.0.0.1:{agent.http_port}/metrics")
+    assert status == 200
+    temps = [
+        line
+        for line in body.decode().splitlines()
+        if line.startswith("gpulet_gpu_temperature_celsius{")
+    ]
+    assert len(temps) == 8
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_shuts_down_cleanly_within_two_seconds(agent: Agent, signum: int) -> None:
+    agent.wait_ready()
+    started = time.monotonic()
+    agent.proc.send_signal(signum)
+    code = agent.proc.wait(5)
+    elapsed = time.monotonic() - started
+    assert code == 0, agent.output()
+    assert elapsed < 2.0, f"shutdown took {elapsed:.2f}s"
+    assert "Traceback" not in agent.output()
+    assert "stopped" in agent.output()
+
+
+def test_without_nvml_it_says_so_and_points_to_the_mock(tmp_path: Path) -> None:
+    proc = Agent(tmp_path, "--only", "collector", "--nvml", "auto")
+    try:
+        ready = proc.wait_ready()
+        components = ready["components"]
+        assert isinstance(components, dict)
+        assert components["collector"]["state"] == "degraded"
+        assert "--nvml mock" in components["collector"]["detail"]
+        assert "--nvml mock" in proc.output()
+    finally:
+        proc.stop()
+
+
+def test_schema_lists_every_subject() -> None:
+    result = _gpulet("schema")
+    assert result.returncode == 0
+    schema = json.loads(result.stdout)
+    assert {"gpu.inventory.<node>", "gpu.samples.<node>", "gpu.health.<node>"} <= set(
+        schema["subjects"]
+    )
+    health = schema["subjects"]["gpu.health.<node>"]["payload"]
+    assert health["$ref"] == "#/$defs/HealthEvent"
+    assert "schema_version" in schema["$defs"]["HealthEvent"]["properties"]
+
+
+def test_invalid_setting_is_a_clear_error() -> None:
+    result = _gpulet("config", "show", "--set", "collector.sample_period_s=fast")
+    assert result.returncode == 2
+    assert "collector.sample_period_s" in result.stderr

@@ -1,0 +1,160 @@
+"""The collector publishing through a real nats-server against the mock NVML."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import anyio
+import pytest
+
+from gpulet_collector.service import CollectorService
+from gpulet_common import codec, subjects
+from gpulet_common.embedded_nats import EmbeddedNats
+from gpulet_common.messages import InventoryRequest, MockInjectRequest
+from gpulet_common.settings.nvml import NvmlSettings
+from support.agent import mock_adapter, runtime_for, agent_settings
+from support.metrics import MetricsProbe
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_publishes_inventory_then_samples_of_every_gpu(
+    nats_server: EmbeddedNats, tmp_path: Path
+) -> None:
+    settings = agent_settings(
+        nats_server.url,
+        tmp_path,
+        node="gpu-node.example.com",
+        overrides=["collector.sample_period_s=0.05"],
+    )
+    adapter, _mock = mock_adapter("dgx-h100")
+    async with runtime_for(settings, adapter=adapter) as rt:
+        node = settings.node_name
+        async with (
+            rt.bus.subscribe(subjects.inventory(node), codec.INVENTORY) as inventories,
+            rt.bus.subscribe(subjects.samples(node), codec.SAMPLES) as batches,
+            anyio.create_task_group() as tg,
+        ):
+            await tg.start(CollectorService(rt).run)
+            with anyio.fail_after(5):
+                inventory = (await anext(aiter(inventories))).value
+                first = (await anext(aiter(batches))).value
+                second = (await anext(aiter(batches))).value
+            tg.cancel_scope.cancel()
+    assert inventory.node == node
+    assert len(inventory.gpus) == 8
+    assert inventory.nvml_backend == "mock"
+    assert {g.name for g in inventory.gpus} == {"NVIDIA H100 80GB HBM3"}
+    assert all(len(g.topology) == 7 for g in inventory.gpus)
+    assert all(link.nvlinks == 18 for g in inventory.gpus for link in g.topology)
+    assert [s.index for s in first.samples] == list(range(8))
+    assert all(s.error is None and s.temperature_c is not None for s in first.samples)
+    assert {s.uuid for s in first.samples} == {g.uuid for g in inventory.gpus}
+    assert 0.02 < second.timestamp - first.timestamp < 1.0
+
+
+async def test_inventory_on_request_and_after_hot_add(
+    nats_server: EmbeddedNats, tmp_path: Path
+) -> None:
+    settings = agent_settings(
+        nats_server.url, tmp_path, overrides=["collector.sample_period_s=0.05"]
+    )
+    adapter, mock = mock_adapter("dgx-h100")
+    async with runtime_for(settings, adapter=adapter) as rt, anyio.create_task_group() as tg:
+        node = settings.node_name
+        async with rt.bus.subscribe(subjects.inventory(node), codec.INVENTORY) as inventories:
+            await tg.start(CollectorService(rt).run)
+            with anyio.fail_after(5):
+                assert len((await anext(aiter(inventories))).value.gpus) == 8
+            answer = await rt.bus.request(
+                subjects.inventory_request(node),
+                InventoryRequest(),
+                codec.INVENTORY_REQUEST,
+                codec.INVENTORY,
+            )
+            assert len(answer.gpus) == 8
+            with anyio.fail_after(2):
+                assert (await anext(aiter(inventories))).value.generation == answer.generation
+            reply = mock.controller.inject(MockInjectRequest(fault="hot_add"))
+            assert reply.applied, reply.detail
+            with anyio.fail_after(5):
+                grown = (await anext(aiter(inventories))).value
+        tg.cancel_scope.cancel()
+    assert len(grown.gpus) == 9
+    assert grown.generation > answer.generation
+
+
+async def test_a_hung_gpu_does_not_delay_the_others(
+    nats_server: EmbeddedNats, tmp_path: Path
+) -> None:
+    settings = agent_settings(
+        nats_server.url,
+        tmp_path,
+        overrides=["collector.sample_period_s=0.1", "nvml.call_timeout_s=0.2"],
+    )
+    adapter, mock = mock_adapter("dgx-h100")
+    async with runtime_for(settings, adapter=adapter) as rt, anyio.create_task_group() as tg:
+        async with rt.bus.subscribe(subjects.samples(settings.node_name), codec.SAMPLES) as batches:
+            await tg.start(CollectorService(rt).run)
+            assert mock.controller.inject(
+                MockInjectRequest(gpu=3, fault="hang", duration_s=2.0)
+            ).applied
+            seen = []
+            started = time.monotonic()
+            with anyio.fail_after(5):
+                async for delivery in batches:
+                    seen.append((time.monotonic(), delivery.value))
+                    if len(seen) == 6:
+                        break
+        tg.cancel_scope.cancel()
+    hung = [b for _, b in seen if b.samples[3].error == "timeout"]
+    assert len(hung) >= 4, "GPU 3 should be reported as hung while it hangs"
+    for _, batch in seen:
+        healthy = [s for s in batch.samples if s.index != 3]
+        assert all(s.error is None and s.temperature_c is not None for s in healthy)
+    # Six batches of a 0.1 s period with one GPU stuck for 2 s: the others kept their pace.
+    assert seen[-1][0] - started < 1.6
+
+
+async def test_lost_gpu_is_reported_in_samples(nats_server: EmbeddedNats, tmp_path: Path) -> None:
+    settings = agent_settings(
+        nats_server.url, tmp_path, overrides=["collector.sample_period_s=0.05"]
+    )
+    adapter, mock = mock_adapter("dgx-h100")
+    probe = MetricsProbe()
+    async with (
+        runtime_for(settings, adapter=adapter, meter=probe.meter) as rt,
+        anyio.create_task_group() as tg,
+    ):
+        async with rt.bus.subscribe(subjects.samples(settings.node_name), codec.SAMPLES) as batches:
+            await tg.start(CollectorService(rt).run)
+            assert mock.controller.inject(MockInjectRequest(gpu=5, fault="lost")).applied
+            with anyio.fail_after(5):
+                async for delivery in batches:
+                    if delivery.value.samples[5].error == "lost":
+                        break
+        tg.cancel_scope.cancel()
+    assert probe.value("gpulet.collector.sample_errors") >= 1
+
+
+async def test_without_nvml_the_collector_runs_degraded_and_says_why(
+    nats_server: EmbeddedNats, tmp_path: Path
+) -> None:
+    # The real pynvml on a machine without the driver: library not found.
+    settings = agent_settings(nats_server.url, tmp_path, overrides=["nvml.backend=auto"])
+    assert settings.nvml == NvmlSettings(backend="auto")
+    async with runtime_for(settings) as rt, anyio.create_task_group() as tg:
+        async with rt.bus.subscribe(
+            subjects.inventory(settings.node_name), codec.INVENTORY
+        ) as inventories:
+            await tg.start(CollectorService(rt).run)
+            with anyio.fail_after(5):
+                inventory = (await anext(aiter(inventories))).value
+        status = rt.status.get("collector")
+        tg.cancel_scope.cancel()
+    assert inventory.gpus == []
+    assert inventory.degraded_reason is not None
+    assert "--nvml mock" in inventory.degraded_reason
+    assert status is not None
+    assert status.state == "degraded"
