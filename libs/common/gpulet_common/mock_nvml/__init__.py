@@ -1,0 +1,50 @@
+"""The mock NVML: a fake ``pynvml`` driven by scenario files, with live fault injection.
+
+Layers: :mod:`.scenario` (TOML files to checked Structs), :mod:`.mock` (the
+module-shaped fake that plays a scenario), :mod:`.controller` (live injection). The
+NVML adapter uses a :class:`MockNvml` exactly as it uses ``pynvml``.
+"""
+
+from gpulet_common.mock_nvml.controller import MockController
+from gpulet_common.mock_nvml.mock import (
+    ManualClock,
+    MockDeviceHandle,
+    MockEventData,
+    MockEventSet,
+    MockNvml,
+)
+from gpulet_common.mock_nvml.scenario import (
+    FAULT_KINDS,
+    SCENARIO_DIR,
+    FaultSpec,
+    GpuSpec,
+    Scenario,
+    ScenarioError,
+    SystemSpec,
+    TopologySpec,
+    list_scenarios,
+    load_scenario,
+    resolve_scenario,
+    scenario_from_toml,
+)
+
+__all__ = [
+    "FAULT_KINDS",
+    "SCENARIO_DIR",
+    "FaultSpec",
+    "GpuSpec",
+    "ManualClock",
+    "MockController",
+    "MockDeviceHandle",
+    "MockEventData",
+    "MockEventSet",
+    "MockNvml",
+    "Scenario",
+    "ScenarioError",
+    "SystemSpec",
+    "TopologySpec",
+    "list_scenarios",
+    "load_scenario",
+    "resolve_scenario",
+    "scenario_from_toml",
+]

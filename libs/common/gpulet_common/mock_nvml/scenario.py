@@ -1,0 +1,682 @@
+"""Scenario files of the mock NVML: a node's GPUs, their topology and a fault timeline.
+
+Why scenario files
+------------------
+Tests, demos and developers without a GPU need realistic nodes -- a DGX H100, a
+PCIe box with two switch groups, a T4 without row remapping -- and faults that arrive
+at known times. A TOML file per node keeps those facts reviewable and shared between
+the test suite and ``gpulet run --nvml mock:<scenario>``.
+
+Format (see ``scenarios/*.toml`` for complete examples)::
+
+    base = "dgx-h100"            # optional: start from another scenario (name or path)
+    description = "..."
+    seed = 7                     # generated UUIDs/serials and the sample jitter
+    jitter = true                # vary utilisation/power/temperature a little
+
+    [system]                     # driver_version, cuda_driver_version (12040), ...
+    [gpu_defaults]               # any GPU field; merged under every [[gpus]] entry
+    [[gpus]]                     # one table per GPU, in NVML index order
+    [topology]                   # default_level, groups, pairs, matrix, nvlinks...
+    [[timeline]]                 # fault = "xid", at = 10.0, gpu = 3, value = 79
+
+Merging with ``base``: tables merge key by key, arrays (``gpus``, ``timeline``, ...)
+are replaced as a whole.
+
+Layers: TOML text -> dict (``tomllib``) -> base and ``gpu_defaults`` merged ->
+:class:`Scenario` (``msgspec.convert``: types and unknown keys checked) -> semantic
+checks (indices, levels, links, faults) -> generated fields filled (UUID, bus id,
+serial, minor, board id). Every error is a :class:`ScenarioError` naming the file,
+the entry and the problem.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+import tomllib
+import uuid as uuid_module
+from pathlib import Path
+from typing import Any, Final, Literal
+
+import msgspec
+
+SCENARIO_DIR: Final = Path(__file__).with_name("scenarios")
+
+# NVML's NVML_NVLINK_MAX_LINKS (nvidia-ml-py 13): no GPU can have more links.
+NVLINK_MAX_LINKS: Final = 36
+
+LEVELS: Final[dict[str, int]] = {
+    "INTERNAL": 0,
+    "SINGLE": 10,
+    "PIX": 10,
+    "MULTIPLE": 20,
+    "PXB": 20,
+    "HOSTBRIDGE": 30,
+    "PHB": 30,
+    "NODE": 40,
+    "CPU": 40,
+    "SYSTEM": 50,
+    "SYS": 50,
+}
+_LEVEL_VALUES: Final = frozenset(LEVELS.values())
+
+EVENT_TYPES: Final[dict[str, int]] = {
+    "single_bit_ecc": 0x1,
+    "double_bit_ecc": 0x2,
+    "pstate": 0x4,
+    "xid": 0x8,
+    "clock": 0x10,
+    "gpu_unavailable": 0x4000,
+}
+
+# Every fault kind, for the timeline and for live injection.
+FAULT_KINDS: Final = (
+    "xid",
+    "ecc_sbe",
+    "ecc_dbe",
+    "temperature",
+    "lost",
+    "fall_off_bus",
+    "remove",
+    "hot_add",
+    "remap_pending",
+    "remap_failure",
+    "hang",
+    "nvml_vanish",
+    "nvml_return",
+    "reset",
+)
+NODE_FAULTS: Final = frozenset({"nvml_vanish", "nvml_return"})
+# Faults that need a GPU; hot_add takes one optionally (re-adding a removed GPU).
+GPU_FAULTS: Final = frozenset(FAULT_KINDS) - NODE_FAULTS - {"hot_add"}
+
+# nvml_vanish: which NVML error every call returns while NVML is gone.
+VANISH_ERRORS: Final[dict[str, int]] = {
+    "uninitialized": 1,
+    "no_permission": 4,
+    "driver_not_loaded": 9,
+    "library_not_found": 12,
+}
+
+EventName = Literal["single_bit_ecc", "double_bit_ecc", "pstate", "xid", "clock", "gpu_unavailable"]
+
+
+class ScenarioError(ValueError):
+    """A scenario that cannot be found, parsed or played."""
+
+    def __init__(self, source: str, entry: str, problem: str) -> None:
+        where = f"scenario {source}"
+        if entry:
+            where += f": {entry}"
+        super().__init__(f"{where}: {problem}")
+        self.source = source
+        self.entry = entry
+        self.problem = problem
+
+
+class SystemSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    driver_version: str = "550.54.15"
+    # NVML's encoding: major * 1000 + minor * 10.
+    cuda_driver_version: int = 12040
+    nvml_version: str = "12.550.54.15"
+    # False plays a driver older than 535: nvmlDeviceGetCurrentClocksEventReasons is
+    # missing (FUNCTION_NOT_FOUND) and only the ...ThrottleReasons call works.
+    clocks_event_reasons: bool = True
+
+
+class GpuSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One GPU. Identity fields left empty are generated from the seed and the slot."""
+
+    name: str = "NVIDIA H100 80GB HBM3"
+    memory_total_mib: int = 81559
+    uuid: str = ""
+    bus_id: str = ""
+    pci_device_id: int = 0
+    minor: int | None = None
+    serial: str = ""
+    board_id: int | None = None
+    # None: nvmlDeviceGetNumaNodeId answers NOT_SUPPORTED.
+    numa_node: int | None = None
+    # CPU ids, as a list or a cpulist string ("0-55,112-167").
+    cpu_affinity: list[int] | str = []
+    compute_capability: tuple[int, int] = (9, 0)
+    # None: the GPU has no ECC at all (every ECC call NOT_SUPPORTED).
+    ecc_enabled: bool | None = True
+    remapped_rows: bool = True
+    retired_pages: bool = False
+    # Thresholds in degrees C; None answers NOT_SUPPORTED.
+    temp_shutdown_c: int | None = None
+    temp_slowdown_c: int | None = None
+    temp_gpu_max_c: int | None = None
+    temp_mem_max_c: int | None = None
+    supported_events: list[EventName] = msgspec.field(
+        default_factory=lambda: list(EVENT_TYPES)  # type: ignore[arg-type]
+    )
+    # Links into an NVSwitch fabric (every GPU with such links reaches every other).
+    nvswitch_links: int = 0
+    # Baseline readings, varied a little when the scenario has jitter.
+    temperature_c: int = 35
+    power_w: float = 70.0
+    gpu_util_pct: int = 0
+    mem_util_pct: int = 0
+    memory_used_mib: int = 0
+    sm_clock_mhz: int = 1980
+    mem_clock_mhz: int = 2619
+    throttle_reasons: int = 0
+
+    @property
+    def memory_total_bytes(self) -> int:
+        return self.memory_total_mib * 1024 * 1024
+
+    @property
+    def event_mask(self) -> int:
+        mask = 0
+        for name in self.supported_events:
+            mask |= EVENT_TYPES[name]
+        return mask
+
+    @property
+    def cpus(self) -> list[int]:
+        """cpu_affinity as a list (the loader has already turned strings into lists)."""
+        if isinstance(self.cpu_affinity, str):
+            return parse_cpu_list(self.cpu_affinity)
+        return list(self.cpu_affinity)
+
+
+class LevelGroup(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    level: int | str
+    gpus: list[int]
+
+
+class PairLevel(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    gpus: tuple[int, int]
+    level: int | str
+
+
+class NvLinkPair(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    gpus: tuple[int, int]
+    links: int
+
+
+class TopologySpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """PCIe levels and NVLinks between GPUs (scenario indices).
+
+    The level of a pair is, by precedence: ``matrix`` (full table, "X" on the
+    diagonal), ``pairs``, the closest of the ``groups`` holding both GPUs, then
+    ``default_level``. NVLinks: ``nvlinks`` entries, else ``nvlinks_default``, plus the
+    NVSwitch fabric (``nvswitch_links`` of the GPUs).
+    """
+
+    default_level: int | str = "SYSTEM"
+    groups: list[LevelGroup] = []
+    pairs: list[PairLevel] = []
+    matrix: list[list[int | str]] | None = None
+    nvlinks_default: int = 0
+    nvlinks: list[NvLinkPair] = []
+
+
+class FaultSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One fault: an entry of the timeline, or a live injection (``at`` ignored).
+
+    ``gpu`` is the scenario index ("slot") of the GPU, stable while NVML indices shift
+    when GPUs disappear; hot-added GPUs take the next slots. ``value`` is the XID, the
+    error count, the target temperature or the NVML error code, by kind. For
+    ``temperature``: ``from`` (default: the current temperature), ``ramp_s`` up,
+    ``duration_s`` held (absent: for ever), ``back_s`` down to the baseline.
+    """
+
+    fault: str
+    at: float = 0.0
+    gpu: int | None = None
+    value: float | None = None
+    duration_s: float | None = None
+    from_c: float | None = msgspec.field(default=None, name="from")
+    ramp_s: float = 0.0
+    back_s: float = 0.0
+    # nvml_vanish: a name of VANISH_ERRORS, instead of a numeric value.
+    error: str | None = None
+    # hot_add of a new GPU: GpuSpec fields overriding a copy of the first GPU.
+    spec: dict[str, Any] | None = None
+
+
+class Scenario(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    name: str = ""
+    description: str = ""
+    seed: int = 0
+    jitter: bool = True
+    system: SystemSpec = msgspec.field(default_factory=SystemSpec)
+    gpus: list[GpuSpec] = []
+    topology: TopologySpec = msgspec.field(default_factory=TopologySpec)
+    timeline: list[FaultSpec] = []
+    # Where it was loaded from, for error messages.
+    source: str = ""
+
+
+_PATH_IN_ERROR: Final = re.compile(r"^(.*) - at `\$\.?([^`]*)`$")
+
+
+# --- small parsers ---------------------------------------------------------------
+
+
+def parse_cpu_list(text: str) -> list[int]:
+    """Linux cpulist syntax ("0-3,8,10-11") to CPU ids; raises ValueError."""
+    cpus: list[int] = []
+    for part in text.replace(" ", "").split(","):
+        if not part:
+            continue
+        low, dash, high = part.partition("-")
+        if dash:
+            first, last = int(low), int(high)
+            if last < first:
+                raise ValueError(f"range {part!r} goes backwards")
+            cpus.extend(range(first, last + 1))
+        else:
+            cpus.append(int(part))
+    return sorted(set(cpus))
+
+
+def parse_level(value: int | str) -> int:
+    """A topology level name ("PIX", "NODE", ...) or NVML value to the NVML value."""
+    if isinstance(value, int):
+        if value in _LEVEL_VALUES:
+            return value
+        raise ValueError(f"level {value} is not an NVML topology level {sorted(_LEVEL_VALUES)}")
+    level = LEVELS.get(value.strip().upper())
+    if level is None:
+        raise ValueError(f"unknown topology level {value!r} (known: {', '.join(LEVELS)})")
+    return level
+
+
+def _digest(*parts: object) -> bytes:
+    return hashlib.sha256(":".join(str(p) for p in parts).encode()).digest()
+
+
+def generated_uuid(seed: int, slot: int) -> str:
+    return f"GPU-{uuid_module.UUID(bytes=_digest(seed, slot, 'uuid')[:16])}"
+
+
+def generated_serial(seed: int, slot: int) -> str:
+    return "1652" + str(int.from_bytes(_digest(seed, slot, "serial")[:8], "big") % 10**9).zfill(9)
+
+
+def _bus_candidates() -> list[str]:
+    # 16 domains x 15 buses: far more GPUs than any node has.
+    return [f"{d:08X}:{b:02X}:00.0" for d in range(16) for b in range(0x10, 0x100, 0x10)]
+
+
+def fill_identity(
+    spec: GpuSpec, *, seed: int, slot: int, used_buses: set[str], minor: int
+) -> GpuSpec:
+    """The spec with every empty identity field generated (deterministic from the seed)."""
+    bus_id = spec.bus_id
+    if not bus_id:
+        bus_id = next(b for b in _bus_candidates() if b not in used_buses)
+    bus_id = _normalize_bus(bus_id)
+    used_buses.add(bus_id)
+    return msgspec.structs.replace(
+        spec,
+        uuid=spec.uuid or generated_uuid(seed, slot),
+        bus_id=bus_id,
+        minor=spec.minor if spec.minor is not None else minor,
+        serial=spec.serial or generated_serial(seed, slot),
+        board_id=spec.board_id if spec.board_id is not None else int(bus_id.split(":")[1], 16) << 8,
+        cpu_affinity=spec.cpus,
+    )
+
+
+def _normalize_bus(bus_id: str) -> str:
+    bus = bus_id.strip().upper()
+    parts = bus.split(":")
+    if len(parts) == 2:
+        parts.insert(0, "0")
+    if len(parts) != 3 or "." not in parts[2]:
+        raise ValueError(f"bus id {bus_id!r} is not DOMAIN:BUS:DEVICE.FUNCTION")
+    return f"{int(parts[0], 16):08X}:{int(parts[1], 16):02X}:{parts[2]}"
+
+
+# --- fault checks (shared with live injection) -----------------------------------
+
+
+def _whole(value: float | None) -> bool:
+    return value is not None and math.isfinite(value) and float(value).is_integer()
+
+
+def check_fault(fault: FaultSpec, gpu_count: int, *, live: bool) -> str | None:
+    """What is wrong with ``fault`` on a node of ``gpu_count`` slots, or None.
+
+    Checks what can be checked without the node's current state; whether the fault
+    applies now (e.g. removing a GPU already removed) is decided when applying it.
+    """
+    kind = fault.fault
+    if kind not in FAULT_KINDS:
+        return f"unknown fault {kind!r} (known: {', '.join(FAULT_KINDS)})"
+    if kind in GPU_FAULTS and fault.gpu is None:
+        return f"fault {kind!r} needs a gpu"
+    if kind not in NODE_FAULTS and fault.gpu is not None and not 0 <= fault.gpu < gpu_count:
+        last = f"0-{gpu_count - 1}" if gpu_count else "none"
+        return f"GPU {fault.gpu} does not exist (GPUs: {last})"
+    if not live and fault.at < 0:
+        return "'at' must be >= 0"
+    if fault.duration_s is not None and not fault.duration_s >= 0:
+        return "duration_s must be >= 0"
+    if fault.spec is not None and kind != "hot_add":
+        return "'spec' is only for hot_add"
+    value = fault.value
+    if kind == "xid":
+        if not _whole(value) or value is None or value < 0:
+            return "fault 'xid' needs value = the XID number (a whole number >= 0)"
+    elif kind in ("ecc_sbe", "ecc_dbe", "remap_pending"):
+        if value is not None and (not _whole(value) or value < 1):
+            return f"fault {kind!r}: value is a count, a whole number >= 1"
+    elif kind == "temperature":
+        if value is None and not live:
+            return "fault 'temperature' needs value = the target temperature (C)"
+        if value is not None and not -50 <= value <= 200:
+            return f"fault 'temperature': {value} C is not a plausible temperature"
+        if fault.ramp_s < 0 or fault.back_s < 0:
+            return "fault 'temperature': ramp_s and back_s must be >= 0"
+    elif kind == "hang":
+        if fault.duration_s is None or fault.duration_s <= 0:
+            return "fault 'hang' needs duration_s > 0"
+    elif kind == "nvml_vanish":
+        if fault.error is not None and fault.error not in VANISH_ERRORS:
+            return f"unknown NVML error {fault.error!r} (known: {', '.join(VANISH_ERRORS)})"
+        if value is not None and (not _whole(value) or int(value) not in VANISH_ERRORS.values()):
+            return (
+                f"fault 'nvml_vanish': value {value} is not one of the NVML codes "
+                f"{sorted(VANISH_ERRORS.values())}"
+            )
+    return None
+
+
+def vanish_code(fault: FaultSpec) -> int:
+    if fault.error is not None:
+        return VANISH_ERRORS[fault.error]
+    if fault.value is not None:
+        return int(fault.value)
+    return VANISH_ERRORS["library_not_found"]
+
+
+# --- resolving and loading --------------------------------------------------------
+
+
+def list_scenarios() -> list[str]:
+    """The names of the scenarios shipped with gpulet."""
+    return sorted(p.stem for p in SCENARIO_DIR.glob("*.toml"))
+
+
+def resolve_scenario(name_or_path: str | Path, *, relative_to: Path | None = None) -> Path:
+    """The file of a scenario name ("dgx-h100") or path; raises ScenarioError."""
+    text = str(name_or_path)
+    candidates: list[Path] = []
+    looks_like_path = isinstance(name_or_path, Path) or "/" in text or text.endswith(".toml")
+    if looks_like_path:
+        path = Path(text).expanduser()
+        if not path.is_absolute() and relative_to is not None:
+            candidates.append(relative_to / path)
+        candidates.append(path)
+    else:
+        if relative_to is not None:
+            candidates.append(relative_to / f"{text}.toml")
+        candidates.append(SCENARIO_DIR / f"{text}.toml")
+    for candidate in candidates:
+        if candidate.is_file():
+            return candidate
+    raise ScenarioError(
+        text,
+        "",
+        f"not found (looked at {', '.join(str(c) for c in candidates)}); "
+        f"shipped scenarios: {', '.join(list_scenarios())}",
+    )
+
+
+def _deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _read_tree(path: Path, chain: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """The file's TOML tree with its ``base`` chain merged in."""
+    resolved = path.resolve()
+    if resolved in chain:
+        cycle = " -> ".join(p.name for p in (*chain, resolved))
+        raise ScenarioError(str(path), "base", f"circular base chain: {cycle}")
+    try:
+        tree = tomllib.loads(path.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as exc:
+        raise ScenarioError(str(path), "", f"invalid TOML: {exc}") from exc
+    except OSError as exc:
+        raise ScenarioError(str(path), "", f"cannot read: {exc}") from exc
+    base = tree.pop("base", None)
+    if base is None:
+        return tree
+    if not isinstance(base, str):
+        raise ScenarioError(str(path), "base", "must be a scenario name or path (a string)")
+    base_path = _resolve_base(base, str(path), path.parent)
+    return _deep_merge(_read_tree(base_path, (*chain, resolved)), tree)
+
+
+def _resolve_base(base: str, source: str, relative_to: Path | None) -> Path:
+    try:
+        return resolve_scenario(base, relative_to=relative_to)
+    except ScenarioError as exc:
+        raise ScenarioError(source, "base", f"{base!r} {exc.problem}") from exc
+
+
+def load_scenario(name_or_path: str | Path) -> Scenario:
+    """Find, parse, check and complete a scenario; raises ScenarioError."""
+    path = resolve_scenario(name_or_path)
+    return scenario_from_tree(_read_tree(path), source=str(path), name=path.stem)
+
+
+def scenario_from_toml(text: str, *, source: str = "<string>", name: str = "") -> Scenario:
+    """A scenario from TOML text (its ``base`` is looked up among shipped scenarios)."""
+    try:
+        tree = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ScenarioError(source, "", f"invalid TOML: {exc}") from exc
+    base = tree.pop("base", None)
+    if base is not None:
+        if not isinstance(base, str):
+            raise ScenarioError(source, "base", "must be a scenario name or path (a string)")
+        tree = _deep_merge(_read_tree(_resolve_base(base, source, None)), tree)
+    return scenario_from_tree(tree, source=source, name=name)
+
+
+def scenario_from_tree(tree: dict[str, Any], *, source: str, name: str = "") -> Scenario:
+    tree = dict(tree)
+    defaults = tree.pop("gpu_defaults", {})
+    if not isinstance(defaults, dict):
+        raise ScenarioError(source, "gpu_defaults", "must be a table")
+    gpus = tree.get("gpus", [])
+    if not isinstance(gpus, list) or not all(isinstance(g, dict) for g in gpus):
+        raise ScenarioError(source, "gpus", "must be an array of tables ([[gpus]])")
+    tree["gpus"] = [_deep_merge(defaults, g) for g in gpus]
+    tree.setdefault("name", name)
+    tree["source"] = source
+    try:
+        scenario = msgspec.convert(tree, Scenario)
+    except msgspec.ValidationError as exc:
+        match = _PATH_IN_ERROR.match(str(exc))
+        if match:
+            raise ScenarioError(source, match.group(2), match.group(1)) from exc
+        raise ScenarioError(source, "", str(exc)) from exc
+    return _complete(scenario)
+
+
+def _complete(scenario: Scenario) -> Scenario:
+    source = scenario.source
+    count = len(scenario.gpus)
+    # Explicit bus ids first, so that generated ones never collide with a later GPU's.
+    used_buses: set[str] = set()
+    for slot, spec in enumerate(scenario.gpus):
+        if not spec.bus_id:
+            continue
+        entry = f"gpus[{slot}].bus_id"
+        try:
+            bus = _normalize_bus(spec.bus_id)
+        except ValueError as exc:
+            raise ScenarioError(source, entry, str(exc)) from exc
+        if bus in used_buses:
+            raise ScenarioError(source, entry, f"{bus} is used by another GPU")
+        used_buses.add(bus)
+    gpus: list[GpuSpec] = []
+    for slot, spec in enumerate(scenario.gpus):
+        entry = f"gpus[{slot}]"
+        try:
+            gpus.append(
+                fill_identity(
+                    spec, seed=scenario.seed, slot=slot, used_buses=used_buses, minor=slot
+                )
+            )
+        except ValueError as exc:
+            raise ScenarioError(source, entry, str(exc)) from exc
+        if spec.memory_total_mib <= 0 or not 0 <= spec.memory_used_mib <= spec.memory_total_mib:
+            raise ScenarioError(source, entry, "memory_used_mib must be within memory_total_mib")
+        if spec.nvswitch_links < 0:
+            raise ScenarioError(source, f"{entry}.nvswitch_links", "must be >= 0")
+    uuids = [g.uuid for g in gpus]
+    if len(set(uuids)) != len(uuids):
+        raise ScenarioError(source, "gpus", "two GPUs have the same uuid")
+    _check_topology(scenario.topology, count, gpus, source)
+    _check_timeline(scenario, count, source)
+    return msgspec.structs.replace(scenario, gpus=gpus)
+
+
+def _check_pair(gpus: tuple[int, int] | list[int], count: int, source: str, entry: str) -> None:
+    a, b = gpus[0], gpus[1]
+    for g in (a, b):
+        if not 0 <= g < count:
+            raise ScenarioError(source, entry, f"GPU {g} out of range (the scenario has {count})")
+    if a == b:
+        raise ScenarioError(source, entry, f"a GPU cannot be paired with itself ({a})")
+
+
+def _check_topology(topology: TopologySpec, count: int, gpus: list[GpuSpec], source: str) -> None:
+    try:
+        parse_level(topology.default_level)
+    except ValueError as exc:
+        raise ScenarioError(source, "topology.default_level", str(exc)) from exc
+    for i, group in enumerate(topology.groups):
+        entry = f"topology.groups[{i}]"
+        try:
+            parse_level(group.level)
+        except ValueError as exc:
+            raise ScenarioError(source, f"{entry}.level", str(exc)) from exc
+        for g in group.gpus:
+            if not 0 <= g < count:
+                raise ScenarioError(
+                    source, entry, f"GPU {g} out of range (the scenario has {count})"
+                )
+    for i, pair in enumerate(topology.pairs):
+        entry = f"topology.pairs[{i}]"
+        _check_pair(pair.gpus, count, source, entry)
+        try:
+            parse_level(pair.level)
+        except ValueError as exc:
+            raise ScenarioError(source, f"{entry}.level", str(exc)) from exc
+    if topology.matrix is not None:
+        if len(topology.matrix) != count or any(len(row) != count for row in topology.matrix):
+            raise ScenarioError(source, "topology.matrix", f"must be {count} x {count}")
+        for a, row in enumerate(topology.matrix):
+            for b, cell in enumerate(row):
+                if a == b:
+                    continue
+                entry = f"topology.matrix[{a}][{b}]"
+                try:
+                    level = parse_level(cell)
+                except ValueError as exc:
+                    raise ScenarioError(source, entry, str(exc)) from exc
+                if level != parse_level(topology.matrix[b][a]):
+                    raise ScenarioError(source, entry, f"differs from matrix[{b}][{a}]")
+    if topology.nvlinks_default < 0:
+        raise ScenarioError(source, "topology.nvlinks_default", "must be >= 0")
+    for i, link in enumerate(topology.nvlinks):
+        entry = f"topology.nvlinks[{i}]"
+        _check_pair(link.gpus, count, source, entry)
+        if link.links < 0:
+            raise ScenarioError(source, f"{entry}.links", "must be >= 0")
+    direct = nvlink_matrix(topology, count)
+    for slot in range(count):
+        total = sum(direct[slot]) + gpus[slot].nvswitch_links
+        if total > NVLINK_MAX_LINKS:
+            raise ScenarioError(
+                source,
+                f"gpus[{slot}]",
+                f"{total} NVLinks, more than NVML's maximum of {NVLINK_MAX_LINKS} per GPU",
+            )
+
+
+def _check_timeline(scenario: Scenario, count: int, source: str) -> None:
+    order = sorted(range(len(scenario.timeline)), key=lambda i: scenario.timeline[i].at)
+    slots = count
+    for i in order:
+        fault = scenario.timeline[i]
+        entry = f"timeline[{i}] ({fault.fault!r} at {fault.at:g}s)"
+        problem = check_fault(fault, slots, live=False)
+        if problem is not None:
+            raise ScenarioError(source, entry, problem)
+        if fault.fault == "hot_add" and fault.gpu is None:
+            if not scenario.gpus:
+                raise ScenarioError(source, entry, "hot_add of a new GPU needs a GPU to copy")
+            try:
+                hot_add_spec(scenario.gpus[0], fault.spec)
+            except ValueError as exc:
+                raise ScenarioError(source, f"{entry}.spec", str(exc)) from exc
+            slots += 1
+
+
+def hot_add_spec(template: GpuSpec, overrides: dict[str, Any] | None) -> GpuSpec:
+    """A new GPU: a copy of ``template`` without its identity, with ``overrides``."""
+    tree = msgspec.to_builtins(template)
+    for key in ("uuid", "bus_id", "minor", "serial", "board_id"):
+        tree.pop(key, None)
+    tree.update(overrides or {})
+    try:
+        return msgspec.convert(tree, GpuSpec)
+    except msgspec.ValidationError as exc:
+        raise ValueError(str(exc)) from exc
+
+
+# --- topology resolution ----------------------------------------------------------
+
+
+def level_matrix(topology: TopologySpec, count: int) -> list[list[int]]:
+    """NVML common-ancestor level of every pair of scenario GPUs (diagonal INTERNAL)."""
+    default = parse_level(topology.default_level)
+    levels = [[default] * count for _ in range(count)]
+    for group in topology.groups:
+        level = parse_level(group.level)
+        for a in group.gpus:
+            for b in group.gpus:
+                if a != b and level < levels[a][b]:
+                    levels[a][b] = level
+    for pair in topology.pairs:
+        a, b = pair.gpus
+        levels[a][b] = levels[b][a] = parse_level(pair.level)
+    if topology.matrix is not None:
+        for a, row in enumerate(topology.matrix):
+            for b, cell in enumerate(row):
+                if a != b:
+                    levels[a][b] = parse_level(cell)
+    for i in range(count):
+        levels[i][i] = LEVELS["INTERNAL"]
+    return levels
+
+
+def nvlink_matrix(topology: TopologySpec, count: int) -> list[list[int]]:
+    """Direct NVLinks between every pair of scenario GPUs (NVSwitch links excluded)."""
+    links = [
+        [topology.nvlinks_default if a != b else 0 for b in range(count)] for a in range(count)
+    ]
+    for pair in topology.nvlinks:
+        a, b = pair.gpus
+        links[a][b] = links[b][a] = pair.links
+    return links

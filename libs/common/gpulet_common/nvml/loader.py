@@ -1,0 +1,86 @@
+"""Choosing and opening the NVML backend named in the settings.
+
+Why a loader
+------------
+Every service starts the same way: read :class:`~gpulet_common.settings.NvmlSettings`,
+get an :class:`~gpulet_common.nvml.adapter.NvmlAdapter` or a reason why there is none.
+A node without a GPU driver (a laptop, CI, a mis-scheduled pod) must not crash the
+service: it runs *degraded*, publishes the reason, and the reason tells the operator
+how to get a working setup without a GPU (``--nvml mock[:scenario]``).
+
+Backends: ``nvml`` is the real library through ``pynvml``; ``mock`` is the in-repo
+:mod:`gpulet_common.mock_nvml` driven by a scenario; ``auto`` is ``nvml`` when it
+loads and degraded otherwise -- never the mock, so production never silently reports
+fake GPUs.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from typing import Literal
+
+from gpulet_common.nvml.adapter import NvmlAdapter
+from gpulet_common.nvml.errors import NvmlUnavailable
+from gpulet_common.settings.nvml import NvmlSettings
+
+log = logging.getLogger("gpulet.nvml")
+
+MOCK_HINT = (
+    "to run without a GPU, start with --nvml mock[:scenario] (e.g. --nvml mock:dgx-h100; "
+    "`gpulet mock scenarios` lists the scenarios)"
+)
+
+
+def parse_nvml_flag(value: str) -> tuple[Literal["auto", "nvml", "mock"], str | None]:
+    """``--nvml`` flag value to (backend, scenario): ``mock:t4`` gives ("mock", "t4").
+
+    Raises ValueError for an unknown backend or a scenario given to a real backend.
+    """
+    backend, sep, scenario = value.partition(":")
+    backend = backend.strip().lower()
+    if backend == "mock":
+        return "mock", (scenario.strip() or None) if sep else None
+    if backend in ("auto", "nvml"):
+        if sep:
+            raise ValueError(f"--nvml {value!r}: only the mock backend takes a scenario")
+        return ("auto" if backend == "auto" else "nvml"), None
+    raise ValueError(f"--nvml {value!r}: expected auto, nvml or mock[:scenario]")
+
+
+def open_mock(scenario: str) -> NvmlAdapter:
+    """An initialised adapter over a fresh mock NVML playing ``scenario``.
+
+    Raises :class:`gpulet_common.mock_nvml.ScenarioError` for a bad scenario: that is
+    a configuration error to fix, not a reason to run degraded.
+    """
+    from gpulet_common.mock_nvml import MockNvml
+
+    adapter = NvmlAdapter(MockNvml(scenario), backend="mock")
+    adapter.init()
+    return adapter
+
+
+def open_nvml(settings: NvmlSettings) -> tuple[NvmlAdapter | None, str | None]:
+    """(adapter, None) when NVML works, (None, reason) when the service must run degraded."""
+    if settings.backend == "mock":
+        return open_mock(settings.scenario), None
+    try:
+        pynvml = importlib.import_module("pynvml")
+    except ImportError as exc:
+        reason = f"the NVML Python bindings (nvidia-ml-py) are not installed: {exc}"
+        return None, _degraded(settings, reason)
+    adapter = NvmlAdapter(pynvml, backend="nvml")
+    try:
+        adapter.init()
+    except NvmlUnavailable as exc:
+        return None, _degraded(settings, exc.reason)
+    return adapter, None
+
+
+def _degraded(settings: NvmlSettings, reason: str) -> str:
+    full = f"NVML unavailable: {reason}; {MOCK_HINT}"
+    if settings.backend == "nvml":
+        full = f"backend 'nvml' requested but {full}"
+    log.warning("%s", full)
+    return full

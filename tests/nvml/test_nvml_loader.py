@@ -1,0 +1,116 @@
+"""open_nvml: the real library when it loads, degraded with a reason otherwise, or the mock."""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+
+import pynvml
+import pytest
+
+from gpulet_common.mock_nvml import MockNvml, ScenarioError
+from gpulet_common.nvml import NvmlAdapter, NvmlUnavailable, open_nvml, parse_nvml_flag
+from gpulet_common.settings.nvml import NvmlSettings
+
+
+def _real_nvml_present() -> bool:
+    try:
+        ctypes.CDLL("libnvidia-ml.so.1")
+    except OSError:
+        return False
+    return True
+
+
+REAL_NVML = _real_nvml_present()
+needs_no_driver = pytest.mark.skipif(REAL_NVML, reason="this host has libnvidia-ml.so.1")
+needs_driver = pytest.mark.skipif(not REAL_NVML, reason="no libnvidia-ml.so.1 on this host")
+
+
+@needs_no_driver
+def test_real_pynvml_without_library_is_unavailable() -> None:
+    adapter = NvmlAdapter(pynvml, backend="nvml")
+    with pytest.raises(NvmlUnavailable) as caught:
+        adapter.init()
+    assert caught.value.code == pynvml.NVML_ERROR_LIBRARY_NOT_FOUND
+    assert "libnvidia-ml.so.1" in caught.value.reason
+
+
+@needs_no_driver
+def test_auto_falls_back_to_degraded_with_a_hint() -> None:
+    adapter, reason = open_nvml(NvmlSettings(backend="auto"))
+    assert adapter is None
+    assert reason is not None
+    assert "NVML library not found" in reason
+    assert "--nvml mock" in reason
+
+
+@needs_no_driver
+def test_explicit_nvml_backend_is_degraded_too() -> None:
+    adapter, reason = open_nvml(NvmlSettings(backend="nvml"))
+    assert adapter is None
+    assert reason is not None
+    assert reason.startswith("backend 'nvml' requested")
+    assert "--nvml mock" in reason
+
+
+def test_missing_bindings_are_degraded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # makes `import pynvml` fail
+    adapter, reason = open_nvml(NvmlSettings(backend="auto"))
+    assert adapter is None
+    assert reason is not None
+    assert "nvidia-ml-py" in reason
+    assert "--nvml mock" in reason
+
+
+def test_mock_backend_plays_the_scenario() -> None:
+    adapter, reason = open_nvml(NvmlSettings(backend="mock", scenario="pcie-7gpu"))
+    assert reason is None
+    assert adapter is not None
+    assert adapter.backend == "mock"
+    assert isinstance(adapter.module, MockNvml)
+    inventory = adapter.inventory("node-1", 1)
+    assert inventory.nvml_backend == "mock"
+    assert len(inventory.gpus) == 7
+    adapter.shutdown()
+    assert not adapter.initialized
+
+
+def test_mock_backend_with_a_bad_scenario_fails_loudly() -> None:
+    with pytest.raises(ScenarioError, match="no-such-node"):
+        open_nvml(NvmlSettings(backend="mock", scenario="no-such-node"))
+
+
+@pytest.mark.parametrize(
+    ("flag", "expected"),
+    [
+        ("mock", ("mock", None)),
+        ("mock:t4", ("mock", "t4")),
+        ("mock:/etc/gpulet/node.toml", ("mock", "/etc/gpulet/node.toml")),
+        ("auto", ("auto", None)),
+        ("NVML", ("nvml", None)),
+    ],
+)
+def test_parse_nvml_flag(flag: str, expected: tuple[str, str | None]) -> None:
+    assert parse_nvml_flag(flag) == expected
+
+
+@pytest.mark.parametrize("flag", ["cuda", "nvml:t4", ""])
+def test_parse_nvml_flag_rejects(flag: str) -> None:
+    with pytest.raises(ValueError, match="--nvml"):
+        parse_nvml_flag(flag)
+
+
+@needs_driver
+def test_real_nvml_inventory_and_samples() -> None:  # pragma: no cover - GPU hosts only
+    adapter, reason = open_nvml(NvmlSettings(backend="nvml"))
+    assert adapter is not None, reason
+    try:
+        inventory = adapter.inventory("real", 1)
+        assert inventory.driver_version
+        for gpu in inventory.gpus:
+            assert gpu.uuid.startswith(("GPU-", "MIG-"))
+            sample = adapter.sample(gpu.index)
+            assert sample.uuid == gpu.uuid
+            assert sample.temperature_c is not None
+    finally:
+        adapter.shutdown()
