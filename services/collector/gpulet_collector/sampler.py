@@ -1,17 +1,23 @@
 """Sampling every GPU in parallel so that one hung GPU never delays the others.
 
-Each GPU is read in a worker thread (NVML calls block). A read that takes longer than
-``call_timeout_s`` is abandoned for this period and reported as ``error="timeout"``;
-while that thread is still stuck the GPU is not read again, so a GPU that hangs for
-minutes holds exactly one thread, not one per period.
+Each GPU is read by a thread of a pool owned by the sampler (NVML calls block). One
+period costs a single hop from the event loop to a coordinating worker thread, which
+fans the reads out to the pool and waits at most ``call_timeout_s`` for them: a hop per
+GPU through the event loop would cost more than the NVML reads themselves.
+
+A read still running at the deadline is reported as ``error="timeout"`` and left to
+finish in its pool thread; while it is stuck the GPU is not read again, so a GPU that
+hangs for minutes holds exactly one thread, not one per period.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import anyio
 
@@ -26,55 +32,68 @@ class ParallelSampler:
         self,
         read: Callable[[int], GpuSample],
         *,
+        count: Callable[[], int] | None = None,
         call_timeout_s: float,
         worker_threads: int,
     ) -> None:
         self._read = read
+        self._count = count
         self._call_timeout_s = call_timeout_s
-        self._limiter = anyio.CapacityLimiter(worker_threads)
-        self._stuck: set[int] = set()
-        self._stuck_lock = threading.Lock()
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=worker_threads, thread_name_prefix="nvml-sample"
+        )
+        self._stuck: dict[int, concurrent.futures.Future[GpuSample]] = {}
+        self._lock = threading.Lock()
 
     def stuck(self) -> frozenset[int]:
-        with self._stuck_lock:
-            return frozenset(self._stuck)
+        with self._lock:
+            return frozenset(i for i, f in self._stuck.items() if not f.done())
 
-    def _read_tracked(self, index: int) -> GpuSample:
-        with self._stuck_lock:
-            self._stuck.add(index)
+    def _collect(
+        self, index: int, uuid: str, future: concurrent.futures.Future[GpuSample]
+    ) -> GpuSample:
+        if not future.done():
+            with self._lock:
+                self._stuck[index] = future
+            return GpuSample(uuid=uuid, index=index, timestamp=time.time(), error="timeout")
         try:
-            return self._read(index)
-        finally:
-            with self._stuck_lock:
-                self._stuck.discard(index)
-
-    async def _sample_one(self, index: int, uuid: str, results: dict[int, GpuSample]) -> None:
-        try:
-            with anyio.move_on_after(self._call_timeout_s):
-                results[index] = await anyio.to_thread.run_sync(
-                    self._read_tracked, index, abandon_on_cancel=True, limiter=self._limiter
-                )
-                return
-            results[index] = GpuSample(
-                uuid=uuid, index=index, timestamp=time.time(), error="timeout"
-            )
+            return future.result()
         except GpuLostError:
-            results[index] = GpuSample(uuid=uuid, index=index, timestamp=time.time(), error="lost")
+            return GpuSample(uuid=uuid, index=index, timestamp=time.time(), error="lost")
         except (NvmlCallError, NvmlUnavailable) as exc:
-            results[index] = GpuSample(
-                uuid=uuid, index=index, timestamp=time.time(), error=f"error: {exc}"
-            )
+            return GpuSample(uuid=uuid, index=index, timestamp=time.time(), error=f"error: {exc}")
 
-    async def sample(self, gpus: list[tuple[int, str]]) -> list[GpuSample]:
-        """Read every ``(index, uuid)``; the result is ordered by index."""
-        results: dict[int, GpuSample] = {}
-        stuck = self.stuck()
-        async with anyio.create_task_group() as tg:
-            for index, uuid in gpus:
-                if index in stuck:
-                    results[index] = GpuSample(
-                        uuid=uuid, index=index, timestamp=time.time(), error="timeout"
-                    )
-                else:
-                    tg.start_soon(self._sample_one, index, uuid, results)
-        return [results[i] for i, _ in gpus]
+    def sample_blocking(self, gpus: list[tuple[int, str]]) -> tuple[int | None, list[GpuSample]]:
+        """Read every ``(index, uuid)`` from a worker thread; ordered as given.
+
+        Also returns NVML's current GPU count (None when it could not be read in time),
+        read alongside the samples so that hot-add and removal cost no extra hop.
+        """
+        with self._lock:
+            stuck = {i for i, f in self._stuck.items() if not f.done()}
+            self._stuck = {i: f for i, f in self._stuck.items() if i in stuck}
+        futures = {
+            index: self._pool.submit(self._read, index) for index, _ in gpus if index not in stuck
+        }
+        counted = self._pool.submit(self._count) if self._count is not None else None
+        waiting: list[concurrent.futures.Future[Any]] = [*futures.values()]
+        if counted is not None:
+            waiting.append(counted)
+        concurrent.futures.wait(waiting, timeout=self._call_timeout_s)
+        count: int | None = None
+        if counted is not None and counted.done() and counted.exception() is None:
+            count = counted.result()
+        now = time.time()
+        return count, [
+            self._collect(index, uuid, futures[index])
+            if index in futures
+            else GpuSample(uuid=uuid, index=index, timestamp=now, error="timeout")
+            for index, uuid in gpus
+        ]
+
+    async def sample(self, gpus: list[tuple[int, str]]) -> tuple[int | None, list[GpuSample]]:
+        return await anyio.to_thread.run_sync(self.sample_blocking, gpus, abandon_on_cancel=True)
+
+    def close(self) -> None:
+        # Stuck NVML calls cannot be interrupted; don't wait for them.
+        self._pool.shutdown(wait=False, cancel_futures=True)

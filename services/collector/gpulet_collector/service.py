@@ -29,7 +29,7 @@ from gpulet_common import codec, subjects
 from gpulet_common.bus import Delivery
 from gpulet_common.messages import Inventory, InventoryRequest, SampleBatch
 from gpulet_common.nvml.adapter import NvmlAdapter
-from gpulet_common.nvml.errors import GpuLostError, NvmlCallError, NvmlUnavailable
+from gpulet_common.nvml.errors import NvmlUnavailable
 from gpulet_common.runtime import Runtime
 
 log = logging.getLogger("gpulet.collector")
@@ -97,6 +97,7 @@ class CollectorService:
         self._adapter = adapter
         self._sampler = ParallelSampler(
             adapter.sample,
+            count=adapter.device_count,
             call_timeout_s=self._rt.settings.nvml.call_timeout_s,
             worker_threads=self._settings.worker_threads,
         )
@@ -167,10 +168,8 @@ class CollectorService:
         adapter, sampler = self._adapter, self._sampler
         if adapter is None or sampler is None:
             return None
-        if await self._gpu_count_changed(adapter):
-            await self._refresh_inventory("GPU count changed")
         gpus = [(g.index, g.uuid) for g in self._inventory.gpus]
-        samples = await sampler.sample(gpus)
+        count, samples = await sampler.sample(gpus)
         batch = SampleBatch(
             node=self._node,
             timestamp=time.time(),
@@ -183,13 +182,6 @@ class CollectorService:
             self._sample_errors.add(errors)
         self._gauges.update_samples(batch)
         await self._rt.bus.publish(subjects.samples(self._node), batch, codec.SAMPLES)
+        if count is not None and count != len(self._inventory.gpus):
+            await self._refresh_inventory("GPU count changed")
         return batch
-
-    async def _gpu_count_changed(self, adapter: NvmlAdapter) -> bool:
-        try:
-            with anyio.fail_after(self._rt.settings.nvml.call_timeout_s):
-                count = await anyio.to_thread.run_sync(adapter.device_count, abandon_on_cancel=True)
-        except (TimeoutError, GpuLostError, NvmlCallError, NvmlUnavailable) as exc:
-            log.debug("device count unavailable: %s", exc)
-            return False
-        return count != len(self._inventory.gpus)
