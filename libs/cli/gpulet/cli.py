@@ -119,6 +119,13 @@ def _cmd_config_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_config_reference(_args: argparse.Namespace) -> int:
+    from gpulet_common.config_reference import markdown
+
+    print(markdown(), end="")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="gpulet", description="GPU node agent for Kubernetes, over NATS."
@@ -140,6 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
     show = cfg_sub.add_parser("show", help="print the merged settings as JSON")
     _settings_flags(show)
     show.set_defaults(func=_cmd_config_show)
+
+    reference = cfg_sub.add_parser("reference", help="print the settings reference (Markdown)")
+    reference.set_defaults(func=_cmd_config_reference)
 
     tools.add_commands(sub, _settings_flags, load_settings)
     for module_name in services.COMMAND_MODULES:

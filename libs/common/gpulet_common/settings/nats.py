@@ -12,24 +12,37 @@ PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
 class NatsSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # Comma-separated server URLs. Empty: `gpulet run` starts an embedded nats-server.
     url: str = ""
+    # Client name shown in the server's connection list.
     name: str = "gpulet"
+    # User for user/password authentication.
     user: str = ""
+    # Password for user/password authentication (never logged).
     password: str = ""
+    # Token authentication (never logged).
     token: str = ""
-    # NKey seed file, or a .creds file (JWT + seed) for decentralised auth.
+    # NKey seed file for NKey authentication.
     nkey_seed_file: str = ""
+    # A .creds file (JWT + NKey seed) for decentralised (operator/account) authentication.
     creds_file: str = ""
+    # CA bundle to verify the server's TLS certificate.
     tls_ca_file: str = ""
+    # Client certificate for mutual TLS.
     tls_cert_file: str = ""
+    # Key of the client certificate.
     tls_key_file: str = ""
+    # Seconds to wait for one connection attempt.
     connect_timeout_s: PositiveFloat = 2.0
-    # Reconnect back-off: starts at the first value, doubles up to the second, jittered.
+    # First reconnect back-off in seconds; it doubles per failed attempt, with jitter.
     reconnect_wait_s: PositiveFloat = 0.25
+    # Ceiling of the reconnect back-off in seconds.
     reconnect_max_wait_s: PositiveFloat = 5.0
+    # Default seconds a request waits for its reply.
     request_timeout_s: PositiveFloat = 2.0
     # Messages a subscription may hold before nats-py reports a slow consumer.
     pending_msgs_limit: Annotated[int, msgspec.Meta(gt=0)] = 65536
-    # Embedded server (used when url is empty).
+    # Address the embedded server (used when url is empty) listens on.
     embedded_host: str = "127.0.0.1"
+    # Port of the embedded server.
     embedded_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 4222
+    # Whether the embedded server runs JetStream (the health stream and KV need it).
     embedded_jetstream: bool = True
