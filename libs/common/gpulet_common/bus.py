@@ -503,7 +503,9 @@ class Bus:
             discard=DiscardPolicy.OLD,
             max_age=max_age_s,
             max_bytes=max_bytes,
-            duplicate_window=min(duplicate_window_s, max_age_s) if max_age_s else duplicate_window_s,
+            duplicate_window=min(duplicate_window_s, max_age_s)
+            if max_age_s
+            else duplicate_window_s,
             storage=storage,
         )
         try:

@@ -36,9 +36,8 @@ def _comments_above_fields(cls: type) -> dict[str, str]:
 
 
 def _type_name(tp: Any) -> str:
-    text = getattr(tp, "__name__", None) if isinstance(tp, type) else None
-    if text:
-        return text
+    if isinstance(tp, type):
+        return tp.__name__
     rendered = str(tp).replace("typing.", "")
     if rendered.startswith("Annotated["):
         rendered = rendered[len("Annotated[") :].split(",", 1)[0]
@@ -56,7 +55,7 @@ def _default(field: msgspec.structs.FieldInfo) -> Any:
 def _rows(cls: type, prefix: str) -> list[tuple[str, str, str, str]]:
     comments = _comments_above_fields(cls)
     rows: list[tuple[str, str, str, str]] = []
-    for field in msgspec.structs.fields(cls):  # type: ignore[arg-type]
+    for field in msgspec.structs.fields(cls):
         dotted = f"{prefix}{field.name}"
         tp = field.type
         if isinstance(tp, type) and issubclass(tp, msgspec.Struct):

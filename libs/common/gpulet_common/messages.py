@@ -183,6 +183,12 @@ class HealthEvent(_Message, frozen=True, kw_only=True):
     repeat_count: int = 1
     observed_at: float
     published_at: float = 0.0
+    # When the condition this event raises, repeats or ends began. On recovered and
+    # cleared events also the kind and severity the condition had, so a consumer that
+    # raised an alert from the raise event can resolve exactly that alert.
+    condition_since: float | None = None
+    condition_kind: HealthKind | None = None
+    condition_severity: Severity | None = None
 
 
 class ActiveCondition(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=True):

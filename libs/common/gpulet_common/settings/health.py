@@ -1,9 +1,163 @@
-"""Settings of the health service."""
+"""Settings of the health service and of ``gpulet alerts``.
+
+Every rule of the health service has its knobs here, each with its default and where
+that default comes from. They load from the config file (``[health]``,
+``[health.thermal]``, ...), from ``GPULET_HEALTH__<KEY>`` /
+``GPULET_HEALTH__<SECTION>__<KEY>`` environment variables and from
+``--set health.<section>.<key>=value``.
+
+Example::
+
+    [health]
+    app_xids = [13, 31, 43, 45, 68]      # treat XID 109 as a GPU fault (NVSentinel)
+    dedup_window_s = 60
+
+    [health.xid_overrides.74]            # NVLink errors: report, do not drain
+    severity = "warning"
+    action = "operator_check"
+
+    [health.thermal]
+    threshold_c = 90
+    recover_samples = 5
+"""
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import msgspec
+
+from gpulet_common.messages import Action, Severity
+
+NonNegFloat = Annotated[float, msgspec.Meta(ge=0)]
+PosFloat = Annotated[float, msgspec.Meta(gt=0)]
+PosInt = Annotated[int, msgspec.Meta(gt=0)]
+
+# The XIDs NVIDIA's k8s-device-plugin skips (its `applicationErrorXids`), and with it
+# koordlet and HAMi: errors of the application, not of the GPU.
+DEFAULT_APP_XIDS: tuple[int, ...] = (13, 31, 43, 45, 68, 109)
+
+
+class XidRule(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """How one XID is classified: replaces the built-in catalogue entry."""
+
+    severity: Severity
+    action: Action
+    description: str = ""
+
+
+class ThermalSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    # Above this GPU temperature (C) the GPU is unhealthy. Koordinator's best-practice
+    # alert for GPU temperature is 95 C.
+    threshold_c: float = 95.0
+    # A thermal condition clears only once the temperature is below its threshold minus
+    # this margin (C), so a GPU hovering at the threshold does not flap.
+    hysteresis_c: NonNegFloat = 5.0
+    # ... and only after this many consecutive samples below it (3 samples at the
+    # collector's default 1 s period: a fan spin-up, not a single lucky reading).
+    recover_samples: PosInt = 3
+    # Also report against the GPU's own NVML thresholds where it has them: SLOWDOWN
+    # (warning, GPUd marks the GPU Degraded near it) and SHUTDOWN (unhealthy).
+    use_nvml_thresholds: bool = True
+
+
+class EccSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    # Correctable (single-bit) ECC errors per hour above which a warning is raised. A
+    # gpulet choice: correctable errors are expected now and then (NVIDIA's device
+    # plugin ignores them entirely); a sustained 100/h is far above that background
+    # and is what precedes the driver's own XID 92 "high single-bit ECC rate".
+    sbe_rate_per_hour: PosFloat = 100.0
+    # The sliding window over which the rate is measured (s).
+    sbe_window_s: PosFloat = 3600.0
+
+
+class StreamSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    # JetStream stream GPU_HEALTH: how long events are kept (7 days: an alerting
+    # consumer down over a long weekend still gets what it missed) ...
+    max_age_s: PosFloat = 7 * 24 * 3600.0
+    # ... and how much space they may take (bytes; oldest dropped first).
+    max_bytes: PosInt = 256 * 1024 * 1024
+    # Window in which the server drops a re-published event with the same event id
+    # (Nats-Msg-Id). Longer than JetStream's 2 min default, so a publish whose ack was
+    # lost in an outage and that is re-sent from the disk buffer is still recognised.
+    duplicate_window_s: PosFloat = 600.0
+    # How long one publish waits for the stream's ack before the event goes to disk.
+    publish_timeout_s: PosFloat = 1.0
+    # Key-value bucket with each GPU's current health (gpu_health), history kept.
+    kv_history: Annotated[int, msgspec.Meta(ge=1, le=64)] = 1
+
+
+class BufferSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    # On-disk buffer for events that cannot be published (NATS unreachable), under
+    # <state_dir>/health-buffer. When either limit is reached further events are
+    # dropped, counted, logged and reported as a buffer_overflow event.
+    max_bytes: PosInt = 64 * 1024 * 1024
+    max_events: PosInt = 100_000
+    # Size at which a buffer segment file is closed and a new one started.
+    segment_bytes: PosInt = 1024 * 1024
+    # Directory override (empty: <state_dir>/health-buffer).
+    directory: str = ""
+
+
+class AlertSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """``gpulet alerts``: a durable consumer of the health stream."""
+
+    # Durable consumer name: a restarted `gpulet alerts` resumes where it stopped.
+    durable: str = "gpulet-alerts"
+    # Subject filter within the stream (one node: gpu.health.<node>).
+    subject: str = "gpu.health.*"
+    # Print every event as one JSON line on stdout.
+    stdout: bool = True
+    # URLs that receive each event as JSON (POST).
+    webhooks: list[str] = []
+    # Alertmanager base URLs (http://host:9093); alerts go to <url>/api/v2/alerts.
+    alertmanager_urls: list[str] = []
+    # Firing alerts are re-sent this often (s), like Prometheus does, and carry
+    # endsAt = now + 4 x this, so they stay active while gpulet alerts runs.
+    resend_interval_s: PosFloat = 60.0
+    # One-off reports (an application XID, a hot-added GPU) are sent as alerts that
+    # end after this many seconds.
+    transient_alert_s: PosFloat = 300.0
+    # On start, post the current conditions found in the gpu_health KV bucket, so an
+    # Alertmanager that lost its state (or a fresh consumer) is brought up to date.
+    reconcile_from_kv: bool = True
+    http_timeout_s: PosFloat = 5.0
+    # Retries of a failed delivery: exponential back-off between these bounds (s).
+    retry_initial_s: PosFloat = 0.5
+    retry_max_s: PosFloat = 30.0
+    # JetStream ack wait (s); a message not acked in time is redelivered.
+    ack_wait_s: PosFloat = 60.0
 
 
 class HealthSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     enabled: bool = True
+    # XIDs reported (severity and action from the catalogue) that never make the GPU
+    # unhealthy. Default: NVIDIA's device plugin skip list.
+    app_xids: list[int] = msgspec.field(default_factory=lambda: list(DEFAULT_APP_XIDS))
+    # Per-XID classification replacing the built-in catalogue (TOML: [health.xid_overrides.74]).
+    xid_overrides: dict[int, XidRule] = {}
+    # XIDs in neither the catalogue nor the overrides: like NVIDIA's device plugin,
+    # which treats every XID outside its skip list as fatal for the GPU.
+    unknown_xid: XidRule = msgspec.field(
+        default_factory=lambda: XidRule(
+            severity="critical",
+            action="operator_check",
+            description="XID not in gpulet's catalogue",
+        )
+    )
+    # Repeats of the same fault on the same GPU within this window (s) are folded into
+    # one event with a count (GPUd de-duplicates per minute). 0 publishes every repeat.
+    dedup_window_s: NonNegFloat = 60.0
+    # The NVML event wait's timeout (ms): bounds how long shutdown waits for the
+    # waiting thread. Events themselves are delivered as soon as they happen.
+    event_wait_timeout_ms: Annotated[int, msgspec.Meta(ge=10, le=5000)] = 200
+    # How often the event thread checks the GPU count (s), to see removals and
+    # hot-adds without waiting for the collector.
+    device_poll_s: PosFloat = 1.0
+    # Period of the housekeeping tick (de-duplication summaries, SBE window) (s).
+    tick_s: PosFloat = 0.5
+    thermal: ThermalSettings = msgspec.field(default_factory=ThermalSettings)
+    ecc: EccSettings = msgspec.field(default_factory=EccSettings)
+    stream: StreamSettings = msgspec.field(default_factory=StreamSettings)
+    buffer: BufferSettings = msgspec.field(default_factory=BufferSettings)
+    alerts: AlertSettings = msgspec.field(default_factory=AlertSettings)

@@ -1,9 +1,52 @@
-"""Settings of the reporter service."""
+"""Settings of the reporter service (the node's Device CR and node labels).
+
+Timing defaults follow the issue: changes inside a 500 ms quiet window coalesce into
+one write, no change waits longer than 2 s, and a full re-read of the API objects
+every 5 minutes corrects drift (someone editing the Device by hand).
+"""
 
 from __future__ import annotations
 
+from typing import Annotated, Literal
+
 import msgspec
+
+Seconds = Annotated[float, msgspec.Meta(ge=0.0, le=86400.0)]
+PositiveSeconds = Annotated[float, msgspec.Meta(gt=0.0, le=86400.0)]
 
 
 class ReporterSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     enabled: bool = True
+    # "auto": in-cluster config, else a kubeconfig, else no-cluster mode (the Device is
+    # written to a file). "cluster" insists on a cluster (keeps retrying to load the
+    # config); "offline" never talks to an API server. In "auto" with the mock NVML
+    # backend the reporter stays offline: mock GPUs must not reach a real cluster just
+    # because the laptop has a kubeconfig (set "cluster" to point it at a test cluster).
+    mode: Literal["auto", "cluster", "offline"] = "auto"
+    # Kubeconfig file; empty: $KUBECONFIG, then ~/.kube/config.
+    kubeconfig: str = ""
+    # Kubeconfig context; empty: the file's current-context.
+    kube_context: str = ""
+    # Quiet window: a change is written once no other change came for this long.
+    quiet_window_s: Seconds = 0.5
+    # Upper bound on how long a change may wait for the quiet window (bursts).
+    max_delay_s: Seconds = 2.0
+    # Re-read the Device and the Node and correct drift this often (0: never).
+    reconcile_interval_s: Seconds = 300.0
+    # Timeout of one API request.
+    api_timeout_s: PositiveSeconds = 10.0
+    # Back-off between retries of a failed write (exponential with full jitter).
+    backoff_base_s: PositiveSeconds = 0.2
+    backoff_max_s: PositiveSeconds = 30.0
+    # The longest Retry-After (429) honoured; a larger one is clamped to this.
+    retry_after_max_s: PositiveSeconds = 60.0
+    # Ask the collector / health service for their state this often until they answer.
+    request_retry_s: PositiveSeconds = 5.0
+    # No-cluster mode: where the Device it would apply is written; empty: <state_dir>/reporter.
+    offline_output_dir: str = ""
+    # Patch the node's labels (Koordinator's three, plus GFD-compatible ones).
+    node_labels: bool = True
+    # Include the GFD-compatible nvidia.com/* labels; switch off where GFD itself runs.
+    gfd_labels: bool = True
+    # Field manager recorded by the API server for our writes.
+    field_manager: str = "gpulet-reporter"

@@ -31,6 +31,7 @@ from typing import Final
 import msgspec
 
 from gpulet_common.messages import GpuInfo
+from gpulet_common.settings.allocator import ResourceNames as ResourceNames  # settings
 
 CORE_UNITS_PER_GPU: Final = 100
 MEMORY_UNIT_BYTES: Final = 256 * 1024 * 1024
@@ -47,14 +48,6 @@ class ResourceKind(enum.StrEnum):
     WHOLE = "whole"
     CORE = "core"
     MEMORY = "memory"
-
-
-class ResourceNames(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Kubelet resource names; configurable so two plugins can coexist on a node."""
-
-    gpu: str = "nvidia.com/gpu"
-    core: str = "gpulet.io/gpu-core"
-    memory: str = "gpulet.io/gpu-memory"
 
 
 class ResourceSpec(msgspec.Struct, frozen=True, kw_only=True):
