@@ -27,8 +27,14 @@ class Codec(Generic[T]):
         return self._encoder.encode(value)
 
     def decode(self, data: bytes | bytearray | memoryview) -> T:
-        """Decode and validate; raises :class:`msgspec.DecodeError` on bad input."""
-        return self._decoder.decode(data)
+        """Decode and validate; raises :class:`msgspec.DecodeError` or
+        :class:`msgspec.ValidationError` on bad input, and nothing else."""
+        try:
+            return self._decoder.decode(data)
+        except UnicodeDecodeError as exc:
+            # msgspec lets invalid UTF-8 inside a string escape as UnicodeDecodeError;
+            # callers handle one family of errors for bad input, so fold it in.
+            raise msgspec.DecodeError(f"invalid UTF-8 in a string: {exc.reason}") from None
 
     def json_schema(self) -> dict[str, Any]:
         return msgspec.json.schema(self.type)
