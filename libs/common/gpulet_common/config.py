@@ -16,6 +16,7 @@ and what is wrong with it.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -53,7 +54,7 @@ def _deep_merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any
 def _set_path(tree: dict[str, Any], dotted: str, value: Any) -> None:
     parts = [p for p in dotted.split(".") if p]
     if not parts:
-        raise ConfigError(dotted, "empty setting name")
+        raise ConfigError(dotted or "(empty)", "empty setting name")
     node = tree
     for part in parts[:-1]:
         node = node.setdefault(part, {})
@@ -62,6 +63,7 @@ def _set_path(tree: dict[str, Any], dotted: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
+@functools.lru_cache(maxsize=1024)
 def _field_type(dotted: str) -> Any:
     """The declared type of a dotted setting, or None if there is no such setting."""
     cls: Any = Settings
