@@ -16,6 +16,7 @@ PositiveSeconds = Annotated[float, msgspec.Meta(gt=0.0, le=86400.0)]
 
 
 class ReporterSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    # Run the reporter (the node's Device CR and GPU node labels).
     enabled: bool = True
     # "auto": in-cluster config, else a kubeconfig, else no-cluster mode (the Device is
     # written to a file). "cluster" insists on a cluster (keeps retrying to load the
@@ -35,8 +36,9 @@ class ReporterSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     reconcile_interval_s: Seconds = 300.0
     # Timeout of one API request.
     api_timeout_s: PositiveSeconds = 10.0
-    # Back-off between retries of a failed write (exponential with full jitter).
+    # First back-off after a failed write; it doubles per retry, with full jitter.
     backoff_base_s: PositiveSeconds = 0.2
+    # Longest back-off; also the pace of retries after a 4xx (RBAC, validation).
     backoff_max_s: PositiveSeconds = 30.0
     # The longest Retry-After (429) honoured; a larger one is clamped to this.
     retry_after_max_s: PositiveSeconds = 60.0

@@ -1,0 +1,127 @@
+"""``gpulet reporter-preview``: print the Device and node labels this node would get.
+
+Two sources, so that it answers both "what will the agent write?" and "what is the
+agent writing?":
+
+* with a NATS URL (``--nats`` or settings): ask the running agent for its inventory
+  and health state, exactly as the reporter does at start;
+* without one: read the GPUs directly through NVML (``--nvml mock:dgx-h100`` on a
+  machine without GPUs).
+
+Nothing is written anywhere; ``--device-only`` prints just the Device, ready for
+``kubectl apply -f -``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+
+from gpulet_common import codec, subjects
+from gpulet_common.bus import Bus, BusError, RemoteError, RequestTimeout
+from gpulet_common.messages import HealthState, HealthStateRequest, Inventory, InventoryRequest
+from gpulet_common.nvml.errors import NvmlUnavailable
+from gpulet_common.runtime import NvmlProvider
+from gpulet_common.settings import Settings
+from gpulet_reporter.desired import build_desired, render_device
+from gpulet_reporter.health_view import HealthView
+from gpulet_reporter.pcie import make_resolver
+
+AddFlags = Callable[[argparse.ArgumentParser], None]
+LoadSettings = Callable[[argparse.Namespace], Settings]
+
+
+class PreviewError(Exception):
+    pass
+
+
+async def _from_agent(settings: Settings, timeout_s: float) -> tuple[Inventory, HealthState | None]:
+    async with Bus.connect(
+        settings.nats, name="gpulet-reporter-preview", max_initial_attempts=3
+    ) as bus:
+        try:
+            inventory = await bus.request(
+                subjects.inventory_request(settings.node_name),
+                InventoryRequest(reason="gpulet reporter-preview"),
+                codec.INVENTORY_REQUEST,
+                codec.INVENTORY,
+                timeout_s=timeout_s,
+            )
+        except (RequestTimeout, RemoteError) as exc:
+            raise PreviewError(
+                f"no inventory from the agent of {settings.node_name}: {exc}"
+            ) from exc
+        try:
+            state: HealthState | None = await bus.request(
+                subjects.health_state(settings.node_name),
+                HealthStateRequest(),
+                codec.HEALTH_STATE_REQUEST,
+                codec.HEALTH_STATE,
+                timeout_s=timeout_s,
+            )
+        except (RequestTimeout, RemoteError):
+            state = None
+    return inventory, state
+
+
+async def _from_nvml(settings: Settings) -> Inventory:
+    provider = NvmlProvider(settings.nvml)
+    try:
+        handle = await provider.get()
+        if handle.adapter is None:
+            raise PreviewError(f"NVML unavailable: {handle.reason}")
+        adapter = handle.adapter
+        try:
+            return await anyio.to_thread.run_sync(adapter.inventory, settings.node_name, 1)
+        except NvmlUnavailable as exc:
+            raise PreviewError(f"NVML unavailable: {exc}") from exc
+    finally:
+        await anyio.to_thread.run_sync(provider.close)
+
+
+async def preview(settings: Settings, *, timeout_s: float = 2.0) -> dict[str, Any]:
+    """The Device and node labels, as the reporter would render them with no cluster."""
+    if settings.nats.url:
+        inventory, state = await _from_agent(settings, timeout_s)
+    else:
+        inventory, state = await _from_nvml(settings), None
+    view = HealthView()
+    if state is not None:
+        view.apply_state(state)
+    desired = build_desired(
+        inventory,
+        view.snapshot(),
+        gfd_labels=settings.reporter.gfd_labels,
+        pcie_root=make_resolver(),
+    )
+    device = render_device(desired, None, node_uid=None, now=time.time())
+    labels = dict(desired.node_labels) if settings.reporter.node_labels else {}
+    return {"device": device, "nodeLabels": labels}
+
+
+def _cmd_preview(args: argparse.Namespace, load: LoadSettings) -> int:
+    settings = load(args)
+    try:
+        result = anyio.run(lambda: preview(settings, timeout_s=args.timeout))
+    except (PreviewError, BusError) as exc:
+        print(f"gpulet reporter-preview: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(result["device"] if args.device_only else result, indent=2))
+    return 0
+
+
+def add_commands(sub: Any, add_flags: AddFlags, load: LoadSettings) -> None:
+    p = sub.add_parser(
+        "reporter-preview",
+        help="print the Device CR and node labels this node would get (writes nothing)",
+    )
+    p.add_argument("--device-only", action="store_true", help="print only the Device object")
+    p.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for the agent")
+    add_flags(p)
+    p.set_defaults(func=lambda args: _cmd_preview(args, load))

@@ -1,0 +1,572 @@
+"""What the node's Device and labels should look like: pure functions, no I/O.
+
+Two steps
+---------
+1. :func:`build_desired` turns the inventory and the per-GPU health view into a
+   :class:`DesiredState`: the *intent*, free of timestamps and of anything the API
+   server owns. Two intents compare equal exactly when nothing needs writing, which
+   is what lets the service drop the 1 Hz stream of unchanged inputs before they ever
+   reach the debouncer.
+2. :func:`render_device` turns an intent into a Device object, given the object the
+   API server holds now (``observed``). Only here do timestamps appear, and they are
+   taken from the observed object whenever the condition's status did not change:
+   koordlet stamps ``lastTransitionTime`` afresh on every 3 s rebuild and so rewrites
+   an unhealthy node's Device forever; we keep it, so an unchanged state renders to a
+   byte-identical object and :func:`device_differs` says there is nothing to do.
+
+Health we do not know yet (no health service answered, or it restarted) is carried
+over from the observed object rather than assumed healthy, so a reporter restart on a
+node with a failed GPU neither flaps the GPU to healthy nor writes at all.
+
+Choices the Koordinator types leave open, documented once here:
+
+* ``gpu-memory`` is the card's total memory as the largest exact binary unit:
+  ``80Gi`` when it divides, else ``81559Mi``, else ``Ki``, else plain bytes.
+* ``topology.nodeID`` is the NUMA node, ``None``/-1 mapped to 0 (koordlet does the same);
+  ``socketID`` is -1 (koordlet leaves it unknown too).
+* ``topology.pcieID`` is the PCI root complex the GPU hangs off (``pci0000:3a``), the
+  first component of the resolved sysfs path, as koordlet does; the lookup is done by
+  the caller (:mod:`gpulet_reporter.pcie`) and passed in. Without sysfs it falls back to
+  the GPU's own bus (``pci0000:3b``): distinct per GPU, so a scheduler never believes two
+  GPUs share a root complex when we could not check.
+* ``minor`` falls back to the NVML index when NVML has no minor number (mock GPUs).
+* The model label is the NVML name without ``NVIDIA ``, spaces turned into ``-``,
+  reduced to what a label value allows; empty on a node that mixes models (as the
+  Koordinator convention says). The GFD-compatible ``nvidia.com/gpu.product`` keeps the
+  ``NVIDIA-`` prefix as current GFD does, and it and ``gpu.memory`` are left out on a
+  mixed node rather than describing only one of the models.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from datetime import UTC, datetime
+from typing import Any, Final
+
+import msgspec
+
+from gpulet_common.messages import Inventory
+
+JsonObj = dict[str, Any]
+
+GROUP: Final = "scheduling.koordinator.sh"
+VERSION: Final = "v1alpha1"
+API_VERSION: Final = f"{GROUP}/{VERSION}"
+KIND: Final = "Device"
+PLURAL: Final = "devices"
+
+LABEL_GPU_MODEL: Final = "node.koordinator.sh/gpu-model"
+LABEL_GPU_DRIVER: Final = "node.koordinator.sh/gpu-driver-version"
+LABEL_GPU_VENDOR: Final = "node.koordinator.sh/gpu-vendor"
+KOORD_LABELS: Final = (LABEL_GPU_MODEL, LABEL_GPU_DRIVER, LABEL_GPU_VENDOR)
+
+GFD_PRODUCT: Final = "nvidia.com/gpu.product"
+GFD_COUNT: Final = "nvidia.com/gpu.count"
+GFD_MEMORY: Final = "nvidia.com/gpu.memory"
+GFD_DRIVER_PREFIX: Final = "nvidia.com/cuda.driver-version."
+GFD_RUNTIME_PREFIX: Final = "nvidia.com/cuda.runtime-version."
+
+RES_CORE: Final = "koordinator.sh/gpu-core"
+RES_MEMORY: Final = "koordinator.sh/gpu-memory"
+RES_MEMORY_RATIO: Final = "koordinator.sh/gpu-memory-ratio"
+
+CONDITION_HEALTHY: Final = "Healthy"
+REASON_HEALTHY: Final = "Healthy"
+REASON_UNHEALTHY: Final = "Unhealthy"
+
+# The CRD's metav1.Condition rules (reason pattern and lengths).
+_REASON_OK = re.compile(r"[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?")
+_REASON_MAX = 1024
+_MESSAGE_MAX = 32768
+_LABEL_VALUE_MAX = 63
+_LABEL_BAD = re.compile(r"[^A-Za-z0-9_.-]+")
+
+_UNITS: Final = (("Ei", 2**60), ("Pi", 2**50), ("Ti", 2**40), ("Gi", 2**30), ("Mi", 2**20))
+_MIB: Final = 2**20
+
+
+class GpuCondition(msgspec.Struct, frozen=True, kw_only=True):
+    """What we know about one GPU's health.
+
+    ``since`` is when the status last changed as far as the source knows (epoch s).
+    ``from_event``: reason/message come from a health event and are written as they
+    are; a state snapshot's text (``False``) does not override the observed object's
+    text when the status agrees, so a restart does not reword a condition.
+    """
+
+    healthy: bool
+    reason: str
+    message: str = ""
+    since: float = 0.0
+    from_event: bool = True
+
+
+class DesiredGpu(msgspec.Struct, frozen=True, kw_only=True):
+    uuid: str
+    minor: int
+    memory: str
+    numa_node: int
+    pcie_id: str
+    bus_id: str
+    # None: no health source has spoken about this GPU yet.
+    condition: GpuCondition | None = None
+
+
+class DesiredState(msgspec.Struct, frozen=True, kw_only=True):
+    """The intent for one node; equal intents need no write."""
+
+    node: str
+    gpus: tuple[DesiredGpu, ...] = ()
+    # Labels on the Device (the three Koordinator keys).
+    device_labels: dict[str, str] = {}
+    # Labels on the Node; only these keys are ever written by us.
+    node_labels: dict[str, str] = {}
+
+
+# --- small conversions ---------------------------------------------------------------
+
+
+def memory_quantity(total_bytes: int) -> str:
+    """Bytes as an exact Kubernetes binary quantity: 80Gi, 81559Mi, 1536Ki or 1000."""
+    if total_bytes <= 0:
+        return "0"
+    for suffix, size in _UNITS:
+        if total_bytes % size == 0:
+            return f"{total_bytes // size}{suffix}"
+    if total_bytes % 1024 == 0:
+        return f"{total_bytes // 1024}Ki"
+    return str(total_bytes)
+
+
+def label_value(text: str) -> str:
+    """Reduce any text to a valid label value (may be empty)."""
+    value = _LABEL_BAD.sub("-", text.strip())
+    value = value[:_LABEL_VALUE_MAX]
+    return value.strip("-_.")
+
+
+def model_label(name: str) -> str:
+    """NVML name → Koordinator model label: "NVIDIA A100-SXM4-80GB" → "A100-SXM4-80GB"."""
+    short = name.strip()
+    if short.startswith("NVIDIA "):
+        short = short[len("NVIDIA ") :]
+    return label_value(short.replace(" ", "-"))
+
+
+def product_label(name: str) -> str:
+    """NVML name → GFD product label: "NVIDIA H100 80GB HBM3" → "NVIDIA-H100-80GB-HBM3"."""
+    return label_value(name.strip().replace(" ", "-"))
+
+
+def condition_reason(text: str, *, healthy: bool, xid: int | None = None) -> str:
+    """A reason the CRD accepts (``^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$``).
+
+    A valid reason is kept as it is. Otherwise words are joined in CamelCase
+    ("gpu fell off" → "GpuFellOff"); with nothing usable left, ``Xid<n>`` or a generic
+    Healthy/Unhealthy stands in.
+    """
+    text = text.strip()
+    if _REASON_OK.fullmatch(text) and len(text) <= _REASON_MAX:
+        return text
+    words = re.findall(r"[A-Za-z0-9]+", text)
+    camel = "".join(w[:1].upper() + w[1:] for w in words)
+    camel = camel.lstrip("0123456789")[:_REASON_MAX]
+    if camel and _REASON_OK.fullmatch(camel):
+        return camel
+    if xid is not None:
+        return f"Xid{xid}"
+    return REASON_HEALTHY if healthy else REASON_UNHEALTHY
+
+
+def condition_message(text: str) -> str:
+    return text[:_MESSAGE_MAX]
+
+
+def rfc3339(epoch_s: float) -> str:
+    """Seconds precision, as metav1.Time serialises."""
+    return datetime.fromtimestamp(max(epoch_s, 0.0), UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def bus_id_short(bus_id: str) -> str:
+    """NVML's ``00000000:3B:00.0`` as sysfs and koordlet write it: ``0000:3b:00.0``."""
+    bus = bus_id.strip().lower()
+    domain, sep, rest = bus.partition(":")
+    if sep and rest.count(":") == 1 and len(domain) > 4:
+        try:
+            return f"{int(domain, 16):04x}:{rest}"
+        except ValueError:
+            return bus
+    if not sep or rest.count(":") == 0:
+        # "3b:00.0" without a domain.
+        return f"0000:{bus}" if bus.count(":") == 1 else bus
+    return bus
+
+
+def fallback_pcie_root(bus_id: str) -> str:
+    """``pci<domain>:<bus>`` of the GPU itself: used when sysfs cannot be read."""
+    short = bus_id_short(bus_id)
+    parts = short.split(":")
+    if len(parts) == 3:
+        return f"pci{parts[0]}:{parts[1]}"
+    return ""
+
+
+def _split_version(version: str) -> list[str]:
+    return [p for p in re.split(r"[.]", version.strip()) if p]
+
+
+# --- the intent ----------------------------------------------------------------------
+
+
+def node_labels(inventory: Inventory, *, gfd: bool = True) -> dict[str, str]:
+    """Koordinator's three labels plus (optionally) GFD-compatible ones."""
+    labels = device_labels(inventory)
+    if not gfd:
+        return labels
+    gpus = inventory.gpus
+    labels[GFD_COUNT] = str(len(gpus))
+    names = {g.name for g in gpus}
+    if len(names) == 1:
+        product = product_label(gpus[0].name)
+        if product:
+            labels[GFD_PRODUCT] = product
+        memories = {g.memory_total_bytes for g in gpus}
+        if len(memories) == 1 and gpus[0].memory_total_bytes > 0:
+            labels[GFD_MEMORY] = str(gpus[0].memory_total_bytes // _MIB)
+    if inventory.driver_version:
+        full = label_value(inventory.driver_version)
+        parts = _split_version(inventory.driver_version)
+        labels[GFD_DRIVER_PREFIX + "full"] = full
+        for key, part in zip(("major", "minor", "revision"), parts, strict=False):
+            labels[GFD_DRIVER_PREFIX + key] = label_value(part)
+    if inventory.cuda_driver_version:
+        parts = _split_version(inventory.cuda_driver_version)
+        labels[GFD_RUNTIME_PREFIX + "full"] = label_value(inventory.cuda_driver_version)
+        for key, part in zip(("major", "minor"), parts, strict=False):
+            labels[GFD_RUNTIME_PREFIX + key] = label_value(part)
+    return {k: v for k, v in labels.items() if v or k == LABEL_GPU_MODEL}
+
+
+def device_labels(inventory: Inventory) -> dict[str, str]:
+    labels: dict[str, str] = {}
+    if not inventory.gpus:
+        return labels
+    models = {model_label(g.name) for g in inventory.gpus}
+    labels[LABEL_GPU_MODEL] = models.pop() if len(models) == 1 else ""
+    labels[LABEL_GPU_VENDOR] = "nvidia"
+    if inventory.driver_version:
+        driver = label_value(inventory.driver_version)
+        if driver:
+            labels[LABEL_GPU_DRIVER] = driver
+    return labels
+
+
+def build_desired(
+    inventory: Inventory,
+    health: Mapping[str, GpuCondition],
+    *,
+    gfd_labels: bool = True,
+    pcie_root: Callable[[str], str] = fallback_pcie_root,
+) -> DesiredState:
+    """The intent for the inventory's node given what we know about each GPU's health."""
+    gpus: list[DesiredGpu] = []
+    for gpu in inventory.gpus:
+        bus = bus_id_short(gpu.pci_bus_id) if gpu.pci_bus_id else ""
+        numa = gpu.numa_node if gpu.numa_node is not None and gpu.numa_node >= 0 else 0
+        gpus.append(
+            DesiredGpu(
+                uuid=gpu.uuid,
+                minor=gpu.minor if gpu.minor is not None else gpu.index,
+                memory=memory_quantity(gpu.memory_total_bytes),
+                numa_node=numa,
+                pcie_id=(pcie_root(gpu.pci_bus_id) or fallback_pcie_root(gpu.pci_bus_id))
+                if gpu.pci_bus_id
+                else "",
+                bus_id=bus,
+                condition=health.get(gpu.uuid),
+            )
+        )
+    gpus.sort(key=lambda g: (g.minor, g.uuid))
+    return DesiredState(
+        node=inventory.node,
+        gpus=tuple(gpus),
+        device_labels=device_labels(inventory),
+        node_labels=node_labels(inventory, gfd=gfd_labels),
+    )
+
+
+# --- rendering against the observed object -------------------------------------------
+
+
+def _observed_devices(observed: JsonObj | None) -> dict[str, JsonObj]:
+    if not observed:
+        return {}
+    spec = observed.get("spec")
+    devices = spec.get("devices") if isinstance(spec, dict) else None
+    found: dict[str, JsonObj] = {}
+    if isinstance(devices, list):
+        for entry in devices:
+            if isinstance(entry, dict) and isinstance(entry.get("id"), str):
+                found[entry["id"]] = entry
+    return found
+
+
+def _healthy_condition(entry: JsonObj | None) -> JsonObj | None:
+    if entry is None:
+        return None
+    for cond in entry.get("conditions") or []:
+        if isinstance(cond, dict) and cond.get("type") == CONDITION_HEALTHY:
+            return cond
+    return None
+
+
+def _status(healthy: bool) -> str:
+    return "True" if healthy else "False"
+
+
+def _render_condition(gpu: DesiredGpu, seen: JsonObj | None, now: float) -> tuple[bool, JsonObj]:
+    """The device's health flag and its Healthy condition."""
+    seen_cond = _healthy_condition(seen)
+    cond = gpu.condition
+    if cond is None:
+        if seen is not None and isinstance(seen.get("health"), bool):
+            healthy = bool(seen["health"])
+            if seen_cond is not None and seen_cond.get("status") == _status(healthy):
+                return healthy, _clean_condition(seen_cond, healthy, now)
+            return healthy, _condition(healthy, _default_reason(healthy), "", now)
+        return True, _condition(True, REASON_HEALTHY, "", now)
+    status = _status(cond.healthy)
+    if seen_cond is not None and seen_cond.get("status") == status:
+        if cond.from_event:
+            out = _condition(cond.healthy, cond.reason, cond.message, cond.since)
+            out["lastTransitionTime"] = _valid_time(seen_cond.get("lastTransitionTime"), now)
+            return cond.healthy, out
+        return cond.healthy, _clean_condition(seen_cond, cond.healthy, now)
+    return cond.healthy, _condition(cond.healthy, cond.reason, cond.message, cond.since or now)
+
+
+def _default_reason(healthy: bool) -> str:
+    return REASON_HEALTHY if healthy else REASON_UNHEALTHY
+
+
+def _condition(healthy: bool, reason: str, message: str, since: float) -> JsonObj:
+    return {
+        "type": CONDITION_HEALTHY,
+        "status": _status(healthy),
+        "reason": condition_reason(reason, healthy=healthy),
+        "message": condition_message(message),
+        "lastTransitionTime": rfc3339(since),
+    }
+
+
+def _valid_time(value: Any, now: float) -> str:
+    if isinstance(value, str) and value:
+        return value
+    return rfc3339(now)
+
+
+def _clean_condition(seen: JsonObj, healthy: bool, now: float) -> JsonObj:
+    """The observed condition, repaired where another writer left it invalid."""
+    reason = seen.get("reason")
+    message = seen.get("message")
+    return {
+        "type": CONDITION_HEALTHY,
+        "status": _status(healthy),
+        "reason": condition_reason(reason if isinstance(reason, str) else "", healthy=healthy),
+        "message": condition_message(message if isinstance(message, str) else ""),
+        "lastTransitionTime": _valid_time(seen.get("lastTransitionTime"), now),
+    }
+
+
+def render_devices(desired: DesiredState, observed: JsonObj | None, now: float) -> list[JsonObj]:
+    """``spec.devices`` for the intent, timestamps kept from ``observed`` where valid."""
+    seen_by_id = _observed_devices(observed)
+    devices: list[JsonObj] = []
+    for gpu in desired.gpus:
+        healthy, condition = _render_condition(gpu, seen_by_id.get(gpu.uuid), now)
+        entry: JsonObj = {
+            "type": "gpu",
+            "id": gpu.uuid,
+            "minor": gpu.minor,
+            "health": healthy,
+            "resources": {
+                RES_CORE: "100",
+                RES_MEMORY: gpu.memory,
+                RES_MEMORY_RATIO: "100",
+            },
+            "conditions": [condition],
+        }
+        if gpu.pcie_id or gpu.bus_id:
+            entry["topology"] = {
+                "socketID": -1,
+                "nodeID": gpu.numa_node,
+                "pcieID": gpu.pcie_id,
+                "busID": gpu.bus_id,
+            }
+        devices.append(entry)
+    return devices
+
+
+def owner_reference(node: str, node_uid: str) -> JsonObj:
+    return {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "name": node,
+        "uid": node_uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def render_device(
+    desired: DesiredState,
+    observed: JsonObj | None,
+    *,
+    node_uid: str | None,
+    now: float,
+) -> JsonObj:
+    """The Device to store: ``observed`` with our parts replaced, or a new object.
+
+    Everything we do not own survives: other labels and annotations, other owner
+    references, ``status`` (allocations), spec fields other than ``devices``.
+    """
+    devices = render_devices(desired, observed, now)
+    if observed:
+        body: JsonObj = _deep_copy_json(observed)
+    else:
+        body = {"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": desired.node}}
+    body["apiVersion"] = API_VERSION
+    body["kind"] = KIND
+    meta = body.setdefault("metadata", {})
+    meta["name"] = desired.node
+    labels = {k: v for k, v in (meta.get("labels") or {}).items() if k not in KOORD_LABELS}
+    labels.update(desired.device_labels)
+    if labels:
+        meta["labels"] = labels
+    else:
+        meta.pop("labels", None)
+    if node_uid:
+        meta["ownerReferences"] = _with_owner(meta.get("ownerReferences"), desired.node, node_uid)
+    spec = body.get("spec")
+    if not isinstance(spec, dict):
+        spec = {}
+    spec["devices"] = devices
+    body["spec"] = spec
+    return body
+
+
+def _with_owner(refs: Any, node: str, node_uid: str) -> list[JsonObj]:
+    others = [
+        r
+        for r in (refs if isinstance(refs, list) else [])
+        if isinstance(r, dict) and not (r.get("kind") == "Node" and r.get("apiVersion") == "v1")
+    ]
+    ours = owner_reference(node, node_uid)
+    if any(r.get("controller") for r in others):
+        # Two controllers are invalid; a foreign controller wins, we stay an owner.
+        ours["controller"] = False
+    return [ours, *others]
+
+
+def _deep_copy_json(value: Any) -> Any:
+    result: Any = msgspec.json.decode(msgspec.json.encode(value))
+    return result
+
+
+# --- comparison ----------------------------------------------------------------------
+
+
+def _normalize(value: Any) -> Any:
+    """JSON value with None-valued keys dropped and quantities compared as text."""
+    if isinstance(value, dict):
+        return {k: _normalize(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_normalize(v) for v in value]
+    return value
+
+
+def _normalize_resources(devices: Any) -> Any:
+    if not isinstance(devices, list):
+        return devices
+    out = []
+    for entry in devices:
+        if isinstance(entry, dict) and isinstance(entry.get("resources"), dict):
+            entry = {**entry, "resources": {k: str(v) for k, v in entry["resources"].items()}}
+        out.append(entry)
+    return out
+
+
+def device_differs(rendered: JsonObj, observed: JsonObj | None) -> bool:
+    """Whether writing ``rendered`` would change anything we own in ``observed``.
+
+    Compared: ``spec.devices``, our three Device labels and our owner reference.
+    Server fields (resourceVersion, uid, managedFields...) and other owners' parts
+    are ignored.
+    """
+    if observed is None:
+        return True
+    new_spec = rendered.get("spec") or {}
+    old_spec = observed.get("spec") if isinstance(observed.get("spec"), dict) else {}
+    if _normalize(_normalize_resources(new_spec.get("devices"))) != _normalize(
+        _normalize_resources(old_spec.get("devices") if old_spec else None)
+    ):
+        return True
+    new_meta = rendered.get("metadata") or {}
+    old_meta = observed.get("metadata") or {}
+    new_labels = {k: v for k, v in (new_meta.get("labels") or {}).items() if k in KOORD_LABELS}
+    old_labels = {k: v for k, v in (old_meta.get("labels") or {}).items() if k in KOORD_LABELS}
+    if new_labels != old_labels:
+        return True
+    return bool(_node_owner(new_meta) != _node_owner(old_meta))
+
+
+def _node_owner(meta: JsonObj) -> Any:
+    for ref in meta.get("ownerReferences") or []:
+        if isinstance(ref, dict) and ref.get("kind") == "Node" and ref.get("apiVersion") == "v1":
+            return _normalize(ref)
+    return None
+
+
+# --- node labels ---------------------------------------------------------------------
+
+MANAGED_LABELS_ANNOTATION: Final = "gpulet.io/managed-labels"
+
+
+def managed_keys(node: JsonObj) -> set[str]:
+    annotations = (node.get("metadata") or {}).get("annotations") or {}
+    raw = annotations.get(MANAGED_LABELS_ANNOTATION, "")
+    if not isinstance(raw, str):
+        return set()
+    return {k.strip() for k in raw.split(",") if k.strip()}
+
+
+def node_label_patch(desired: Mapping[str, str], node: JsonObj) -> JsonObj | None:
+    """A JSON merge patch for the Node, or None when nothing needs to change.
+
+    Only our keys are written: the ones we want, and -- set to null, i.e. removed --
+    the ones the ``gpulet.io/managed-labels`` annotation says we set before and no
+    longer want. A label of any other owner is never in the patch. The patch carries
+    the Node's resourceVersion, so a concurrent change makes it fail with 409 instead
+    of acting on a stale view.
+    """
+    meta = node.get("metadata") or {}
+    labels: Mapping[str, Any] = meta.get("labels") or {}
+    annotations: Mapping[str, Any] = meta.get("annotations") or {}
+    patch_labels: dict[str, str | None] = {k: v for k, v in desired.items() if labels.get(k) != v}
+    for key in sorted(managed_keys(node) - set(desired)):
+        if key in labels:
+            patch_labels[key] = None
+    managed_value = ",".join(sorted(desired))
+    patch_meta: JsonObj = {}
+    if patch_labels:
+        patch_meta["labels"] = patch_labels
+    if annotations.get(MANAGED_LABELS_ANNOTATION, "") != managed_value:
+        patch_meta["annotations"] = {MANAGED_LABELS_ANNOTATION: managed_value or None}
+        if not managed_value and MANAGED_LABELS_ANNOTATION not in annotations:
+            del patch_meta["annotations"]
+    if not patch_meta:
+        return None
+    if meta.get("resourceVersion"):
+        patch_meta["resourceVersion"] = meta["resourceVersion"]
+    return {"metadata": patch_meta}

@@ -1,0 +1,456 @@
+"""Getting the desired state into the API server: compare, write, retry.
+
+Layers
+------
+* :class:`KubeWriter` -- one attempt at making the API server match a
+  :class:`~gpulet_reporter.desired.DesiredState`, through the unmodified
+  kubernetes-asyncio client:
+
+  - it keeps the last Device and Node it read or wrote (the *observed* objects) and
+    compares against them before touching the network: an unchanged desired state
+    costs no request at all, which is how steady state makes zero writes;
+  - the Device is created when missing, otherwise replaced (PUT) with the observed
+    ``resourceVersion``; the body is the observed object with only our parts swapped,
+    so others' labels, owners and ``status.allocations`` survive;
+  - node labels go out as a JSON merge patch of only our keys, carrying the Node's
+    ``resourceVersion`` (see :func:`~gpulet_reporter.desired.node_label_patch`);
+  - 409 (a concurrent writer, or a stale cache) re-reads and tries again at once, a
+    few rounds; anything else becomes a :class:`WriteError` for the loop.
+
+* :class:`WriteLoop` -- waits on the debouncer, applies, and on a ``WriteError``
+  backs off (full jitter, or the server's ``Retry-After`` on 429) and tries again with
+  the newest desired state, until it succeeds. It runs in its own task: the bus side
+  only ever calls :meth:`Debouncer.submit`, so a slow or failing API server never
+  blocks NATS. Every ``reconcile_interval_s`` (jittered ±10 % so a fleet does not
+  read in lock-step) it forgets the observed objects, re-reads them and corrects drift.
+
+Requests are bounded by ``api_timeout_s``; nothing here waits without a limit.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import time
+from collections.abc import Awaitable, Callable
+from email.utils import parsedate_to_datetime
+from typing import Any, Final, Protocol
+
+import aiohttp
+import anyio
+from kubernetes_asyncio import client as k8s_client
+from kubernetes_asyncio.client.exceptions import ApiException
+
+from gpulet_common.bus import backoff_delay
+from gpulet_common.logutil import RateLimitedLog
+from gpulet_common.settings.reporter import ReporterSettings
+from gpulet_reporter.debounce import Debouncer
+from gpulet_reporter.desired import (
+    GROUP,
+    PLURAL,
+    VERSION,
+    DesiredState,
+    JsonObj,
+    device_differs,
+    node_label_patch,
+    render_device,
+)
+from gpulet_reporter.metrics import ReporterMetrics
+
+log = logging.getLogger("gpulet.reporter")
+
+MERGE_PATCH: Final = "application/merge-patch+json"
+# Conflicts re-read and retry at once this many times before backing off: a second
+# writer racing us every time is unusual enough to deserve the back-off.
+MAX_CONFLICT_ROUNDS: Final = 5
+
+StatusCallback = Callable[[str, str], None]
+
+
+class WriteError(Exception):
+    """A write attempt failed; ``reason`` is the metric label."""
+
+    def __init__(
+        self,
+        reason: str,
+        message: str,
+        *,
+        retry_after: float | None = None,
+        permanent: bool = False,
+    ) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.retry_after = retry_after
+        self.permanent = permanent
+
+
+class Sink(Protocol):
+    """Where desired states go: the API server, or a file in no-cluster mode."""
+
+    description: str
+
+    async def apply(self, desired: DesiredState) -> bool:
+        """Make the target match; True if something was written. Raises WriteError."""
+        ...
+
+    async def refresh(self) -> None:
+        """Forget what was observed, so the next apply re-reads and corrects drift."""
+        ...
+
+
+def retry_after_seconds(headers: Any) -> float | None:
+    """``Retry-After`` as seconds (delta-seconds or an HTTP date), or None."""
+    if not headers:
+        return None
+    try:
+        raw = headers.get("Retry-After")
+    except AttributeError:
+        return None
+    if raw is None:
+        return None
+    text = str(raw).strip()
+    try:
+        value = float(text)
+    except ValueError:
+        try:
+            when = parsedate_to_datetime(text)
+        except (TypeError, ValueError, IndexError):
+            return None
+        value = when.timestamp() - time.time()
+    if math.isnan(value) or math.isinf(value):
+        return None
+    return max(0.0, value)
+
+
+def _api_error(exc: ApiException, what: str) -> WriteError:
+    status = int(exc.status or 0)
+    detail = f"{what}: HTTP {status} {exc.reason or ''}".strip()
+    if status == 429:
+        return WriteError("429", detail, retry_after=retry_after_seconds(exc.headers))
+    if status >= 500 or status == 0:
+        return WriteError("5xx", detail, retry_after=retry_after_seconds(exc.headers))
+    if status in (408, 409, 425):
+        # A conflict where the caller did not expect one (a read), a request timeout,
+        # "too early": transient by definition, retried with the normal back-off.
+        return WriteError("conflict" if status == 409 else "timeout", detail)
+    # 400/401/403/422...: our request or our RBAC is wrong. Retrying soon is pointless, but
+    # an RBAC fix or a new desired state may cure it, so keep trying at the slowest pace.
+    body = exc.body.decode(errors="replace") if isinstance(exc.body, bytes) else exc.body
+    return WriteError("4xx", f"{detail}: {str(body)[:500]}", permanent=True)
+
+
+class KubeWriter:
+    """The API side of one node: observed objects, compare, create/update/patch."""
+
+    def __init__(
+        self,
+        api: Any,
+        node: str,
+        settings: ReporterSettings,
+        metrics: ReporterMetrics,
+        *,
+        clock: Callable[[], float] = time.time,
+        server: str = "",
+    ) -> None:
+        self._api = api
+        self._custom = k8s_client.CustomObjectsApi(api)
+        self._core = k8s_client.CoreV1Api(api)
+        self._node = node
+        self._settings = settings
+        self._metrics = metrics
+        self._clock = clock
+        self.description = f"API server {server}" if server else "API server"
+        self.device: JsonObj | None = None
+        self.node_object: JsonObj | None = None
+        self._device_read = False
+        self._node_read = False
+        self._missing_node_log = RateLimitedLog(log, per_minute=1)
+
+    async def refresh(self) -> None:
+        self._device_read = False
+        self._node_read = False
+
+    async def apply(self, desired: DesiredState) -> bool:
+        if not self._node_read:
+            await self._read_node()
+        wrote = await self._apply_device(desired)
+        if self._settings.node_labels:
+            wrote = await self._apply_labels(desired) or wrote
+        return wrote
+
+    # -- requests ----------------------------------------------------------------
+
+    async def _call(
+        self, what: str, fn: Callable[..., Awaitable[Any]], *args: Any, **kw: Any
+    ) -> Any:
+        timeout = self._settings.api_timeout_s
+        try:
+            # The client's own timeout covers the request; ours also covers connection
+            # set-up and token refresh, so no call can hang the loop.
+            with anyio.fail_after(timeout + 1.0):
+                return await fn(*args, _request_timeout=timeout, **kw)
+        except ApiException:
+            raise
+        except TimeoutError as exc:
+            raise WriteError("timeout", f"{what}: no answer within {timeout:.1f}s") from exc
+        except (aiohttp.ClientError, OSError) as exc:
+            raise WriteError("connection", f"{what}: {type(exc).__name__}: {exc}") from exc
+
+    async def _read_device(self) -> None:
+        try:
+            found = await self._call(
+                "get device",
+                self._custom.get_cluster_custom_object,
+                GROUP,
+                VERSION,
+                PLURAL,
+                self._node,
+            )
+        except ApiException as exc:
+            if exc.status != 404:
+                raise _api_error(exc, "get device") from exc
+            found = None
+        self.device = found if isinstance(found, dict) else None
+        self._device_read = True
+
+    async def _read_node(self) -> None:
+        try:
+            found = await self._call("get node", self._core.read_node, self._node)
+        except ApiException as exc:
+            if exc.status != 404:
+                raise _api_error(exc, "get node") from exc
+            self._missing_node_log.warning(
+                "node %s not found: the Device gets no owner reference and node labels wait",
+                self._node,
+            )
+            found = None
+        self.node_object = self._as_dict(found) if found is not None else None
+        self._node_read = True
+
+    def _as_dict(self, obj: Any) -> JsonObj | None:
+        if isinstance(obj, dict):
+            return obj
+        data = self._api.sanitize_for_serialization(obj)
+        return data if isinstance(data, dict) else None
+
+    def _node_uid(self) -> str | None:
+        if self.node_object is None:
+            return None
+        uid = (self.node_object.get("metadata") or {}).get("uid")
+        return uid if isinstance(uid, str) and uid else None
+
+    # -- the Device --------------------------------------------------------------
+
+    async def _apply_device(self, desired: DesiredState) -> bool:
+        manager = self._settings.field_manager
+        for _ in range(MAX_CONFLICT_ROUNDS):
+            if not self._device_read:
+                await self._read_device()
+            rendered = render_device(
+                desired, self.device, node_uid=self._node_uid(), now=self._clock()
+            )
+            if not device_differs(rendered, self.device):
+                return False
+            rendered["metadata"].pop("managedFields", None)
+            verb = "create" if self.device is None else "update"
+            try:
+                if self.device is None:
+                    result = await self._call(
+                        "create device",
+                        self._custom.create_cluster_custom_object,
+                        GROUP,
+                        VERSION,
+                        PLURAL,
+                        rendered,
+                        field_manager=manager,
+                    )
+                else:
+                    result = await self._call(
+                        "update device",
+                        self._custom.replace_cluster_custom_object,
+                        GROUP,
+                        VERSION,
+                        PLURAL,
+                        self._node,
+                        rendered,
+                        field_manager=manager,
+                    )
+            except ApiException as exc:
+                if exc.status == 409:
+                    # Stale resourceVersion (someone wrote in between) or AlreadyExists.
+                    self._metrics.conflict("device")
+                    self._device_read = False
+                    continue
+                if exc.status == 404 and verb == "update":
+                    self.device = None
+                    continue
+                raise _api_error(exc, f"{verb} device") from exc
+            self.device = result if isinstance(result, dict) else None
+            self._device_read = self.device is not None
+            self._metrics.wrote("device", verb)
+            log.info("device %s: %s (%d GPUs)", self._node, verb, len(desired.gpus))
+            return True
+        raise WriteError(
+            "conflict", f"device {self._node}: {MAX_CONFLICT_ROUNDS} conflicts in a row"
+        )
+
+    # -- node labels -------------------------------------------------------------
+
+    async def _apply_labels(self, desired: DesiredState) -> bool:
+        for _ in range(MAX_CONFLICT_ROUNDS):
+            if not self._node_read:
+                await self._read_node()
+            if self.node_object is None:
+                return False
+            patch = node_label_patch(desired.node_labels, self.node_object)
+            if patch is None:
+                return False
+            try:
+                result = await self._call(
+                    "patch node",
+                    self._core.patch_node,
+                    self._node,
+                    patch,
+                    field_manager=self._settings.field_manager,
+                    _content_type=MERGE_PATCH,
+                )
+            except ApiException as exc:
+                if exc.status == 409:
+                    self._metrics.conflict("node")
+                    self._node_read = False
+                    continue
+                if exc.status == 404:
+                    self.node_object = None
+                    return False
+                raise _api_error(exc, "patch node") from exc
+            self.node_object = self._as_dict(result)
+            self._node_read = self.node_object is not None
+            self._metrics.wrote("node", "patch")
+            log.info("node %s: labels patched (%s)", self._node, _describe(patch))
+            return True
+        raise WriteError("conflict", f"node {self._node}: {MAX_CONFLICT_ROUNDS} conflicts in a row")
+
+
+def _describe(patch: JsonObj) -> str:
+    labels = (patch.get("metadata") or {}).get("labels") or {}
+    changed = [k for k, v in labels.items() if v is not None]
+    removed = [k for k, v in labels.items() if v is None]
+    parts = []
+    if changed:
+        parts.append(f"set {len(changed)}")
+    if removed:
+        parts.append("removed " + ", ".join(sorted(removed)))
+    return "; ".join(parts) or "ownership annotation"
+
+
+class WriteLoop:
+    """Debouncer → sink, with back-off, newest-state-wins retries and reconciles."""
+
+    def __init__(
+        self,
+        sink: Sink,
+        debouncer: Debouncer[DesiredState],
+        settings: ReporterSettings,
+        metrics: ReporterMetrics,
+        *,
+        on_status: StatusCallback | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._sink = sink
+        self._debouncer = debouncer
+        self._settings = settings
+        self._metrics = metrics
+        self._on_status = on_status or (lambda _state, _detail: None)
+        self._clock = clock
+        self._failure_log = RateLimitedLog(log, per_minute=6)
+        self.current: DesiredState | None = None
+        self.applied: DesiredState | None = None
+
+    def _next_reconcile_in(self) -> float:
+        interval = self._settings.reconcile_interval_s
+        if interval <= 0:
+            return math.inf
+        return interval * random.uniform(0.9, 1.1)
+
+    async def run(self) -> None:
+        deadline = self._clock() + self._next_reconcile_in()
+        while True:
+            got: DesiredState | None = None
+            with anyio.move_on_after(max(0.0, deadline - self._clock())):
+                got = await self._debouncer.next()
+            if got is None:
+                # The reconcile timer: forget what we saw, re-read, correct drift.
+                deadline = self._clock() + self._next_reconcile_in()
+                await self._sink.refresh()
+            else:
+                self.current = got
+            if self.current is not None:
+                await self.apply_until_done(self._debouncer.taken_since if got else None)
+
+    async def apply_until_done(self, since: float | None = None) -> None:
+        """Apply the current desired state, retrying until it sticks."""
+        attempt = 0
+        self._metrics.pending = True
+        while True:
+            newer = self._debouncer.take_now()
+            if newer is not None:
+                self.current = newer
+                if since is None:
+                    since = self._debouncer.taken_since
+            desired = self.current
+            if desired is None:
+                self._metrics.pending = False
+                return
+            try:
+                try:
+                    wrote = await self._sink.apply(desired)
+                except WriteError:
+                    raise
+                except Exception as exc:
+                    # An answer the client could not digest, or a bug of ours: one node
+                    # agent must not die of it. Logged with its traceback, retried slowly.
+                    log.exception("unexpected failure writing to %s", self._sink.description)
+                    raise WriteError(
+                        "internal", f"{type(exc).__name__}: {exc}", permanent=True
+                    ) from exc
+            except WriteError as err:
+                attempt += 1
+                delay = self._delay(err, attempt)
+                self._metrics.failed(err.reason)
+                self._metrics.retried(err.reason)
+                self._failure_log.warning(
+                    "write to %s failed (%s): %s; retry %d in %.2fs",
+                    self._sink.description,
+                    err.reason,
+                    err,
+                    attempt,
+                    delay,
+                )
+                self._on_status("degraded", f"writes failing ({err.reason}): {err}")
+                await anyio.sleep(delay)
+                continue
+            self.applied = desired
+            self._metrics.pending = self._debouncer.pending
+            if wrote:
+                latency = self._clock() - since if since is not None else None
+                self._metrics.succeeded(latency)
+            else:
+                self._metrics.unchanged()
+                self._metrics.succeeded(None)
+            if attempt:
+                log.info("write to %s succeeded after %d retries", self._sink.description, attempt)
+            self._on_status("ready", self._sink.description)
+            return
+
+    def _delay(self, err: WriteError, attempt: int) -> float:
+        settings = self._settings
+        if err.retry_after is not None and err.reason == "429":
+            # Honour the server's Retry-After (clamped), plus a little jitter so a fleet
+            # told "1 s" does not come back in one wave.
+            return min(err.retry_after, settings.retry_after_max_s) + random.uniform(
+                0, settings.backoff_base_s
+            )
+        if err.permanent:
+            return settings.backoff_max_s
+        return backoff_delay(attempt - 1, settings.backoff_base_s, settings.backoff_max_s)

@@ -1,0 +1,382 @@
+"""The pure parts of the reporter: intent, rendering, comparison, node-label patches,
+PCIe roots and the health view. No network; the CRD schema check uses the emulator's
+schema loader on the shipped CRD."""
+
+from __future__ import annotations
+
+import copy
+import time
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from gpulet_common.messages import ActiveCondition, GpuHealth, HealthState
+from gpulet_reporter import desired as d
+from gpulet_reporter.health_view import HealthView
+from gpulet_reporter.pcie import make_resolver, sysfs_pcie_root
+from support.kube_emulator import DEFAULT_CRD_PATH, CrdSchema
+from support.reporter_harness import gpu_uuid, health_event, make_inventory
+
+NODE = "node-a"
+NOW = 1_700_000_000.0
+
+
+@pytest.mark.parametrize(
+    ("size", "text"),
+    [
+        (80 * 2**30, "80Gi"),
+        (85_520_809_984, "81559Mi"),
+        (1536 * 1024, "1536Ki"),
+        (1000, "1000"),
+        (0, "0"),
+        (2**40, "1Ti"),
+    ],
+)
+def test_memory_quantity_is_exact_and_binary(size: int, text: str) -> None:
+    assert d.memory_quantity(size) == text
+
+
+def test_model_and_product_labels() -> None:
+    assert d.model_label("NVIDIA A100-SXM4-80GB") == "A100-SXM4-80GB"
+    assert d.model_label("NVIDIA H100 80GB HBM3") == "H100-80GB-HBM3"
+    assert d.model_label("Tesla T4") == "Tesla-T4"
+    assert d.product_label("NVIDIA H100 80GB HBM3") == "NVIDIA-H100-80GB-HBM3"
+    # Whatever NVML says, the label value stays valid.
+    assert d.model_label("NVIDIA Weird (rev 2) /x" + "y" * 80) == d.label_value(
+        "Weird-(rev-2)-/x" + "y" * 80
+    )
+    assert len(d.model_label("NVIDIA " + "A" * 100)) <= 63
+
+
+def test_labels_of_a_uniform_node() -> None:
+    labels = d.node_labels(make_inventory(NODE))
+    assert labels == {
+        d.LABEL_GPU_MODEL: "H100-80GB-HBM3",
+        d.LABEL_GPU_VENDOR: "nvidia",
+        d.LABEL_GPU_DRIVER: "550.54.15",
+        "nvidia.com/gpu.count": "8",
+        "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3",
+        "nvidia.com/gpu.memory": "81920",
+        "nvidia.com/cuda.driver-version.full": "550.54.15",
+        "nvidia.com/cuda.driver-version.major": "550",
+        "nvidia.com/cuda.driver-version.minor": "54",
+        "nvidia.com/cuda.driver-version.revision": "15",
+        "nvidia.com/cuda.runtime-version.full": "12.4",
+        "nvidia.com/cuda.runtime-version.major": "12",
+        "nvidia.com/cuda.runtime-version.minor": "4",
+    }
+    assert set(d.node_labels(make_inventory(NODE), gfd=False)) == set(d.KOORD_LABELS)
+
+
+def test_labels_of_a_mixed_node() -> None:
+    inventory = make_inventory(NODE, 2)
+    gpus = [inventory.gpus[0], msgspec.structs.replace(inventory.gpus[1], name="NVIDIA L40S")]
+    labels = d.node_labels(msgspec.structs.replace(inventory, gpus=gpus))
+    assert labels[d.LABEL_GPU_MODEL] == ""
+    assert labels["nvidia.com/gpu.count"] == "2"
+    assert "nvidia.com/gpu.product" not in labels
+    assert "nvidia.com/gpu.memory" not in labels
+
+
+def test_no_gpus_no_device_labels() -> None:
+    inventory = make_inventory(NODE, 0)
+    assert d.device_labels(inventory) == {}
+    assert d.node_labels(inventory)["nvidia.com/gpu.count"] == "0"
+
+
+@pytest.mark.parametrize(
+    ("text", "healthy", "xid", "expected"),
+    [
+        ("Xid79", False, 79, "Xid79"),
+        ("XID 79: GPU has fallen off the bus", False, 79, "XID79GPUHasFallenOffTheBus"),
+        ("ecc uncorrectable", False, None, "EccUncorrectable"),
+        ("", False, 48, "Xid48"),
+        ("", False, None, "Unhealthy"),
+        ("!!!", True, None, "Healthy"),
+        ("79", False, None, "Unhealthy"),
+    ],
+)
+def test_condition_reason_always_matches_the_crd(
+    text: str, healthy: bool, xid: int | None, expected: str
+) -> None:
+    assert d.condition_reason(text, healthy=healthy, xid=xid) == expected
+
+
+def test_bus_ids_and_fallback_root() -> None:
+    assert d.bus_id_short("00000000:3B:00.0") == "0000:3b:00.0"
+    assert d.bus_id_short("0000:3b:00.0") == "0000:3b:00.0"
+    assert d.bus_id_short("3B:00.0") == "0000:3b:00.0"
+    assert d.fallback_pcie_root("00000000:3B:00.0") == "pci0000:3b"
+    assert d.fallback_pcie_root("garbage") == ""
+
+
+def test_sysfs_pcie_root_follows_the_symlink(tmp_path: Path) -> None:
+    devices = tmp_path / "sys" / "bus" / "pci" / "devices"
+    real = tmp_path / "sys" / "devices" / "pci0000:3a" / "0000:3a:00.0" / "0000:3b:00.0"
+    real.mkdir(parents=True)
+    devices.mkdir(parents=True)
+    (devices / "0000:3b:00.0").symlink_to(real)
+    assert sysfs_pcie_root("00000000:3B:00.0", devices) == "pci0000:3a"
+    assert sysfs_pcie_root("00000000:5E:00.0", devices) == ""
+    resolve = make_resolver(devices)
+    assert resolve("00000000:3B:00.0") == "pci0000:3a"
+    assert resolve("00000000:5E:00.0") == "pci0000:5e"  # no sysfs entry: fallback
+
+
+def _desired(health: dict[str, d.GpuCondition] | None = None, count: int = 2) -> d.DesiredState:
+    return d.build_desired(make_inventory(NODE, count), health or {})
+
+
+def test_rendered_device_matches_koordinator_and_the_crd() -> None:
+    unhealthy = d.GpuCondition(healthy=False, reason="Xid79", message="fell off", since=NOW)
+    desired = _desired({gpu_uuid(NODE, 1): unhealthy})
+    device = d.render_device(desired, None, node_uid="uid-1", now=NOW + 5)
+    assert device["apiVersion"] == "scheduling.koordinator.sh/v1alpha1"
+    assert device["kind"] == "Device"
+    assert device["metadata"]["name"] == NODE
+    assert device["metadata"]["ownerReferences"] == [
+        {
+            "apiVersion": "v1",
+            "kind": "Node",
+            "name": NODE,
+            "uid": "uid-1",
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+    ]
+    first, second = device["spec"]["devices"]
+    assert first == {
+        "type": "gpu",
+        "id": gpu_uuid(NODE, 0),
+        "minor": 0,
+        "health": True,
+        "resources": {
+            "koordinator.sh/gpu-core": "100",
+            "koordinator.sh/gpu-memory": "80Gi",
+            "koordinator.sh/gpu-memory-ratio": "100",
+        },
+        "conditions": [
+            {
+                "type": "Healthy",
+                "status": "True",
+                "reason": "Healthy",
+                "message": "",
+                "lastTransitionTime": d.rfc3339(NOW + 5),
+            }
+        ],
+        "topology": {"socketID": -1, "nodeID": 0, "pcieID": "pci0000:18", "busID": "0000:18:00.0"},
+    }
+    assert second["health"] is False
+    assert second["conditions"][0]["reason"] == "Xid79"
+    assert second["conditions"][0]["lastTransitionTime"] == d.rfc3339(NOW)
+    schema = CrdSchema.from_file(DEFAULT_CRD_PATH)
+    assert schema.validate(copy.deepcopy(device)) == []
+
+
+def test_transition_time_is_kept_while_the_status_holds() -> None:
+    first = d.GpuCondition(healthy=False, reason="Xid79", message="a", since=NOW)
+    observed = d.render_device(_desired({gpu_uuid(NODE, 0): first}), None, node_uid=None, now=NOW)
+    # Another fault while still unhealthy: new text, same transition time.
+    again = d.GpuCondition(healthy=False, reason="Xid48", message="b", since=NOW)
+    rendered = d.render_device(
+        _desired({gpu_uuid(NODE, 0): again}), observed, node_uid=None, now=NOW + 60
+    )
+    cond = rendered["spec"]["devices"][0]["conditions"][0]
+    assert (cond["reason"], cond["lastTransitionTime"]) == ("Xid48", d.rfc3339(NOW))
+    # The same state rendered later is identical: no write.
+    same = d.render_device(
+        _desired({gpu_uuid(NODE, 0): first}), observed, node_uid=None, now=NOW + 99
+    )
+    assert not d.device_differs(same, observed)
+    # Recovery moves it.
+    healed = d.GpuCondition(healthy=True, reason="Recovered", since=NOW + 120)
+    rendered = d.render_device(
+        _desired({gpu_uuid(NODE, 0): healed}), observed, node_uid=None, now=NOW + 121
+    )
+    cond = rendered["spec"]["devices"][0]["conditions"][0]
+    assert (cond["status"], cond["lastTransitionTime"]) == ("True", d.rfc3339(NOW + 120))
+
+
+def test_unknown_health_is_carried_over_from_the_observed_device() -> None:
+    broken = d.GpuCondition(healthy=False, reason="Xid79", message="x", since=NOW)
+    observed = d.render_device(_desired({gpu_uuid(NODE, 1): broken}), None, node_uid="u", now=NOW)
+    restarted = _desired({})  # a fresh reporter that has heard nothing yet
+    rendered = d.render_device(restarted, observed, node_uid="u", now=NOW + 300)
+    assert not d.device_differs(rendered, observed)
+    assert rendered["spec"]["devices"][1]["health"] is False
+    # A snapshot (weaker text) with the same status keeps the observed wording.
+    snapshot = d.GpuCondition(healthy=False, reason="Other", since=NOW + 1, from_event=False)
+    rendered = d.render_device(
+        _desired({gpu_uuid(NODE, 1): snapshot}), observed, node_uid="u", now=NOW + 300
+    )
+    assert not d.device_differs(rendered, observed)
+
+
+def test_render_keeps_what_others_own_and_compare_ignores_server_fields() -> None:
+    desired = _desired()
+    ours = d.render_device(desired, None, node_uid="u", now=NOW)
+    observed = copy.deepcopy(ours)
+    observed["metadata"].update(
+        resourceVersion="42",
+        uid="device-uid",
+        generation=3,
+        creationTimestamp="2024-01-01T00:00:00Z",
+        managedFields=[{"manager": "x"}],
+        annotations={"someone/else": "yes"},
+    )
+    observed["metadata"]["labels"]["team"] = "ml"
+    observed["metadata"]["ownerReferences"].append(
+        {"apiVersion": "apps/v1", "kind": "DaemonSet", "name": "x", "uid": "ds"}
+    )
+    observed["status"] = {"allocations": [{"type": "gpu", "entries": []}]}
+    # int quantities written by another client compare equal to our strings
+    observed["spec"]["devices"][0]["resources"]["koordinator.sh/gpu-core"] = 100
+    assert not d.device_differs(d.render_device(desired, observed, node_uid="u", now=NOW), observed)
+    body = d.render_device(_desired(count=1), observed, node_uid="u", now=NOW)
+    assert body["metadata"]["labels"]["team"] == "ml"
+    assert body["metadata"]["annotations"] == {"someone/else": "yes"}
+    assert body["metadata"]["resourceVersion"] == "42"
+    assert body["status"] == observed["status"]
+    assert [r["kind"] for r in body["metadata"]["ownerReferences"]] == ["Node", "DaemonSet"]
+    assert len(body["spec"]["devices"]) == 1
+    assert d.device_differs(body, observed)
+    # Drift in our labels or owner is drift.
+    edited = copy.deepcopy(observed)
+    edited["metadata"]["labels"][d.LABEL_GPU_MODEL] = "hacked"
+    assert d.device_differs(ours, edited)
+    assert d.device_differs(d.render_device(desired, observed, node_uid="other", now=NOW), observed)
+
+
+def _node(labels: dict[str, str], managed: str | None = None) -> d.JsonObj:
+    meta: d.JsonObj = {"name": NODE, "resourceVersion": "7", "labels": labels}
+    if managed is not None:
+        meta["annotations"] = {d.MANAGED_LABELS_ANNOTATION: managed}
+    return {"metadata": meta}
+
+
+def test_node_label_patch_touches_only_our_keys() -> None:
+    want = {"a.io/x": "1", "a.io/y": "2"}
+    patch = d.node_label_patch(want, _node({"team": "ml", "a.io/x": "0"}))
+    assert patch == {
+        "metadata": {
+            "labels": {"a.io/x": "1", "a.io/y": "2"},
+            "annotations": {d.MANAGED_LABELS_ANNOTATION: "a.io/x,a.io/y"},
+            "resourceVersion": "7",
+        }
+    }
+    # Up to date: no patch at all.
+    assert d.node_label_patch(want, _node({"team": "ml", **want}, "a.io/x,a.io/y")) is None
+    # A key we set before and no longer want is removed; a foreign key never is, even
+    # when it looks like one of ours.
+    node = _node({"team": "ml", "a.io/x": "1", "a.io/y": "2", "a.io/z": "9"}, "a.io/x,a.io/y")
+    patch = d.node_label_patch({"a.io/x": "1"}, node)
+    assert patch is not None
+    assert patch["metadata"]["labels"] == {"a.io/y": None}
+    assert patch["metadata"]["annotations"] == {d.MANAGED_LABELS_ANNOTATION: "a.io/x"}
+
+
+def test_health_view_follows_the_health_services_model() -> None:
+    view = HealthView()
+    uuid = gpu_uuid(NODE, 0)
+    t = time.time()
+    raised = health_event(NODE, uuid, healthy=False, observed_at=t, message="fell off the bus")
+    assert view.apply_event(raised)
+    first = view.get(uuid)
+    assert first is not None
+    assert (first.healthy, first.reason, first.message, first.since) == (
+        False,
+        "Xid79",
+        "fell off the bus",
+        t,
+    )
+    # A repeat of the same condition changes nothing.
+    assert not view.apply_event(
+        health_event(NODE, uuid, healthy=False, observed_at=t + 1, message="again")
+    )
+    # A worse condition shows; the transition time stays.
+    assert view.apply_event(
+        health_event(
+            NODE,
+            uuid,
+            healthy=False,
+            xid=48,
+            reason="XID 48: DBE",
+            message="",
+            severity="fatal",
+            observed_at=t + 2,
+        )
+    )
+    worse = view.get(uuid)
+    assert worse is not None
+    assert (worse.reason, worse.message, worse.since) == ("Xid48", "XID 48: DBE", t)
+    # An older event is ignored.
+    assert not view.apply_event(health_event(NODE, uuid, healthy=True, observed_at=t - 5))
+    # One condition ends while another keeps the GPU unhealthy: the remaining one shows.
+    ended = health_event(NODE, uuid, healthy=True, condition="xid:48", observed_at=t + 3)
+    assert view.apply_event(msgspec.structs.replace(ended, healthy=False))
+    remaining = view.get(uuid)
+    assert remaining is not None
+    assert (remaining.healthy, remaining.reason) == (False, "Xid79")
+    # Recovery.
+    assert view.apply_event(health_event(NODE, uuid, healthy=True, observed_at=t + 4))
+    healed = view.get(uuid)
+    assert healed is not None
+    assert (healed.healthy, healed.reason, healed.since) == (True, "Recovered", t + 4)
+    # A warning on a healthy GPU changes nothing.
+    warning = health_event(
+        NODE,
+        uuid,
+        healthy=True,
+        kind="thermal_slowdown",
+        severity="warning",
+        condition="thermal",
+        observed_at=t + 5,
+    )
+    assert not view.apply_event(warning)
+    # A snapshot flips the status; its text is the worst condition's.
+    state = HealthState(
+        node=NODE,
+        updated_at=t + 6,
+        gpus=[
+            GpuHealth(
+                gpu_uuid=uuid,
+                healthy=False,
+                updated_at=t + 6,
+                conditions=[
+                    ActiveCondition(
+                        condition="thermal",
+                        kind="thermal",
+                        severity="critical",
+                        reason="Hot",
+                        since=t + 5.5,
+                    ),
+                    ActiveCondition(
+                        condition="ecc_uncorrectable",
+                        kind="ecc_uncorrectable",
+                        severity="fatal",
+                        reason="DBE",
+                        since=t + 5.9,
+                    ),
+                ],
+            )
+        ],
+    )
+    assert view.apply_state(state)
+    snap = view.get(uuid)
+    assert snap is not None
+    assert (snap.reason, snap.message, snap.since) == (
+        "EccUncorrectable",
+        "DBE",
+        t + 6,
+    )
+    assert not view.apply_state(state)
+    # A first word that a GPU is healthy is a placeholder, not authoritative text.
+    other = gpu_uuid(NODE, 1)
+    assert view.apply_event(health_event(NODE, other, healthy=True, kind="cleared", observed_at=t))
+    placeholder = view.get(other)
+    assert placeholder is not None
+    assert placeholder.healthy
+    assert not placeholder.from_event
+    view.forget({other})
+    assert view.get(uuid) is None

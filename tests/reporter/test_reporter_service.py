@@ -1,0 +1,515 @@
+"""The reporter end to end: a real nats-server, the Kubernetes API emulator over HTTP
+and the unmodified kubernetes-asyncio client.
+
+Timings are scaled down (quiet window 50 ms, maximum delay 200 ms) except where a test
+is about the real defaults. Inputs are published on the bus by the test, standing in
+for the collector and the health service.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from gpulet_common import codec, subjects
+from gpulet_common.bus import Delivery
+from gpulet_common.embedded_nats import EmbeddedNats
+from gpulet_common.messages import (
+    HealthState,
+    HealthStateRequest,
+    Inventory,
+    InventoryRequest,
+)
+from gpulet_reporter import desired as d
+from support.kube_emulator import KubeEmulator
+from support.reporter_harness import (
+    RunningReporter,
+    fast_settings,
+    gpu_uuid,
+    health_event,
+    health_state,
+    make_inventory,
+    running_reporter,
+    wait_until,
+)
+
+pytestmark = pytest.mark.anyio
+
+NODE = "gpu-node-1"
+DEVICES = "devices"
+NODES = "nodes"
+
+
+@pytest.fixture
+async def emu(tmp_path: Path) -> AsyncIterator[KubeEmulator]:
+    async with KubeEmulator.running(token="t0ken") as emulator:
+        emulator.add_node(NODE, labels={"team": "ml", "nvidia.com/gpu.family": "hopper"})
+        emulator.write_kubeconfig(tmp_path / "kubeconfig")
+        yield emulator
+
+
+def _device(emu: KubeEmulator) -> dict[str, Any]:
+    obj = emu.get_object(DEVICES, NODE)
+    assert obj is not None
+    return obj
+
+
+def _node(emu: KubeEmulator) -> dict[str, Any]:
+    obj = emu.get_object(NODES, NODE)
+    assert obj is not None
+    return obj
+
+
+def _node_labels(emu: KubeEmulator) -> dict[str, str]:
+    labels: dict[str, str] = _node(emu)["metadata"].get("labels") or {}
+    return labels
+
+
+def _health_of(emu: KubeEmulator) -> dict[str, bool]:
+    obj = emu.get_object(DEVICES, NODE)
+    if obj is None:
+        return {}
+    return {e["id"]: e["health"] for e in obj["spec"]["devices"]}
+
+
+def _device_writes(emu: KubeEmulator) -> int:
+    return emu.stats.writes_to(DEVICES, NODE)
+
+
+def _total_writes(emu: KubeEmulator) -> int:
+    return emu.stats.total_writes()
+
+
+async def _publish_inventory(r: RunningReporter, inventory: Inventory) -> None:
+    await r.bus.publish(subjects.inventory(NODE), inventory, codec.INVENTORY)
+
+
+async def _publish_health(r: RunningReporter, uuid: str, *, healthy: bool, **kw: Any) -> None:
+    await r.bus.publish(
+        subjects.health(NODE), health_event(NODE, uuid, healthy=healthy, **kw), codec.HEALTH_EVENT
+    )
+
+
+async def _converged(r: RunningReporter, emu: KubeEmulator) -> None:
+    """Wait until the reporter has nothing pending and the emulator holds the intent."""
+
+    def done() -> bool:
+        loop = r.service.loop
+        return (
+            loop is not None
+            and r.service.desired is not None
+            and loop.applied == r.service.desired
+            and not r.service.debouncer.pending
+            and not r.service.metrics.pending
+        )
+
+    await wait_until(done, within=10)
+
+
+async def test_devices_health_changes_and_recovery_reach_the_device(
+    nats_server: EmbeddedNats, emu: KubeEmulator, tmp_path: Path
+) -> None:
+    settings = fast_settings(kubeconfig=str(tmp_path / "kubeconfig"))
+    async with running_reporter(nats_server.url, tmp_path, NODE, settings) as r:
+        await _publish_inventory(r, make_inventory(NODE))
+        await wait_until(lambda: len(_health_of(emu)) == 8)
+        device = _device(emu)
+        node = emu.get_object(NODES, NODE)
+        assert node is not None
+        owner = device["metadata"]["ownerReferences"][0]
+        assert (owner["kind"], owner["name"], owner["uid"]) == (
+            "Node",
+            NODE,
+            node["metadata"]["uid"],
+        )
+        assert device["metadata"]["labels"] == {
+            d.LABEL_GPU_MODEL: "H100-80GB-HBM3",
+            d.LABEL_GPU_VENDOR: "nvidia",
+            d.LABEL_GPU_DRIVER: "550.54.15",
+        }
+        assert all(_health_of(emu).values())
+        await _converged(r, emu)
+        labels = _node_labels(emu)
+        assert labels["nvidia.com/gpu.product"] == "NVIDIA-H100-80GB-HBM3"
+        assert labels["node.koordinator.sh/gpu-model"] == "H100-80GB-HBM3"
+
+        # A GPU fails.
+        bad = gpu_uuid(NODE, 3)
+        await _publish_health(r, bad, healthy=False)
+        await wait_until(lambda: _health_of(emu).get(bad) is False)
+        entry = next(e for e in _device(emu)["spec"]["devices"] if e["id"] == bad)
+        cond = entry["conditions"][0]
+        assert (cond["status"], cond["reason"], cond["message"]) == (
+            "False",
+            "Xid79",
+            "GPU has fallen off the bus",
+        )
+        failed_at = cond["lastTransitionTime"]
+
+        # A worse fault on the same GPU: its reason shows, the transition time stays.
+        await anyio.sleep(1.05)  # metav1.Time has second precision
+        await _publish_health(
+            r, bad, healthy=False, reason="Xid48", xid=48, message="DBE", severity="fatal"
+        )
+        await wait_until(
+            lambda: (
+                next(e for e in _device(emu)["spec"]["devices"] if e["id"] == bad)["conditions"][0][
+                    "reason"
+                ]
+                == "Xid48"
+            )
+        )
+        entry = next(e for e in _device(emu)["spec"]["devices"] if e["id"] == bad)
+        assert entry["conditions"][0]["lastTransitionTime"] == failed_at
+
+        # It recovers.
+        await _publish_health(r, bad, healthy=True)
+        await wait_until(lambda: _health_of(emu).get(bad) is True)
+        entry = next(e for e in _device(emu)["spec"]["devices"] if e["id"] == bad)
+        assert entry["conditions"][0]["reason"] == "Recovered"
+        assert entry["conditions"][0]["lastTransitionTime"] != failed_at
+
+        # A GPU disappears from the inventory: it leaves the Device.
+        await _publish_inventory(r, make_inventory(NODE, 7, generation=2))
+        await wait_until(lambda: len(_health_of(emu)) == 7)
+        await _converged(r, emu)
+        assert _node_labels(emu)["nvidia.com/gpu.count"] == "7"
+        assert r.probe.value("gpulet.reporter.writes", object="device") >= 5
+
+
+async def test_a_burst_of_50_events_is_exactly_one_write(
+    nats_server: EmbeddedNats, emu: KubeEmulator, tmp_path: Path
+) -> None:
+    settings = fast_settings(
+        kubeconfig=str(tmp_path / "kubeconfig"), quiet_window_s=0.2, max_delay_s=2.0
+    )
+    async with running_reporter(nats_server.url, tmp_path, NODE, settings) as r:
+        await _publish_inventory(r, make_inventory(NODE))
+        await _converged(r, emu)
+        before = _total_writes(emu)
+        # 50 events: every GPU fails, some twice, some recover, in one burst.
+        for i in range(50):
+            uuid = gpu_uuid(NODE, i % 8)
+            await _publish_health(r, uuid, healthy=(i >= 40 and i % 8 == 0), reason=f"Xid{40 + i}")
+        await r.bus.flush()
+        await wait_until(lambda: _total_writes(emu) > before, within=5)
+        await anyio.sleep(0.5)  # longer than the quiet window: no second write follows
+        await _converged(r, emu)
+        assert _total_writes(emu) - before == 1
+        assert _device_writes(emu) == 2  # the create, then the burst
+        health = _health_of(emu)
+        assert health[gpu_uuid(NODE, 0)] is True
+        assert [health[gpu_uuid(NODE, i)] for i in range(1, 8)] == [False] * 7
+
+
+async def test_unhealthy_reaches_the_api_within_the_maximum_delay(
+    nats_server: EmbeddedNats, emu: KubeEmulator, tmp_path: Path
+) -> None:
+    """Real default timings (500 ms quiet window, 2 s maximum delay); a fault arriving
+    in a stream of changes every 200 ms (never quiet) is written within 2 s + 200 ms."""
+    settings = fast_settings(
+        kubeconfig=str(tmp_path / "kubeconfig"), quiet_window_s=0.5, max_delay_s=2.0
+    )
+    async with running_reporter(nats_server.url, tmp_path, NODE, settings) as r:
+        await _publish_inventory(r, make_inventory(NODE))
+        await _converged(r, emu)
+        bad = gpu_uuid(NODE, 5)
+        start = time.monotonic()
+        await _publish_health(r, bad, healthy=False)
+        async with anyio.create_task_group() as tg:
+
+            async def noise() -> None:
+                # GPU 1 flaps every 200 ms: the inputs are never quiet for 500 ms.
+                for i in range(20):
+                    await anyio.sleep(0.2)
+                    await _publish_health(r, gpu_uuid(NODE, 1), healthy=i % 2 == 1)
+
+            tg.start_soon(noise)
+            await wait_until(lambda: _health_of(emu).get(bad) is False, within=5, interval=0.005)
+            latency = time.monotonic() - start
+            tg.cancel_scope.cancel()
+        assert 1.9 <= latency <= 2.2
+
+        # A lone fault is written after the quiet window.
+        other = gpu_uuid(NODE, 6)
+        await anyio.sleep(0.6)
+        await _converged(r, emu)
+        start = time.monotonic()
+        await _publish_health(r, other, healthy=False)
+        await wait_until(lambda: _health_of(emu).get(other) is False, within=5, interval=0.005)
+        assert 0.45 <= time.monotonic() - start <= 0.7
+
+
+async def test_steady_state_makes_no_writes(
+    nats_server: EmbeddedNats, emu: KubeEmulator, tmp_path: Path
+) -> None:
+    """60 s of steady state, time-compressed 20x: the 1 Hz inputs (republished
+    inventory, repeated health events, health-state snapshots) arrive every 50 ms for
+    3 s, i.e. 60 cycles, and the periodic reconcile runs every 0.5 s (6 times) instead
+    of every 5 minutes. What is simulated is the rate; the inputs, the bus, the HTTP
+    requests and the comparisons are the real ones. Expect zero writes, and only the
+    reconcile reads."""
+    settings = fast_settings(
+        kubeconfig=str(tmp_path / "kubeconfig"),
+        quiet_window_s=0.025,
+        max_delay_s=0.1,
+        reconcile_interval_s=0.5,
+    )
+    inventory = make_inventory(NODE)
+    bad = gpu_uuid(NODE, 2)
+    fault = health_event(NODE, bad, healthy=False)
+    snapshot = health_state(NODE, [fault])
+    async with running_reporter(nats_server.url, tmp_path, NODE, settings) as r:
+        await _publish_inventory(r, inventory)
+        await r.bus.publish(subjects.health(NODE), fault, codec.HEALTH_EVENT)
+        await wait_until(lambda: _health_of(emu).get(bad) is False)
+        await _converged(r, emu)
+        await anyio.sleep(0.2)
+        before_writes = _total_writes(emu)
+        log_start = len(emu.stats.log)
+        for _cycle in range(60):
+            await _publish_inventory(r, inventory)
+            # The same fault re-reported (a repeat), a warning on a healthy GPU, the
+            # health service's snapshot: nothing the Device shows changes.
+            await _publish_health(r, bad, healthy=False, reason="Xid79 again")
+            await _publish_health(
+                r,
+                gpu_uuid(NODE, 0),
+                healthy=True,
+                kind="thermal_slowdown",
+                severity="warning",
+                condition="thermal",
+            )
+            r.service.on_health_state(snapshot)
+            await anyio.sleep(0.05)
+        await _converged(r, emu)
+        assert _total_writes(emu) == before_writes
+        new = list(emu.stats.log)[log_start:]
+        assert {rec.method for rec in new} <= {"GET"}
+        assert 4 <= len(new) <= 16  # ~6 reconciles x 2 reads
+        assert r.probe.value("gpulet.reporter.write_failures") == 0
+
+
+async def test_faults_on_30_percent_of_calls_converge_without_losing_updates(
+    nats_server: EmbeddedNats, emu: KubeEmulator, tmp_path: Path
+) -> None:
+    settings = fast_settings(kubeconfig=str(tmp_path / "kubeconfig"))
+    rule = emu.faults.fail_ratio(0.3, (409, 429, 500), seed=11, retry_after=0)
+    async with running_reporter(nats_server.url, tmp_path, NODE, settings) as r:
+        await _publish_inventory(r, make_inventory(NODE))
+        expected = {gpu_uuid(NODE, i): True for i in range(8)}
+        # 24 changes, spaced so that many become separate writes, each hitting faults.
+        for step in range(24):
+            uuid = gpu_uuid(NODE, step % 8)
+            healthy = step % 3 == 2
+            expected[uuid] = healthy
+            await _publish_health(r, uuid, healthy=healthy, reason=f"Xid{step + 1}")
+            await anyio.sleep(0.08)
+        await _converged(r, emu)
+        assert _health_of(emu) == expected
+        # The last reason of each GPU is what the API holds.
+        stored = _device(emu)
+        desired = r.service.desired
+        assert desired is not None
+        rendered = d.render_device(
+            desired,
+            stored,
+            node_uid=_node(emu)["metadata"]["uid"],
+            now=time.time(),
+        )
+        assert not d.device_differs(rendered, stored)
+        assert rule.fired >= 5
+        statuses = {rec.status for rec in emu.stats.log if rec.fault}
+        assert statuses <= {409, 429, 500}
+        assert r.probe.value("gpulet.reporter.write_failures") > 0
+        assert r.probe.value("gpulet.reporter.retries") > 0
+        emu.faults.clear()
+
+
+async def test_retry_after_is_honoured(
+    nats_server: EmbeddedNats, emu: KubeEmulator, tmp_path: Path
+) -> None:
+    settings = fast_settings(kubeconfig=str(tmp_path / "kubeconfig"))
+    async with running_reporter(nats_server.url, tmp_path, NODE, settings) as r:
+        await _publish_inventory(r, make_inventory(NODE))
+        await _converged(r, emu)
+        emu.faults.fail_next(1, 429, method="PUT", retry_after=1)
+        bad = gpu_uuid(NODE, 0)
+        start = time.monotonic()
+        await _publish_health(r, bad, healthy=False)
+        await wait_until(lambda: _health_of(emu).get(bad) is False, within=5)
+        assert time.monotonic() - start >= 1.0
+        assert r.probe.value("gpulet.reporter.write_failures", reason="429") == 1
+
+
+async def test_transient_errors_on_reads_retry_quickly_and_4xx_slowly(
+    nats_server: EmbeddedNats, emu: KubeEmulator, tmp_path: Path
+) -> None:
+    """Only a permanent-looking error (403, 422) waits the maximum back-off (30 s here)."""
+    settings = fast_settings(kubeconfig=str(tmp_path / "kubeconfig"), backoff_max_s=30.0)
+    emu.faults.fail_next(1, 409, method="GET", path="/devices/")
+    emu.faults.fail_next(1, 504, method="GET", path="/devices/")
+    async with running_reporter(nats_server.url, tmp_path, NODE, settings) as r:
+        start = time.monotonic()
+        await _publish_inventory(r, make_inventory(NODE))
+        await wait_until(lambda: emu.get_object(DEVICES, NODE) is not None, within=3)
+        assert time.monotonic() - start < 1.5
+        await _converged(r, emu)
+        emu.faults.fail_next(1, 403, method="PUT")
+        await _publish_health(r, gpu_uuid(NODE, 0), healthy=False)
+        await wait_until(lambda: r.probe.value("gpulet.reporter.write_failures", reason="4xx") == 1)
+        await anyio.sleep(0.5)
+        assert _health_of(emu)[gpu_uuid(NODE, 0)] is True  # still waiting out the back-off
+        status = r.runtime.status.get("reporter")
+        assert status is not None
+        assert status.state == "degraded"
+        assert "403" in status.detail
+
+
+async def test_a_restart_converges_without_a_needless_write(
+    nats_server: EmbeddedNats, emu: KubeEmulator, tmp_path: Path
+) -> None:
+    settings = fast_settings(kubeconfig=str(tmp_path / "kubeconfig"))
+    inventory = make_inventory(NODE)
+    bad = gpu_uuid(NODE, 4)
+    fault = health_event(NODE, bad, healthy=False)
+    async with running_reporter(nats_server.url, tmp_path, NODE, settings) as first:
+        await _publish_inventory(first, inventory)
+        await first.bus.publish(subjects.health(NODE), fault, codec.HEALTH_EVENT)
+        await wait_until(lambda: _health_of(emu).get(bad) is False)
+        await _converged(first, emu)
+    writes = _total_writes(emu)
+    device_rv = _device(emu)["metadata"]["resourceVersion"]
+
+    # The second reporter starts after the collector and the health service: it learns
+    # their state by asking, over the bus, and finds the API already up to date.
+    state = health_state(NODE, [fault])
+    asked: list[str] = []
+    async with running_reporter(nats_server.url, tmp_path / "second", NODE, settings) as second:
+
+        async def answer_inventory(_req: Delivery[InventoryRequest]) -> Inventory:
+            asked.append("inventory")
+            return inventory
+
+        async def answer_health(_req: Delivery[HealthStateRequest]) -> HealthState:
+            asked.append("health")
+            return state
+
+        async with anyio.create_task_group() as tg:
+            await tg.start(
+                second.bus.serve,
+                subjects.inventory_request(NODE),
+                answer_inventory,
+                codec.INVENTORY_REQUEST,
+                codec.INVENTORY,
+            )
+            await tg.start(
+                second.bus.serve,
+                subjects.health_state(NODE),
+                answer_health,
+                codec.HEALTH_STATE_REQUEST,
+                codec.HEALTH_STATE,
+            )
+            await wait_until(lambda: second.service.inventory is not None, within=5)
+            await _converged(second, emu)
+            await anyio.sleep(0.4)  # twice the maximum delay: nothing else comes
+            tg.cancel_scope.cancel()
+        assert {"inventory", "health"} <= set(asked)
+        assert _total_writes(emu) == writes
+        assert _device(emu)["metadata"]["resourceVersion"] == device_rv
+        assert second.service.metrics.writes_total == 0
+        assert second.service.metrics.unchanged_total >= 1
+
+
+async def test_labels_of_other_owners_survive_and_ours_are_removed_when_unwanted(
+    nats_server: EmbeddedNats, emu: KubeEmulator, tmp_path: Path
+) -> None:
+    kubeconfig = str(tmp_path / "kubeconfig")
+    async with running_reporter(
+        nats_server.url, tmp_path, NODE, fast_settings(kubeconfig=kubeconfig)
+    ) as r:
+        await _publish_inventory(r, make_inventory(NODE))
+        await _converged(r, emu)
+        labels = _node_labels(emu)
+        assert labels["team"] == "ml"
+        assert labels["nvidia.com/gpu.family"] == "hopper"
+        assert labels["nvidia.com/gpu.count"] == "8"
+        # Someone else adds a label meanwhile; a driver without a version string.
+        node = emu.get_object(NODES, NODE)
+        assert node is not None
+        node["metadata"]["labels"]["owner/other"] = "keep-me"
+        emu.put_object(NODES, node)
+        await _publish_inventory(r, make_inventory(NODE, driver=None, generation=2))
+        await wait_until(lambda: d.LABEL_GPU_DRIVER not in _node_labels(emu))
+        await _converged(r, emu)
+    labels = _node_labels(emu)
+    assert "nvidia.com/cuda.driver-version.full" not in labels
+    assert labels["team"] == "ml"
+    assert labels["owner/other"] == "keep-me"
+    assert labels["nvidia.com/gpu.family"] == "hopper"
+
+    # Restarted with GFD labels switched off: our nvidia.com/* keys go, GFD's own stays.
+    async with running_reporter(
+        nats_server.url,
+        tmp_path / "b",
+        NODE,
+        fast_settings(kubeconfig=kubeconfig, gfd_labels=False),
+    ) as r:
+        await _publish_inventory(r, make_inventory(NODE, driver=None, generation=2))
+        await wait_until(lambda: "nvidia.com/gpu.count" not in _node_labels(emu))
+        await _converged(r, emu)
+    node = emu.get_object(NODES, NODE)
+    assert node is not None
+    labels = node["metadata"]["labels"]
+    assert labels["nvidia.com/gpu.family"] == "hopper"
+    assert labels["owner/other"] == "keep-me"
+    assert labels[d.LABEL_GPU_MODEL] == "H100-80GB-HBM3"
+    assert not [k for k in labels if k.startswith("nvidia.com/") and k != "nvidia.com/gpu.family"]
+    assert node["metadata"]["annotations"][d.MANAGED_LABELS_ANNOTATION] == ",".join(
+        sorted([d.LABEL_GPU_MODEL, d.LABEL_GPU_VENDOR])
+    )
+
+
+async def test_drift_is_corrected_by_the_periodic_reconcile(
+    nats_server: EmbeddedNats, emu: KubeEmulator, tmp_path: Path
+) -> None:
+    settings = fast_settings(kubeconfig=str(tmp_path / "kubeconfig"), reconcile_interval_s=0.3)
+    async with running_reporter(nats_server.url, tmp_path, NODE, settings) as r:
+        await _publish_inventory(r, make_inventory(NODE))
+        bad = gpu_uuid(NODE, 1)
+        await _publish_health(r, bad, healthy=False)
+        await wait_until(lambda: _health_of(emu).get(bad) is False)
+        # Someone "fixes" the GPU by hand and adds a label of their own.
+        edited = _device(emu)
+        for entry in edited["spec"]["devices"]:
+            entry["health"] = True
+        edited["metadata"]["labels"]["edited/by"] = "admin"
+        emu.put_object(DEVICES, edited)
+        await wait_until(lambda: _health_of(emu).get(bad) is False, within=3)
+        assert _device(emu)["metadata"]["labels"]["edited/by"] == "admin"
+        # Someone deletes it: it comes back.
+        emu.delete_object(DEVICES, NODE)
+        await wait_until(lambda: _health_of(emu).get(bad) is False, within=3)
+
+
+async def test_a_missing_node_gets_its_owner_reference_once_it_exists(
+    nats_server: EmbeddedNats, tmp_path: Path
+) -> None:
+    async with KubeEmulator.running() as emu:
+        kubeconfig = emu.write_kubeconfig(tmp_path / "kubeconfig")
+        settings = fast_settings(kubeconfig=str(kubeconfig), reconcile_interval_s=0.3)
+        async with running_reporter(nats_server.url, tmp_path, NODE, settings) as r:
+            await _publish_inventory(r, make_inventory(NODE))
+            await wait_until(lambda: emu.get_object(DEVICES, NODE) is not None)
+            assert "ownerReferences" not in _device(emu)["metadata"]
+            emu.add_node(NODE)
+            await wait_until(
+                lambda: bool(_device(emu)["metadata"].get("ownerReferences")), within=3
+            )
+            await _converged(r, emu)
+            assert "node.koordinator.sh/gpu-model" in _node_labels(emu)
