@@ -1,0 +1,217 @@
+"""``gpulet allocator state`` and ``gpulet allocator release``: talk to a running allocator.
+
+Why here
+--------
+``gpulet allocator`` alone runs the allocator service (sidecar mode); these two
+actions are added to that same command, so ``gpulet allocator --help`` shows both.
+They speak the allocator's NATS API (:mod:`.protocol`) with the node's settings, like
+``gpulet watch`` does, and print either a table for people or JSON (``--json``).
+
+The protocol is imported when a command runs, not when ``gpulet`` builds its parser:
+it pulls in the plugin package and so grpcio, which a sidecar image without the
+allocator extra does not have.
+
+Release names allocations the way the allocator knows them: kubelet's Allocate
+carries no pod UID, so an allocation is an ID (``state`` lists them; containers see
+``GPULET_ALLOCATION_ID``) or the ``namespace/name`` of its pod once PodResources has
+reported it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import msgspec
+
+from gpulet_common import subjects
+from gpulet_common.bus import Bus, BusError, RemoteError, RequestTimeout
+from gpulet_common.codec import Codec
+from gpulet_common.settings import Settings
+
+if TYPE_CHECKING:
+    from gpulet_allocator import protocol as p
+
+DEFAULT_URL = "nats://127.0.0.1:4222"
+
+AddFlags = Callable[[argparse.ArgumentParser], None]
+LoadSettings = Callable[[argparse.Namespace], Settings]
+
+
+async def _ask(
+    settings: Settings,
+    endpoint: str,
+    value: Any,
+    request: Codec[Any],
+    reply: Codec[Any],
+    timeout_s: float,
+) -> Any:
+    from gpulet_allocator import protocol as p
+
+    nats_settings = settings.nats
+    if not nats_settings.url:
+        nats_settings = msgspec.structs.replace(nats_settings, url=DEFAULT_URL)
+    async with Bus.connect(
+        nats_settings, name="gpulet-allocator-cli", max_initial_attempts=3
+    ) as bus:
+        return await p.request(
+            bus.client,
+            subjects.allocator_endpoint(settings.node_name, endpoint),
+            value,
+            request,
+            reply,
+            timeout_s=timeout_s,
+        )
+
+
+def _run(settings: Settings, what: str, call: Callable[[], Any]) -> Any:
+    try:
+        return anyio.run(call)
+    except RequestTimeout:
+        print(
+            f"gpulet allocator {what}: no allocator answered for node {settings.node_name!r} "
+            "(is the allocator running? is --node right?)",
+            file=sys.stderr,
+        )
+    except RemoteError as exc:
+        print(f"gpulet allocator {what}: refused: {exc.code}: {exc.message}", file=sys.stderr)
+    except BusError as exc:
+        print(f"gpulet allocator {what}: {exc}", file=sys.stderr)
+    return None
+
+
+def _mib(units: int) -> str:
+    return f"{units * 256 / 1024:g} GiB"
+
+
+def format_state(state: p.StateReply) -> str:
+    lines = [f"node {state.node}: {'ready' if state.ready else 'NOT READY (no inventory)'}"]
+    lines.append(f"checkpoint {state.checkpoint}")
+    lines.append("")
+    lines.append(f"{'GPU':>3}  {'UUID':<42} {'HEALTH':<9} {'CORES':>7} {'MEMORY':>17}  HELD BY")
+    for g in state.gpus:
+        health = "healthy" if g.healthy else "UNHEALTHY"
+        if not g.present:
+            health = "LOST"
+        holder = g.whole or ", ".join(g.shares) or "-"
+        memory = f"{_mib(g.memory_used)}/{_mib(g.memory_units)}"
+        lines.append(
+            f"{g.index:>3}  {g.uuid:<42} {health:<9} {g.cores_used:>3}/100 {memory:>17}  {holder}"
+        )
+    lines.append("")
+    if not state.allocations:
+        lines.append("no allocations")
+    for a in state.allocations:
+        pods = sorted({f"{g.pod}/{g.container}" for g in a.grants if g.pod})
+        size = (
+            f"{len(a.gpus)} whole GPU(s)"
+            if a.kind == "whole"
+            else f"{a.cores} core units, {_mib(a.memory_units)}"
+        )
+        lines.append(f"{a.id}  {size} on {', '.join(a.gpus)}  pod: {', '.join(pods) or '?'}")
+    return "\n".join(lines)
+
+
+def _cmd_state(args: argparse.Namespace, load: LoadSettings) -> int:
+    from gpulet_allocator import protocol as p
+
+    settings = load(args)
+    state = _run(
+        settings,
+        "state",
+        lambda: _ask(
+            settings,
+            p.ENDPOINT_STATE,
+            p.StateRequest(),
+            p.STATE_REQUEST,
+            p.STATE_REPLY,
+            args.timeout,
+        ),
+    )
+    if state is None:
+        return 1
+    print(json.dumps(msgspec.to_builtins(state), indent=2) if args.json else format_state(state))
+    return 0
+
+
+def _cmd_release(args: argparse.Namespace, load: LoadSettings) -> int:
+    from gpulet_allocator import protocol as p
+
+    settings = load(args)
+    ids = [t for t in args.targets if "/" not in t]
+    pods = [t for t in args.targets if "/" in t]
+    if args.device_id and not args.resource:
+        print("gpulet allocator release: --device-id needs --resource", file=sys.stderr)
+        return 2
+    if not (ids or pods or args.device_id):
+        print("gpulet allocator release: name an allocation, a pod or --device-id", file=sys.stderr)
+        return 2
+    request = p.ReleaseRequest(
+        allocation_ids=ids,
+        pods=pods,
+        resource=args.resource or "",
+        device_ids=list(args.device_id or []),
+        reason=args.reason,
+    )
+    reply = _run(
+        settings,
+        "release",
+        lambda: _ask(
+            settings, p.ENDPOINT_RELEASE, request, p.RELEASE_REQUEST, p.RELEASE_REPLY, args.timeout
+        ),
+    )
+    if reply is None:
+        return 1
+    if args.json:
+        print(json.dumps(msgspec.to_builtins(reply), indent=2))
+    elif not reply.released:
+        print("nothing released (no allocation matched)")
+    else:
+        for a in reply.released:
+            print(f"released {a.id} ({a.kind} on {', '.join(a.gpus)})")
+    return 0 if reply.released else 1
+
+
+def add_commands(sub: Any, add_flags: AddFlags, load: LoadSettings) -> None:
+    def bind(
+        fn: Callable[[argparse.Namespace, LoadSettings], int],
+    ) -> Callable[[argparse.Namespace], int]:
+        return lambda args: fn(args, load)
+
+    # `gpulet allocator` (the sidecar command) exists already: add actions to it.
+    parser = sub.choices.get("allocator")
+    if parser is None:
+        parser = sub.add_parser("allocator", help="talk to the allocator of a node")
+    actions = parser.add_subparsers(
+        dest="allocator_action", metavar="[state|release]", required=False
+    )
+
+    state = actions.add_parser("state", help="show the node's GPUs and allocations")
+    state.add_argument("--json", action="store_true", help="print the raw reply as JSON")
+    state.add_argument("--timeout", type=float, default=2.0, help="seconds to wait")
+    add_flags(state)
+    state.set_defaults(func=bind(_cmd_state))
+
+    release = actions.add_parser(
+        "release",
+        help="release allocations (when kubelet's PodResources API is not available)",
+    )
+    release.add_argument(
+        "targets",
+        nargs="*",
+        metavar="ALLOCATION_ID|NAMESPACE/POD",
+        help="allocation IDs (see `state`) or pods as namespace/name",
+    )
+    release.add_argument("--resource", help="resource of --device-id, e.g. nvidia.com/gpu")
+    release.add_argument(
+        "--device-id", action="append", help="a device ID kubelet gave the container (repeat)"
+    )
+    release.add_argument("--reason", default="operator", help="recorded in the allocator's log")
+    release.add_argument("--json", action="store_true", help="print the raw reply as JSON")
+    release.add_argument("--timeout", type=float, default=2.0, help="seconds to wait")
+    add_flags(release)
+    release.set_defaults(func=bind(_cmd_release))

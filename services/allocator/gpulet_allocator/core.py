@@ -1,0 +1,780 @@
+"""The allocator's decisions for kubelet's calls, on top of the engine's ledger.
+
+Design
+------
+The engine (:mod:`gpulet_allocator.engine`) knows allocations keyed by a request key
+and decides placements. Kubelet, however, never says which pod it allocates for: an
+``Allocate`` call carries only the device IDs it picked of one resource, one list per
+container. This module bridges the two; it is synchronous and does no I/O, so the
+NATS service (:mod:`gpulet_allocator.service`) and the in-process benchmark drive the
+very same code.
+
+**Grants.** Each container list of an ``Allocate`` call is a *grant*, keyed by a hash
+of the resource name and the sorted device IDs. Kubelet never gives the same device ID
+to two live containers, so the key names one container's request, and a retry of the
+call (kubelet's, or after an allocator restart, since grants are checkpointed with the
+allocations) finds the grant and gets the recorded answer: nothing is allocated twice.
+An allocation (the ledger's entry) is owned by the key of its first grant, which is
+also its ID (``gpulet.io/allocation`` annotation, ``GPULET_ALLOCATION_ID`` env).
+
+**Resources.** ``nvidia.com/gpu`` IDs are GPU UUIDs; kubelet's pick is honoured (and
+steered beforehand by ``GetPreferredAllocation``, which the engine answers
+topology- and fragmentation-aware). A named GPU that is unhealthy, lost or busy is
+refused precisely rather than swapped, so kubelet's accounting never drifts from ours.
+Share IDs (``<uuid>::core-<n>``, ``<uuid>::mem-<n>``) are only counted, as
+gpu-manager does: N core IDs are N core units wherever kubelet took them from, and the
+allocator places the share itself, best fit. Core units that are a multiple of 100 are
+that many whole cards (the engine picks them; they come with all their memory, so a
+``gpu-memory`` request in the same container is refused); 150 is refused
+(``invalid_core_units``).
+
+**Joining the core and memory halves of a share.** Kubelet admits one pod at a time
+and, for each container, calls ``Allocate`` once per resource, one call after the
+other, in no fixed order. A container's ``gpu-core`` and ``gpu-memory`` calls are
+therefore adjacent, and the rule is:
+
+* a share call with no *open half* places a share best fit, taking the dimension it
+  does not know proportionally (memory: cores/100 of the node's smallest card; cores:
+  memory's fraction of the largest card, 1..99) -- or, when no card has that much
+  left, the least (one memory unit, one core unit) -- and leaves it open;
+* the next call, if it is of the *other* share resource and arrives within
+  ``share_join_window_s``, joins: the share is resized to the real numbers on the
+  same card, so both answers name the same GPU (kubelet merges their environments and
+  keeps the first value of a duplicated variable). If the card cannot take the
+  resized share the call fails with ``insufficient_capacity`` naming the card, and
+  the first half stays as it was;
+* any other call, and any call that fails, closes the open half, which keeps its
+  guessed amount.
+
+Each answer sets only its own limit (``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` for cores,
+``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`` for memory): a half that is never joined keeps its
+guessed amount in the accounting but is not limited in the other dimension. Ask for both
+resources in every share container (gpu-manager requires it too). The one sequence
+this cannot tell apart is a core-only container followed directly by a
+memory-first container; :meth:`AllocatorCore.reconcile` detects it from PodResources
+and reports it.
+
+**Release.** Kubelet's PodResources API lists the device IDs each live container
+holds; hashing them gives the live grant keys (:meth:`AllocatorCore.reconcile`). An
+allocation none of whose grants has been listed for ``release_grace_s`` is released
+(the grace covers a kubelet that lists nothing for a moment after a restart, and a
+grant younger than the grace is never released). Without PodResources, an explicit
+release by allocation ID, pod or device IDs does it (:meth:`AllocatorCore.release`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import math
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Final, Literal
+
+import msgspec
+
+from gpulet_allocator.engine import (
+    AllocationError,
+    Ledger,
+    Owner,
+    ShareAllocation,
+    WholeAllocation,
+    classify_cores,
+)
+from gpulet_allocator.engine.shares import memory_units as memory_units_of
+from gpulet_allocator.plugin.backend import ContainerAllocation, Mount, PreferredRequest
+from gpulet_allocator.plugin.resources import ResourceKind, parse_device_id
+from gpulet_allocator.protocol import (
+    AllocationView,
+    GpuView,
+    GrantView,
+    ReleaseRequest,
+    StateReply,
+)
+from gpulet_common.messages import GpuInfo, Inventory
+from gpulet_common.settings.allocator import CdiSettings, MpsSettings, ResourceNames
+
+log = logging.getLogger("gpulet.allocator")
+
+CORES_PER_GPU: Final = 100
+MEMORY_UNIT_MIB: Final = 256
+ALLOCATION_ANNOTATION: Final = "gpulet.io/allocation"
+ALLOCATION_ENV: Final = "GPULET_ALLOCATION_ID"
+STATE_VERSION: Final = 1
+
+GrantKind = Literal["whole", "core", "memory"]
+Allocation = WholeAllocation | ShareAllocation
+Undo = Callable[[], None]
+
+
+class Rejected(Exception):
+    """A refused request: ``code`` for programs, ``message`` for people."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+class Grant(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """One container's Allocate of one resource, as answered."""
+
+    key: str
+    resource: str
+    kind: GrantKind
+    units: int
+    allocation: str
+    created_at: float
+    # Learnt from PodResources: "namespace/name" and the container name.
+    pod: str = ""
+    container: str = ""
+
+
+class StoredState(msgspec.Struct, frozen=True, kw_only=True):
+    """What the checkpoint holds. Add fields with defaults only; bump version otherwise."""
+
+    version: int = STATE_VERSION
+    node: str = ""
+    allocations: list[WholeAllocation | ShareAllocation] = []
+    grants: list[Grant] = []
+
+
+@dataclass(frozen=True, slots=True)
+class PodRef:
+    pod: str
+    container: str
+
+
+@dataclass(slots=True)
+class _OpenHalf:
+    allocation: str
+    kind: Literal["core", "memory"]
+    at: float
+
+
+# Kubelet asks for a container's resources in random order, and a memory answer
+# given first could not name the whole cards a later core answer gets: refused in
+# both orders, so that such a pod fails the same way every time.
+_WHOLE_WITH_MEMORY = (
+    "{} core units are whole cards, which come with all their memory: do not ask for "
+    "gpulet.io/gpu-memory next to them (or ask nvidia.com/gpu for whole cards)"
+)
+
+
+def grant_key(kind: GrantKind, resource: str, device_ids: Iterable[str]) -> str:
+    """The stable key of one container's request (see the module docstring)."""
+    digest = hashlib.blake2b(digest_size=10)
+    digest.update(resource.encode())
+    for device_id in sorted(device_ids):
+        digest.update(b"\0" + device_id.encode())
+    return f"{kind}-{digest.hexdigest()}"
+
+
+def _engine_error(exc: AllocationError) -> Rejected:
+    return Rejected(exc.code, exc.message)
+
+
+class AllocatorCore:
+    """Ledger + grants + the join rule. Not thread-safe: call from one event loop."""
+
+    def __init__(
+        self,
+        *,
+        node: str,
+        names: ResourceNames,
+        shares: bool = True,
+        mps: MpsSettings | None = None,
+        cdi: CdiSettings | None = None,
+        join_window_s: float = 5.0,
+        release_grace_s: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.node = node
+        self.ledger = Ledger()
+        self._kinds: dict[str, GrantKind] = {names.gpu: "whole"}
+        if shares:
+            self._kinds[names.core] = "core"
+            self._kinds[names.memory] = "memory"
+        self._mps = mps or MpsSettings()
+        self._cdi = cdi or CdiSettings()
+        self._join_window_s = join_window_s
+        self._grace_s = release_grace_s
+        self._clock = clock
+        self._wall = wall_clock
+        self._grants: dict[str, Grant] = {}
+        self._gpus: dict[str, GpuInfo] = {}
+        self._health: dict[str, bool] = {}
+        self._inventory: Inventory | None = None
+        self._open: _OpenHalf | None = None
+        self._missing_since: dict[str, float] = {}
+        self._mismatch_reported: set[str] = set()
+        #: Bumped on every change that must reach the checkpoint.
+        self.version = 0
+        #: Share joins that PodResources showed to span two containers.
+        self.join_mismatches = 0
+
+    # --- inputs ------------------------------------------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        return self._inventory is not None
+
+    @property
+    def inventory_generation(self) -> int:
+        return self._inventory.generation if self._inventory else 0
+
+    def kind_of(self, resource: str) -> GrantKind | None:
+        return self._kinds.get(resource)
+
+    def resource_kind(self, resource: str) -> GrantKind:
+        kind = self._kinds.get(resource)
+        if kind is None:
+            served = ", ".join(sorted(self._kinds))
+            raise Rejected("unknown_resource", f"{resource!r} is not served here ({served})")
+        return kind
+
+    def update_inventory(self, inventory: Inventory) -> bool:
+        """Adopt an inventory; returns False when it is ignored.
+
+        A degraded inventory without GPUs (NVML failed) says nothing about the GPUs,
+        so the last known one is kept rather than every GPU being declared lost.
+        """
+        if inventory.degraded_reason and not inventory.gpus and self._inventory is not None:
+            log.warning("ignoring a degraded inventory: %s", inventory.degraded_reason)
+            return False
+        self._inventory = inventory
+        self._gpus = {g.uuid: g for g in inventory.gpus}
+        self.ledger.update_inventory(inventory.gpus)
+        for uuid, healthy in self._health.items():
+            if uuid in self._gpus:
+                self.ledger.set_health(uuid, healthy)
+        return True
+
+    def set_health(self, uuid: str, healthy: bool) -> bool:
+        """Record a GPU's health; returns whether it changed."""
+        changed = self._health.get(uuid, True) != healthy
+        self._health[uuid] = healthy
+        # A GPU not in the inventory yet gets it applied when it arrives.
+        with contextlib.suppress(AllocationError):
+            self.ledger.set_health(uuid, healthy)
+        return changed
+
+    # --- Allocate ----------------------------------------------------------------------
+
+    def allocate(
+        self, resource: str, containers: Sequence[Sequence[str]]
+    ) -> tuple[list[ContainerAllocation], Undo]:
+        """Answer kubelet's Allocate; all containers or none (raises :class:`Rejected`).
+
+        The returned undo reverts what this call changed, for a checkpoint that failed.
+        """
+        kind = self.resource_kind(resource)
+        if not self.ready:
+            raise Rejected("not_ready", "the allocator has no GPU inventory yet")
+        if not containers:
+            raise Rejected("invalid_request", "the request names no container")
+        undo: list[Undo] = []
+        try:
+            answers = [
+                self._allocate_one(resource, kind, list(ids), n, undo)
+                for n, ids in enumerate(containers)
+            ]
+        except (AllocationError, Rejected) as exc:
+            # All or nothing: an earlier container of this call is given back. The
+            # open half is closed too: kubelet fails this pod and moves on to the next.
+            self._revert(undo)
+            self._open = None
+            raise _engine_error(exc) if isinstance(exc, AllocationError) else exc from None
+        except Exception:
+            # A bug: leave the ledger as it was before the call, then let it surface.
+            self._revert(undo)
+            self._open = None
+            raise
+        return answers, lambda: self._revert(undo)
+
+    def _revert(self, undo: list[Undo]) -> None:
+        if not undo:
+            return
+        for step in reversed(undo):
+            step()
+        if self._open is not None and self.ledger.get(self._open.allocation) is None:
+            self._open = None
+        self.version += 1
+
+    def _allocate_one(
+        self, resource: str, kind: GrantKind, ids: list[str], n: int, undo: list[Undo]
+    ) -> ContainerAllocation:
+        self._check_ids(resource, kind, ids, n)
+        key = grant_key(kind, resource, ids)
+        existing = self._grants.get(key)
+        if existing is not None:
+            return self._answer(existing)
+        now = self._clock()
+        if kind == "whole":
+            uuids = [parse_device_id(i).gpu_uuid for i in ids]
+            self.ledger.allocate_whole(Owner(pod_uid=key), devices=uuids)
+            self._open = None
+            return self._new_grant(key, resource, kind, len(ids), key, undo, own=True)
+        if kind == "core":
+            request = classify_cores(len(ids))
+            if request.kind == "whole":
+                if self._joinable("memory", now) is not None:
+                    raise Rejected("invalid_request", _WHOLE_WITH_MEMORY.format(len(ids)))
+                self.ledger.allocate_whole(Owner(pod_uid=key), request.count)
+                grant = self._new_grant(key, resource, kind, len(ids), key, undo, own=True)
+                self._open = _OpenHalf(allocation=key, kind="core", at=now)
+                return grant
+            partner = self._joinable("memory", now)
+            if partner is not None:
+                self._resize(partner, cores=request.cores, half="core", undo=undo)
+                self._open = None
+                return self._new_grant(key, resource, kind, len(ids), partner.owner.pod_uid, undo)
+            memory = self._proportional_memory(request.cores)
+            self._place_half(
+                key,
+                request.cores,
+                memory,
+                least=(request.cores, 1),
+                asked=f"{request.cores} core units",
+            )
+            self._open = _OpenHalf(allocation=key, kind="core", at=now)
+            return self._new_grant(key, resource, kind, len(ids), key, undo, own=True)
+        units = len(ids)
+        self._check_memory(units)
+        partner = self._joinable("core", now)
+        if partner is not None:
+            self._resize(partner, memory=units, half="memory", undo=undo)
+            self._open = None
+            return self._new_grant(key, resource, kind, units, partner.owner.pod_uid, undo)
+        whole = self._joinable_any("core", now)
+        if whole is not None:
+            cores = CORES_PER_GPU * len(whole.devices) if isinstance(whole, WholeAllocation) else 0
+            raise Rejected("invalid_request", _WHOLE_WITH_MEMORY.format(cores))
+        cores = self._proportional_cores(units)
+        self._place_half(key, cores, units, least=(1, units), asked=f"{units} memory units")
+        self._open = _OpenHalf(allocation=key, kind="memory", at=now)
+        return self._new_grant(key, resource, kind, units, key, undo, own=True)
+
+    def _check_ids(self, resource: str, kind: GrantKind, ids: list[str], n: int) -> None:
+        if not ids:
+            raise Rejected("invalid_request", f"container {n} asks for no {resource} device")
+        if len(set(ids)) != len(ids):
+            dupes = sorted({i for i in ids if ids.count(i) > 1})
+            raise Rejected("invalid_request", f"duplicate device IDs: {', '.join(dupes[:5])}")
+        bad: list[str] = []
+        unknown_gpus: set[str] = set()
+        expected = ResourceKind(kind)
+        for device_id in ids:
+            try:
+                parsed = parse_device_id(device_id)
+            except ValueError:
+                bad.append(device_id)
+                continue
+            if parsed.kind is not expected:
+                bad.append(device_id)
+                continue
+            known = self._known_gpu(parsed.gpu_uuid)
+            if not known:
+                unknown_gpus.add(parsed.gpu_uuid)
+            elif parsed.unit is not None and not self._unit_exists(
+                parsed.gpu_uuid, kind, parsed.unit
+            ):
+                bad.append(device_id)
+        if bad:
+            shown = ", ".join(repr(b) for b in bad[:5])
+            more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
+            raise Rejected(
+                "unknown_device", f"not {resource} device IDs of this node: {shown}{more}"
+            )
+        if unknown_gpus:
+            raise Rejected("unknown_device", f"unknown GPU IDs: {', '.join(sorted(unknown_gpus))}")
+
+    def _known_gpu(self, uuid: str) -> bool:
+        if uuid in self._gpus:
+            return True
+        try:
+            self.ledger.device(uuid)
+        except AllocationError:
+            return False
+        return True
+
+    def _unit_exists(self, uuid: str, kind: GrantKind, unit: int) -> bool:
+        if kind == "core":
+            return unit < CORES_PER_GPU
+        info = self._gpus.get(uuid)
+        # A lost GPU's size is unknown; kubelet no longer lists its units anyway.
+        return info is None or unit < memory_units_of(info.memory_total_bytes)
+
+    def _check_memory(self, units: int) -> None:
+        sizes = self._card_sizes()
+        if sizes and units > max(sizes):
+            largest = max(self._present(), key=lambda g: (g.memory_total_bytes, -g.index))
+            raise Rejected(
+                "memory_exceeds_card",
+                f"the share asks for {units} memory units ({units * MEMORY_UNIT_MIB} MiB) "
+                f"but the largest card, {largest.uuid}, has {max(sizes)} "
+                f"({max(sizes) * MEMORY_UNIT_MIB} MiB)",
+            )
+
+    def _present(self) -> list[GpuInfo]:
+        return list(self._gpus.values())
+
+    def _card_sizes(self) -> list[int]:
+        return [u for g in self._gpus.values() if (u := memory_units_of(g.memory_total_bytes)) > 0]
+
+    def _proportional_memory(self, cores: int) -> int:
+        sizes = self._card_sizes()
+        if not sizes:
+            return 1
+        return max(1, math.ceil(cores * min(sizes) / CORES_PER_GPU))
+
+    def _proportional_cores(self, units: int) -> int:
+        sizes = self._card_sizes()
+        if not sizes:
+            return 1
+        return min(CORES_PER_GPU - 1, max(1, math.ceil(units * CORES_PER_GPU / max(sizes))))
+
+    def _place_half(
+        self, key: str, cores: int, memory: int, *, least: tuple[int, int], asked: str
+    ) -> None:
+        """Place a first half; if the proportional guess does not fit, the least share."""
+        try:
+            self.ledger.allocate_share(Owner(pod_uid=key), cores, memory)
+        except AllocationError as exc:
+            if exc.code != "insufficient_capacity" or (cores, memory) == least:
+                raise
+        else:
+            return
+        try:
+            self.ledger.allocate_share(Owner(pod_uid=key), *least)
+        except AllocationError as exc:
+            if exc.code != "insufficient_capacity":
+                raise
+            raise Rejected(
+                exc.code, f"no card has {asked} free for a share: {exc.message}"
+            ) from None
+
+    def _joinable_any(self, half: Literal["core", "memory"], now: float) -> Allocation | None:
+        open_half = self._open
+        if open_half is None or open_half.kind != half or now - open_half.at > self._join_window_s:
+            return None
+        return self.ledger.get(open_half.allocation)
+
+    def _joinable(self, half: Literal["core", "memory"], now: float) -> ShareAllocation | None:
+        alloc = self._joinable_any(half, now)
+        return alloc if isinstance(alloc, ShareAllocation) else None
+
+    def _resize(
+        self,
+        share: ShareAllocation,
+        *,
+        half: Literal["core", "memory"],
+        undo: list[Undo],
+        cores: int | None = None,
+        memory: int | None = None,
+    ) -> None:
+        new_cores = share.cores if cores is None else cores
+        new_memory = share.memory_units if memory is None else memory
+        if (new_cores, new_memory) == (share.cores, share.memory_units):
+            return
+        owner = share.owner
+        self.ledger.release(owner.pod_uid)
+        try:
+            self.ledger.allocate_share(owner, new_cores, new_memory, device=share.device)
+        except AllocationError as exc:
+            # Restore skips the health check: the first half must come back as it was.
+            self.ledger.restore([share])
+            other = "memory" if half == "core" else "core"
+            raise Rejected(
+                exc.code,
+                f"this container's {other} request already placed its share on "
+                f"{share.device}, which cannot take {new_cores} core units and "
+                f"{new_memory} memory units: {exc.message}",
+            ) from None
+
+        def revert() -> None:
+            self.ledger.release(owner.pod_uid)
+            self.ledger.restore([share])
+
+        undo.append(revert)
+
+    def _new_grant(
+        self,
+        key: str,
+        resource: str,
+        kind: GrantKind,
+        units: int,
+        allocation: str,
+        undo: list[Undo],
+        *,
+        own: bool = False,
+    ) -> ContainerAllocation:
+        grant = Grant(
+            key=key,
+            resource=resource,
+            kind=kind,
+            units=units,
+            allocation=allocation,
+            created_at=self._wall(),
+        )
+        self._grants[key] = grant
+        self.version += 1
+
+        def revert() -> None:
+            self._grants.pop(key, None)
+            if own:
+                self.ledger.release(allocation)
+
+        undo.append(revert)
+        return self._answer(grant)
+
+    # --- answers -------------------------------------------------------------------------
+
+    def _answer(self, grant: Grant) -> ContainerAllocation:
+        alloc = self.ledger.get(grant.allocation)
+        if alloc is None:
+            raise Rejected("internal", f"grant {grant.key} has lost its allocation")
+        gpus = list(alloc.devices) if isinstance(alloc, WholeAllocation) else [alloc.device]
+        envs = {"NVIDIA_VISIBLE_DEVICES": ",".join(gpus), ALLOCATION_ENV: grant.allocation}
+        mounts: list[Mount] = []
+        if isinstance(alloc, ShareAllocation) and self._mps.enabled:
+            if grant.kind == "core":
+                envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(alloc.cores)
+            elif grant.kind == "memory":
+                # One visible device, so it is ordinal 0 inside the container.
+                mib = alloc.memory_units * MEMORY_UNIT_MIB
+                envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = f"0={mib}M"
+            if self._mps.pipe_directory:
+                envs["CUDA_MPS_PIPE_DIRECTORY"] = self._mps.pipe_directory
+                mounts.append(
+                    Mount(
+                        container_path=self._mps.pipe_directory,
+                        host_path=self._mps.pipe_directory,
+                    )
+                )
+        cdi: list[str] = []
+        if self._cdi.enabled:
+            for uuid in gpus:
+                info = self._gpus.get(uuid)
+                name = str(info.index) if self._cdi.device_name == "index" and info else uuid
+                cdi.append(f"{self._cdi.kind}={name}")
+        return ContainerAllocation(
+            gpus=gpus,
+            envs=envs,
+            mounts=mounts,
+            annotations={ALLOCATION_ANNOTATION: grant.allocation},
+            cdi_devices=cdi,
+        )
+
+    # --- GetPreferredAllocation -------------------------------------------------------------
+
+    def preferred(self, resource: str, requests: Sequence[PreferredRequest]) -> list[list[str]]:
+        kind = self.resource_kind(resource)
+        if kind != "whole":
+            # Shares are placed by Allocate itself; any IDs will do.
+            return [
+                list(dict.fromkeys([*r.must_include, *r.available]))[: r.size] for r in requests
+            ]
+        if not self.ready:
+            raise Rejected("not_ready", "the allocator has no GPU inventory yet")
+        return [self._preferred_one(r) for r in requests]
+
+    def _preferred_one(self, request: PreferredRequest) -> list[str]:
+        unknown_must = [u for u in request.must_include if not self._known_gpu(u)]
+        if unknown_must:
+            raise Rejected("unknown_device", f"unknown GPU IDs: {', '.join(unknown_must)}")
+        # Unknown offers are left out rather than failing the hint for the whole node.
+        available = [u for u in request.available if u in self.ledger.topology]
+        try:
+            return self.ledger.preferred(available, request.must_include, request.size)
+        except AllocationError as exc:
+            raise _engine_error(exc) from None
+
+    # --- release ---------------------------------------------------------------------------
+
+    def release(self, request: ReleaseRequest) -> list[AllocationView]:
+        """Explicit release; unknown names release nothing (it is idempotent)."""
+        targets: list[str] = []
+        if not (request.allocation_ids or request.pods or request.device_ids):
+            raise Rejected(
+                "invalid_request", "name allocation_ids, pods, or resource and device_ids"
+            )
+        targets.extend(a for a in request.allocation_ids if self.ledger.get(a) is not None)
+        if request.pods:
+            wanted = set(request.pods)
+            targets.extend(g.allocation for g in self._grants.values() if g.pod in wanted)
+        if request.device_ids:
+            kind = self.resource_kind(request.resource)
+            grant = self._grants.get(grant_key(kind, request.resource, request.device_ids))
+            if grant is not None:
+                targets.append(grant.allocation)
+        released = [self._release(a) for a in dict.fromkeys(targets)]
+        views = [v for v in released if v is not None]
+        if views:
+            log.info(
+                "released %s (%s)", ", ".join(v.id for v in views), request.reason or "explicit"
+            )
+        return views
+
+    def _release(self, allocation: str) -> AllocationView | None:
+        if self.ledger.get(allocation) is None:
+            return None
+        view = self._view(allocation)
+        self.ledger.release(allocation)
+        for key in [k for k, g in self._grants.items() if g.allocation == allocation]:
+            del self._grants[key]
+        self._missing_since.pop(allocation, None)
+        if self._open is not None and self._open.allocation == allocation:
+            self._open = None
+        self.version += 1
+        return view
+
+    def reconcile(self, live: Mapping[str, PodRef]) -> list[AllocationView]:
+        """Apply one PodResources answer: ``live`` maps live grant keys to their pod."""
+        now, wall = self._clock(), self._wall()
+        changed = False
+        for key, ref in live.items():
+            grant = self._grants.get(key)
+            if grant is not None and (grant.pod, grant.container) != (ref.pod, ref.container):
+                self._grants[key] = msgspec.structs.replace(
+                    grant, pod=ref.pod, container=ref.container
+                )
+                changed = True
+        by_allocation: dict[str, list[Grant]] = {}
+        for grant in self._grants.values():
+            by_allocation.setdefault(grant.allocation, []).append(grant)
+        released: list[AllocationView] = []
+        for allocation, grants in sorted(by_allocation.items()):
+            alive = [g for g in grants if g.key in live]
+            if alive:
+                self._missing_since.pop(allocation, None)
+                self._check_join(allocation, alive, live)
+                continue
+            since = self._missing_since.setdefault(allocation, now)
+            newest = max(g.created_at for g in grants)
+            if now - since >= self._grace_s and wall - newest >= self._grace_s:
+                view = self._release(allocation)
+                if view is not None:
+                    released.append(view)
+        for allocation in list(self._missing_since):
+            if allocation not in by_allocation:
+                del self._missing_since[allocation]
+        if changed:
+            self.version += 1
+        if released:
+            log.info(
+                "released %d allocation(s) of pods that no longer exist: %s",
+                len(released),
+                ", ".join(f"{v.id} ({_pods(v)})" for v in released),
+            )
+        return released
+
+    def _check_join(self, allocation: str, alive: list[Grant], live: Mapping[str, PodRef]) -> None:
+        holders = {live[g.key] for g in alive}
+        if len(holders) > 1 and allocation not in self._mismatch_reported:
+            self._mismatch_reported.add(allocation)
+            self.join_mismatches += 1
+            log.warning(
+                "share %s was joined across containers %s: its accounting is approximate "
+                "(request gpu-core and gpu-memory together in share containers)",
+                allocation,
+                ", ".join(sorted(f"{h.pod}/{h.container}" for h in holders)),
+            )
+
+    # --- views and persistence --------------------------------------------------------------
+
+    def _view(self, allocation: str) -> AllocationView:
+        alloc = self.ledger.get(allocation)
+        grants = sorted(
+            (g for g in self._grants.values() if g.allocation == allocation),
+            key=lambda g: (g.created_at, g.key),
+        )
+        grant_views = [
+            GrantView(
+                key=g.key,
+                resource=g.resource,
+                kind=g.kind,
+                units=g.units,
+                created_at=g.created_at,
+                pod=g.pod,
+                container=g.container,
+            )
+            for g in grants
+        ]
+        if isinstance(alloc, ShareAllocation):
+            return AllocationView(
+                id=allocation,
+                kind="share",
+                gpus=[alloc.device],
+                cores=alloc.cores,
+                memory_units=alloc.memory_units,
+                grants=grant_views,
+            )
+        devices = list(alloc.devices) if alloc is not None else []
+        return AllocationView(
+            id=allocation,
+            kind="whole",
+            gpus=devices,
+            cores=CORES_PER_GPU * len(devices),
+            grants=grant_views,
+        )
+
+    def allocation_views(self) -> list[AllocationView]:
+        return [self._view(a.owner.pod_uid) for a in self.ledger.allocations()]
+
+    def state(self, *, checkpoint: str = "") -> StateReply:
+        gpus = [
+            GpuView(
+                uuid=d.uuid,
+                index=d.index,
+                healthy=d.healthy,
+                present=d.present,
+                cores_used=d.cores_used,
+                memory_units=d.memory_units,
+                memory_used=d.memory_used,
+                whole=d.whole_owner.pod_uid if d.whole_owner else "",
+                shares=[s.owner.pod_uid for s in d.shares],
+            )
+            for d in self.ledger.devices()
+        ]
+        return StateReply(
+            node=self.node,
+            ready=self.ready,
+            gpus=gpus,
+            allocations=self.allocation_views(),
+            checkpoint=checkpoint,
+            inventory_generation=self.inventory_generation,
+        )
+
+    def snapshot(self) -> StoredState:
+        return StoredState(
+            node=self.node,
+            allocations=self.ledger.snapshot(),
+            grants=sorted(self._grants.values(), key=lambda g: g.key),
+        )
+
+    def restore(self, state: StoredState) -> list[str]:
+        """Adopt a checkpoint; returns one line per entry set aside."""
+        problems = self.ledger.restore(state.allocations)
+        for grant in state.grants:
+            if self.ledger.get(grant.allocation) is None:
+                problems.append(f"grant {grant.key}: allocation {grant.allocation} is unknown")
+                continue
+            self._grants[grant.key] = grant
+        owned = {g.allocation for g in self._grants.values()}
+        for alloc in self.ledger.allocations():
+            if alloc.owner.pod_uid not in owned:
+                # Nothing could ever name it again, so nothing would release it.
+                problems.append(f"allocation {alloc.owner.pod_uid} has no grant; released")
+                self.ledger.release(alloc.owner.pod_uid)
+        if problems:
+            self.version += 1
+        return problems
+
+
+def _pods(view: AllocationView) -> str:
+    pods = sorted({g.pod for g in view.grants if g.pod})
+    return ", ".join(pods) if pods else "pod unknown"

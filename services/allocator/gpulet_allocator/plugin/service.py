@@ -1,0 +1,173 @@
+"""The device-plugin service: kubelet's device plugin, fed from the bus, deciding over NATS.
+
+Flow
+----
+1. Follow the node's inventory and health (:class:`~gpulet_allocator.feeds.NodeFeed`)
+   into a :class:`~.state.DeviceState`: every ``ListAndWatch`` stream then sends the
+   new list when a GPU turns unhealthy *and* when it recovers.
+2. Wait for kubelet's device-plugin directory. Where there is none (``gpulet run`` on
+   a laptop, a node without kubelet) the service stays up, *degraded*, saying why on
+   the status board (``/readyz``), and checks again every few seconds instead of
+   crashing the agent.
+3. Run the :class:`~.manager.DevicePluginManager` with the NATS backend
+   (:class:`~gpulet_allocator.nats_backend.NatsAllocationBackend`): it serves one
+   socket per resource, registers with kubelet and re-registers after kubelet
+   restarts. The status says whether kubelet accepted the registration.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import anyio
+import anyio.abc
+
+from gpulet_allocator.feeds import NodeFeed
+from gpulet_allocator.nats_backend import NatsAllocationBackend
+from gpulet_allocator.plugin.manager import DevicePluginManager
+from gpulet_allocator.plugin.resources import plugin_gpus_from_inventory
+from gpulet_allocator.plugin.state import DeviceState
+from gpulet_common.messages import GpuInfo, Inventory
+from gpulet_common.runtime import Runtime
+
+log = logging.getLogger("gpulet.device-plugin")
+
+# Kubelet's dir is looked for this many watch intervals apart (2 s by default).
+DIR_POLL_INTERVALS = 4
+RESTART_DELAY_S = 5.0
+# sun_path holds 108 bytes, the terminating NUL included.
+MAX_SOCKET_PATH = 107
+
+
+class DevicePluginService:
+    name = "device-plugin"
+
+    def __init__(self, runtime: Runtime) -> None:
+        self._rt = runtime
+        self._settings = runtime.settings.allocator
+        self._config = self._settings.plugin
+        self.state = DeviceState()
+        self._gpus: list[GpuInfo] = []
+        self._unhealthy: set[str] = set()
+        self._have_inventory = False
+        #: The running manager, once kubelet's directory exists (for tests).
+        self.manager: DevicePluginManager | None = None
+
+    async def run(
+        self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        if not self._settings.enabled:
+            self._rt.status.set(self.name, "ready", "disabled (allocator.enabled = false)")
+            task_status.started()
+            await anyio.sleep_forever()
+        backend = NatsAllocationBackend(
+            self._rt.bus.client, self._rt.node, timeout_s=self._settings.request_timeout_s
+        )
+        feed = NodeFeed(
+            self._rt.bus,
+            self._rt.node,
+            on_inventory=self._on_inventory,
+            on_health=self._on_health,
+            retry_s=self._settings.request_retry_s,
+            who="device-plugin",
+        )
+        async with anyio.create_task_group() as tg:
+            await tg.start(feed.run)
+            # Said before "started", so the status board never shows a ready plugin
+            # that kubelet cannot see.
+            if not await self._plugin_dir_exists():
+                self._dir_missing()
+            else:
+                self._waiting_for_kubelet()
+            task_status.started()
+            while True:
+                await self._wait_for_plugin_dir()
+                manager = DevicePluginManager(self._config, self.state, backend)
+                self.manager = manager
+                failure: str | None = None
+                try:
+                    async with anyio.create_task_group() as inner:
+                        inner.start_soon(self._report, manager)
+                        try:
+                            await manager.run()
+                        except (OSError, RuntimeError) as exc:
+                            # The dir is not writable by us, or gRPC cannot bind there.
+                            failure = self._cannot_serve(manager, exc)
+                        inner.cancel_scope.cancel()
+                finally:
+                    self.manager = None
+                if failure is not None:
+                    self._rt.status.set(self.name, "degraded", failure)
+                    await anyio.sleep(RESTART_DELAY_S)
+
+    def _cannot_serve(self, manager: DevicePluginManager, exc: Exception) -> str:
+        detail = f"cannot serve in {self._config.plugin_dir}: {exc}"
+        too_long = [str(p) for p in manager.socket_paths if len(os.fsencode(p)) > MAX_SOCKET_PATH]
+        if too_long:
+            detail = (
+                f"socket path {too_long[0]} is longer than the {MAX_SOCKET_PATH} bytes a unix "
+                "socket allows (shorten plugin_dir or socket_prefix)"
+            )
+        return f"{detail}; retrying in {RESTART_DELAY_S:g} s"
+
+    async def _plugin_dir_exists(self) -> bool:
+        return await anyio.Path(self._config.plugin_dir).is_dir()
+
+    def _dir_missing(self) -> None:
+        self._rt.status.set(
+            self.name,
+            "degraded",
+            f"kubelet's device-plugin directory {self._config.plugin_dir} does not exist "
+            "(not a Kubernetes node?); waiting for it",
+        )
+
+    def _waiting_for_kubelet(self) -> None:
+        socket = f"{self._config.plugin_dir.rstrip('/')}/{self._config.kubelet_socket}"
+        self._rt.status.set(
+            self.name, "degraded", f"waiting for kubelet to accept the registration at {socket}"
+        )
+
+    async def _wait_for_plugin_dir(self) -> None:
+        while not await self._plugin_dir_exists():
+            self._dir_missing()
+            await anyio.sleep(self._config.watch_interval_s * DIR_POLL_INTERVALS)
+
+    async def _report(self, manager: DevicePluginManager) -> None:
+        """Keep the status board in step with the registration and the GPUs."""
+        while True:
+            # Sleep first: a manager that fails at once reports its own reason.
+            await anyio.sleep(self._config.watch_interval_s)
+            if manager.all_registered():
+                gpus = self.state.snapshot().gpus
+                unhealthy = sum(1 for g in gpus if not g.healthy)
+                names = ", ".join(s.spec.name for s in manager.servers)
+                detail = f"registered {names}; {len(gpus)} GPUs"
+                if unhealthy:
+                    detail += f" ({unhealthy} unhealthy)"
+                self._rt.status.set(self.name, "ready", detail)
+            else:
+                self._waiting_for_kubelet()
+
+    def _publish(self) -> None:
+        if self.state.publish(plugin_gpus_from_inventory(self._gpus, self._unhealthy)):
+            log.debug("device list version %d", self.state.snapshot().version)
+
+    def _on_inventory(self, inventory: Inventory) -> None:
+        if inventory.degraded_reason and not inventory.gpus and self._have_inventory:
+            # NVML failed: that says nothing about the GPUs, so kubelet keeps the list.
+            log.warning("keeping the GPU list: inventory degraded (%s)", inventory.degraded_reason)
+            return
+        self._have_inventory = True
+        self._gpus = list(inventory.gpus)
+        self._publish()
+
+    def _on_health(self, uuid: str, healthy: bool) -> None:
+        was_unhealthy = uuid in self._unhealthy
+        if healthy:
+            self._unhealthy.discard(uuid)
+        else:
+            self._unhealthy.add(uuid)
+        if was_unhealthy == healthy:
+            log.info("GPU %s is now %s", uuid, "healthy" if healthy else "unhealthy")
+        self._publish()

@@ -1,0 +1,230 @@
+"""The allocator's NATS API: subjects, request and reply types, error codes.
+
+Contract
+--------
+The allocator is a ``nats.micro`` service named :data:`SERVICE_NAME`; its endpoints
+for node ``N`` are ``gpulet.allocator.<token(N)>.<endpoint>`` (see
+:func:`gpulet_common.subjects.allocator_endpoint`):
+
+========== ============================ =============================================
+endpoint   request                      reply
+========== ============================ =============================================
+allocate   :class:`AllocateRequest`     :class:`AllocateReply`
+preferred  :class:`PreferredAllocation  :class:`PreferredAllocationReply`
+           Request`
+release    :class:`ReleaseRequest`      :class:`ReleaseReply`
+state      :class:`StateRequest`        :class:`StateReply`
+========== ============================ =============================================
+
+All bodies are JSON, versioned by ``schema_version`` and evolved by adding fields with
+defaults only (like :mod:`gpulet_common.messages`). Each type has one codec here.
+
+Errors
+------
+A refused request is answered with an :class:`~gpulet_common.messages.ErrorReply`
+body, the ``Gpulet-Error: <code>`` header (what :meth:`gpulet_common.bus.Bus.request`
+turns into :class:`~gpulet_common.bus.RemoteError`) and nats.micro's own
+``Nats-Service-Error`` / ``Nats-Service-Error-Code`` headers (an HTTP-like status), so
+both gpulet clients and the ``nats micro`` tooling understand it. Codes: the engine's
+(:data:`gpulet_allocator.engine.ERROR_CODES`) plus :data:`SERVICE_ERROR_CODES`.
+:func:`request` is the client side: one call, bounded, typed errors.
+"""
+
+from __future__ import annotations
+
+from typing import Final, Literal, TypeVar
+
+import msgspec
+import nats.errors
+from nats.aio.client import Client as NatsClient
+
+from gpulet_allocator.plugin.backend import ContainerAllocation, PreferredRequest
+from gpulet_common import codec as common_codecs
+from gpulet_common.bus import BusError, RemoteError, RequestTimeout
+from gpulet_common.codec import Codec
+
+PROTOCOL_VERSION: Final = 1
+SERVICE_NAME: Final = "gpulet-allocator"
+
+ENDPOINT_ALLOCATE: Final = "allocate"
+ENDPOINT_PREFERRED: Final = "preferred"
+ENDPOINT_RELEASE: Final = "release"
+ENDPOINT_STATE: Final = "state"
+ENDPOINTS: Final = (ENDPOINT_ALLOCATE, ENDPOINT_PREFERRED, ENDPOINT_RELEASE, ENDPOINT_STATE)
+
+GPULET_ERROR_HEADER: Final = "Gpulet-Error"
+MICRO_ERROR_HEADER: Final = "Nats-Service-Error"
+MICRO_ERROR_CODE_HEADER: Final = "Nats-Service-Error-Code"
+
+# Codes the service adds to the engine's.
+SERVICE_ERROR_CODES: Final = frozenset(
+    {
+        # The body did not decode or validate.
+        "malformed_request",
+        # The resource name is not one this node serves.
+        "unknown_resource",
+        # No inventory yet (collector not heard from): nothing can be decided.
+        "not_ready",
+        # The allocation could not be made durable; nothing was allocated.
+        "checkpoint_failed",
+        # A bug: the service failed unexpectedly.
+        "internal",
+    }
+)
+
+# nats.micro's Nats-Service-Error-Code is an HTTP-like status.
+_MICRO_STATUS: Final = {
+    "insufficient_capacity": "409",
+    "too_many_units": "409",
+    "unhealthy_device": "409",
+    "not_ready": "503",
+    "checkpoint_failed": "500",
+    "internal": "500",
+}
+
+
+def micro_status(code: str) -> str:
+    return _MICRO_STATUS.get(code, "400")
+
+
+class _Body(msgspec.Struct, frozen=True, kw_only=True):
+    schema_version: int = PROTOCOL_VERSION
+
+
+class AllocateRequest(_Body, frozen=True, kw_only=True):
+    """Kubelet's Allocate for one resource: the device IDs of each container."""
+
+    resource: str
+    containers: list[list[str]]
+
+
+class AllocateReply(_Body, frozen=True, kw_only=True):
+    containers: list[ContainerAllocation]
+
+
+class PreferredAllocationRequest(_Body, frozen=True, kw_only=True):
+    resource: str
+    containers: list[PreferredRequest]
+
+
+class PreferredAllocationReply(_Body, frozen=True, kw_only=True):
+    containers: list[list[str]]
+
+
+class ReleaseRequest(_Body, frozen=True, kw_only=True):
+    """Free allocations explicitly (when kubelet's PodResources API is not there).
+
+    Kubelet's Allocate carries no pod, so an allocation is named by its ID (see the
+    ``state`` endpoint and the ``gpulet.io/allocation`` container annotation), by the
+    pod ``namespace/name`` once PodResources has told which pod holds it, or by the
+    device IDs kubelet gave one container of ``resource``.
+    """
+
+    allocation_ids: list[str] = []
+    pods: list[str] = []
+    resource: str = ""
+    device_ids: list[str] = []
+    reason: str = "explicit"
+
+
+class GrantView(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """One Allocate answered for one container and resource."""
+
+    key: str
+    resource: str
+    kind: Literal["whole", "core", "memory"]
+    units: int
+    created_at: float
+    pod: str = ""
+    container: str = ""
+
+
+class AllocationView(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    id: str
+    kind: Literal["whole", "share"]
+    gpus: list[str]
+    cores: int = 0
+    memory_units: int = 0
+    grants: list[GrantView] = []
+
+
+class ReleaseReply(_Body, frozen=True, kw_only=True):
+    released: list[AllocationView] = []
+
+
+class StateRequest(_Body, frozen=True, kw_only=True):
+    pass
+
+
+class GpuView(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    uuid: str
+    index: int
+    healthy: bool
+    present: bool
+    cores_used: int
+    memory_units: int
+    memory_used: int
+    whole: str = ""
+    shares: list[str] = []
+
+
+class StateReply(_Body, frozen=True, kw_only=True):
+    node: str
+    ready: bool
+    gpus: list[GpuView] = []
+    allocations: list[AllocationView] = []
+    checkpoint: str = ""
+    inventory_generation: int = 0
+
+
+ALLOCATE_REQUEST = Codec(AllocateRequest)
+ALLOCATE_REPLY = Codec(AllocateReply)
+PREFERRED_REQUEST = Codec(PreferredAllocationRequest)
+PREFERRED_REPLY = Codec(PreferredAllocationReply)
+RELEASE_REQUEST = Codec(ReleaseRequest)
+RELEASE_REPLY = Codec(ReleaseReply)
+STATE_REQUEST = Codec(StateRequest)
+STATE_REPLY = Codec(StateReply)
+
+R = TypeVar("R")
+Q = TypeVar("Q")
+
+
+async def request(
+    nc: NatsClient,
+    subject: str,
+    value: Q,
+    request_codec: Codec[Q],
+    reply_codec: Codec[R],
+    *,
+    timeout_s: float,
+) -> R:
+    """One request to an allocator endpoint.
+
+    Raises :class:`RequestTimeout` when nobody answers in time (or nobody listens),
+    :class:`RemoteError` with the allocator's code when it refuses, :class:`BusError`
+    when the connection cannot carry the request.
+    """
+    try:
+        msg = await nc.request(subject, request_codec.encode(value), timeout=timeout_s)
+    except nats.errors.NoRespondersError as exc:
+        raise RequestTimeout(f"no allocator is listening on {subject}") from exc
+    except nats.errors.TimeoutError as exc:
+        raise RequestTimeout(f"no reply on {subject} within {timeout_s:g} s") from exc
+    except (nats.errors.Error, OSError) as exc:
+        # A closed or draining connection, among others.
+        raise BusError(f"cannot ask {subject}: {type(exc).__name__}: {exc}") from exc
+    headers = msg.headers or {}
+    if code := headers.get(GPULET_ERROR_HEADER):
+        try:
+            error = common_codecs.ERROR_REPLY.decode(msg.data)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            raise RemoteError(code, headers.get(MICRO_ERROR_HEADER, "")) from None
+        raise RemoteError(error.code, error.message)
+    if MICRO_ERROR_CODE_HEADER in headers:
+        # Raised past our own handler: nats.micro answered for it.
+        raise RemoteError("internal", headers.get(MICRO_ERROR_HEADER, "unknown error"))
+    try:
+        return reply_codec.decode(msg.data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise RemoteError("malformed_reply", f"{reply_codec.type.__name__}: {exc}") from exc

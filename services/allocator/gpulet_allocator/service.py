@@ -1,0 +1,456 @@
+"""The allocator service: decides which GPUs a container gets, over NATS.
+
+Flow
+----
+1. Load the checkpoint (:mod:`.store`) into the :class:`~.core.AllocatorCore`, so a
+   kubelet retry after our restart gets the same GPUs. A corrupt file is kept aside
+   and reported; entries that break an invariant are refused and the file rewritten.
+2. Follow the node's inventory and health (:class:`~.feeds.NodeFeed`): unhealthy and
+   lost GPUs take no new allocation, recovered ones do again.
+3. Serve the ``nats.micro`` service :data:`~.protocol.SERVICE_NAME` with the
+   endpoints ``allocate``, ``preferred``, ``release`` and ``state`` under
+   ``gpulet.allocator.<node>`` (contract: :mod:`.protocol`). It shows up in
+   ``$SRV.PING/INFO/STATS``; each endpoint's ``data`` in STATS counts answers by
+   outcome and refusals by code.
+4. Every ``release_interval_s``, ask kubelet's PodResources API which containers are
+   alive and release the allocations of the others (:meth:`~.core.AllocatorCore.reconcile`).
+
+Concurrency
+-----------
+nats.micro calls a handler for one message at a time per endpoint, so every decision
+is taken in arrival order, synchronously, on the event loop: the ledger never sees
+two requests at once. The answer, however, may only leave once the change is durable;
+that wait runs in a task of the service's task group, so the next request is decided
+while the checkpoint is written and one write covers them all (group commit, see
+:mod:`.store`). nats.micro's ``processing_time`` therefore measures the decision, not
+the fsync. Malformed requests are answered ``malformed_request`` and counted; a
+handler bug is answered by nats.micro with a 500 (``num_errors``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import anyio
+import anyio.abc
+import msgspec
+import nats.errors
+import nats.micro
+from nats.micro.request import Request
+from nats.micro.service import EndpointStats, Service
+
+from gpulet_allocator import protocol as p
+from gpulet_allocator.core import AllocatorCore, Rejected, Undo
+from gpulet_allocator.feeds import NodeFeed
+from gpulet_allocator.podresources import (
+    PodResourcesUnavailable,
+    list_pod_resources,
+    live_grants,
+)
+from gpulet_allocator.store import CheckpointError, CheckpointFile, Committer, Loaded, encode
+from gpulet_common import __version__, subjects
+from gpulet_common import codec as common_codecs
+from gpulet_common.codec import Codec
+from gpulet_common.logutil import RateLimitedLog
+from gpulet_common.messages import ErrorReply, Inventory
+from gpulet_common.runtime import Runtime
+from gpulet_common.settings import Settings
+
+log = logging.getLogger("gpulet.allocator")
+
+T = TypeVar("T")
+
+UNREADABLE_RETRY_MIN_S = 1.0
+UNREADABLE_RETRY_MAX_S = 30.0
+
+
+def checkpoint_path(settings: Settings) -> Path:
+    configured = settings.allocator.checkpoint_path
+    if configured:
+        return Path(configured)
+    return Path(settings.state_dir) / "allocator" / "allocations.json"
+
+
+@dataclass(slots=True)
+class _Counts:
+    ok: int = 0
+    rejected: int = 0
+    malformed: int = 0
+    codes: dict[str, int] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "ok": self.ok,
+            "rejected": self.rejected,
+            "malformed": self.malformed,
+            "codes": dict(self.codes),
+        }
+
+
+class AllocatorService:
+    name = "allocator"
+
+    def __init__(self, runtime: Runtime) -> None:
+        self._rt = runtime
+        self._settings = runtime.settings.allocator
+        self._node = runtime.node
+        plugin = self._settings.plugin
+        self.core = AllocatorCore(
+            node=self._node,
+            names=plugin.resources,
+            shares=plugin.shares,
+            mps=self._settings.mps,
+            cdi=self._settings.cdi,
+            join_window_s=self._settings.share_join_window_s,
+            release_grace_s=self._settings.release_grace_s,
+        )
+        self.checkpoint = CheckpointFile(checkpoint_path(runtime.settings))
+        self._counts = {e: _Counts() for e in p.ENDPOINTS}
+        self._committer: Committer | None = None
+        self._tg: anyio.abc.TaskGroup | None = None
+        self._checkpoint_error: str | None = None
+        self._pod_resources_log = RateLimitedLog(log, per_minute=2)
+        self._pod_resources_state = ""
+        meter = runtime.meter
+        self._requests = meter.create_counter(
+            "gpulet.allocator.requests", description="Allocator requests by endpoint and outcome"
+        )
+        self._latency = meter.create_histogram(
+            "gpulet.allocator.request_duration",
+            unit="s",
+            description="From receiving a request to sending its (durable) answer",
+        )
+        self._released = meter.create_counter(
+            "gpulet.allocator.released", description="Allocations released, by reason"
+        )
+        self._allocations = meter.create_up_down_counter(
+            "gpulet.allocator.allocations", description="Allocations held"
+        )
+        self._held = 0
+        #: The running nats.micro service (for tests and the status line).
+        self.micro: Service | None = None
+
+    # --- lifecycle ------------------------------------------------------------------------
+
+    async def run(
+        self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        if not self._settings.enabled:
+            self._rt.status.set(self.name, "ready", "disabled (allocator.enabled = false)")
+            task_status.started()
+            await anyio.sleep_forever()
+        reported = False
+
+        def started() -> None:
+            nonlocal reported
+            if not reported:
+                reported = True
+                task_status.started()
+
+        loaded = await self._load_checkpoint(started)
+        problems = self.core.restore(loaded.state)
+        (log.warning if loaded.status in ("corrupt", "unreadable") else log.info)(
+            "checkpoint: %s", loaded.detail
+        )
+        for problem in problems:
+            log.warning("checkpoint entry set aside: %s", problem)
+        self._count_held()
+        committer = Committer(
+            lambda: encode(self.core.snapshot()), self.checkpoint.write, on_error=self._on_disk
+        )
+        self._committer = committer
+        feed = NodeFeed(
+            self._rt.bus,
+            self._node,
+            on_inventory=self._on_inventory,
+            on_health=self._on_health,
+            retry_s=self._settings.request_retry_s,
+        )
+        async with anyio.create_task_group() as tg:
+            self._tg = tg
+            await tg.start(committer.run)
+            if problems or loaded.status == "corrupt":
+                committer.request(self.core.version)
+            await tg.start(feed.run)
+            service = await nats.micro.add_service(
+                self._rt.bus.client,
+                name=p.SERVICE_NAME,
+                version=__version__,
+                description=f"gpulet GPU allocator of node {self._node}",
+                metadata={"node": self._node, "checkpoint": str(self.checkpoint.path)},
+                stats_handler=self._stats_data,
+            )
+            self.micro = service
+            try:
+                handlers: dict[str, Callable[[Request], Awaitable[None]]] = {
+                    p.ENDPOINT_ALLOCATE: self._on_allocate,
+                    p.ENDPOINT_PREFERRED: self._on_preferred,
+                    p.ENDPOINT_RELEASE: self._on_release,
+                    p.ENDPOINT_STATE: self._on_state,
+                }
+                for endpoint, handler in handlers.items():
+                    await service.add_endpoint(
+                        name=endpoint,
+                        subject=subjects.allocator_endpoint(self._node, endpoint),
+                        handler=handler,
+                        metadata={"node": self._node},
+                    )
+                # Endpoints are only reachable once the server has the subscriptions.
+                await self._rt.bus.flush()
+                tg.start_soon(self._release_loop)
+                self._update_status()
+                started()
+                await anyio.sleep_forever()
+            finally:
+                self.micro = None
+                with anyio.CancelScope(shield=True), anyio.move_on_after(1.0):
+                    try:
+                        await service.stop()
+                    except (nats.errors.Error, OSError) as exc:
+                        log.debug("stopping the micro service: %s", exc)
+
+    async def _load_checkpoint(self, started: Callable[[], None]) -> Loaded:
+        """Load the checkpoint, waiting while it exists but cannot be read.
+
+        Starting empty then would hand out GPUs that running pods hold, and the next
+        write would erase the record of them, so nothing is served until it reads.
+        The service counts as started meanwhile (degraded), so that the services
+        after it in ``gpulet run`` are not held up.
+        """
+        delay = UNREADABLE_RETRY_MIN_S
+        while True:
+            loaded = await anyio.to_thread.run_sync(self.checkpoint.load)
+            if loaded.status != "unreadable":
+                return loaded
+            self._rt.status.set(
+                self.name, "degraded", f"{loaded.detail}; not serving until it can be read"
+            )
+            started()
+            await anyio.sleep(delay)
+            delay = min(delay * 2, UNREADABLE_RETRY_MAX_S)
+
+    def _update_status(self) -> None:
+        if self._checkpoint_error:
+            self._rt.status.set(self.name, "degraded", self._checkpoint_error)
+        elif not self.core.ready:
+            self._rt.status.set(
+                self.name, "degraded", "waiting for the GPU inventory (is the collector running?)"
+            )
+        else:
+            held = len(self.core.ledger.allocations())
+            gpus = len(self.core.ledger.devices())
+            self._rt.status.set(self.name, "ready", f"{gpus} GPUs, {held} allocations")
+
+    def _on_disk(self, error: str | None) -> None:
+        self._checkpoint_error = error
+        self._update_status()
+
+    def _on_inventory(self, inventory: Inventory) -> None:
+        if self.core.update_inventory(inventory):
+            log.info("inventory generation %d: %d GPUs", inventory.generation, len(inventory.gpus))
+        self._update_status()
+
+    def _on_health(self, uuid: str, healthy: bool) -> None:
+        if self.core.set_health(uuid, healthy):
+            log.info("GPU %s is now %s", uuid, "healthy" if healthy else "unhealthy")
+
+    def _count_held(self) -> None:
+        held = len(self.core.ledger.allocations())
+        if held != self._held:
+            self._allocations.add(held - self._held)
+            self._held = held
+
+    def _stats_data(self, stats: EndpointStats) -> dict[str, Any]:
+        counts = self._counts.get(stats.name)
+        return counts.as_dict() if counts else {}
+
+    # --- request plumbing ---------------------------------------------------------------
+
+    async def _decode(
+        self, req: Request, endpoint: str, codec: Codec[T], started: float
+    ) -> T | None:
+        """The request body, or None once a malformed one has been answered."""
+        try:
+            return codec.decode(req.data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            problem = f"{codec.type.__name__}: {exc}"
+        await self._reject(req, endpoint, "malformed_request", problem, started)
+        return None
+
+    async def _send(self, req: Request, data: bytes, headers: dict[str, str] | None = None) -> None:
+        try:
+            await req.respond(data, headers=headers)
+        except ValueError:
+            pass  # a publish, not a request: nobody to answer
+        except (nats.errors.Error, OSError) as exc:
+            log.warning("cannot answer on %s: %s", req.subject, exc)
+
+    async def _ok(self, req: Request, endpoint: str, data: bytes, started: float) -> None:
+        await self._send(req, data)
+        self._counts[endpoint].ok += 1
+        self._record(endpoint, "ok", started)
+
+    async def _reject(
+        self, req: Request, endpoint: str, code: str, message: str, started: float
+    ) -> None:
+        counts = self._counts[endpoint]
+        if code == "malformed_request":
+            counts.malformed += 1
+        else:
+            counts.rejected += 1
+        counts.codes[code] = counts.codes.get(code, 0) + 1
+        log.log(
+            logging.WARNING if endpoint == p.ENDPOINT_ALLOCATE else logging.INFO,
+            "%s refused: %s: %s",
+            endpoint,
+            code,
+            message,
+        )
+        body = common_codecs.ERROR_REPLY.encode(ErrorReply(code=code, message=message))
+        await self._send(
+            req,
+            body,
+            {
+                p.GPULET_ERROR_HEADER: code,
+                p.MICRO_ERROR_HEADER: f"{code}: {message}",
+                p.MICRO_ERROR_CODE_HEADER: p.micro_status(code),
+            },
+        )
+        self._record(endpoint, code, started)
+
+    def _record(self, endpoint: str, outcome: str, started: float) -> None:
+        attributes = {"endpoint": endpoint, "outcome": outcome}
+        self._requests.add(1, attributes)
+        self._latency.record(time.perf_counter() - started, {"endpoint": endpoint})
+
+    async def _answer_durably(
+        self,
+        req: Request,
+        endpoint: str,
+        data: bytes,
+        started: float,
+        undo: Undo | None,
+    ) -> None:
+        """Answer once the state the answer reflects is on disk (group commit)."""
+        committer, version = self._committer, self.core.version
+        assert committer is not None
+        assert self._tg is not None
+        if committer.durable >= version:
+            await self._ok(req, endpoint, data, started)
+            return
+
+        async def when_durable() -> None:
+            try:
+                await committer.wait(version)
+            except CheckpointError as exc:
+                if undo is not None:
+                    undo()
+                    self._count_held()
+                    detail = f"{exc}; nothing was allocated"
+                else:
+                    detail = f"{exc}; done in memory only, the next write will retry"
+                await self._reject(req, endpoint, "checkpoint_failed", detail, started)
+                return
+            await self._ok(req, endpoint, data, started)
+
+        self._tg.start_soon(when_durable)
+
+    # --- endpoints ------------------------------------------------------------------------
+
+    async def _on_allocate(self, req: Request) -> None:
+        started = time.perf_counter()
+        value = await self._decode(req, p.ENDPOINT_ALLOCATE, p.ALLOCATE_REQUEST, started)
+        if value is None:
+            return
+        try:
+            answers, undo = self.core.allocate(value.resource, value.containers)
+        except Rejected as exc:
+            await self._reject(req, p.ENDPOINT_ALLOCATE, exc.code, exc.message, started)
+            return
+        self._count_held()
+        data = p.ALLOCATE_REPLY.encode(p.AllocateReply(containers=answers))
+        await self._answer_durably(req, p.ENDPOINT_ALLOCATE, data, started, undo)
+
+    async def _on_preferred(self, req: Request) -> None:
+        started = time.perf_counter()
+        value = await self._decode(req, p.ENDPOINT_PREFERRED, p.PREFERRED_REQUEST, started)
+        if value is None:
+            return
+        try:
+            answers = self.core.preferred(value.resource, value.containers)
+        except Rejected as exc:
+            await self._reject(req, p.ENDPOINT_PREFERRED, exc.code, exc.message, started)
+            return
+        data = p.PREFERRED_REPLY.encode(p.PreferredAllocationReply(containers=answers))
+        await self._ok(req, p.ENDPOINT_PREFERRED, data, started)
+
+    async def _on_release(self, req: Request) -> None:
+        started = time.perf_counter()
+        value = await self._decode(req, p.ENDPOINT_RELEASE, p.RELEASE_REQUEST, started)
+        if value is None:
+            return
+        try:
+            released = self.core.release(value)
+        except Rejected as exc:
+            await self._reject(req, p.ENDPOINT_RELEASE, exc.code, exc.message, started)
+            return
+        if released:
+            self._released.add(len(released), {"reason": "explicit"})
+            self._count_held()
+            self._update_status()
+        data = p.RELEASE_REPLY.encode(p.ReleaseReply(released=released))
+        await self._answer_durably(req, p.ENDPOINT_RELEASE, data, started, None)
+
+    async def _on_state(self, req: Request) -> None:
+        started = time.perf_counter()
+        if await self._decode(req, p.ENDPOINT_STATE, p.STATE_REQUEST, started) is None:
+            return
+        reply = self.core.state(checkpoint=str(self.checkpoint.path))
+        await self._ok(req, p.ENDPOINT_STATE, p.STATE_REPLY.encode(reply), started)
+
+    # --- releasing allocations of pods that are gone -------------------------------------
+
+    async def _release_loop(self) -> None:
+        socket = Path(self._settings.pod_resources_socket)
+        while True:
+            await self.reconcile_once(socket)
+            await anyio.sleep(self._settings.release_interval_s)
+
+    async def reconcile_once(self, socket: Path | None = None) -> int:
+        """One PodResources pass; returns how many allocations it released."""
+        socket = socket or Path(self._settings.pod_resources_socket)
+        try:
+            response = await list_pod_resources(socket, self._settings.pod_resources_timeout_s)
+        except PodResourcesUnavailable as exc:
+            state = "failing" if await anyio.Path(socket).exists() else "absent"
+            if state != self._pod_resources_state:
+                if state == "absent":
+                    log.info(
+                        "no PodResources API at %s: allocations are released only by "
+                        "explicit release requests",
+                        socket,
+                    )
+                else:
+                    self._pod_resources_log.warning("PodResources List failed: %s", exc)
+            self._pod_resources_state = state
+            return 0
+        if self._pod_resources_state != "ok":
+            log.info("following PodResources at %s", socket)
+            self._pod_resources_state = "ok"
+        released = self.core.reconcile(live_grants(response, self.core.kind_of))
+        if released:
+            self._released.add(len(released), {"reason": "pod_gone"})
+            self._count_held()
+            self._update_status()
+        committer = self._committer
+        if committer is not None and committer.durable < self.core.version:
+            # A failure is logged by the committer, which keeps retrying.
+            with contextlib.suppress(CheckpointError):
+                await committer.wait(self.core.version)
+        return len(released)
