@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -74,8 +75,12 @@ class Agent:
 
     def stop(self) -> None:
         if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(5)
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
         self.log.close()
 
 
@@ -184,6 +189,21 @@ def test_without_nvml_it_says_so_and_points_to_the_mock(tmp_path: Path) -> None:
         assert "--nvml mock" in proc.output()
     finally:
         proc.stop()
+
+
+def test_a_killed_agent_leaves_no_nats_server_behind(agent: Agent) -> None:
+    agent.wait_ready()
+    agent.proc.kill()
+    agent.proc.wait(5)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", agent.nats_port), timeout=0.2):
+                pass
+        except OSError:
+            return
+        time.sleep(0.05)
+    raise AssertionError("the embedded nats-server outlived its SIGKILLed agent")
 
 
 def test_schema_lists_every_subject() -> None:

@@ -23,6 +23,20 @@ import anyio.abc
 
 STARTUP_TIMEOUT_S = 10.0
 
+# Exec nats-server after asking Linux to SIGTERM it when its parent (gpulet) dies, so a
+# SIGKILLed agent never leaves an orphaned server holding the port. Elsewhere it is a
+# plain exec.
+_DIE_WITH_PARENT = """
+import ctypes, os, signal, sys
+try:
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+except (OSError, AttributeError):
+    pass
+if os.getppid() == 1:
+    sys.exit(1)
+os.execv(sys.argv[1], sys.argv[1:])
+"""
+
 
 class NatsServerNotFound(RuntimeError):
     pass
@@ -90,14 +104,24 @@ class EmbeddedNats:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         log = (self.state_dir / "nats-server.log").open("ab")
         try:
+            # Its own session keeps a terminal's Ctrl-C from killing the server before
+            # gpulet has drained; PDEATHSIG still takes it down if gpulet is SIGKILLed.
             self._process = await anyio.open_process(
-                self._command(),
+                [sys.executable, "-c", _DIE_WITH_PARENT, *self._command()],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
         finally:
             log.close()
+        try:
+            await self._wait_listening()
+        except BaseException:
+            await self.kill()
+            raise
+
+    async def _wait_listening(self) -> None:
+        assert self._process is not None
         # The server writes its ports file only once it listens; waiting for the file
         # of *our* pid (not for the port to accept) tells our server from another one
         # that already holds the port.
