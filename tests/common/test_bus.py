@@ -10,23 +10,28 @@ from gpulet_common.embedded_nats import EmbeddedNats
 from gpulet_common.messages import Ack, GpuSample, InventoryRequest, SampleBatch
 from gpulet_common.settings.nats import NatsSettings
 from support.metrics import MetricsProbe
+from support.waiting import wait_until
 
 pytestmark = pytest.mark.anyio
 
 
 def _batch(node: str = "n1") -> SampleBatch:
     return SampleBatch(
-        node=node, timestamp=1.0, samples=[GpuSample(uuid="GPU-a", index=0, timestamp=1.0, temperature_c=40)]
+        node=node,
+        timestamp=1.0,
+        samples=[GpuSample(uuid="GPU-a", index=0, timestamp=1.0, temperature_c=40)],
     )
 
 
 async def test_typed_publish_subscribe_and_trace_headers(nats_server: EmbeddedNats) -> None:
     settings = NatsSettings(url=nats_server.url)
-    async with Bus.connect(settings) as bus:
-        async with bus.subscribe(subjects.samples("n1.example"), codec.SAMPLES) as stream:
-            await bus.publish(subjects.samples("n1.example"), _batch(), codec.SAMPLES)
-            with anyio.fail_after(2):
-                delivery = await anext(aiter(stream))
+    async with (
+        Bus.connect(settings) as bus,
+        bus.subscribe(subjects.samples("n1.example"), codec.SAMPLES) as stream,
+    ):
+        await bus.publish(subjects.samples("n1.example"), _batch(), codec.SAMPLES)
+        with anyio.fail_after(2):
+            delivery = await anext(aiter(stream))
     assert delivery.value == _batch()
     assert delivery.subject == "gpu.samples.n1_example"
     assert "traceparent" in delivery.headers
@@ -57,22 +62,33 @@ async def test_request_reply_with_errors(nats_server: EmbeddedNats) -> None:
             raise RuntimeError("boom")
         return Ack(detail=request.value.reason)
 
-    async with Bus.connect(NatsSettings(url=nats_server.url)) as bus, anyio.create_task_group() as tg:
+    async with (
+        Bus.connect(NatsSettings(url=nats_server.url)) as bus,
+        anyio.create_task_group() as tg,
+    ):
         await tg.start(bus.serve, "svc.test", handler, codec.INVENTORY_REQUEST, codec.ACK)
-        ok = await bus.request("svc.test", InventoryRequest(reason="hi"), codec.INVENTORY_REQUEST, codec.ACK)
+        ok = await bus.request(
+            "svc.test", InventoryRequest(reason="hi"), codec.INVENTORY_REQUEST, codec.ACK
+        )
         assert ok.detail == "hi"
         with pytest.raises(RemoteError) as info:
-            await bus.request("svc.test", InventoryRequest(reason="reject"), codec.INVENTORY_REQUEST, codec.ACK)
+            await bus.request(
+                "svc.test", InventoryRequest(reason="reject"), codec.INVENTORY_REQUEST, codec.ACK
+            )
         assert info.value.code == "invalid_request"
         with pytest.raises(RemoteError) as info:
-            await bus.request("svc.test", InventoryRequest(reason="crash"), codec.INVENTORY_REQUEST, codec.ACK)
+            await bus.request(
+                "svc.test", InventoryRequest(reason="crash"), codec.INVENTORY_REQUEST, codec.ACK
+            )
         assert info.value.code == "internal"
         assert "boom" in info.value.message
         reply = await bus.client.request("svc.test", b"{bad", timeout=2)
         assert reply.headers is not None
         assert reply.headers["Gpulet-Error"] == "malformed_request"
         with pytest.raises(RequestTimeout):
-            await bus.request("nobody.home", InventoryRequest(), codec.INVENTORY_REQUEST, codec.ACK, timeout_s=0.3)
+            await bus.request(
+                "nobody.home", InventoryRequest(), codec.INVENTORY_REQUEST, codec.ACK, timeout_s=0.3
+            )
         tg.cancel_scope.cancel()
 
 
@@ -95,7 +111,9 @@ async def test_connect_gives_up_after_bounded_attempts() -> None:
     from gpulet_common.bus import BusError
     from gpulet_common.embedded_nats import free_port
 
-    settings = NatsSettings(url=f"nats://127.0.0.1:{free_port()}", connect_timeout_s=0.2, reconnect_wait_s=0.05)
+    settings = NatsSettings(
+        url=f"nats://127.0.0.1:{free_port()}", connect_timeout_s=0.2, reconnect_wait_s=0.05
+    )
     with anyio.fail_after(5), pytest.raises(BusError, match="cannot connect"):
         async with Bus.connect(settings, max_initial_attempts=2):
             pass
@@ -105,13 +123,9 @@ async def test_reconnects_after_server_restart(nats_server: EmbeddedNats) -> Non
     settings = NatsSettings(url=nats_server.url, reconnect_wait_s=0.05, reconnect_max_wait_s=0.2)
     async with Bus.connect(settings) as bus:
         await nats_server.stop()
-        with anyio.fail_after(3):
-            while bus.is_connected:
-                await anyio.sleep(0.02)
+        await wait_until(lambda: not bus.is_connected, timeout_s=3, what="disconnect")
         await nats_server.start()
-        with anyio.fail_after(5):
-            while not bus.is_connected:
-                await anyio.sleep(0.02)
+        await wait_until(lambda: bus.is_connected, timeout_s=5, what="reconnect")
         async with bus.subscribe("after.restart", codec.SAMPLES) as stream:
             await bus.publish("after.restart", _batch(), codec.SAMPLES)
             with anyio.fail_after(2):
