@@ -1,0 +1,502 @@
+"""The NATS users and permissions of deploy/nats, loaded into a real nats-server.
+
+Each service's user must be able to do its job (publish its data, answer its
+requests, use its JetStream stream and bucket) and be refused everything else: above
+all, publishing health events, answering allocation requests (subscribing to
+``gpulet.allocator.*.>``) or forging replies. A refused publish or subscribe is seen
+twice: the server reports a permissions violation to the client, and the message never
+reaches a subscriber that would have received it.
+
+Both variants are checked: ``auth.conf`` (production) and ``mock/auth.conf``
+(docker-compose and the mock overlay), which may only add the mock fault injection.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import anyio
+import msgspec
+import nats
+import nats.errors
+import nats.js.errors
+import nats.micro
+import pytest
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+from nats.micro.request import Request
+
+from gpulet_common import codec, subjects
+from gpulet_common.bus import Bus
+from gpulet_common.embedded_nats import EmbeddedNats, free_port
+from gpulet_common.messages import GpuSample, SampleBatch
+from gpulet_common.settings.nats import NatsSettings
+from support.deploy import NATS_DIR, NATS_USERS, node_config, password_for, set_passwords
+
+pytestmark = pytest.mark.anyio
+
+NODE = "gpu-node-1.example"
+SETTLE_S = 0.3  # how long a message that must not arrive is waited for, after a flush
+
+
+@dataclass
+class Conn:
+    """A nats-py connection as one user, with the asynchronous errors it was sent."""
+
+    user: str
+    nc: NatsClient
+    errors: list[str] = field(default_factory=list)
+
+    async def violations(self) -> list[str]:
+        # A PING/PONG round trip: the server handled everything sent before it, so
+        # any -ERR it had to send is in by now.
+        await self.nc.flush(timeout=2)
+        await anyio.sleep(0.02)
+        return [e for e in self.errors if "permissions violation" in e.lower()]
+
+    async def refused(self, subject: str) -> bool:
+        # nats-py lower-cases the server's error text.
+        return any(subject.lower() in v for v in await self.violations())
+
+
+@asynccontextmanager
+async def connect(
+    server: EmbeddedNats, user: str, password: str | None = None
+) -> AsyncIterator[Conn]:
+    errors: list[str] = []
+
+    async def on_error(exc: Exception) -> None:
+        errors.append(str(exc))
+
+    nc = await nats.connect(
+        server.url,
+        user=user,
+        password=password if password is not None else password_for(user),
+        error_cb=on_error,
+        allow_reconnect=False,
+        connect_timeout=2,
+    )
+    try:
+        yield Conn(user, nc, errors)
+    finally:
+        await nc.close()
+
+
+@pytest.fixture(params=[False, True], ids=["production", "mock"])
+async def secured(
+    request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> AsyncIterator[tuple[EmbeddedNats, bool]]:
+    mock: bool = request.param
+    set_passwords(monkeypatch)
+    config = node_config(tmp_path, mock=mock)
+    async with EmbeddedNats.running(state_dir=tmp_path / "nats", config_file=config) as server:
+        yield server, mock
+
+
+async def listen(conn: Conn | NatsClient, subject: str) -> list[Msg]:
+    """Collect what ``subject`` receives from now on (a callback never loses one)."""
+    nc = conn.nc if isinstance(conn, Conn) else conn
+    got: list[Msg] = []
+
+    async def collect(msg: Msg) -> None:
+        got.append(msg)
+
+    await nc.subscribe(subject, cb=collect)
+    await nc.flush(timeout=2)
+    return got
+
+
+async def settle(*senders: Conn, wait_s: float = SETTLE_S) -> None:
+    """Let what the senders published be delivered, if it is going to be at all."""
+    for sender in senders:
+        await sender.nc.flush(timeout=2)
+    await anyio.sleep(wait_s)
+
+
+async def request(conn: Conn, subject: str, data: bytes) -> Msg:
+    # A responder's SUB was flushed before, but on a loaded machine give the server a
+    # moment; a refused subscription still fails, as a NoRespondersError.
+    for _ in range(20):
+        try:
+            return await conn.nc.request(subject, data, timeout=2)
+        except nats.errors.NoRespondersError:
+            await anyio.sleep(0.1)
+    return await conn.nc.request(subject, data, timeout=2)
+
+
+def _batch() -> SampleBatch:
+    return SampleBatch(
+        node=NODE,
+        timestamp=1.0,
+        samples=[GpuSample(uuid="GPU-a", index=0, timestamp=1.0, temperature_c=40)],
+    )
+
+
+async def test_clients_without_valid_credentials_are_refused(
+    secured: tuple[EmbeddedNats, bool],
+) -> None:
+    server, _ = secured
+    for user, password in [("", ""), ("collector", "wrong"), ("intruder", "pw-intruder")]:
+        with pytest.raises((nats.errors.Error, OSError)):
+            await nats.connect(
+                server.url,
+                user=user or None,
+                password=password or None,
+                allow_reconnect=False,
+                connect_timeout=2,
+                max_reconnect_attempts=0,
+            )
+
+
+async def test_collector_publishes_data_and_answers_inventory_requests(
+    secured: tuple[EmbeddedNats, bool],
+) -> None:
+    server, _ = secured
+    async with (
+        connect(server, "collector") as collector,
+        connect(server, "operator") as operator,
+        connect(server, "reporter") as reporter,
+    ):
+        watch = await listen(operator, "gpu.>")
+        await collector.nc.publish(subjects.samples(NODE), codec.SAMPLES.encode(_batch()))
+        await collector.nc.publish(subjects.inventory(NODE), b"{}")
+
+        async def answer(msg: Msg) -> None:
+            await msg.respond(b"inventory")
+
+        await collector.nc.subscribe(subjects.inventory_request(NODE), cb=answer)
+        await collector.nc.flush()
+        reply = await request(reporter, subjects.inventory_request(NODE), b"{}")
+        assert reply.data == b"inventory"
+        await settle(collector)
+        got = sorted(m.subject for m in watch)
+        assert got == sorted([subjects.samples(NODE), subjects.inventory(NODE)])
+        assert await collector.violations() == []
+        assert await reporter.violations() == []
+
+
+async def test_collector_cannot_publish_health_forge_replies_or_serve_allocations(
+    secured: tuple[EmbeddedNats, bool],
+) -> None:
+    server, _ = secured
+    async with connect(server, "collector") as collector, connect(server, "operator") as operator:
+        watch = await listen(operator, "gpu.health.*")
+        inbox = await listen(operator, "_INBOX.operator-test.>")
+        await collector.nc.publish(subjects.health(NODE), b'{"forged": true}')
+        assert await collector.refused(subjects.health(NODE))
+        # A reply subject nobody asked it to answer: forging a reply is refused.
+        await collector.nc.publish("_INBOX.operator-test.1", b"forged reply")
+        assert await collector.refused("_INBOX.operator-test.1")
+        await collector.nc.subscribe(subjects.allocator_prefix(NODE) + ".>")
+        assert await collector.refused("gpulet.allocator")
+        await collector.nc.publish("$JS.API.STREAM.DELETE.GPU_HEALTH", b"")
+        assert await collector.refused("$JS.API.STREAM.DELETE.GPU_HEALTH")
+        await settle(collector)
+        assert watch == []
+        assert inbox == []
+
+
+@pytest.mark.parametrize("user", [u for u in NATS_USERS if u != "health"])
+async def test_only_health_publishes_health_events(
+    secured: tuple[EmbeddedNats, bool], user: str
+) -> None:
+    server, _ = secured
+    async with connect(server, user) as conn, connect(server, "operator") as operator:
+        watch = await listen(operator, "gpu.health.*")
+        await conn.nc.publish(subjects.health(NODE), b"{}")
+        assert await conn.refused(subjects.health(NODE))
+        await settle(conn)
+        assert watch == []
+
+
+@pytest.mark.parametrize("user", [u for u in NATS_USERS if u != "allocator"])
+async def test_only_the_allocator_answers_allocation_requests(
+    secured: tuple[EmbeddedNats, bool], user: str
+) -> None:
+    server, _ = secured
+    async with connect(server, user) as conn:
+        await conn.nc.subscribe("gpulet.allocator.*.>")
+        await conn.nc.subscribe(subjects.allocator_endpoint(NODE, "allocate"))
+        violations = await conn.violations()
+        assert len([v for v in violations if "gpulet.allocator" in v]) == 2, violations
+
+
+async def test_allocator_micro_service_answers_the_device_plugin(
+    secured: tuple[EmbeddedNats, bool],
+) -> None:
+    server, _ = secured
+    async with (
+        connect(server, "allocator") as allocator,
+        connect(server, "device-plugin") as plugin,
+        connect(server, "operator") as operator,
+        connect(server, "reporter") as reporter,
+    ):
+
+        async def allocate(req: Request) -> None:
+            await req.respond(b"granted:" + req.data)
+
+        service = await nats.micro.add_service(
+            allocator.nc, name="gpulet-allocator", version="0.1.0"
+        )
+        group = service.add_group(name=subjects.allocator_prefix(NODE))
+        await group.add_endpoint(name="allocate", handler=allocate)
+        await allocator.nc.flush()
+
+        subject = subjects.allocator_endpoint(NODE, "allocate")
+        reply = await request(plugin, subject, b"gpu-0")
+        assert reply.data == b"granted:gpu-0"
+        # Discovery and stats, as `nats micro ls` would ask.
+        info = await request(operator, "$SRV.INFO.gpulet-allocator", b"")
+        assert msgspec.json.decode(info.data)["name"] == "gpulet-allocator"
+        # Read-only users cannot ask for allocations.
+        for conn in (operator, reporter):
+            await conn.nc.publish(subject, b"gpu-1")
+            assert await conn.refused("gpulet.allocator")
+        await service.stop()
+        assert await allocator.violations() == []
+        assert await plugin.violations() == []
+
+
+async def test_health_owns_its_stream_and_bucket_and_alerts_reads_them(
+    secured: tuple[EmbeddedNats, bool],
+) -> None:
+    """The JetStream calls of the real Bus, as the health service and alerts make them."""
+    server, _ = secured
+
+    def settings(user: str) -> NatsSettings:
+        return NatsSettings(url=server.url, user=user, password=password_for(user))
+
+    async with (
+        Bus.connect(settings("health"), max_initial_attempts=3) as health,
+        connect(server, "alerts") as alerts,
+        connect(server, "reporter") as reporter,
+    ):
+        await health.ensure_stream(
+            subjects.HEALTH_STREAM,
+            list(subjects.HEALTH_STREAM_SUBJECTS),
+            max_age_s=3600,
+            max_bytes=1 << 20,
+            duplicate_window_s=60,
+        )
+        # Updating it (a restart with new limits) is allowed too.
+        await health.ensure_stream(
+            subjects.HEALTH_STREAM,
+            list(subjects.HEALTH_STREAM_SUBJECTS),
+            max_age_s=7200,
+            max_bytes=1 << 20,
+            duplicate_window_s=60,
+        )
+        live = await listen(reporter, subjects.health(NODE))
+        seq = await health.js_publish(subjects.health(NODE), _batch(), codec.SAMPLES, msg_id="e-1")
+        assert seq == 1
+        await settle()
+        assert [m.subject for m in live] == [subjects.health(NODE)]
+
+        kv = await health.key_value(subjects.HEALTH_KV_BUCKET)
+        key = subjects.health_kv_key(NODE, "GPU-a")
+        await kv.put(key, b'{"healthy": false}')
+        assert (await kv.get(key)).value == b'{"healthy": false}'
+        assert await kv.keys() == [key]  # a watch: an ordered consumer on KV_gpu_health
+
+        # gpulet alerts: a durable consumer that resumes where it stopped, and KV reads.
+        js = alerts.nc.jetstream()
+        sub = await js.pull_subscribe(
+            "gpu.health.*", durable="gpulet-alerts", stream=subjects.HEALTH_STREAM
+        )
+        msgs = await sub.fetch(1, timeout=2)
+        assert [m.subject for m in msgs] == [subjects.health(NODE)]
+        await msgs[0].ack_sync(timeout=2)
+        alerts_kv = await js.key_value(subjects.HEALTH_KV_BUCKET)
+        assert (await alerts_kv.get(key)).value == b'{"healthy": false}'
+        assert await alerts_kv.keys() == [key]
+        assert await alerts.violations() == []
+
+        # What alerts must not do: write health or state, purge or delete the stream.
+        # (Raw API publishes: refused requests would otherwise wait out a timeout.)
+        for subject in (
+            subjects.health(NODE),
+            f"$KV.{subjects.HEALTH_KV_BUCKET}.{key}",
+            f"$JS.API.STREAM.PURGE.{subjects.HEALTH_STREAM}",
+            f"$JS.API.STREAM.DELETE.{subjects.HEALTH_STREAM}",
+            f"$JS.API.CONSUMER.DELETE.{subjects.HEALTH_STREAM}.gpulet-alerts",
+        ):
+            await alerts.nc.publish(subject, b"{}")
+            assert await alerts.refused(subject), subject
+        # Nor may the health service itself delete or purge what it owns.
+        for stream in (subjects.HEALTH_STREAM, "KV_" + subjects.HEALTH_KV_BUCKET):
+            for verb in ("DELETE", "PURGE"):
+                subject = f"$JS.API.STREAM.{verb}.{stream}"
+                await health.client.publish(subject, b"")
+                await health.flush()
+        info = await health.jetstream.stream_info(subjects.HEALTH_STREAM)
+        assert info.state.messages == 1
+        assert (await kv.get(key)).value == b'{"healthy": false}'
+
+
+async def test_mock_fault_injection_only_in_the_mock_config(
+    secured: tuple[EmbeddedNats, bool],
+) -> None:
+    server, mock = secured
+    subject = subjects.mock_inject(NODE)
+    async with (
+        connect(server, "collector") as collector,
+        connect(server, "health") as health,
+        connect(server, "operator") as operator,
+    ):
+        seen: list[str] = []
+
+        async def answer(msg: Msg) -> None:
+            seen.append(msg.subject)
+            await msg.respond(b'{"applied": true}')
+
+        await collector.nc.subscribe(subject, cb=answer)
+        await health.nc.subscribe(subject, cb=answer)
+        if mock:
+            await collector.nc.flush()
+            await health.nc.flush()
+            reply = await request(operator, subject, b"{}")
+            assert reply.data == b'{"applied": true}'
+            # Every mock process sees the fault, not just the one that answered.
+            with anyio.fail_after(2):
+                while True:
+                    if len(seen) == 2:
+                        break
+                    await anyio.sleep(0.01)
+            assert await collector.violations() == []
+        else:
+            assert await collector.refused(subject)
+            assert await health.refused(subject)
+            await operator.nc.publish(subject, b"{}")
+            assert await operator.refused(subject)
+            assert seen == []
+
+
+def _significant(path: Path) -> list[str]:
+    return [
+        ln for ln in path.read_text().splitlines() if ln.strip() and not ln.lstrip().startswith("#")
+    ]
+
+
+def test_mock_auth_is_production_plus_mock_injection_only() -> None:
+    production = _significant(NATS_DIR / "auth.conf")
+    mock = _significant(NATS_DIR / "mock" / "auth.conf")
+    added = [ln for ln in mock if "gpulet.mock.inject" in ln]
+    assert [ln for ln in mock if "gpulet.mock.inject" not in ln] == production
+    assert len(added) == 3  # collector and health subscribe, operator publishes
+    assert not any("gpulet.mock" in ln for ln in production)
+
+
+def test_passwords_come_from_the_environment_only() -> None:
+    for path in (NATS_DIR / "auth.conf", NATS_DIR / "mock" / "auth.conf"):
+        passwords = re.findall(r"password:\s*(\S+)", path.read_text())
+        assert len(passwords) == len(NATS_USERS)
+        assert all(p.startswith("$GPULET_NATS_") for p in passwords), passwords
+
+
+async def test_leaf_node_exports_gpu_data_and_keeps_control_traffic_local(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """node (leaf.conf) -> hub (hub.conf): fleet-wide gpu.health.* subscribers work."""
+    set_passwords(monkeypatch, (*NATS_USERS, "leaf", "fleet"))
+    leaf_port = free_port()
+    hub_dir = tmp_path / "hub-conf"
+    hub_dir.mkdir()
+    hub_text = (NATS_DIR / "hub.conf").read_text()
+    # The test's own leaf port, and a publisher on the hub to try imports with.
+    hub_text = hub_text.replace("port: 7422", f"host: 127.0.0.1\n  port: {leaf_port}")
+    hub_text = hub_text.replace(
+        "    users = [\n",
+        "    users = [\n      { user: hubwriter, password: hubwriter }\n",
+        1,
+    )
+    (hub_dir / "hub.conf").write_text(hub_text)
+    monkeypatch.setenv(
+        "GPULET_NATS_LEAF_URL",
+        f"nats-leaf://gpulet-leaf:{password_for('leaf')}@127.0.0.1:{leaf_port}",
+    )
+    node_conf = node_config(tmp_path, mock=False)
+    async with (
+        EmbeddedNats.running(
+            state_dir=tmp_path / "hub", config_file=hub_dir / "hub.conf", jetstream=False
+        ) as hub,
+        EmbeddedNats.running(
+            state_dir=tmp_path / "node", config_file=node_conf.parent / "leaf.conf"
+        ) as node,
+        connect(hub, "fleet") as fleet,
+        connect(hub, "hubwriter", "hubwriter") as hubwriter,
+        connect(node, "health") as health,
+        connect(node, "collector") as collector,
+        connect(node, "reporter") as reporter,
+        connect(node, "device-plugin") as plugin,
+        connect(node, "allocator") as allocator,
+    ):
+        fleet_health = await fleet.nc.subscribe("gpu.health.*")
+        hub_all = await listen(hubwriter, ">")
+        await fleet.nc.flush()
+        # The leaf connection and the interest across it take a moment to form.
+        with anyio.fail_after(10):
+            while True:
+                await health.nc.publish(subjects.health(NODE), b"event")
+                try:
+                    msg = await fleet_health.next_msg(timeout=0.2)
+                    break
+                except nats.errors.TimeoutError:
+                    continue
+        assert msg.subject == subjects.health(NODE)
+        await collector.nc.publish(subjects.samples(NODE), b"sample")
+        # Control traffic stays on the node.
+        await plugin.nc.publish(subjects.allocator_endpoint(NODE, "allocate"), b"req")
+        await reporter.nc.publish(subjects.health_state(NODE), b"req")
+        await collector.nc.flush()
+        await settle(collector, plugin, reporter, wait_s=0.5)
+        seen = {m.subject for m in hub_all}
+        assert subjects.samples(NODE) in seen
+        assert not any(s.startswith(("gpulet.", "$JS", "_INBOX")) for s in seen), seen
+
+        # Control traffic from the hub never reaches the node: nobody there can ask
+        # the allocator for GPUs or clear a GPU's health.
+        allocations = await listen(allocator, subjects.allocator_prefix(NODE) + ".>")
+        clears = await listen(health, subjects.health_clear(NODE))
+        await anyio.sleep(0.2)  # time for the interest to cross, were it allowed to
+        for _ in range(5):
+            await hubwriter.nc.publish(subjects.allocator_endpoint(NODE, "allocate"), b"req")
+            await hubwriter.nc.publish(subjects.health_clear(NODE), b"req")
+        await settle(hubwriter, wait_s=0.5)
+        assert allocations == []
+        assert clears == []
+
+
+def test_nats_server_accepts_every_shipped_config(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import subprocess
+
+    from gpulet_common.embedded_nats import nats_server_binary
+
+    set_passwords(monkeypatch, (*NATS_USERS, "leaf", "fleet"))
+    monkeypatch.setenv("GPULET_NATS_LEAF_URL", "nats-leaf://gpulet-leaf:x@127.0.0.1:7422")
+    for mock in (False, True):
+        conf = node_config(tmp_path / str(mock), mock=mock)
+        for name in ("node.conf", "leaf.conf"):
+            result = subprocess.run(
+                [nats_server_binary(), "-t", "-c", str(conf.parent / name)],
+                capture_output=True,
+                text=True,
+                timeout=20,
+                check=False,
+            )
+            assert result.returncode == 0, result.stderr
+    shutil.copy(NATS_DIR / "hub.conf", tmp_path / "hub.conf")
+    result = subprocess.run(
+        [nats_server_binary(), "-t", "-c", str(tmp_path / "hub.conf")],
+        capture_output=True,
+        text=True,
+        timeout=20,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr

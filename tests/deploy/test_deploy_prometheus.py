@@ -1,0 +1,204 @@
+"""Prometheus integration: the alert rules with promtool, and a real Prometheus scrape.
+
+The scrape test starts ``gpulet run --nvml mock`` (8 mock H100s, an embedded
+nats-server) and a real Prometheus that scrapes its ``/metrics`` every second with the
+shipped rules loaded. A PromQL query must then return the temperature of all 8 GPUs:
+that proves the exposition format, the metric names the rules and dashboards use, and
+the rule file loading into a real server.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from gpulet_common.embedded_nats import free_port
+from support.deploy import PROMETHEUS_DIR
+
+RULES = PROMETHEUS_DIR / "gpulet-rules.yaml"
+RULES_TEST = PROMETHEUS_DIR / "gpulet-rules.test.yaml"
+PROMETHEUS_RULE = PROMETHEUS_DIR / "prometheusrule.yaml"
+DEADLINE_S = 30.0
+
+_NO_PROMETHEUS = (
+    "needs the Debian package `prometheus` (promtool and prometheus); "
+    ".ci/run installs it: apt-get install -y prometheus"
+)
+
+
+def _tool(name: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        pytest.skip(f"{name} not found: {_NO_PROMETHEUS}")
+    return path
+
+
+def test_promtool_check_rules() -> None:
+    result = subprocess.run(
+        [_tool("promtool"), "check", "rules", str(RULES)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_promtool_test_rules() -> None:
+    result = subprocess.run(
+        [_tool("promtool"), "test", "rules", RULES_TEST.name],
+        cwd=PROMETHEUS_DIR,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_every_alert_has_a_unit_test() -> None:
+    rules = yaml.safe_load(RULES.read_text())
+    alerts = {r["alert"] for g in rules["groups"] for r in g["rules"] if "alert" in r}
+    tests = yaml.safe_load(RULES_TEST.read_text())
+    tested = {
+        case["alertname"]
+        for t in tests["tests"]
+        for case in t.get("alert_rule_test", [])
+        if case.get("exp_alerts")
+    }
+    assert alerts - tested == set()
+
+
+def test_prometheus_operator_rule_has_the_same_groups() -> None:
+    rules = yaml.safe_load(RULES.read_text())
+    custom = yaml.safe_load(PROMETHEUS_RULE.read_text())
+    assert custom["apiVersion"] == "monitoring.coreos.com/v1"
+    assert custom["kind"] == "PrometheusRule"
+    assert custom["spec"]["groups"] == rules["groups"]
+
+
+def _get(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=2) as response:
+        return json.loads(response.read())
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=5)
+
+
+@pytest.fixture
+def agent(tmp_path: Path) -> Iterator[tuple[int, Path]]:
+    """``gpulet run --nvml mock`` on free ports, all on 127.0.0.1."""
+    metrics_port = free_port()
+    log = tmp_path / "agent.log"
+    command = [
+        sys.executable,
+        "-m",
+        "gpulet",
+        "run",
+        "--nvml",
+        "mock",
+        "--node",
+        "prom-test-node",
+        "--state-dir",
+        str(tmp_path / "agent"),
+        "--metrics-port",
+        str(metrics_port),
+        "--set",
+        "telemetry.http_host=127.0.0.1",
+        "--set",
+        f"nats.embedded_port={free_port()}",
+        # Whatever services `gpulet run` starts, none may touch the host's kubelet.
+        "--set",
+        f"allocator.plugin.plugin_dir={tmp_path / 'device-plugins'}/",
+        "--set",
+        f"allocator.pod_resources_socket={tmp_path / 'pod-resources.sock'}",
+    ]
+    with log.open("wb") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        yield metrics_port, log
+    finally:
+        _stop(process)
+
+
+@pytest.mark.slow
+def test_prometheus_scrapes_gpu_temperature_from_gpulet_run(
+    agent: tuple[int, Path], tmp_path: Path
+) -> None:
+    prometheus = _tool("prometheus")
+    metrics_port, agent_log = agent
+    web_port = free_port()
+    shutil.copy(RULES, tmp_path / RULES.name)
+    config = {
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "rule_files": [RULES.name],
+        "scrape_configs": [
+            {
+                "job_name": "gpulet",
+                "static_configs": [{"targets": [f"127.0.0.1:{metrics_port}"]}],
+            }
+        ],
+    }
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
+    log = tmp_path / "prometheus.log"
+    with log.open("wb") as out:
+        server = subprocess.Popen(
+            [
+                prometheus,
+                f"--config.file={tmp_path / 'prometheus.yml'}",
+                f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                f"--web.listen-address=127.0.0.1:{web_port}",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    base = f"http://127.0.0.1:{web_port}"
+    query = urllib.parse.urlencode({"query": "gpulet_gpu_temperature_celsius"})
+    series: list[dict[str, Any]] = []
+    try:
+        deadline = time.monotonic() + DEADLINE_S
+        while time.monotonic() < deadline:
+            assert server.poll() is None, log.read_text()[-3000:]
+            try:
+                answer = _get(f"{base}/api/v1/query?{query}")
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                answer = {}
+            series = answer.get("data", {}).get("result", [])
+            if len(series) == 8:
+                break
+            time.sleep(0.5)
+        targets = _get(f"{base}/api/v1/targets")["data"]["activeTargets"]
+        rules = _get(f"{base}/api/v1/rules")["data"]["groups"]
+    finally:
+        _stop(server)
+    assert len(series) == 8, (
+        f"got {len(series)} series; agent log:\n{agent_log.read_text()[-3000:]}"
+    )
+    assert sorted(int(s["metric"]["gpu"]) for s in series) == list(range(8))
+    for s in series:
+        assert s["metric"]["job"] == "gpulet"
+        assert s["metric"]["UUID"].startswith("GPU-")
+        assert s["metric"]["Hostname"] == "prom-test-node"
+        assert 0 < float(s["value"][1]) < 120
+    assert [(t["health"], t["lastError"]) for t in targets] == [("up", "")]
+    assert {g["name"] for g in rules} == {"gpulet-gpu", "gpulet-agent"}
+    assert all(r["health"] != "err" for g in rules for r in g["rules"]), rules

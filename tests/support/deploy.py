@@ -1,0 +1,48 @@
+"""Shared helpers of the deploy tests: where the shipped files are, and NATS users."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+NATS_DIR = DEPLOY / "nats"
+KUSTOMIZE = DEPLOY / "kustomize"
+PROMETHEUS_DIR = DEPLOY / "prometheus"
+COMPOSE_FILE = ROOT / "docker-compose.yml"
+
+# Every user of deploy/nats/auth.conf, with the service it belongs to.
+NATS_USERS = ("collector", "health", "reporter", "allocator", "device-plugin", "alerts", "operator")
+
+
+def password_variable(user: str) -> str:
+    """The environment variable that holds ``user``'s password in auth.conf."""
+    return "GPULET_NATS_" + user.upper().replace("-", "_") + "_PASSWORD"
+
+
+def password_for(user: str) -> str:
+    return f"pw-{user}-for-tests"
+
+
+def set_passwords(monkeypatch: pytest.MonkeyPatch, users: tuple[str, ...] = NATS_USERS) -> None:
+    # nats-server reads the passwords from its environment, which it inherits from us.
+    for user in users:
+        monkeypatch.setenv(password_variable(user), password_for(user))
+
+
+def node_config(tmp_path: Path, *, mock: bool) -> Path:
+    """node.conf next to the auth.conf a deployment would mount beside it.
+
+    docker-compose and the mock overlay mount mock/auth.conf as auth.conf; the
+    production DaemonSet mounts auth.conf itself. A copy in ``tmp_path`` does the same.
+    """
+    conf_dir = tmp_path / "nats-conf"
+    conf_dir.mkdir(parents=True, exist_ok=True)
+    shutil.copy(NATS_DIR / "node.conf", conf_dir / "node.conf")
+    shutil.copy(NATS_DIR / "leaf.conf", conf_dir / "leaf.conf")
+    auth = NATS_DIR / "mock" / "auth.conf" if mock else NATS_DIR / "auth.conf"
+    shutil.copy(auth, conf_dir / "auth.conf")
+    return conf_dir / "node.conf"
