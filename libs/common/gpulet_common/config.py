@@ -179,6 +179,24 @@ def default_state_dir(env: Mapping[str, str]) -> str:
     return str(Path(base) / "gpulet")
 
 
-def dump(settings: Settings) -> dict[str, Any]:
+# Settings whose values are secrets: shown only as "***" by `gpulet config show`.
+SECRET_KEYS = frozenset({"password", "token"})
+
+
+def _mask(tree: Any) -> Any:
+    if isinstance(tree, dict):
+        return {k: ("***" if k in SECRET_KEYS and v else _mask(v)) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_mask(v) for v in tree]
+    if isinstance(tree, str) and "://" in tree and "@" in tree:
+        from gpulet_common.bus import describe_servers
+
+        return describe_servers(tree)
+    return tree
+
+
+def dump(settings: Settings, *, mask_secrets: bool = True) -> dict[str, Any]:
+    """The settings as plain data; secrets (passwords, tokens, URL credentials) masked."""
     result: dict[str, Any] = msgspec.to_builtins(settings)
-    return result
+    masked: dict[str, Any] = _mask(result) if mask_secrets else result
+    return masked
