@@ -23,7 +23,7 @@ Example::
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -41,8 +41,12 @@ DEFAULT_APP_XIDS: tuple[int, ...] = (13, 31, 43, 45, 68, 109)
 class XidRule(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """How one XID is classified: replaces the built-in catalogue entry."""
 
-    severity: Severity
-    action: Action
+    # info / warning: reported, the GPU stays healthy; critical / fatal: the GPU is
+    # unhealthy until cleared or reset (unless the XID is in app_xids).
+    severity: Severity = "critical"
+    # The recommended action carried by the event.
+    action: Action = "operator_check"
+    # What the XID means (empty: the built-in description, if any).
     description: str = ""
 
 
@@ -53,8 +57,9 @@ class ThermalSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # A thermal condition clears only once the temperature is below its threshold minus
     # this margin (C), so a GPU hovering at the threshold does not flap.
     hysteresis_c: NonNegFloat = 5.0
-    # ... and only after this many consecutive samples below it (3 samples at the
-    # collector's default 1 s period: a fan spin-up, not a single lucky reading).
+    # A thermal condition clears only after this many consecutive samples below its
+    # threshold minus hysteresis_c (3 samples at the collector's default 1 s period:
+    # a fan spin-up, not a single lucky reading).
     recover_samples: PosInt = 3
     # Also report against the GPU's own NVML thresholds where it has them: SLOWDOWN
     # (warning, GPUd marks the GPU Degraded near it) and SHUTDOWN (unhealthy).
@@ -72,10 +77,10 @@ class EccSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 class StreamSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    # JetStream stream GPU_HEALTH: how long events are kept (7 days: an alerting
-    # consumer down over a long weekend still gets what it missed) ...
+    # How long the JetStream stream GPU_HEALTH keeps events (s). 7 days: an alerting
+    # consumer down over a long weekend still gets what it missed.
     max_age_s: PosFloat = 7 * 24 * 3600.0
-    # ... and how much space they may take (bytes; oldest dropped first).
+    # How much space the stream may take (bytes); the oldest events go first.
     max_bytes: PosInt = 256 * 1024 * 1024
     # Window in which the server drops a re-published event with the same event id
     # (Nats-Msg-Id). Longer than JetStream's 2 min default, so a publish whose ack was
@@ -83,15 +88,16 @@ class StreamSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     duplicate_window_s: PosFloat = 600.0
     # How long one publish waits for the stream's ack before the event goes to disk.
     publish_timeout_s: PosFloat = 1.0
-    # Key-value bucket with each GPU's current health (gpu_health), history kept.
+    # Versions kept per key in the gpu_health KV bucket (1: the current state only).
     kv_history: Annotated[int, msgspec.Meta(ge=1, le=64)] = 1
 
 
 class BufferSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    # On-disk buffer for events that cannot be published (NATS unreachable), under
-    # <state_dir>/health-buffer. When either limit is reached further events are
-    # dropped, counted, logged and reported as a buffer_overflow event.
+    # Most bytes the on-disk buffer (events NATS could not take, kept under
+    # <state_dir>/health-buffer) may hold. Beyond this or max_events, further events
+    # are dropped, counted, logged and reported as a buffer_overflow event.
     max_bytes: PosInt = 64 * 1024 * 1024
+    # Most events the on-disk buffer may hold (see max_bytes).
     max_events: PosInt = 100_000
     # Size at which a buffer segment file is closed and a new one started.
     segment_bytes: PosInt = 1024 * 1024
@@ -106,6 +112,11 @@ class AlertSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     durable: str = "gpulet-alerts"
     # Subject filter within the stream (one node: gpu.health.<node>).
     subject: str = "gpu.health.*"
+    # Where a *new* durable consumer starts: "new" events only (the current state is
+    # brought in from the KV bucket, see reconcile_from_kv), or "all" the stream holds
+    # (up to stream.max_age_s of history). An existing durable always resumes where
+    # it stopped, so events missed while it was down are delivered either way.
+    start_at: Literal["new", "all"] = "new"
     # Print every event as one JSON line on stdout.
     stdout: bool = True
     # URLs that receive each event as JSON (POST).
@@ -121,15 +132,18 @@ class AlertSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # On start, post the current conditions found in the gpu_health KV bucket, so an
     # Alertmanager that lost its state (or a fresh consumer) is brought up to date.
     reconcile_from_kv: bool = True
+    # Timeout of one webhook or Alertmanager request (s).
     http_timeout_s: PosFloat = 5.0
-    # Retries of a failed delivery: exponential back-off between these bounds (s).
+    # First delay before a failed delivery is retried (s); it doubles on each failure.
     retry_initial_s: PosFloat = 0.5
+    # Longest delay between two retries of a failed delivery (s).
     retry_max_s: PosFloat = 30.0
     # JetStream ack wait (s); a message not acked in time is redelivered.
     ack_wait_s: PosFloat = 60.0
 
 
 class HealthSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    # Run the health service (false: `gpulet run` starts it idle).
     enabled: bool = True
     # XIDs reported (severity and action from the catalogue) that never make the GPU
     # unhealthy. Default: NVIDIA's device plugin skip list.
@@ -138,13 +152,7 @@ class HealthSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     xid_overrides: dict[int, XidRule] = {}
     # XIDs in neither the catalogue nor the overrides: like NVIDIA's device plugin,
     # which treats every XID outside its skip list as fatal for the GPU.
-    unknown_xid: XidRule = msgspec.field(
-        default_factory=lambda: XidRule(
-            severity="critical",
-            action="operator_check",
-            description="XID not in gpulet's catalogue",
-        )
-    )
+    unknown_xid: XidRule = msgspec.field(default_factory=XidRule)
     # Repeats of the same fault on the same GPU within this window (s) are folded into
     # one event with a count (GPUd de-duplicates per minute). 0 publishes every repeat.
     dedup_window_s: NonNegFloat = 60.0

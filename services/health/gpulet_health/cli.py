@@ -1,0 +1,257 @@
+"""Commands of the health service: ``gpulet health state|clear`` and ``gpulet alerts``.
+
+``gpulet`` imports this module and calls :func:`add_commands`; the commands talk to a
+running agent over NATS (``--nats``, default ``nats://127.0.0.1:4222``) for the node
+given by ``--node`` (default: this host's node name).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+import msgspec
+
+from gpulet_common import codec, subjects
+from gpulet_common.bus import Bus, BusError, RemoteError, RequestTimeout
+from gpulet_common.messages import HealthClearRequest, HealthState, HealthStateRequest
+from gpulet_common.settings import Settings
+from gpulet_health.alerts import AlertsConsumer
+
+DEFAULT_URL = "nats://127.0.0.1:4222"
+
+AddFlags = Callable[[argparse.ArgumentParser], None]
+LoadSettings = Callable[[argparse.Namespace], Settings]
+
+
+def _nats(settings: Settings) -> Any:
+    if settings.nats.url:
+        return settings.nats
+    return msgspec.structs.replace(settings.nats, url=DEFAULT_URL)
+
+
+def full_builtins(value: Any) -> Any:
+    """Like msgspec.to_builtins, but with the fields the wire omits at their default
+    (``healthy: true``, ``present: true``): a person reading JSON should see them."""
+    if isinstance(value, msgspec.Struct):
+        return {f: full_builtins(getattr(value, f)) for f in value.__struct_fields__}
+    if isinstance(value, list | tuple):
+        return [full_builtins(v) for v in value]
+    return msgspec.to_builtins(value)
+
+
+def format_state(state: HealthState) -> str:
+    lines = [f"node {state.node}"]
+    for gpu in state.gpus:
+        verdict = "healthy" if gpu.healthy else "UNHEALTHY"
+        if not gpu.present:
+            verdict += " (not present)"
+        lines.append(
+            f"  GPU {gpu.gpu_index if gpu.gpu_index is not None else '?'} {gpu.gpu_uuid}: {verdict}"
+        )
+        for c in gpu.conditions:
+            sticky = ", sticky" if c.sticky else ""
+            lines.append(
+                f"    - {c.condition} [{c.severity}{sticky}] {c.reason} -> action: {c.action}"
+            )
+    return "\n".join(lines)
+
+
+async def _request(
+    settings: Settings, subject: str, value: Any, request_codec: Any, timeout_s: float
+) -> HealthState:
+    async with Bus.connect(
+        _nats(settings), name="gpulet-health-cli", max_initial_attempts=3
+    ) as bus:
+        result: HealthState = await bus.request(
+            subject, value, request_codec, codec.HEALTH_STATE, timeout_s=timeout_s
+        )
+        return result
+
+
+def _run_request(
+    args: argparse.Namespace,
+    load: LoadSettings,
+    what: str,
+    make: Callable[[Settings], tuple[str, Any, Any]],
+) -> int:
+    settings = load(args)
+    subject, value, request_codec = make(settings)
+    try:
+        state = anyio.run(lambda: _request(settings, subject, value, request_codec, args.timeout))
+    except RequestTimeout:
+        print(
+            f"gpulet health {what}: no health service answered for node {settings.node_name!r} "
+            "(is the agent running? is --node right?)",
+            file=sys.stderr,
+        )
+        return 1
+    except RemoteError as exc:
+        print(f"gpulet health {what}: {exc.code}: {exc.message}", file=sys.stderr)
+        return 1
+    except BusError as exc:
+        print(f"gpulet health {what}: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(full_builtins(state), indent=2))
+    else:
+        print(format_state(state))
+    return 0
+
+
+def _cmd_state(args: argparse.Namespace, load: LoadSettings) -> int:
+    return _run_request(
+        args,
+        load,
+        "state",
+        lambda s: (
+            subjects.health_state(s.node_name),
+            HealthStateRequest(gpu=args.gpu),
+            codec.HEALTH_STATE_REQUEST,
+        ),
+    )
+
+
+def _cmd_clear(args: argparse.Namespace, load: LoadSettings) -> int:
+    request = HealthClearRequest(gpu=args.gpu, condition=args.condition, requested_by=args.by)
+    return _run_request(
+        args,
+        load,
+        "clear",
+        lambda s: (subjects.health_clear(s.node_name), request, codec.HEALTH_CLEAR_REQUEST),
+    )
+
+
+async def run_alerts(settings: Settings) -> None:
+    async with Bus.connect(_nats(settings), name="gpulet-alerts") as bus:
+        consumer = AlertsConsumer.from_settings(bus, settings.health.alerts)
+        await consumer.run()
+
+
+def _cmd_alerts(args: argparse.Namespace, load: LoadSettings) -> int:
+    settings = load(args)
+    alerts = settings.health.alerts
+    changes: dict[str, Any] = {}
+    if args.webhook:
+        changes["webhooks"] = [*alerts.webhooks, *args.webhook]
+    if args.alertmanager:
+        changes["alertmanager_urls"] = [*alerts.alertmanager_urls, *args.alertmanager]
+    if args.durable:
+        changes["durable"] = args.durable
+    if args.subject:
+        changes["subject"] = args.subject
+    if args.no_stdout:
+        changes["stdout"] = False
+    if args.replay_all:
+        changes["start_at"] = "all"
+    settings.health.alerts = msgspec.structs.replace(alerts, **changes)
+    if not (
+        settings.health.alerts.stdout
+        or settings.health.alerts.webhooks
+        or settings.health.alerts.alertmanager_urls
+    ):
+        print(
+            "gpulet alerts: nothing to deliver to (give --webhook, --alertmanager or keep stdout)",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        anyio.run(run_alerts, settings)
+    except KeyboardInterrupt:
+        return 0
+    except BusError as exc:
+        print(f"gpulet alerts: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def add_commands(sub: Any, add_flags: AddFlags, load: LoadSettings) -> None:
+    def bind(
+        fn: Callable[[argparse.Namespace, LoadSettings], int],
+    ) -> Callable[[argparse.Namespace], int]:
+        return lambda args: fn(args, load)
+
+    # `gpulet health` alone runs the health service (the CLI registers one parser per
+    # service); `gpulet health state|clear` are the operator tools, as subcommands of
+    # that same parser.
+    health = sub.choices.get("health") or sub.add_parser(
+        "health", help="run the health service, or query/clear GPU health (state, clear)"
+    )
+    health_sub = health.add_subparsers(
+        dest="health_command",
+        required=False,
+        metavar="{state,clear}",
+        description="without a command: run the health service alone (sidecar mode)",
+    )
+
+    # Settings flags may come before or after the command (`gpulet health --nats URL
+    # state` or `gpulet health state --nats URL`): flags absent after it must not reset
+    # those given before it, hence SUPPRESS as the default of the command's flags.
+    state = health_sub.add_parser(
+        "state",
+        help="print each GPU's health and active conditions",
+        argument_default=argparse.SUPPRESS,
+    )
+    state.add_argument("--gpu", default=None, help="one GPU: its UUID or index")
+    state.add_argument(
+        "--json", action="store_true", default=False, help="print the HealthState as JSON"
+    )
+    state.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the agent")
+    add_flags(state)
+    state.set_defaults(func=bind(_cmd_state))
+
+    clear = health_sub.add_parser(
+        "clear",
+        help="clear sticky conditions (fatal XID, uncorrectable ECC) of a GPU",
+        argument_default=argparse.SUPPRESS,
+    )
+    clear.add_argument("gpu", help="the GPU: its UUID or index")
+    clear.add_argument(
+        "--condition",
+        default=None,
+        help="clear only this condition (e.g. xid:79, ecc_uncorrectable, thermal)",
+    )
+    clear.add_argument("--by", default="operator", help="who clears it (recorded in the event)")
+    clear.add_argument(
+        "--json", action="store_true", default=False, help="print the new HealthState as JSON"
+    )
+    clear.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the agent")
+    add_flags(clear)
+    clear.set_defaults(func=bind(_cmd_clear))
+
+    alerts = sub.add_parser(
+        "alerts",
+        help="deliver health events (durable JetStream consumer) to stdout, webhooks, Alertmanager",
+    )
+    alerts.add_argument(
+        "--webhook",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="POST each event as JSON here (repeatable)",
+    )
+    alerts.add_argument(
+        "--alertmanager",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="Alertmanager base URL, e.g. http://127.0.0.1:9093 (repeatable)",
+    )
+    alerts.add_argument("--durable", help="durable consumer name (default gpulet-alerts)")
+    alerts.add_argument(
+        "--subject", help="subject filter (default gpu.health.*; one node: gpu.health.<node>)"
+    )
+    alerts.add_argument(
+        "--no-stdout", action="store_true", help="do not print events as JSON lines"
+    )
+    alerts.add_argument(
+        "--replay-all",
+        action="store_true",
+        help="a new durable starts at the oldest event in the stream instead of new ones",
+    )
+    add_flags(alerts)
+    alerts.set_defaults(func=bind(_cmd_alerts))

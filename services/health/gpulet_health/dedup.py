@@ -1,0 +1,121 @@
+"""De-duplication: stable event ids, and folding repeats of a fault into one count.
+
+Event ids
+---------
+Every event's id is a hash of what the event *is*: node, GPU, kind, condition, the
+onset time of the condition and what happened to it (raised, repeated, ended). It is
+never random. So a republish -- from the disk buffer after an outage, or after a crash
+between publishing and recording that it was published -- carries the same id, and
+JetStream (``Nats-Msg-Id``) and consumers drop the copy.
+
+Repeat windows
+--------------
+A faulty GPU can report the same XID hundreds of times a second. The first occurrence
+is published at once (alerting latency matters most there); further occurrences with
+the same key within ``window_s`` are only counted. When the window ends with repeats,
+one summary event carries the count (``repeat_count``) and a new window starts, so a
+fault storm gives one event per window, not one per fault. A window that ends without
+repeats is forgotten: the next occurrence is published at once again. When the
+condition ends, its pending summary is published *before* the end event, so that no
+fault report ever follows its own recovery. GPUd de-duplicates the same way, per
+minute, which is the default window.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import msgspec
+
+from gpulet_common.messages import HealthEvent
+
+
+def event_id(*parts: object) -> str:
+    """A stable id from the parts (128 bits of SHA-256, hex)."""
+    text = "\x1f".join(
+        "" if p is None else repr(p) if isinstance(p, float) else str(p) for p in parts
+    )
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+DedupKey = tuple[str, str]  # (gpu uuid, condition or report key)
+
+
+@dataclass(slots=True)
+class _Window:
+    start: float
+    last: float
+    suppressed: int
+    template: HealthEvent
+
+
+class Deduplicator:
+    def __init__(self, window_s: float) -> None:
+        self._window_s = window_s
+        self._windows: dict[DedupKey, _Window] = {}
+        self.suppressed_total = 0
+
+    def __len__(self) -> int:
+        return len(self._windows)
+
+    def offer(self, key: DedupKey, event: HealthEvent) -> list[HealthEvent]:
+        """The events to publish for this occurrence: itself, or nothing (counted)."""
+        if self._window_s <= 0:
+            return [event]
+        out: list[HealthEvent] = []
+        window = self._windows.get(key)
+        if window is not None:
+            if event.observed_at - window.start < self._window_s:
+                window.suppressed += 1
+                window.last = max(window.last, event.observed_at)
+                self.suppressed_total += 1
+                return out
+            out += self._summary(window)
+        self._windows[key] = _Window(event.observed_at, event.observed_at, 0, event)
+        out.append(event)
+        return out
+
+    def close(self, key: DedupKey) -> list[HealthEvent]:
+        """End the key's window (its condition ended): its summary, if it has repeats."""
+        window = self._windows.pop(key, None)
+        return self._summary(window) if window is not None else []
+
+    def close_gpu(self, uuid: str) -> list[HealthEvent]:
+        out: list[HealthEvent] = []
+        for key in [k for k in self._windows if k[0] == uuid]:
+            out += self.close(key)
+        return out
+
+    def tick(self, now: float) -> list[HealthEvent]:
+        """Summaries of the windows that ended by ``now``."""
+        out: list[HealthEvent] = []
+        for key, window in list(self._windows.items()):
+            if now - window.start < self._window_s:
+                continue
+            if window.suppressed:
+                out += self._summary(window)
+                self._windows[key] = _Window(now, now, 0, window.template)
+            else:
+                del self._windows[key]
+        return out
+
+    def _summary(self, window: _Window) -> list[HealthEvent]:
+        if not window.suppressed:
+            return []
+        template = window.template
+        count = window.suppressed
+        span = max(window.last - window.start, 0.0)
+        summary = msgspec.structs.replace(
+            template,
+            event_id=event_id(template.event_id, "repeat", window.start),
+            repeat_count=count,
+            observed_at=window.last,
+            published_at=0.0,
+            message=(
+                f"{count} more occurrence(s) within {span:.1f}s after the one reported"
+                + (f": {template.message}" if template.message else "")
+            ),
+        )
+        window.suppressed = 0
+        return [summary]

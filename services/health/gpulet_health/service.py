@@ -1,0 +1,552 @@
+"""The health service: sees every GPU fault quickly, says what to do, recovers by itself.
+
+Flow
+----
+One task group, all of it structured (nothing outlives the service):
+
+* **NVML events** (:mod:`.events_source`): a worker thread waits for XID, ECC and
+  GPU-unavailable events with a short timeout and watches the GPU count;
+* **samples**: the collector's ``gpu.samples.<node>`` (temperature, throttle reasons,
+  ECC counters, remapped rows, "lost");
+* **GPU list**: a scan of NVML (handles, UUIDs, thresholds, supported events) at start,
+  when the count changes, when an NVML event or a sample names an unknown GPU, when a
+  GPU is lost, and when the collector publishes an inventory that differs from ours
+  (it is also asked for one at start, so start order does not matter);
+* the **rule engine** (:mod:`.rules`) turns all of that into events and state;
+* the **publisher** (:mod:`.publisher`) sends events to JetStream in order, through
+  the disk buffer when NATS is away;
+* the **state store** (:mod:`.kv`) keeps each GPU's health in the ``gpu_health`` KV
+  bucket, and two endpoints answer ``gpulet.health.state.<node>`` (current state) and
+  ``gpulet.health.clear.<node>`` (operator clears sticky conditions);
+* a **tick** flushes de-duplication summaries and ages the correctable-ECC window.
+
+Without NVML the service runs *degraded* and retries, like the collector.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import anyio
+import anyio.abc
+import nats.errors
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from gpulet_common import codec, subjects
+from gpulet_common.bus import BusError, Delivery, RequestRejected
+from gpulet_common.messages import (
+    GpuHealth,
+    GpuInfo,
+    HealthClearRequest,
+    HealthEvent,
+    HealthState,
+    HealthStateRequest,
+    Inventory,
+    InventoryRequest,
+    SampleBatch,
+)
+from gpulet_common.nvml.adapter import NvmlAdapter
+from gpulet_common.nvml.errors import GpuLostError, NvmlCallError, NvmlUnavailable
+from gpulet_common.runtime import Runtime
+from gpulet_health.buffer import DiskBuffer
+from gpulet_health.events_source import (
+    CountChanged,
+    EventReceived,
+    LostSignal,
+    NvmlDown,
+    NvmlEventSource,
+    NvmlUp,
+    Registered,
+    SourceItem,
+)
+from gpulet_health.kv import StateStore
+from gpulet_health.publisher import HealthPublisher
+from gpulet_health.rules import RuleEngine, UnknownCondition, UnknownGpu
+
+log = logging.getLogger("gpulet.health")
+
+NVML_RETRY_MIN_S = 5.0
+NVML_RETRY_MAX_S = 300.0
+# Events between the rule engine and the publisher. A full queue makes the producers
+# wait (backpressure), it never drops.
+EVENT_QUEUE = 4096
+SOURCE_QUEUE = 1024
+# A GPU scan that takes longer than this (a hung GPU) is given up for this round.
+SCAN_TIMEOUT_S = 10.0
+# While a GPU is lost or removed, scan this often to see it come back even without
+# the collector's samples.
+GONE_RESCAN_S = 5.0
+MIN_RESCAN_GAP_S = 0.05
+
+
+class HealthService:
+    name = "health"
+
+    def __init__(self, runtime: Runtime) -> None:
+        self._rt = runtime
+        self._settings = runtime.settings.health
+        self._node = runtime.node
+        self.engine = RuleEngine(self._node, self._settings)
+        directory = self._settings.buffer.directory or str(
+            Path(runtime.settings.state_dir) / "health-buffer"
+        )
+        self.buffer = DiskBuffer(
+            Path(directory),
+            max_bytes=self._settings.buffer.max_bytes,
+            max_events=self._settings.buffer.max_events,
+            segment_bytes=self._settings.buffer.segment_bytes,
+        )
+        self.store = StateStore(
+            runtime.bus,
+            self._node,
+            history=self._settings.stream.kv_history,
+            timeout_s=runtime.settings.nats.request_timeout_s,
+        )
+        self.publisher = HealthPublisher(
+            runtime.bus,
+            self._node,
+            self.buffer,
+            publish_timeout_s=self._settings.stream.publish_timeout_s,
+            ensure_stream=self._ensure_stream,
+            meter=runtime.meter,
+        )
+        self._events_send: MemoryObjectSendStream[HealthEvent]
+        self._events_recv: MemoryObjectReceiveStream[HealthEvent]
+        self._events_send, self._events_recv = anyio.create_memory_object_stream[HealthEvent](
+            EVENT_QUEUE
+        )
+        self._adapter: NvmlAdapter | None = None
+        self._source: NvmlEventSource | None = None
+        self._rescan = anyio.Event()
+        self._last_scan_count: int | None = None
+        self._nvml_down = False
+        # What the event thread registered, per GPU index (for logs and tests), and
+        # for which watch generation.
+        self.registered: dict[int, int] = {}
+        self._registered_generation = -1
+        self._registration = anyio.Event()
+        self._event_counter = runtime.meter.create_counter(
+            "gpulet.health.events", description="Health events produced, by kind and severity"
+        )
+
+    # --- lifecycle -------------------------------------------------------------------
+
+    async def run(
+        self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        if not self._settings.enabled:
+            self._rt.status.set(self.name, "ready", "disabled (health.enabled = false)")
+            task_status.started()
+            await anyio.sleep_forever()
+        await anyio.to_thread.run_sync(self.buffer.open)
+        try:
+            await self._prepare_jetstream()
+            handle = await self._rt.nvml.get()
+            async with anyio.create_task_group() as tg:
+                await tg.start(self.publisher.run, self._events_recv)
+                await tg.start(self.store.run, self._snapshot)
+                await tg.start(self._serve_state)
+                await tg.start(self._serve_clear)
+                await tg.start(self._consume_samples)
+                await tg.start(self._consume_inventory)
+                await tg.start(self._rescan_loop)
+                tg.start_soon(self._tick_loop)
+                if handle.adapter is not None:
+                    await self._adopt(tg, handle.adapter)
+                    self._update_status()
+                else:
+                    reason = handle.reason or "NVML unavailable"
+                    self._rt.status.set(self.name, "degraded", reason)
+                    await self._emit(self.engine.observe_nvml_unavailable(reason, time.time()))
+                    tg.start_soon(self._wait_for_nvml, tg)
+                tg.start_soon(self._ask_collector)
+                task_status.started()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(self.buffer.close)
+
+    async def _prepare_jetstream(self) -> None:
+        """Stream and KV bucket, and the state a previous run left; best effort."""
+        try:
+            with anyio.fail_after(self._rt.settings.nats.request_timeout_s * 2):
+                await self._ensure_stream()
+        except (nats.errors.Error, OSError, TimeoutError) as exc:
+            # The publisher retries (and buffers on disk) until the stream exists.
+            log.warning("cannot create the health stream %s yet: %s", subjects.HEALTH_STREAM, exc)
+        restored = await self.store.load()
+        if restored:
+            self.engine.restore(restored)
+            log.info(
+                "restored the health state of %d GPU(s) (%d unhealthy)",
+                len(restored),
+                sum(1 for h in restored if not h.healthy),
+            )
+
+    async def _ensure_stream(self) -> None:
+        stream = self._settings.stream
+        await self._rt.bus.ensure_stream(
+            subjects.HEALTH_STREAM,
+            list(subjects.HEALTH_STREAM_SUBJECTS),
+            max_age_s=stream.max_age_s,
+            max_bytes=stream.max_bytes,
+            duplicate_window_s=stream.duplicate_window_s,
+        )
+
+    async def _adopt(self, tg: anyio.abc.TaskGroup, adapter: NvmlAdapter) -> None:
+        self._adapter = adapter
+        await self._scan("start")
+        self._source = NvmlEventSource(
+            adapter,
+            timeout_ms=self._settings.event_wait_timeout_ms,
+            device_poll_s=self._settings.device_poll_s,
+        )
+        self._source.watch(self._watch_list(), self._last_scan_count)
+        send, receive = anyio.create_memory_object_stream[SourceItem](SOURCE_QUEUE)
+        await tg.start(self._consume_source, receive)
+        await tg.start(self._source.run, send)
+
+    async def _wait_for_nvml(self, tg: anyio.abc.TaskGroup) -> None:
+        delay = NVML_RETRY_MIN_S
+        while True:
+            await anyio.sleep(delay)
+            handle = await self._rt.nvml.get(retry=True)
+            if handle.adapter is not None:
+                log.info("NVML became available (%s)", handle.backend)
+                await self._emit(self.engine.observe_nvml_available(time.time()))
+                await self._adopt(tg, handle.adapter)
+                self._update_status()
+                return
+            delay = min(delay * 2, NVML_RETRY_MAX_S)
+
+    def _update_status(self) -> None:
+        if self._nvml_down:
+            return
+        present = [g for g in self.engine.gpus.values() if g.present]
+        unhealthy = sum(1 for g in self.engine.gpus.values() if not g.healthy)
+        detail = f"{len(present)} GPUs watched, {unhealthy} unhealthy"
+        if self.publisher.backlog:
+            # No count here: the detail would change (and be logged) with every event;
+            # gpulet_health_buffer_pending has the number.
+            detail += ", NATS unreachable: events buffered on disk"
+        self._rt.status.set(self.name, "ready", detail)
+
+    # --- the engine's output -----------------------------------------------------------
+
+    async def _emit(self, events: list[HealthEvent]) -> None:
+        for event in events:
+            self._event_counter.add(1, {"kind": event.kind, "severity": event.severity})
+            if event.kind not in ("recovered", "cleared", "gpu_added"):
+                log.log(
+                    logging.WARNING if not event.healthy else logging.INFO,
+                    "GPU %s (%s): %s [%s, action %s]",
+                    event.gpu_index,
+                    event.gpu_uuid,
+                    event.reason,
+                    event.severity,
+                    event.action,
+                )
+            else:
+                log.info(
+                    "GPU %s (%s): %s: %s", event.gpu_index, event.gpu_uuid, event.kind, event.reason
+                )
+            await self._queue(event)
+        dirty = self.engine.take_dirty()
+        if dirty:
+            self.store.mark(dirty)
+            self._update_status()
+        if self.engine.rescan_wanted:
+            self.engine.rescan_wanted = False
+            self._rescan.set()
+
+    async def _queue(self, event: HealthEvent) -> None:
+        # send_nowait first: it is no checkpoint, so a cancellation (shutdown) cannot
+        # drop an event between the engine producing it and the queue holding it; the
+        # publisher saves what is queued when it stops.
+        try:
+            try:
+                self._events_send.send_nowait(event)
+            except anyio.WouldBlock:
+                await self._events_send.send(event)
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            log.error(  # noqa: TRY400 - an expected end, not a bug: no traceback
+                "shutting down: health event %s (%s, GPU %s) could not be queued",
+                event.event_id,
+                event.kind,
+                event.gpu_uuid,
+            )
+
+    def _snapshot(self, uuid: str) -> GpuHealth | None:
+        gpu = self.engine.gpus.get(uuid)
+        return gpu.snapshot() if gpu is not None else None
+
+    def _watch_list(self) -> list[int]:
+        return sorted(
+            g.index
+            for g in self.engine.gpus.values()
+            if g.present and g.index is not None and "lost" not in g.conditions
+        )
+
+    # --- GPU scans -------------------------------------------------------------------
+
+    def _scan_blocking(
+        self, adapter: NvmlAdapter
+    ) -> tuple[int, list[GpuInfo], list[tuple[int, str | None]]]:
+        # Handles cached by index are stale after a re-enumeration: start afresh, as
+        # the adapter's own inventory does.
+        adapter.invalidate()
+        count = adapter.device_count()
+        found: list[GpuInfo] = []
+        lost: list[tuple[int, str | None]] = []
+        for index in range(count):
+            try:
+                found.append(adapter.gpu_info(index))
+            except GpuLostError as exc:
+                lost.append((index, exc.uuid))
+            except NvmlCallError as exc:
+                log.warning("GPU %d left out of the health scan: %s", index, exc)
+        return count, found, lost
+
+    async def _scan(self, why: str) -> None:
+        adapter = self._adapter
+        if adapter is None:
+            return
+        previous = self.engine.index_map()
+        previous_count = self._last_scan_count
+        scanned_at = time.time()
+        try:
+            with anyio.fail_after(SCAN_TIMEOUT_S):
+                count, found, lost = await anyio.to_thread.run_sync(
+                    self._scan_blocking, adapter, abandon_on_cancel=True
+                )
+        except TimeoutError:
+            log.warning("GPU scan (%s) took longer than %.0fs; will retry", why, SCAN_TIMEOUT_S)
+            return
+        except NvmlUnavailable as exc:
+            log.warning("GPU scan (%s) failed: %s", why, exc.reason)
+            return
+        now = time.time()
+        self._last_scan_count = count
+        events: list[HealthEvent] = []
+        for index, uuid in lost:
+            if uuid is None and previous_count == count:
+                uuid = previous.get(index)
+            if uuid is not None:
+                events += self.engine.observe_lost(
+                    uuid, now, "GPU_IS_LOST while reading its identity", scanned_at=scanned_at
+                )
+        events += self.engine.observe_inventory(found, now, scanned_at=scanned_at)
+        log.debug(
+            "GPU scan (%s): %d GPUs, %d answering, %d lost", why, count, len(found), len(lost)
+        )
+        await self._emit_watched(events, count)
+
+    async def _emit_watched(self, events: list[HealthEvent], count: int | None) -> None:
+        """Emit, after updating the event thread's GPU list.
+
+        A new or returning GPU is registered before anyone is told about it: whoever
+        reacts to gpu_added can count on that GPU's events being seen. (Not for use
+        from the task that consumes the event thread's items: it would wait for
+        itself.)
+        """
+        if self._source is not None:
+            added = any(e.kind == "gpu_added" for e in events)
+            generation = self._source.watch(self._watch_list(), count, force=added)
+            if added:
+                await self._await_registration(generation)
+        await self._emit(events)
+
+    async def _await_registration(self, generation: int) -> None:
+        # The thread re-registers between two waits; a hung GPU may hold it longer, so
+        # this only waits a few wait timeouts.
+        limit = max(1.0, 5 * self._settings.event_wait_timeout_ms / 1000)
+        with anyio.move_on_after(limit):
+            while self._registered_generation < generation:
+                await self._registration.wait()
+
+    async def _rescan_loop(
+        self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        task_status.started()
+        while True:
+            gone = any(not g.present or "lost" in g.conditions for g in self.engine.gpus.values())
+            with anyio.move_on_after(GONE_RESCAN_S if gone else float("inf")):
+                await self._rescan.wait()
+            self._rescan = anyio.Event()
+            await self._scan("change")
+            # A scan may ask for another (its result was overtaken by newer news);
+            # spacing them keeps a GPU that keeps doing that from spinning the loop.
+            await anyio.sleep(MIN_RESCAN_GAP_S)
+
+    # --- inputs ----------------------------------------------------------------------
+
+    async def _consume_source(
+        self,
+        receive: MemoryObjectReceiveStream[SourceItem],
+        *,
+        task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
+    ) -> None:
+        task_status.started()
+        async with receive:
+            async for item in receive:
+                await self._handle_source(item)
+
+    async def _handle_source(self, item: SourceItem) -> None:
+        engine = self.engine
+        if isinstance(item, EventReceived):
+            await self._emit(engine.observe_nvml_event(item.event))
+        elif isinstance(item, LostSignal):
+            uuid = item.uuid
+            if uuid is None and item.index is not None:
+                uuid = engine.index_map().get(item.index)
+            if uuid is not None:
+                await self._emit(engine.observe_lost(uuid, item.timestamp, item.detail))
+            # Also when NVML did not say which GPU: the scan finds out.
+            self._rescan.set()
+        elif isinstance(item, CountChanged):
+            log.info("GPU count changed to %d", item.count)
+            self._rescan.set()
+        elif isinstance(item, Registered):
+            self.registered = dict(item.masks)
+            self._registered_generation = item.generation
+            self._registration.set()
+            self._registration = anyio.Event()
+            log.debug("NVML events registered: %s", {i: hex(m) for i, m in item.masks.items()})
+        elif isinstance(item, NvmlDown):
+            self._nvml_down = True
+            self._rt.status.set(self.name, "degraded", f"NVML unavailable: {item.reason}")
+            await self._emit(engine.observe_nvml_unavailable(item.reason, item.timestamp))
+        elif isinstance(item, NvmlUp):
+            self._nvml_down = False
+            await self._emit(engine.observe_nvml_available(item.timestamp))
+            self._update_status()
+            self._rescan.set()
+
+    async def _consume_samples(
+        self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        async with self._rt.bus.subscribe(subjects.samples(self._node), codec.SAMPLES) as stream:
+            task_status.started()
+            async for delivery in stream:
+                await self._on_samples(delivery.value)
+
+    async def _on_samples(self, batch: SampleBatch) -> None:
+        if batch.node != self._node:
+            return
+        events: list[HealthEvent] = []
+        for sample in batch.samples:
+            events += self.engine.observe_sample(sample)
+        if any(e.kind == "gpu_added" for e in events):
+            # A lost GPU answers again: watch it before saying so.
+            await self._emit_watched(events, self._last_scan_count)
+        else:
+            await self._emit(events)
+
+    async def _consume_inventory(
+        self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        async with self._rt.bus.subscribe(
+            subjects.inventory(self._node), codec.INVENTORY
+        ) as stream:
+            task_status.started()
+            async for delivery in stream:
+                self._on_inventory(delivery.value)
+
+    def _on_inventory(self, inventory: Inventory) -> None:
+        if inventory.node != self._node or inventory.degraded_reason is not None:
+            return
+        theirs = {(g.index, g.uuid) for g in inventory.gpus}
+        ours = {(i, u) for i, u in self.engine.index_map().items()}
+        if theirs != ours:
+            log.info(
+                "the collector's inventory (generation %d) differs from ours: rescanning",
+                inventory.generation,
+            )
+            self._rescan.set()
+
+    async def _ask_collector(self) -> None:
+        # The reply is also published on gpu.inventory.<node>, where we listen.
+        try:
+            await self._rt.bus.request(
+                subjects.inventory_request(self._node),
+                InventoryRequest(reason="health service start"),
+                codec.INVENTORY_REQUEST,
+                codec.INVENTORY,
+                timeout_s=2.0,
+            )
+        except BusError as exc:
+            log.debug("no inventory from the collector at start: %s", exc)
+
+    async def _tick_loop(self) -> None:
+        while True:
+            await anyio.sleep(self._settings.tick_s)
+            await self._emit(self.engine.tick(time.time()))
+            self._update_status()
+
+    # --- endpoints -------------------------------------------------------------------
+
+    async def _serve_state(
+        self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        async def answer(request: Delivery[HealthStateRequest]) -> HealthState:
+            gpu = request.value.gpu
+            try:
+                return self.engine.state(time.time(), gpu)
+            except UnknownGpu:
+                raise RequestRejected("unknown_gpu", self._unknown_gpu(gpu or "")) from None
+
+        await self._rt.bus.serve(
+            subjects.health_state(self._node),
+            answer,
+            codec.HEALTH_STATE_REQUEST,
+            codec.HEALTH_STATE,
+            task_status=task_status,
+        )
+
+    async def _serve_clear(
+        self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        async def answer(request: Delivery[HealthClearRequest]) -> HealthState:
+            value = request.value
+            if not value.gpu.strip():
+                raise RequestRejected("invalid_request", "gpu must be a GPU UUID or index")
+            if value.condition is not None and not value.condition.strip():
+                raise RequestRejected("invalid_request", "condition must not be empty")
+            now = time.time()
+            try:
+                gpu, events = self.engine.clear(value.gpu, value.condition, now, value.requested_by)
+            except UnknownGpu:
+                raise RequestRejected("unknown_gpu", self._unknown_gpu(value.gpu)) from None
+            except UnknownCondition:
+                gpu = self.engine.find(value.gpu)
+                active = ", ".join(sorted(gpu.conditions)) or "none"
+                raise RequestRejected(
+                    "unknown_condition",
+                    f"GPU {value.gpu} has no active condition {value.condition!r} "
+                    f"(active: {active})",
+                ) from None
+            log.info(
+                "%s cleared %s on GPU %s (%d condition(s))",
+                value.requested_by,
+                value.condition or "the sticky conditions",
+                gpu.uuid,
+                len([e for e in events if e.kind == "cleared"]),
+            )
+            await self._emit(events)
+            return HealthState(node=self._node, gpus=[gpu.snapshot()], updated_at=now)
+
+        await self._rt.bus.serve(
+            subjects.health_clear(self._node),
+            answer,
+            codec.HEALTH_CLEAR_REQUEST,
+            codec.HEALTH_STATE,
+            task_status=task_status,
+        )
+
+    def _unknown_gpu(self, ref: str) -> str:
+        known = ", ".join(
+            f"{g.index}={g.uuid}"
+            for g in sorted(self.engine.gpus.values(), key=lambda g: g.index or 0)
+        )
+        return f"no GPU {ref!r} on node {self._node} (known: {known or 'none'})"

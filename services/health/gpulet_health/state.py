@@ -1,0 +1,177 @@
+"""Per-GPU health state: the active conditions, and health derived from them.
+
+Design
+------
+A *condition* is one reason a GPU is not perfectly fine, named by a stable key:
+``xid:79``, ``ecc_uncorrectable``, ``ecc_correctable_rate``, ``remap_pending``,
+``remap_failure``, ``thermal``, ``thermal_slowdown``, ``thermal_shutdown``, ``lost``,
+``removed``, ``nvml``. A condition is raised once (an event), may repeat while active
+(de-duplicated), and ends once (a ``recovered`` or ``cleared`` event).
+
+Two families:
+
+* *level* conditions follow an observation that NVML keeps reporting (temperature,
+  pending remaps, a lost device): they end by themselves when the observation clears;
+* *sticky* conditions come from an edge that leaves no level behind (a fatal XID, an
+  uncorrectable ECC error): they end only when the operator clears them or a GPU
+  reset is observed.
+
+Health is *derived*, never stored: a GPU is healthy when it is present and none of its
+active conditions has severity ``critical`` or ``fatal``. ``warning`` conditions (the
+correctable-ECC rate, the NVML slowdown threshold) are reported but leave it healthy.
+
+The snapshot (:meth:`GpuState.snapshot`) is the wire form kept in the ``gpu_health``
+KV bucket and returned by state queries; :meth:`GpuState.restore` rebuilds the state
+from it when the service restarts, so sticky conditions survive a restart.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+
+from gpulet_common.messages import (
+    Action,
+    ActiveCondition,
+    GpuHealth,
+    GpuInfo,
+    HealthKind,
+    Severity,
+)
+from gpulet_health.catalogue import UNHEALTHY_SEVERITIES
+
+# Conditions that only the operator or an observed reset end.
+STICKY_KINDS: frozenset[str] = frozenset({"xid", "ecc_uncorrectable"})
+
+
+@dataclass(slots=True)
+class Condition:
+    condition: str
+    kind: HealthKind
+    severity: Severity
+    reason: str
+    action: Action
+    since: float
+    sticky: bool = False
+    message: str = ""
+    observed_value: float | None = None
+    threshold: float | None = None
+    xid: int | None = None
+
+    @property
+    def unhealthy(self) -> bool:
+        return self.severity in UNHEALTHY_SEVERITIES
+
+    def wire(self) -> ActiveCondition:
+        return ActiveCondition(
+            condition=self.condition,
+            kind=self.kind,
+            severity=self.severity,
+            reason=self.reason,
+            message=self.message,
+            action=self.action,
+            sticky=self.sticky,
+            since=self.since,
+        )
+
+
+@dataclass(slots=True)
+class Counters:
+    """The last readings of a GPU's ECC counters: the baseline for deltas."""
+
+    volatile_corrected: int | None = None
+    volatile_uncorrected: int | None = None
+    # Errors already counted from NVML events and not yet seen in a counter delta, so
+    # that an error reported by both an event and the next sample counts once.
+    sbe_event_credit: int = 0
+    dbe_event_credit: int = 0
+
+
+class CountWindow:
+    """Counts in a sliding time window, in one-second buckets with a running total.
+
+    A storm of ECC events (thousands a second) costs O(1) each and at most one bucket
+    per second of window in memory.
+    """
+
+    __slots__ = ("_buckets", "_total")
+
+    def __init__(self) -> None:
+        self._buckets: collections.deque[list[float]] = collections.deque()
+        self._total = 0
+
+    def __bool__(self) -> bool:
+        return bool(self._buckets)
+
+    def add(self, at: float, count: int) -> None:
+        second = float(int(at))
+        buckets = self._buckets
+        if buckets and buckets[-1][0] >= second:
+            buckets[-1][1] += count
+        else:
+            buckets.append([second, count])
+        self._total += count
+
+    def total(self, now: float, window_s: float) -> int:
+        """The count of the last ``window_s`` seconds (older buckets are dropped)."""
+        buckets = self._buckets
+        while buckets and buckets[0][0] + 1.0 <= now - window_s:
+            self._total -= int(buckets.popleft()[1])
+        return self._total
+
+
+@dataclass(slots=True)
+class GpuState:
+    uuid: str
+    index: int | None = None
+    info: GpuInfo | None = None
+    present: bool = True
+    conditions: dict[str, Condition] = field(default_factory=dict)
+    # Consecutive samples below the clear level, per level condition (thermal).
+    below: dict[str, int] = field(default_factory=dict)
+    counters: Counters = field(default_factory=Counters)
+    # Correctable ECC errors in the rate window: (time, count).
+    sbe_window: CountWindow = field(default_factory=lambda: CountWindow())
+    updated_at: float = 0.0
+    # When the GPU last answered (a good sample, a scan that found it): a scan that
+    # began before that cannot say it is gone.
+    last_answer: float = 0.0
+
+    @property
+    def healthy(self) -> bool:
+        return self.present and not any(c.unhealthy for c in self.conditions.values())
+
+    def snapshot(self) -> GpuHealth:
+        return GpuHealth(
+            gpu_uuid=self.uuid,
+            gpu_index=self.index,
+            healthy=self.healthy,
+            present=self.present,
+            conditions=[
+                c.wire()
+                for c in sorted(self.conditions.values(), key=lambda c: (c.since, c.condition))
+            ],
+            updated_at=self.updated_at,
+        )
+
+    @classmethod
+    def restore(cls, health: GpuHealth) -> GpuState:
+        state = cls(uuid=health.gpu_uuid, index=health.gpu_index, present=health.present)
+        for c in health.conditions:
+            xid: int | None = None
+            if c.kind == "xid":
+                _, _, code = c.condition.partition(":")
+                xid = int(code) if code.isdigit() else None
+            state.conditions[c.condition] = Condition(
+                condition=c.condition,
+                kind=c.kind,
+                severity=c.severity,
+                reason=c.reason,
+                action=c.action,
+                since=c.since,
+                sticky=c.sticky,
+                message=c.message,
+                xid=xid,
+            )
+        state.updated_at = health.updated_at
+        return state

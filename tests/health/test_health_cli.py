@@ -1,0 +1,55 @@
+"""``gpulet health state|clear`` as an operator runs them, against a running service."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import anyio
+import pytest
+
+from gpulet_common.embedded_nats import EmbeddedNats
+from support.health_harness import health_node
+
+pytestmark = pytest.mark.anyio
+
+
+async def gpulet(*args: str) -> tuple[int, str, str]:
+    result = await anyio.run_process([sys.executable, "-m", "gpulet", *args], check=False)
+    return result.returncode, result.stdout.decode(), result.stderr.decode()
+
+
+async def test_health_state_and_clear_commands(nats_server: EmbeddedNats, tmp_path: Path) -> None:
+    async with health_node(nats_server.url, tmp_path, collector=False) as h:
+        h.inject("xid", gpu=0, value=79)
+        await h.log.wait_for(lambda e: e.xid == 79)
+        where = ["--nats", nats_server.url, "--node", h.node]
+
+        code, out, err = await gpulet("health", "state", "--json", *where)
+        assert code == 0, err
+        state = json.loads(out)
+        assert [g["healthy"] for g in state["gpus"]] == [False, True, True, True, True]
+
+        code, out, err = await gpulet("health", *where, "state", "--gpu", "0")
+        assert code == 0, err
+        assert "UNHEALTHY" in out
+        assert "xid:79" in out
+        assert "action: reboot" in out
+
+        code, out, err = await gpulet("health", "clear", "0", "--by", "ops-oncall", *where)
+        assert code == 0, err
+        assert "healthy" in out
+        assert "UNHEALTHY" not in out
+        [cleared] = await h.log.wait_for(lambda e: e.kind == "cleared")
+        assert cleared.healthy
+        assert "ops-oncall" in cleared.reason
+
+        code, _, err = await gpulet("health", "clear", "9", *where)
+        assert code == 1
+        assert "unknown_gpu" in err
+        code, _, err = await gpulet(
+            "health", "state", "--nats", nats_server.url, "--node", "nobody", "--timeout", "0.5"
+        )
+        assert code == 1
+        assert "no health service answered" in err
