@@ -22,7 +22,7 @@ REGISTRY: dict[str, str] = {
 }
 
 # `gpulet run` starts these, in this order (producers before consumers).
-RUN_ORDER: tuple[str, ...] = ("collector",)
+RUN_ORDER: tuple[str, ...] = ("collector", "health", "reporter", "allocator", "device-plugin")
 
 # Packages that add their own subcommands through a `cli` module with
 # `add_commands(subparsers, add_settings_flags, load_settings)`.
