@@ -13,7 +13,7 @@ from gpulet_common import codec, subjects
 from gpulet_common.embedded_nats import EmbeddedNats
 from gpulet_common.messages import InventoryRequest, MockInjectRequest
 from gpulet_common.settings.nvml import NvmlSettings
-from support.agent import mock_adapter, runtime_for, agent_settings
+from support.agent import agent_settings, mock_adapter, runtime_for
 from support.metrics import MetricsProbe
 
 pytestmark = pytest.mark.anyio

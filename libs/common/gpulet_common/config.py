@@ -36,6 +36,7 @@ _PATH_IN_ERROR = re.compile(r" - at `\$\.?([^`]*)`$")
 
 class ConfigError(ValueError):
     def __init__(self, setting: str, problem: str) -> None:
+        setting = setting.strip() or "(empty)"
         super().__init__(f"invalid setting {setting!r}: {problem}")
         self.setting = setting
         self.problem = problem
@@ -82,7 +83,7 @@ def _parse_scalar(dotted: str, raw: str) -> Any:
     text = raw.strip()
     hint = _field_type(dotted)
     origin = getattr(hint, "__origin__", None)
-    if text[:1] in "[{":
+    if text and text[0] in "[{":
         try:
             return json.loads(text)
         except json.JSONDecodeError as exc:
