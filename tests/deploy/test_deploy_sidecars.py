@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -95,14 +97,16 @@ async def pod(
     set_passwords(monkeypatch)
     config = node_config(tmp_path, mock=True)
     state = tmp_path / "state"  # the pod's shared emptyDir
-    plugin_dir = tmp_path / "device-plugins"
+    # Unix socket paths are limited to 107 bytes; pytest's tmp_path can be longer.
+    short = Path(tempfile.mkdtemp(prefix="gpl-"))
+    plugin_dir = short / "device-plugins"
     plugin_dir.mkdir()
     logs = tmp_path / "logs"
     logs.mkdir()
     async with (
         EmbeddedNats.running(state_dir=tmp_path / "nats", config_file=config) as server,
         running_fake_kubelet(
-            plugin_dir, pod_resources_socket=tmp_path / "pod-resources.sock"
+            plugin_dir, pod_resources_socket=short / "pod-resources.sock"
         ) as kubelet,
     ):
         base = [sys.executable, "-m", "gpulet"]
@@ -114,9 +118,7 @@ async def pod(
                     name,
                     {
                         "GPULET_ALLOCATOR__PLUGIN__PLUGIN_DIR": f"{plugin_dir}/",
-                        "GPULET_ALLOCATOR__POD_RESOURCES_SOCKET": str(
-                            tmp_path / "pod-resources.sock"
-                        ),
+                        "GPULET_ALLOCATOR__POD_RESOURCES_SOCKET": str(short / "pod-resources.sock"),
                     },
                 ),
             )
@@ -127,8 +129,11 @@ async def pod(
             [*base, "alerts", "--replay-all", "--nats", server.url, "--metrics-port", "0"],
             _env("alerts"),
         )
-        with _processes(commands, logs):
-            yield kubelet, state, logs, server
+        try:
+            with _processes(commands, logs):
+                yield kubelet, state, logs, server
+        finally:
+            shutil.rmtree(short, ignore_errors=True)
 
 
 def _violations(logs: Path, server: EmbeddedNats) -> list[str]:
