@@ -88,6 +88,11 @@ async def test_xid_fatal_sticky_app_xid_reported_and_supported_events_only(
         assert gpus[h.uuid(0)].conditions[0].sticky
         assert gpus[h.uuid(1)].healthy
         assert gpus[h.uuid(4)].healthy
+        # The per-GPU gauge the alert rules use: 0 for the unhealthy GPUs, 1 otherwise.
+        assert h.probe.value("gpulet.gpu.healthy", UUID=h.uuid(0)) == 0
+        assert h.probe.value("gpulet.gpu.healthy", UUID=h.uuid(3)) == 0
+        assert h.probe.value("gpulet.gpu.healthy", UUID=h.uuid(1)) == 1
+        assert h.probe.value("gpulet.gpu.conditions", UUID=h.uuid(0), kind="xid") == 1
 
 
 async def test_operator_clear_by_request_reply(nats_server: EmbeddedNats, tmp_path: Path) -> None:

@@ -51,8 +51,8 @@ class GpuGauges:
         )
         gauge("gpulet.gpu.memory.used", "By", "Frame buffer used", lambda s: s.memory_used_bytes)
         gauge("gpulet.gpu.memory.free", "By", "Frame buffer free", lambda s: s.memory_free_bytes)
-        gauge("gpulet.gpu.sm_clock", "MHz", "SM clock", lambda s: s.sm_clock_mhz)
-        gauge("gpulet.gpu.mem_clock", "MHz", "Memory clock", lambda s: s.mem_clock_mhz)
+        gauge("gpulet.gpu.sm_clock_mhz", "", "SM clock in MHz", lambda s: s.sm_clock_mhz)
+        gauge("gpulet.gpu.mem_clock_mhz", "", "Memory clock in MHz", lambda s: s.mem_clock_mhz)
         gauge(
             "gpulet.gpu.ecc.volatile_corrected",
             "1",

@@ -33,6 +33,7 @@ import anyio
 import anyio.abc
 import nats.errors
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+from opentelemetry import metrics
 
 from gpulet_common import codec, subjects
 from gpulet_common.bus import BusError, Delivery, RequestRejected
@@ -129,6 +130,21 @@ class HealthService:
         self._registration = anyio.Event()
         self._event_counter = runtime.meter.create_counter(
             "gpulet.health.events", description="Health events produced, by kind and severity"
+        )
+        # Labels of each GPU as the collector's gauges carry them (dcgm-exporter style), so
+        # alert rules can join health with temperature and the like.
+        self._gpu_labels: dict[str, dict[str, str]] = {}
+        runtime.meter.create_observable_gauge(
+            "gpulet.gpu.healthy",
+            [self._observe_health],
+            unit="1",
+            description="1 while the GPU is healthy, 0 while any unhealthy condition is active",
+        )
+        runtime.meter.create_observable_gauge(
+            "gpulet.gpu.conditions",
+            [self._observe_conditions],
+            unit="1",
+            description="Active health conditions of the GPU, by kind and severity",
         )
 
     # --- lifecycle -------------------------------------------------------------------
@@ -453,9 +469,49 @@ class HealthService:
             async for delivery in stream:
                 self._on_inventory(delivery.value)
 
+    def _labels(self, uuid: str, index: int | None) -> dict[str, str]:
+        return self._gpu_labels.get(uuid) or {
+            "gpu": "" if index is None else str(index),
+            "UUID": uuid,
+            "Hostname": self._node,
+        }
+
+    def _observe_health(self, _options: metrics.CallbackOptions) -> list[metrics.Observation]:
+        return [
+            metrics.Observation(1.0 if gpu.healthy else 0.0, self._labels(gpu.uuid, gpu.index))
+            for gpu in list(self.engine.gpus.values())
+            if gpu.uuid
+        ]
+
+    def _observe_conditions(self, _options: metrics.CallbackOptions) -> list[metrics.Observation]:
+        counts: dict[tuple[str, str, str], int] = {}
+        indices: dict[str, int | None] = {}
+        for gpu in list(self.engine.gpus.values()):
+            indices[gpu.uuid] = gpu.index
+            for condition in list(gpu.conditions.values()):
+                wire = condition.wire()
+                key = (gpu.uuid, wire.kind, wire.severity)
+                counts[key] = counts.get(key, 0) + 1
+        return [
+            metrics.Observation(
+                float(n), {**self._labels(uuid, indices[uuid]), "kind": kind, "severity": sev}
+            )
+            for (uuid, kind, sev), n in counts.items()
+        ]
+
     def _on_inventory(self, inventory: Inventory) -> None:
         if inventory.node != self._node or inventory.degraded_reason is not None:
             return
+        self._gpu_labels = {
+            g.uuid: {
+                "gpu": str(g.index),
+                "UUID": g.uuid,
+                "pci_bus_id": g.pci_bus_id,
+                "modelName": g.name,
+                "Hostname": inventory.node,
+            }
+            for g in inventory.gpus
+        }
         theirs = {(g.index, g.uuid) for g in inventory.gpus}
         ours = {(i, u) for i, u in self.engine.index_map().items()}
         if theirs != ours:
