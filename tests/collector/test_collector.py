@@ -158,3 +158,35 @@ async def test_without_nvml_the_collector_runs_degraded_and_says_why(
     assert "--nvml mock" in inventory.degraded_reason
     assert status is not None
     assert status.state == "degraded"
+
+
+async def test_recovers_when_nvml_vanishes_and_returns(
+    nats_server: EmbeddedNats, tmp_path: Path
+) -> None:
+    settings = agent_settings(
+        nats_server.url, tmp_path, overrides=["collector.sample_period_s=0.05"]
+    )
+    adapter, mock = mock_adapter("dgx-h100")
+    async with runtime_for(settings, adapter=adapter) as rt, anyio.create_task_group() as tg:
+        async with rt.bus.subscribe(subjects.samples(settings.node_name), codec.SAMPLES) as batches:
+            await tg.start(CollectorService(rt).run)
+            assert mock.controller.inject(MockInjectRequest(fault="nvml_vanish")).applied
+            with anyio.fail_after(5):
+                async for delivery in batches:
+                    if all(
+                        (s.error or "").startswith("nvml_unavailable")
+                        for s in delivery.value.samples
+                    ):
+                        break
+            status = rt.status.get("collector")
+            assert status is not None
+            assert status.state == "degraded"
+            assert mock.controller.inject(MockInjectRequest(fault="nvml_return")).applied
+            with anyio.fail_after(10):
+                async for delivery in batches:
+                    if all(s.error is None for s in delivery.value.samples):
+                        break
+            status = rt.status.get("collector")
+        tg.cancel_scope.cancel()
+    assert status is not None
+    assert status.state == "ready"

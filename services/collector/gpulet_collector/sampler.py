@@ -26,6 +26,10 @@ from gpulet_common.nvml.errors import GpuLostError, NvmlCallError, NvmlUnavailab
 
 log = logging.getLogger("gpulet.collector.sampler")
 
+# Prefix of a sample's error when NVML as a whole went away (driver unloaded, library
+# gone): the collector then tries to initialise NVML again.
+NVML_UNAVAILABLE = "nvml_unavailable"
+
 
 class ParallelSampler:
     def __init__(
@@ -60,7 +64,11 @@ class ParallelSampler:
             return future.result()
         except GpuLostError:
             return GpuSample(uuid=uuid, index=index, timestamp=time.time(), error="lost")
-        except (NvmlCallError, NvmlUnavailable) as exc:
+        except NvmlUnavailable as exc:
+            return GpuSample(
+                uuid=uuid, index=index, timestamp=time.time(), error=f"{NVML_UNAVAILABLE}: {exc}"
+            )
+        except NvmlCallError as exc:
             return GpuSample(uuid=uuid, index=index, timestamp=time.time(), error=f"error: {exc}")
 
     def sample_blocking(self, gpus: list[tuple[int, str]]) -> tuple[int | None, list[GpuSample]]:

@@ -24,7 +24,7 @@ import anyio.abc
 import msgspec
 
 from gpulet_collector.gauges import GpuGauges
-from gpulet_collector.sampler import ParallelSampler
+from gpulet_collector.sampler import NVML_UNAVAILABLE, ParallelSampler
 from gpulet_common import codec, subjects
 from gpulet_common.bus import Delivery
 from gpulet_common.messages import Inventory, InventoryRequest, SampleBatch
@@ -36,6 +36,8 @@ log = logging.getLogger("gpulet.collector")
 
 NVML_RETRY_MIN_S = 5.0
 NVML_RETRY_MAX_S = 300.0
+# First retry of NVML after it vanished at run time; doubles up to NVML_RETRY_MAX_S.
+NVML_REINIT_MIN_S = 1.0
 
 
 class CollectorService:
@@ -56,6 +58,8 @@ class CollectorService:
             "gpulet.collector.sample_errors", description="GPU samples that failed"
         )
         self._sampler: ParallelSampler | None = None
+        self._next_reinit = 0.0
+        self._reinit_delay = NVML_REINIT_MIN_S / 2
 
     @property
     def inventory(self) -> Inventory:
@@ -125,6 +129,25 @@ class CollectorService:
         )
         await self._publish_inventory(inventory)
 
+    async def _reinit_nvml(self, adapter: NvmlAdapter, why: str) -> None:
+        """NVML vanished under us: say so, and try to initialise it again (rate-limited)."""
+        self._rt.status.set(self.name, "degraded", why)
+        now = time.monotonic()
+        if now < self._next_reinit:
+            return
+        self._reinit_delay = min(self._reinit_delay * 2, NVML_RETRY_MAX_S)
+        self._next_reinit = now + self._reinit_delay
+        try:
+            await anyio.to_thread.run_sync(adapter.init)
+        except NvmlUnavailable as exc:
+            log.warning("NVML still unavailable: %s (next try in %.0fs)", exc, self._reinit_delay)
+            return
+        log.info("NVML is back; rebuilding the inventory")
+        self._reinit_delay = NVML_REINIT_MIN_S / 2
+        self._next_reinit = 0.0
+        await self._refresh_inventory("NVML re-initialised")
+        self._rt.status.set(self.name, "ready", f"{len(self._inventory.gpus)} GPUs")
+
     async def _publish_inventory(self, inventory: Inventory) -> None:
         inventory = msgspec.structs.replace(inventory, published_at=time.time())
         self._inventory = inventory
@@ -176,6 +199,8 @@ class CollectorService:
             samples=samples,
             inventory_generation=self._inventory.generation,
         )
+        if samples and all((s.error or "").startswith(NVML_UNAVAILABLE) for s in samples):
+            await self._reinit_nvml(adapter, samples[0].error or "")
         errors = sum(1 for s in samples if s.error)
         self._sample_count.add(len(samples) - errors)
         if errors:
