@@ -245,6 +245,11 @@ async def test_allocator_micro_service_answers_the_device_plugin(
         )
         group = service.add_group(name=subjects.allocator_prefix(NODE))
         await group.add_endpoint(name="allocate", handler=allocate)
+
+        async def state(req: Request) -> None:
+            await req.respond(b"state")
+
+        await group.add_endpoint(name="state", handler=state)
         await allocator.nc.flush()
 
         subject = subjects.allocator_endpoint(NODE, "allocate")
@@ -253,7 +258,10 @@ async def test_allocator_micro_service_answers_the_device_plugin(
         # Discovery and stats, as `nats micro ls` would ask.
         info = await request(operator, "$SRV.INFO.gpulet-allocator", b"")
         assert msgspec.json.decode(info.data)["name"] == "gpulet-allocator"
-        # Read-only users cannot ask for allocations.
+        # The operator may read the allocator's state (`gpulet allocator state`)...
+        answer = await request(operator, subjects.allocator_endpoint(NODE, "state"), b"{}")
+        assert answer.data == b"state"
+        # ...but read-only users cannot ask for allocations.
         for conn in (operator, reporter):
             await conn.nc.publish(subject, b"gpu-1")
             assert await conn.refused("gpulet.allocator")

@@ -202,7 +202,9 @@ class ActiveCondition(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=T
     since: float = 0.0
 
 
-class GpuHealth(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=True):
+class GpuHealth(msgspec.Struct, frozen=True, kw_only=True):
+    # Every field is always on the wire (healthy: true included): KV readers in any
+    # language must not have to know our defaults.
     gpu_uuid: str
     gpu_index: int | None = None
     healthy: bool = True
