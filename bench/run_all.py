@@ -1,0 +1,49 @@
+"""Run every benchmark in turn and print their tables (``make bench``).
+
+The soak (``bench/soak.py``, 10 minutes) is left out; run it on its own.
+Pass ``--quick`` for shorter runs (smaller samples, same code paths).
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+BENCHES: list[tuple[str, list[str], list[str]]] = [
+    # name, full arguments, quick arguments
+    ("collector_cost.py", [], ["--periods", "500", "--steady", "5", "--messages", "5000"]),
+    ("health_latency.py", [], ["--faults", "50"]),
+    ("allocation_quality.py", [], []),
+    ("allocate_roundtrip.py", [], ["--quick"]),
+    (
+        "reporter_fleet.py",
+        ["--nodes", "1000", "--duration", "60"],
+        ["--nodes", "100", "--duration", "10"],
+    ),
+]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="shorter runs")
+    args = parser.parse_args()
+    failed = []
+    for name, full, quick in BENCHES:
+        print(f"\n=== bench/{name} ===", flush=True)
+        started = time.monotonic()
+        code = subprocess.call([sys.executable, str(HERE / name), *(quick if args.quick else full)])
+        print(f"(bench/{name}: exit {code}, {time.monotonic() - started:.0f} s)", flush=True)
+        if code:
+            failed.append(name)
+    if failed:
+        print("failed:", ", ".join(failed))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
