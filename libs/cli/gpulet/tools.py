@@ -6,7 +6,6 @@ import argparse
 import contextlib
 import json
 import sys
-from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -14,28 +13,16 @@ import msgspec
 
 from gpulet_common import catalog, codec, subjects
 from gpulet_common.bus import Bus, BusError, RemoteError, RequestTimeout
+from gpulet_common.cli_support import AddFlags, LoadSettings, bind, tool_nats
 from gpulet_common.messages import InventoryRequest, MockInjectRequest
 from gpulet_common.settings import Settings
-
-DEFAULT_URL = "nats://127.0.0.1:4222"
-
-AddFlags = Callable[[argparse.ArgumentParser], None]
-LoadSettings = Callable[[argparse.Namespace], Settings]
-
-
-def _nats_settings(settings: Settings) -> Any:
-    if settings.nats.url:
-        return settings.nats
-    return msgspec.structs.replace(settings.nats, url=DEFAULT_URL)
 
 
 async def watch(
     settings: Settings, subject: str, *, count: int, timeout_s: float, raw: bool
 ) -> int:
     received = 0
-    async with Bus.connect(
-        _nats_settings(settings), name="gpulet-watch", max_initial_attempts=3
-    ) as bus:
+    async with Bus.connect(tool_nats(settings), name="gpulet-watch", max_initial_attempts=3) as bus:
         sub = await bus.client.subscribe(subject)
         if catalog.could_match(subject, subjects.inventory(settings.node_name)):
             # The inventory is published on change; ask for it so the watcher sees it now.
@@ -94,9 +81,7 @@ def _cmd_schema(args: argparse.Namespace, _load: LoadSettings) -> int:
 
 
 async def inject(settings: Settings, request: MockInjectRequest, timeout_s: float) -> int:
-    async with Bus.connect(
-        _nats_settings(settings), name="gpulet-mock", max_initial_attempts=3
-    ) as bus:
+    async with Bus.connect(tool_nats(settings), name="gpulet-mock", max_initial_attempts=3) as bus:
         try:
             reply = await bus.request(
                 subjects.mock_inject(settings.node_name),
@@ -144,10 +129,6 @@ def _cmd_mock_scenarios(_args: argparse.Namespace, _load: LoadSettings) -> int:
 
 
 def add_commands(sub: Any, add_flags: AddFlags, load: LoadSettings) -> None:
-    def bind(
-        fn: Callable[[argparse.Namespace, LoadSettings], int],
-    ) -> Callable[[argparse.Namespace], int]:
-        return lambda args: fn(args, load)
 
     w = sub.add_parser("watch", help="print decoded messages of a subject as JSON lines")
     w.add_argument("subject", help="subject or wildcard, e.g. 'gpu.>' or 'gpu.health.*'")
@@ -155,11 +136,11 @@ def add_commands(sub: Any, add_flags: AddFlags, load: LoadSettings) -> None:
     w.add_argument("--timeout", type=float, default=0, help="stop after S seconds (0: never)")
     w.add_argument("--raw", action="store_true", help="print payloads without decoding")
     add_flags(w)
-    w.set_defaults(func=bind(_cmd_watch))
+    w.set_defaults(func=bind(_cmd_watch, load))
 
     s = sub.add_parser("schema", help="print the JSON Schema of every subject's payload")
     s.add_argument("subject", nargs="?", help="only subjects containing this text")
-    s.set_defaults(func=bind(_cmd_schema))
+    s.set_defaults(func=bind(_cmd_schema, load))
 
     mock = sub.add_parser("mock", help="drive the mock NVML of a running agent")
     mock_sub = mock.add_subparsers(dest="mock_command", required=True)
@@ -175,6 +156,6 @@ def add_commands(sub: Any, add_flags: AddFlags, load: LoadSettings) -> None:
     inj.add_argument("--duration", type=float, help="seconds the fault lasts, where it applies")
     inj.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for the agent")
     add_flags(inj)
-    inj.set_defaults(func=bind(_cmd_mock_inject))
+    inj.set_defaults(func=bind(_cmd_mock_inject, load))
     scen = mock_sub.add_parser("scenarios", help="list the shipped mock scenarios")
-    scen.set_defaults(func=bind(_cmd_mock_scenarios))
+    scen.set_defaults(func=bind(_cmd_mock_scenarios, load))

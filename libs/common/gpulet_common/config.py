@@ -42,11 +42,12 @@ class ConfigError(ValueError):
         self.problem = problem
 
 
-def _deep_merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
+def deep_merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
+    """``extra`` over ``base``: tables merge key by key, anything else is replaced."""
     out = dict(base)
     for key, value in extra.items():
         if isinstance(value, Mapping) and isinstance(out.get(key), dict):
-            out[key] = _deep_merge(out[key], value)
+            out[key] = deep_merge(out[key], value)
         else:
             out[key] = value
     return out
@@ -133,7 +134,7 @@ def overrides_layer(pairs: list[str]) -> dict[str, Any]:
 def build(layers: list[Mapping[str, Any]]) -> Settings:
     merged: dict[str, Any] = {}
     for layer in layers:
-        merged = _deep_merge(merged, layer)
+        merged = deep_merge(merged, layer)
     try:
         settings = msgspec.convert(merged, Settings, strict=False)
     except msgspec.ValidationError as exc:

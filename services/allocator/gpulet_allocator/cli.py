@@ -30,16 +30,12 @@ import msgspec
 
 from gpulet_common import subjects
 from gpulet_common.bus import Bus, BusError, RemoteError, RequestTimeout
+from gpulet_common.cli_support import AddFlags, LoadSettings, bind, tool_nats
 from gpulet_common.codec import Codec
 from gpulet_common.settings import Settings
 
 if TYPE_CHECKING:
     from gpulet_allocator import protocol as p
-
-DEFAULT_URL = "nats://127.0.0.1:4222"
-
-AddFlags = Callable[[argparse.ArgumentParser], None]
-LoadSettings = Callable[[argparse.Namespace], Settings]
 
 
 async def _ask(
@@ -52,11 +48,8 @@ async def _ask(
 ) -> Any:
     from gpulet_allocator import protocol as p
 
-    nats_settings = settings.nats
-    if not nats_settings.url:
-        nats_settings = msgspec.structs.replace(nats_settings, url=DEFAULT_URL)
     async with Bus.connect(
-        nats_settings, name="gpulet-allocator-cli", max_initial_attempts=3
+        tool_nats(settings), name="gpulet-allocator-cli", max_initial_attempts=3
     ) as bus:
         return await p.request(
             bus.client,
@@ -177,10 +170,6 @@ def _cmd_release(args: argparse.Namespace, load: LoadSettings) -> int:
 
 
 def add_commands(sub: Any, add_flags: AddFlags, load: LoadSettings) -> None:
-    def bind(
-        fn: Callable[[argparse.Namespace, LoadSettings], int],
-    ) -> Callable[[argparse.Namespace], int]:
-        return lambda args: fn(args, load)
 
     # `gpulet allocator` (the sidecar command) exists already: add actions to it.
     parser = sub.choices.get("allocator")
@@ -194,7 +183,7 @@ def add_commands(sub: Any, add_flags: AddFlags, load: LoadSettings) -> None:
     state.add_argument("--json", action="store_true", help="print the raw reply as JSON")
     state.add_argument("--timeout", type=float, default=2.0, help="seconds to wait")
     add_flags(state)
-    state.set_defaults(func=bind(_cmd_state))
+    state.set_defaults(func=bind(_cmd_state, load))
 
     release = actions.add_parser(
         "release",
@@ -214,4 +203,4 @@ def add_commands(sub: Any, add_flags: AddFlags, load: LoadSettings) -> None:
     release.add_argument("--json", action="store_true", help="print the raw reply as JSON")
     release.add_argument("--timeout", type=float, default=2.0, help="seconds to wait")
     add_flags(release)
-    release.set_defaults(func=bind(_cmd_release))
+    release.set_defaults(func=bind(_cmd_release, load))

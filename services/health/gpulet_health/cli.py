@@ -18,20 +18,10 @@ import msgspec
 
 from gpulet_common import codec, subjects
 from gpulet_common.bus import Bus, BusError, RemoteError, RequestTimeout
+from gpulet_common.cli_support import AddFlags, LoadSettings, bind, tool_nats
 from gpulet_common.messages import HealthClearRequest, HealthState, HealthStateRequest
 from gpulet_common.settings import Settings
 from gpulet_health.alerts import AlertsConsumer
-
-DEFAULT_URL = "nats://127.0.0.1:4222"
-
-AddFlags = Callable[[argparse.ArgumentParser], None]
-LoadSettings = Callable[[argparse.Namespace], Settings]
-
-
-def _nats(settings: Settings) -> Any:
-    if settings.nats.url:
-        return settings.nats
-    return msgspec.structs.replace(settings.nats, url=DEFAULT_URL)
 
 
 def full_builtins(value: Any) -> Any:
@@ -65,7 +55,7 @@ async def _request(
     settings: Settings, subject: str, value: Any, request_codec: Any, timeout_s: float
 ) -> HealthState:
     async with Bus.connect(
-        _nats(settings), name="gpulet-health-cli", max_initial_attempts=3
+        tool_nats(settings), name="gpulet-health-cli", max_initial_attempts=3
     ) as bus:
         result: HealthState = await bus.request(
             subject, value, request_codec, codec.HEALTH_STATE, timeout_s=timeout_s
@@ -127,7 +117,7 @@ def _cmd_clear(args: argparse.Namespace, load: LoadSettings) -> int:
 
 
 async def run_alerts(settings: Settings) -> None:
-    async with Bus.connect(_nats(settings), name="gpulet-alerts") as bus:
+    async with Bus.connect(tool_nats(settings), name="gpulet-alerts") as bus:
         consumer = AlertsConsumer.from_settings(bus, settings.health.alerts)
         await consumer.run()
 
@@ -170,10 +160,6 @@ def _cmd_alerts(args: argparse.Namespace, load: LoadSettings) -> int:
 
 
 def add_commands(sub: Any, add_flags: AddFlags, load: LoadSettings) -> None:
-    def bind(
-        fn: Callable[[argparse.Namespace, LoadSettings], int],
-    ) -> Callable[[argparse.Namespace], int]:
-        return lambda args: fn(args, load)
 
     # `gpulet health` alone runs the health service (the CLI registers one parser per
     # service); `gpulet health state|clear` are the operator tools, as subcommands of
@@ -202,7 +188,7 @@ def add_commands(sub: Any, add_flags: AddFlags, load: LoadSettings) -> None:
     )
     state.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the agent")
     add_flags(state)
-    state.set_defaults(func=bind(_cmd_state))
+    state.set_defaults(func=bind(_cmd_state, load))
 
     clear = health_sub.add_parser(
         "clear",
@@ -221,7 +207,7 @@ def add_commands(sub: Any, add_flags: AddFlags, load: LoadSettings) -> None:
     )
     clear.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the agent")
     add_flags(clear)
-    clear.set_defaults(func=bind(_cmd_clear))
+    clear.set_defaults(func=bind(_cmd_clear, load))
 
     alerts = sub.add_parser(
         "alerts",
@@ -254,4 +240,4 @@ def add_commands(sub: Any, add_flags: AddFlags, load: LoadSettings) -> None:
         help="a new durable starts at the oldest event in the stream instead of new ones",
     )
     add_flags(alerts)
-    alerts.set_defaults(func=bind(_cmd_alerts))
+    alerts.set_defaults(func=bind(_cmd_alerts, load))

@@ -18,13 +18,13 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Callable
 from typing import Any
 
 import anyio
 
 from gpulet_common import codec, subjects
 from gpulet_common.bus import Bus, BusError, RemoteError, RequestTimeout
+from gpulet_common.cli_support import AddFlags, LoadSettings
 from gpulet_common.messages import HealthState, HealthStateRequest, Inventory, InventoryRequest
 from gpulet_common.nvml.errors import NvmlUnavailable
 from gpulet_common.runtime import NvmlProvider
@@ -32,9 +32,6 @@ from gpulet_common.settings import Settings
 from gpulet_reporter.desired import build_desired, render_device
 from gpulet_reporter.health_view import HealthView
 from gpulet_reporter.pcie import make_resolver
-
-AddFlags = Callable[[argparse.ArgumentParser], None]
-LoadSettings = Callable[[argparse.Namespace], Settings]
 
 
 class PreviewError(Exception):

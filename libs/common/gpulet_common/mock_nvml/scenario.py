@@ -42,6 +42,8 @@ from typing import Any, Final, Literal
 
 import msgspec
 
+from gpulet_common.config import deep_merge
+
 SCENARIO_DIR: Final = Path(__file__).with_name("scenarios")
 
 # NVML's NVML_NVLINK_MAX_LINKS (nvidia-ml-py 13): no GPU can have more links.
@@ -432,16 +434,6 @@ def resolve_scenario(name_or_path: str | Path, *, relative_to: Path | None = Non
     )
 
 
-def _deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for key, value in extra.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _deep_merge(out[key], value)
-        else:
-            out[key] = value
-    return out
-
-
 def _read_tree(path: Path, chain: tuple[Path, ...] = ()) -> dict[str, Any]:
     """The file's TOML tree with its ``base`` chain merged in."""
     resolved = path.resolve()
@@ -460,7 +452,7 @@ def _read_tree(path: Path, chain: tuple[Path, ...] = ()) -> dict[str, Any]:
     if not isinstance(base, str):
         raise ScenarioError(str(path), "base", "must be a scenario name or path (a string)")
     base_path = _resolve_base(base, str(path), path.parent)
-    return _deep_merge(_read_tree(base_path, (*chain, resolved)), tree)
+    return deep_merge(_read_tree(base_path, (*chain, resolved)), tree)
 
 
 def _resolve_base(base: str, source: str, relative_to: Path | None) -> Path:
@@ -486,7 +478,7 @@ def scenario_from_toml(text: str, *, source: str = "<string>", name: str = "") -
     if base is not None:
         if not isinstance(base, str):
             raise ScenarioError(source, "base", "must be a scenario name or path (a string)")
-        tree = _deep_merge(_read_tree(_resolve_base(base, source, None)), tree)
+        tree = deep_merge(_read_tree(_resolve_base(base, source, None)), tree)
     return scenario_from_tree(tree, source=source, name=name)
 
 
@@ -498,7 +490,7 @@ def scenario_from_tree(tree: dict[str, Any], *, source: str, name: str = "") -> 
     gpus = tree.get("gpus", [])
     if not isinstance(gpus, list) or not all(isinstance(g, dict) for g in gpus):
         raise ScenarioError(source, "gpus", "must be an array of tables ([[gpus]])")
-    tree["gpus"] = [_deep_merge(defaults, g) for g in gpus]
+    tree["gpus"] = [deep_merge(defaults, g) for g in gpus]
     tree.setdefault("name", name)
     tree["source"] = source
     try:

@@ -1,0 +1,37 @@
+"""What a package needs to add its own subcommands to ``gpulet``.
+
+The ``gpulet`` CLI imports each service's ``cli`` module and calls its
+``add_commands(subparsers, add_settings_flags, load_settings)``. The types of those
+arguments, the way a tool reaches the node's NATS and the glue between argparse and a
+command live here once, so every service's tools behave alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+import msgspec
+
+from gpulet_common.settings import Settings
+from gpulet_common.settings.nats import NatsSettings
+
+# The node-local NATS a tool talks to when no URL is configured: the NATS sidecar of
+# the pod, or the embedded server of `gpulet run`.
+LOCAL_NATS_URL = "nats://127.0.0.1:4222"
+
+AddFlags = Callable[[argparse.ArgumentParser], None]
+LoadSettings = Callable[[argparse.Namespace], Settings]
+Command = Callable[[argparse.Namespace, LoadSettings], int]
+
+
+def tool_nats(settings: Settings) -> NatsSettings:
+    """The NATS settings a tool connects with: the configured URL, else the local one."""
+    if settings.nats.url:
+        return settings.nats
+    return msgspec.structs.replace(settings.nats, url=LOCAL_NATS_URL)
+
+
+def bind(command: Command, load: LoadSettings) -> Callable[[argparse.Namespace], int]:
+    """An argparse ``func`` that runs ``command`` with the settings loader."""
+    return lambda args: command(args, load)
