@@ -80,3 +80,19 @@ async def run_services(
                 status.set(service.name, "ready")
         log.info("started: %s", ", ".join(s.name for s in services))
         task_status.started()
+
+
+async def idle_disabled(
+    name: str,
+    setting: str,
+    status: StatusBoard,
+    task_status: anyio.abc.TaskStatus[None],
+) -> None:
+    """Run a service that its settings switched off: ready, saying so, doing nothing.
+
+    A disabled sidecar keeps running (and passing its probes) rather than exiting, so
+    the pod does not crash-loop over a deliberate setting.
+    """
+    status.set(name, "ready", f"disabled ({setting} = false)")
+    task_status.started()
+    await anyio.sleep_forever()

@@ -57,6 +57,7 @@ from gpulet_allocator.store import CheckpointError, CheckpointFile, Committer, L
 from gpulet_common import __version__, subjects
 from gpulet_common import codec as common_codecs
 from gpulet_common.codec import Codec
+from gpulet_common.lifecycle import idle_disabled
 from gpulet_common.logutil import RateLimitedLog
 from gpulet_common.messages import ErrorReply, Inventory
 from gpulet_common.runtime import Runtime
@@ -142,9 +143,7 @@ class AllocatorService:
         self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
     ) -> None:
         if not self._settings.enabled:
-            self._rt.status.set(self.name, "ready", "disabled (allocator.enabled = false)")
-            task_status.started()
-            await anyio.sleep_forever()
+            await idle_disabled(self.name, "allocator.enabled", self._rt.status, task_status)
         reported = False
 
         def started() -> None:

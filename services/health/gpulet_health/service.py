@@ -37,6 +37,7 @@ from opentelemetry import metrics
 
 from gpulet_common import codec, subjects
 from gpulet_common.bus import BusError, Delivery, RequestRejected
+from gpulet_common.lifecycle import idle_disabled
 from gpulet_common.messages import (
     GpuHealth,
     GpuInfo,
@@ -153,9 +154,7 @@ class HealthService:
         self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
     ) -> None:
         if not self._settings.enabled:
-            self._rt.status.set(self.name, "ready", "disabled (health.enabled = false)")
-            task_status.started()
-            await anyio.sleep_forever()
+            await idle_disabled(self.name, "health.enabled", self._rt.status, task_status)
         await anyio.to_thread.run_sync(self.buffer.open)
         try:
             await self._prepare_jetstream()

@@ -33,6 +33,7 @@ from kubernetes_asyncio import client as k8s_client
 
 from gpulet_common import codec, subjects
 from gpulet_common.bus import BusError, Delivery
+from gpulet_common.lifecycle import idle_disabled
 from gpulet_common.messages import (
     HealthEvent,
     HealthState,
@@ -109,9 +110,7 @@ class ReporterService:
         self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
     ) -> None:
         if not self._settings.enabled:
-            self._rt.status.set(self.name, "ready", "disabled (reporter.enabled = false)")
-            task_status.started()
-            await anyio.sleep_forever()
+            await idle_disabled(self.name, "reporter.enabled", self._rt.status, task_status)
         bus = self._rt.bus
         async with (
             bus.subscribe(subjects.inventory(self._node), codec.INVENTORY) as inventories,

@@ -28,6 +28,7 @@ from gpulet_allocator.nats_backend import NatsAllocationBackend
 from gpulet_allocator.plugin.manager import DevicePluginManager
 from gpulet_allocator.plugin.resources import plugin_gpus_from_inventory
 from gpulet_allocator.plugin.state import DeviceState
+from gpulet_common.lifecycle import idle_disabled
 from gpulet_common.messages import GpuInfo, Inventory
 from gpulet_common.runtime import Runtime
 
@@ -58,9 +59,7 @@ class DevicePluginService:
         self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
     ) -> None:
         if not self._settings.enabled:
-            self._rt.status.set(self.name, "ready", "disabled (allocator.enabled = false)")
-            task_status.started()
-            await anyio.sleep_forever()
+            await idle_disabled(self.name, "allocator.enabled", self._rt.status, task_status)
         backend = NatsAllocationBackend(
             self._rt.bus.client, self._rt.node, timeout_s=self._settings.request_timeout_s
         )
