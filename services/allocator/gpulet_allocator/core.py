@@ -69,6 +69,7 @@ import hashlib
 import logging
 import math
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final, Literal
@@ -362,7 +363,9 @@ class AllocatorCore:
         if not ids:
             raise Rejected("invalid_request", f"container {n} asks for no {resource} device")
         if len(set(ids)) != len(ids):
-            dupes = sorted({i for i in ids if ids.count(i) > 1})
+            # Counted in one pass: ids.count() per ID was quadratic, so one hostile
+            # request of 20,000 IDs held the event loop (every endpoint) for seconds.
+            dupes = sorted(i for i, n in Counter(ids).items() if n > 1)
             raise Rejected("invalid_request", f"duplicate device IDs: {', '.join(dupes[:5])}")
         bad: list[str] = []
         unknown_gpus: set[str] = set()
@@ -575,12 +578,40 @@ class AllocatorCore:
         kind = self.resource_kind(resource)
         if kind != "whole":
             # Shares are placed by Allocate itself; any IDs will do.
-            return [
-                list(dict.fromkeys([*r.must_include, *r.available]))[: r.size] for r in requests
-            ]
+            return [self._preferred_share(r) for r in requests]
         if not self.ready:
             raise Rejected("not_ready", "the allocator has no GPU inventory yet")
         return [self._preferred_one(r) for r in requests]
+
+    @staticmethod
+    def _preferred_share(request: PreferredRequest) -> list[str]:
+        # Any IDs will do, but the answer must be one kubelet can use: exactly ``size``
+        # of the offered IDs, must-include among them. Slicing alone answered a size
+        # of -1 with all IDs but the last and a must-include that was never offered
+        # with itself, so a malformed request is refused like a whole-GPU one
+        # (the same checks and messages as the engine's ``whole._validate``).
+        available = list(dict.fromkeys(request.available))
+        must = list(dict.fromkeys(request.must_include))
+        if request.size <= 0:
+            raise Rejected(
+                "invalid_request", f"the request size must be positive, got {request.size}"
+            )
+        offered = set(available)
+        missing = [i for i in must if i not in offered]
+        if missing:
+            shown = ", ".join(sorted(missing)[:5])
+            raise Rejected("invalid_request", f"must-include IDs are not available: {shown}")
+        if len(must) > request.size:
+            raise Rejected(
+                "invalid_request",
+                f"must-include lists {len(must)} IDs but the request is for {request.size}",
+            )
+        if request.size > len(available):
+            raise Rejected(
+                "too_many_units",
+                f"asks {request.size} units but only {len(available)} are available",
+            )
+        return list(dict.fromkeys([*must, *available]))[: request.size]
 
     def _preferred_one(self, request: PreferredRequest) -> list[str]:
         unknown_must = [u for u in request.must_include if not self._known_gpu(u)]

@@ -70,6 +70,26 @@ T = TypeVar("T")
 UNREADABLE_RETRY_MIN_S = 1.0
 UNREADABLE_RETRY_MAX_S = 30.0
 
+# A refusal quotes the request (unknown IDs, resource names), so a hostile request
+# made it as large as itself, and it travels twice (body and header). nats-py checks
+# only the body against the server's max_payload: a 900 KB request of unknown IDs got
+# a 1.8 MB answer, the server closed the allocator's connection and the service
+# died. Bounded once here for every refusal; the header and the log get one line.
+MAX_ERROR_MESSAGE_CHARS = 1000
+
+
+def _bounded(message: str) -> str:
+    if len(message) <= MAX_ERROR_MESSAGE_CHARS:
+        return message
+    more = len(message) - MAX_ERROR_MESSAGE_CHARS
+    return f"{message[:MAX_ERROR_MESSAGE_CHARS]}... ({more} more characters)"
+
+
+def _one_line(text: str) -> str:
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else " " for c in text)
+
 
 def checkpoint_path(settings: Settings) -> Path:
     configured = settings.allocator.checkpoint_path
@@ -298,6 +318,8 @@ class AllocatorService:
     async def _reject(
         self, req: Request, endpoint: str, code: str, message: str, started: float
     ) -> None:
+        message = _bounded(message)
+        line = _one_line(message)
         counts = self._counts[endpoint]
         if code == "malformed_request":
             counts.malformed += 1
@@ -309,7 +331,7 @@ class AllocatorService:
             "%s refused: %s: %s",
             endpoint,
             code,
-            message,
+            line,
         )
         body = common_codecs.ERROR_REPLY.encode(ErrorReply(code=code, message=message))
         await self._send(
@@ -317,7 +339,7 @@ class AllocatorService:
             body,
             {
                 p.GPULET_ERROR_HEADER: code,
-                p.MICRO_ERROR_HEADER: f"{code}: {message}",
+                p.MICRO_ERROR_HEADER: f"{code}: {line}",
                 p.MICRO_ERROR_CODE_HEADER: p.micro_status(code),
             },
         )
@@ -360,6 +382,22 @@ class AllocatorService:
 
         self._tg.start_soon(when_durable)
 
+    def _too_large(self, data: bytes, containers: int) -> str | None:
+        """Why ``data`` cannot be sent as an answer, if it cannot.
+
+        A request for thousands of containers (never kubelet's: 5,000 of one GPU do)
+        got an answer larger than the server's max_payload: nats-py refused to send
+        it, the caller timed out, and the allocation stayed. Refused instead (and, for
+        allocate, undone).
+        """
+        limit = self._rt.bus.client.max_payload
+        if len(data) <= limit:
+            return None
+        return (
+            f"the answer for {containers} containers would take {len(data)} bytes, more "
+            f"than the {limit} NATS carries in one message: ask for fewer containers"
+        )
+
     # --- endpoints ------------------------------------------------------------------------
 
     async def _on_allocate(self, req: Request) -> None:
@@ -372,8 +410,13 @@ class AllocatorService:
         except Rejected as exc:
             await self._reject(req, p.ENDPOINT_ALLOCATE, exc.code, exc.message, started)
             return
-        self._count_held()
         data = p.ALLOCATE_REPLY.encode(p.AllocateReply(containers=answers))
+        if problem := self._too_large(data, len(value.containers)):
+            undo()
+            self._count_held()
+            await self._reject(req, p.ENDPOINT_ALLOCATE, "invalid_request", problem, started)
+            return
+        self._count_held()
         await self._answer_durably(req, p.ENDPOINT_ALLOCATE, data, started, undo)
 
     async def _on_preferred(self, req: Request) -> None:
@@ -387,6 +430,9 @@ class AllocatorService:
             await self._reject(req, p.ENDPOINT_PREFERRED, exc.code, exc.message, started)
             return
         data = p.PREFERRED_REPLY.encode(p.PreferredAllocationReply(containers=answers))
+        if problem := self._too_large(data, len(value.containers)):
+            await self._reject(req, p.ENDPOINT_PREFERRED, "invalid_request", problem, started)
+            return
         await self._ok(req, p.ENDPOINT_PREFERRED, data, started)
 
     async def _on_release(self, req: Request) -> None:
