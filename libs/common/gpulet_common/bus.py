@@ -180,6 +180,12 @@ class Bus:
         self._malformed_log = RateLimitedLog(log, per_minute=20)
         self._js: JetStreamContext | None = None
         self._closing = False
+        # Core NATS delivers at most once: what was published while this connection
+        # was down (or before its subscriptions were back) is gone for it. Consumers
+        # that keep state from a subject re-ask its owner after a reconnection
+        # (see wait_reconnected); found by tests/faults/test_nats_outage.py.
+        self.reconnects = 0
+        self._reconnect_event = anyio.Event()
 
     # -- connection --------------------------------------------------------------
 
@@ -215,6 +221,7 @@ class Bus:
         async def on_reconnect() -> None:
             if holder:
                 holder[0]._metrics.reconnects.add(1)
+                holder[0]._reconnected()
             log.info("nats: reconnected")
 
         def choose_server(servers: list[Any], _info: dict[str, Any]) -> tuple[Any, float]:
@@ -294,6 +301,15 @@ class Bus:
     @property
     def is_connected(self) -> bool:
         return bool(self._nc.is_connected)
+
+    def _reconnected(self) -> None:
+        self.reconnects += 1
+        event, self._reconnect_event = self._reconnect_event, anyio.Event()
+        event.set()
+
+    async def wait_reconnected(self) -> None:
+        """Return at the next reconnection to NATS (its subscriptions are back then)."""
+        await self._reconnect_event.wait()
 
     async def flush(self, timeout_s: float = 2.0) -> None:
         await self._nc.flush(timeout=timeout_s)  # type: ignore[arg-type]

@@ -141,6 +141,12 @@ class NodeFeed:
                 )
             else:
                 self._state(state)
-                return
+                # Ask again after every reconnection to NATS: health events published
+                # while we were cut off never reach us (core NATS delivers at most
+                # once), and nothing else would tell us of a GPU that failed meanwhile.
+                # Found by tests/faults/test_nats_outage.py.
+                await self._bus.wait_reconnected()
+                delay = self._retry_s
+                continue
             await anyio.sleep(delay)
             delay = min(delay * 2, ASK_MAX_DELAY_S)

@@ -187,7 +187,13 @@ class ReporterService:
                 continue
             self.on_health_state(state)
             delay = retry
-            await anyio.sleep(refresh * random.uniform(0.9, 1.1))
+            # Ask again at the next reconcile, or at once after a reconnection to NATS:
+            # the health events published while we were cut off (or drained from the
+            # health service's disk buffer before our subscription was back) never
+            # reach us, and without this the Device stayed wrong until the reconcile
+            # (5 min). Found by tests/faults/test_nats_outage.py.
+            with anyio.move_on_after(refresh * random.uniform(0.9, 1.1)):
+                await self._rt.bus.wait_reconnected()
 
     # -- output ------------------------------------------------------------------
 
