@@ -135,3 +135,31 @@ async def test_reconnects_after_server_restart(nats_server: EmbeddedNats) -> Non
 def test_codec_rejects_wrong_types() -> None:
     with pytest.raises(msgspec.ValidationError):
         codec.SAMPLES.decode(b'{"node": "n", "timestamp": "yesterday"}')
+
+
+async def test_a_request_on_a_lost_connection_is_a_timeout_not_a_crash(
+    nats_server: EmbeddedNats,
+) -> None:
+    async with Bus.connect(NatsSettings(url=nats_server.url)) as bus:
+        await bus.client.close()
+        with pytest.raises(RequestTimeout, match="ConnectionClosedError"):
+            await bus.request("any.thing", InventoryRequest(), codec.INVENTORY_REQUEST, codec.ACK)
+
+
+async def test_refusals_are_bounded_in_size(nats_server: EmbeddedNats) -> None:
+    async def handler(request: Delivery[InventoryRequest]) -> Ack:
+        raise RequestRejected("invalid_request", "unknown: " + request.value.reason)
+
+    huge = "x" * 200_000
+    async with (
+        Bus.connect(NatsSettings(url=nats_server.url)) as bus,
+        anyio.create_task_group() as tg,
+    ):
+        await tg.start(bus.serve, "svc.bounded", handler, codec.INVENTORY_REQUEST, codec.ACK)
+        with pytest.raises(RemoteError) as info:
+            await bus.request(
+                "svc.bounded", InventoryRequest(reason=huge), codec.INVENTORY_REQUEST, codec.ACK
+            )
+        tg.cancel_scope.cancel()
+    assert info.value.code == "invalid_request"
+    assert len(info.value.message) < 1100

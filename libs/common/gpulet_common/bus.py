@@ -56,6 +56,8 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 log = logging.getLogger("gpulet.bus")
+
+MAX_ERROR_MESSAGE_CHARS = 1000
 _tracer = trace.get_tracer("gpulet.bus")
 
 
@@ -414,6 +416,17 @@ class Bus:
                 raise RequestTimeout(f"no responder on {subject}") from exc
             except nats.errors.TimeoutError as exc:
                 raise RequestTimeout(f"no reply on {subject} in time") from exc
+            except (
+                nats.errors.ConnectionClosedError,
+                nats.errors.ConnectionDrainingError,
+                nats.errors.ConnectionReconnectingError,
+                nats.errors.StaleConnectionError,
+                nats.errors.OutboundBufferLimitError,
+            ) as exc:
+                # The connection is the bus's problem, not the caller's: every caller
+                # already handles RequestTimeout (ask again later), so a lost connection
+                # must not escape as an exception that would end its service.
+                raise RequestTimeout(f"no reply on {subject}: {type(exc).__name__}") from exc
         if msg.headers and msg.headers.get("Gpulet-Error"):
             error = codecs.ERROR_REPLY.decode(msg.data)
             raise RemoteError(error.code, error.message)
@@ -428,6 +441,10 @@ class Bus:
             await self._nc.publish(delivery.reply, codec.encode(value))
 
     async def respond_error(self, reply: str, code: str, message: str) -> None:
+        # A refusal may quote the request; bound it so a huge request cannot make a
+        # reply larger than the server's max payload (which closes the connection).
+        if len(message) > MAX_ERROR_MESSAGE_CHARS:
+            message = message[:MAX_ERROR_MESSAGE_CHARS] + "..."
         if reply:
             await self._nc.publish(
                 reply,
