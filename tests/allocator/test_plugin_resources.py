@@ -111,6 +111,21 @@ def test_device_nodes_only_existing_files(tmp_path: Path) -> None:
     assert [s.host_path for s in kept] == ["/dev/nvidia0", "/opt/not-a-dev-file"]
 
 
+def test_device_nodes_notice_new_and_removed_files_after_recheck(tmp_path: Path) -> None:
+    now = [100.0]
+    (tmp_path / "nvidia0").touch()
+    nodes = DeviceNodes(tmp_path, recheck_s=1.0, clock=lambda: now[0])
+    assert [s.host_path for s in nodes.specs_for_gpus([0])] == ["/dev/nvidia0"]
+    # nvidia-modprobe creates the uvm file on first CUDA use; the driver goes away.
+    (tmp_path / "nvidia-uvm").touch()
+    (tmp_path / "nvidia0").unlink()
+    now[0] += 0.5
+    assert [s.host_path for s in nodes.specs_for_gpus([0])] == ["/dev/nvidia0"]
+    now[0] += 0.6
+    assert nodes.specs_for_gpus([0]) == []
+    assert [s.host_path for s in nodes.control_specs()] == ["/dev/nvidia-uvm"]
+
+
 def test_fallback_preference_keeps_one_numa_node() -> None:
     numa: dict[str, int | None] = {"a": 0, "b": 1, "c": 1, "d": 0, "e": 0}
     req = PreferredRequest(available=["a", "b", "c", "d", "e"], size=2)

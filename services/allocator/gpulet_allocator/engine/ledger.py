@@ -344,6 +344,10 @@ class Ledger:
     def get(self, pod_uid: str, container: str = "") -> Allocation | None:
         return self._allocs.get((pod_uid, container))
 
+    def count(self) -> int:
+        """How many allocations are held (without building the sorted list)."""
+        return len(self._allocs)
+
     def allocations(self, pod_uid: str | None = None) -> list[Allocation]:
         return [a for k, a in sorted(self._allocs.items()) if pod_uid in (None, k[0])]
 

@@ -11,11 +11,18 @@ uvm-tools files are often absent, which is why NVIDIA checks them one by one too
 ``dev_root`` is where the files are looked up (``/host/dev`` when the plugin runs in a
 container with the host's /dev mounted there, a tmp dir in tests); ``host_dev`` is
 what kubelet must be told (the host's ``/dev``).
+
+Each answer is remembered for ``recheck_s`` (1 s by default): a stat per file per
+Allocate was 7 % of the plugin's CPU under a burst of calls, while the files only
+appear or vanish when the driver is (re)loaded or ``nvidia-modprobe`` creates the uvm
+files, and a second's delay in noticing that is harmless.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import os
+import time
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path, PurePosixPath
 from typing import Final
 
@@ -30,13 +37,32 @@ class DeviceNodes:
         dev_root: str | Path = "/dev",
         host_dev: str = "/dev",
         permissions: str = "rw",
+        *,
+        recheck_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.dev_root = Path(dev_root)
         self.host_dev = PurePosixPath(host_dev)
         self.permissions = permissions
+        self._recheck_s = recheck_s
+        self._clock = clock
+        # relative name -> (exists, when it was looked at)
+        self._seen: dict[str, tuple[bool, float]] = {}
+
+    def _exists(self, relative: str) -> bool:
+        now = self._clock()
+        seen = self._seen.get(relative)
+        if seen is not None and now - seen[1] < self._recheck_s:
+            return seen[0]
+        exists = os.path.exists(os.path.join(self.dev_root, relative))
+        if len(self._seen) > 4096:
+            # Names come from the allocator's answers; never let them grow without end.
+            self._seen.clear()
+        self._seen[relative] = (exists, now)
+        return exists
 
     def _spec(self, name: str) -> DeviceSpec | None:
-        if not (self.dev_root / name).exists():
+        if not self._exists(name):
             return None
         path = str(self.host_dev / name)
         return DeviceSpec(container_path=path, host_path=path, permissions=self.permissions)
@@ -57,9 +83,8 @@ class DeviceNodes:
         kept: list[DeviceSpec] = []
         for spec in specs:
             host = PurePosixPath(spec.host_path)
-            if (
-                host.is_relative_to(self.host_dev)
-                and not (self.dev_root / host.relative_to(self.host_dev)).exists()
+            if host.is_relative_to(self.host_dev) and not self._exists(
+                str(host.relative_to(self.host_dev))
             ):
                 continue
             kept.append(spec)

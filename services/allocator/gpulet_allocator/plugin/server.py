@@ -126,6 +126,8 @@ class DevicePluginService(pb_grpc.DevicePluginServicer):
         self._config = config
         self._nodes = nodes
         self._stopping = stopping
+        self._gpus_of: DeviceSnapshot | None = None
+        self._gpus_by_uuid: dict[str, PluginGpu] = {}
 
     # --- kubelet-facing RPCs -------------------------------------------------------
 
@@ -188,7 +190,7 @@ class DevicePluginService(pb_grpc.DevicePluginServicer):
                 lambda: self._backend.allocate(self._spec.name, container_requests),
             )
             _check_count(len(allocations), len(container_requests))
-            gpus = {g.uuid: g for g in self._source.snapshot().gpus}
+            gpus = self._gpus()
             responses = [self._container_response(a, gpus) for a in allocations]
         except _RpcFailure as failure:
             log.warning("Allocate %s %s failed: %s", self._spec.name, container_requests, failure)
@@ -201,6 +203,14 @@ class DevicePluginService(pb_grpc.DevicePluginServicer):
         return pb.PreStartContainerResponse()
 
     # --- helpers -------------------------------------------------------------------
+
+    def _gpus(self) -> dict[str, PluginGpu]:
+        """The node's GPUs by UUID, rebuilt only when the snapshot changed."""
+        snapshot = self._source.snapshot()
+        if snapshot is not self._gpus_of:
+            self._gpus_by_uuid = {g.uuid: g for g in snapshot.gpus}
+            self._gpus_of = snapshot
+        return self._gpus_by_uuid
 
     async def _next_change(self, version: int) -> DeviceSnapshot | None:
         """The next snapshot, or None once the server is stopping."""
