@@ -15,12 +15,33 @@ one NATS request to ``gpulet.allocator.<node>.<endpoint>`` (contract:
   reaches ``kubectl describe pod`` verbatim;
 - anything else (a 500, a reply that does not decode): :class:`AllocatorFailure`,
   which the plugin reports as ``INTERNAL``.
+
+Coalescing
+----------
+Kubelet admits pods one at a time, but a burst (a restarted kubelet re-admitting a
+node's pods, or several plugins' clients) can put dozens of Allocate calls in flight.
+Sent one by one, each costs a NATS message both ways, a nats.micro dispatch and a
+durability wait in the allocator: under 50 concurrent calls that overhead, not the
+decision, was most of the allocator's time. So while :meth:`NatsAllocationBackend.run`
+is running, calls go through a bounded queue to one sender: a call that finds no
+request in flight goes out alone at once (a lone call waits for nothing), and the
+calls that arrive while one is in flight leave together in the next
+``allocate-batch`` (at most :data:`MAX_BATCH` calls). The allocator decides each call
+on its own, so batching changes neither the answers nor the refusals. A batch
+endpoint that nobody serves (an older allocator) makes the sender fall back to one
+request per call. Without :meth:`~NatsAllocationBackend.run` (tests, tools), every
+call is sent alone.
 """
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass, field
 from typing import Final, TypeVar
 
+import anyio
+import anyio.abc
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 from nats.aio.client import Client as NatsClient
 
 from gpulet_allocator import protocol as p
@@ -34,6 +55,9 @@ from gpulet_allocator.plugin.backend import (
 from gpulet_common import subjects
 from gpulet_common.bus import BusError, RemoteError
 from gpulet_common.codec import Codec
+from gpulet_common.messages import ErrorReply
+
+log = logging.getLogger("gpulet.device-plugin")
 
 Q = TypeVar("Q")
 R = TypeVar("R")
@@ -51,9 +75,39 @@ REJECT_CODES: Final[dict[str, RejectCode]] = {
 }
 UNAVAILABLE_CODES: Final = frozenset({"not_ready"})
 
+# Calls per allocate-batch: a batch's answer (about 1 KB per container) must stay
+# well under NATS's 1 MiB max_payload.
+MAX_BATCH: Final = 32
+# Calls with more containers than this go alone, for the same reason.
+MAX_BATCH_CONTAINERS: Final = 8
+# Calls waiting for the sender; more wait in their own send (backpressure).
+QUEUE_SIZE: Final = 256
+# After "no responders" on allocate-batch, how long calls go alone before it is tried again.
+BATCH_RECHECK_S: Final = 30.0
+
 
 class AllocatorFailure(Exception):
     """The allocator failed in a way that is neither a refusal nor an absence."""
+
+
+@dataclass(eq=False, slots=True)
+class _Queued:
+    """One Allocate call waiting for the sender, and then for its outcome."""
+
+    request: p.AllocateRequest
+    done: anyio.Event = field(default_factory=anyio.Event)
+    containers: list[ContainerAllocation] | None = None
+    failure: Exception | None = None
+    # Set when the caller gave up (its deadline) before the call was sent.
+    abandoned: bool = False
+
+    def resolve(self, containers: list[ContainerAllocation]) -> None:
+        self.containers = containers
+        self.done.set()
+
+    def fail(self, failure: Exception) -> None:
+        self.failure = failure
+        self.done.set()
 
 
 class NatsAllocationBackend:
@@ -61,17 +115,116 @@ class NatsAllocationBackend:
         self._nc = nc
         self._node = node
         self._timeout_s = timeout_s
+        self._queue: MemoryObjectSendStream[_Queued] | None = None
+        # Until when allocate-batch is known to have no responder (then calls go alone).
+        self._batch_unserved_until = float("-inf")
+
+    async def run(
+        self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Send queued Allocate calls, coalesced (see the module docstring), until cancelled."""
+        send, receive = anyio.create_memory_object_stream[_Queued](QUEUE_SIZE)
+        in_flight: list[_Queued] = []
+        async with send, receive:
+            self._queue = send
+            try:
+                task_status.started()
+                await self._send_queued(receive, in_flight)
+            finally:
+                self._queue = None
+                # Nobody will answer these any more: tell their callers now rather
+                # than at their deadline.
+                stopping = AllocatorUnavailable("the device plugin is stopping")
+                for queued in in_flight:
+                    queued.fail(stopping)
+                while True:
+                    try:
+                        receive.receive_nowait().fail(stopping)
+                    except (anyio.WouldBlock, anyio.EndOfStream):
+                        break
 
     async def allocate(
         self, resource: str, container_requests: list[list[str]]
     ) -> list[ContainerAllocation]:
-        reply = await self._call(
-            p.ENDPOINT_ALLOCATE,
-            p.AllocateRequest(resource=resource, containers=container_requests),
-            p.ALLOCATE_REQUEST,
-            p.ALLOCATE_REPLY,
-        )
+        request = p.AllocateRequest(resource=resource, containers=container_requests)
+        if self._queue is None or len(container_requests) > MAX_BATCH_CONTAINERS:
+            return await self._allocate_alone(request)
+        queued = _Queued(request)
+        try:
+            await self._queue.send(queued)
+            await queued.done.wait()
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError) as exc:
+            raise AllocatorUnavailable("the device plugin is stopping") from exc
+        except BaseException:
+            queued.abandoned = True
+            raise
+        if queued.failure is not None:
+            raise queued.failure
+        assert queued.containers is not None
+        return queued.containers
+
+    async def _send_queued(
+        self, receive: MemoryObjectReceiveStream[_Queued], in_flight: list[_Queued]
+    ) -> None:
+        async for first in receive:
+            in_flight.append(first)
+            while len(in_flight) < MAX_BATCH:
+                try:
+                    in_flight.append(receive.receive_nowait())
+                except anyio.WouldBlock:
+                    break
+            live = [q for q in in_flight if not q.abandoned]
+            if len(live) > 1 and anyio.current_time() >= self._batch_unserved_until:
+                await self._send_batch(live)
+            else:
+                async with anyio.create_task_group() as tg:
+                    for queued in live:
+                        tg.start_soon(self._send_alone, queued)
+            in_flight.clear()
+
+    async def _send_alone(self, queued: _Queued) -> None:
+        try:
+            queued.resolve(await self._allocate_alone(queued.request))
+        except Exception as exc:  # handed to the caller, never lost
+            queued.fail(_as_backend_failure(exc))
+
+    async def _allocate_alone(self, request: p.AllocateRequest) -> list[ContainerAllocation]:
+        reply = await self._call(p.ENDPOINT_ALLOCATE, request, p.ALLOCATE_REQUEST, p.ALLOCATE_REPLY)
         return reply.containers
+
+    async def _send_batch(self, batch: list[_Queued]) -> None:
+        try:
+            reply = await self._call(
+                p.ENDPOINT_ALLOCATE_BATCH,
+                p.AllocateBatchRequest(calls=[q.request for q in batch]),
+                p.ALLOCATE_BATCH_REQUEST,
+                p.ALLOCATE_BATCH_REPLY,
+                alone_if_unserved=True,
+            )
+        except _BatchUnserved:
+            # No allocator at all looks the same; the calls alone then say so.
+            self._batch_unserved_until = anyio.current_time() + BATCH_RECHECK_S
+            async with anyio.create_task_group() as tg:
+                for queued in batch:
+                    tg.start_soon(self._send_alone, queued)
+            return
+        except Exception as exc:  # handed to the callers, never lost
+            failure = _as_backend_failure(exc)
+            for queued in batch:
+                queued.fail(failure)
+            return
+        if len(reply.outcomes) != len(batch):
+            failure = AllocatorFailure(
+                f"allocator answered {len(reply.outcomes)} outcomes for {len(batch)} calls"
+            )
+            for queued in batch:
+                queued.fail(failure)
+            return
+        for queued, outcome in zip(batch, reply.outcomes, strict=True):
+            if outcome.error is None:
+                queued.resolve(outcome.containers)
+            else:
+                queued.fail(_refused(outcome.error))
 
     async def preferred(self, resource: str, requests: list[PreferredRequest]) -> list[list[str]]:
         reply = await self._call(
@@ -82,19 +235,49 @@ class NatsAllocationBackend:
         )
         return reply.containers
 
-    async def _call(self, endpoint: str, value: Q, request: Codec[Q], reply: Codec[R]) -> R:
+    async def _call(
+        self,
+        endpoint: str,
+        value: Q,
+        request: Codec[Q],
+        reply: Codec[R],
+        *,
+        alone_if_unserved: bool = False,
+    ) -> R:
         subject = subjects.allocator_endpoint(self._node, endpoint)
         try:
             return await p.request(
                 self._nc, subject, value, request, reply, timeout_s=self._timeout_s
             )
         except RemoteError as exc:
-            detail = f"{exc.code}: {exc.message}"
-            if exc.code in UNAVAILABLE_CODES:
-                raise AllocatorUnavailable(detail) from exc
-            code = REJECT_CODES.get(exc.code)
-            if code is None:
-                raise AllocatorFailure(detail) from exc
-            raise AllocationRejected(code, detail) from exc
+            raise _refused(ErrorReply(code=exc.code, message=exc.message)) from exc
+        except p.NoAllocator as exc:
+            if alone_if_unserved:
+                raise _BatchUnserved from exc
+            raise AllocatorUnavailable(str(exc)) from exc
+            raise AllocatorUnavailable(str(exc)) from exc
         except BusError as exc:
             raise AllocatorUnavailable(str(exc)) from exc
+
+
+class _BatchUnserved(Exception):
+    """Nobody serves allocate-batch (an allocator older than this plugin)."""
+
+
+def _refused(error: ErrorReply) -> Exception:
+    """The exception the plugin understands for the allocator's refusal ``error``."""
+    detail = f"{error.code}: {error.message}"
+    if error.code in UNAVAILABLE_CODES:
+        return AllocatorUnavailable(detail)
+    code = REJECT_CODES.get(error.code)
+    if code is None:
+        return AllocatorFailure(detail)
+    return AllocationRejected(code, detail)
+
+
+def _as_backend_failure(exc: Exception) -> Exception:
+    """``exc`` if the plugin understands it, else an :class:`AllocatorFailure` naming it."""
+    if isinstance(exc, AllocationRejected | AllocatorUnavailable | AllocatorFailure):
+        return exc
+    log.error("allocate over NATS failed unexpectedly", exc_info=exc)
+    return AllocatorFailure(f"{type(exc).__name__}: {exc}")

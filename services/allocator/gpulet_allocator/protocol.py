@@ -10,11 +10,19 @@ for node ``N`` are ``gpulet.allocator.<token(N)>.<endpoint>`` (see
 endpoint   request                      reply
 ========== ============================ =============================================
 allocate   :class:`AllocateRequest`     :class:`AllocateReply`
+allocate-  :class:`AllocateBatchRequest` :class:`AllocateBatchReply`
+batch
 preferred  :class:`PreferredAllocation  :class:`PreferredAllocationReply`
            Request`
 release    :class:`ReleaseRequest`      :class:`ReleaseReply`
 state      :class:`StateRequest`        :class:`StateReply`
 ========== ============================ =============================================
+
+``allocate-batch`` carries several kubelet calls in one message: the device plugin
+coalesces the Allocate calls that arrive while one of its requests is in flight
+(:mod:`.nats_backend`). Each call is decided on its own, in order, exactly as if it
+had come alone; the answer lists one :class:`AllocateOutcome` per call (containers,
+or the refusal), and leaves once all of them are durable.
 
 All bodies are JSON, versioned by ``schema_version`` and evolved by adding fields with
 defaults only (like :mod:`gpulet_common.messages`). Each type has one codec here.
@@ -42,6 +50,7 @@ from gpulet_allocator.plugin.backend import ContainerAllocation, PreferredReques
 from gpulet_common import codec as common_codecs
 from gpulet_common.bus import BusError, RemoteError, RequestTimeout
 from gpulet_common.codec import Codec
+from gpulet_common.messages import ErrorReply
 
 PROTOCOL_VERSION: Final = 1
 SERVICE_NAME: Final = "gpulet-allocator"
@@ -50,7 +59,16 @@ ENDPOINT_ALLOCATE: Final = "allocate"
 ENDPOINT_PREFERRED: Final = "preferred"
 ENDPOINT_RELEASE: Final = "release"
 ENDPOINT_STATE: Final = "state"
-ENDPOINTS: Final = (ENDPOINT_ALLOCATE, ENDPOINT_PREFERRED, ENDPOINT_RELEASE, ENDPOINT_STATE)
+ENDPOINT_ALLOCATE_BATCH: Final = "allocate-batch"
+ENDPOINTS: Final = (
+    ENDPOINT_ALLOCATE,
+    ENDPOINT_PREFERRED,
+    ENDPOINT_RELEASE,
+    ENDPOINT_STATE,
+    ENDPOINT_ALLOCATE_BATCH,
+)
+# The most kubelet calls one allocate-batch may carry (the plugin sends fewer).
+MAX_BATCH_CALLS: Final = 64
 
 GPULET_ERROR_HEADER: Final = "Gpulet-Error"
 MICRO_ERROR_HEADER: Final = "Nats-Service-Error"
@@ -100,6 +118,25 @@ class AllocateRequest(_Body, frozen=True, kw_only=True):
 
 class AllocateReply(_Body, frozen=True, kw_only=True):
     containers: list[ContainerAllocation]
+
+
+class AllocateOutcome(msgspec.Struct, frozen=True, kw_only=True):
+    """What one call of a batch got: its containers, or the refusal (then ``error``)."""
+
+    containers: list[ContainerAllocation] = []
+    error: ErrorReply | None = None
+
+
+class AllocateBatchRequest(_Body, frozen=True, kw_only=True):
+    """Several kubelet Allocate calls, each decided on its own, in order."""
+
+    calls: list[AllocateRequest]
+
+
+class AllocateBatchReply(_Body, frozen=True, kw_only=True):
+    """One outcome per call, in the order of the request."""
+
+    outcomes: list[AllocateOutcome]
 
 
 class PreferredAllocationRequest(_Body, frozen=True, kw_only=True):
@@ -179,6 +216,8 @@ class StateReply(_Body, frozen=True, kw_only=True):
 
 ALLOCATE_REQUEST = Codec(AllocateRequest)
 ALLOCATE_REPLY = Codec(AllocateReply)
+ALLOCATE_BATCH_REQUEST = Codec(AllocateBatchRequest)
+ALLOCATE_BATCH_REPLY = Codec(AllocateBatchReply)
 PREFERRED_REQUEST = Codec(PreferredAllocationRequest)
 PREFERRED_REPLY = Codec(PreferredAllocationReply)
 RELEASE_REQUEST = Codec(ReleaseRequest)
@@ -188,6 +227,10 @@ STATE_REPLY = Codec(StateReply)
 
 R = TypeVar("R")
 Q = TypeVar("Q")
+
+
+class NoAllocator(RequestTimeout):
+    """Nobody serves the endpoint (NATS answered "no responders" at once)."""
 
 
 async def request(
@@ -208,7 +251,7 @@ async def request(
     try:
         msg = await nc.request(subject, request_codec.encode(value), timeout=timeout_s)
     except nats.errors.NoRespondersError as exc:
-        raise RequestTimeout(f"no allocator is listening on {subject}") from exc
+        raise NoAllocator(f"no allocator is listening on {subject}") from exc
     except nats.errors.TimeoutError as exc:
         raise RequestTimeout(f"no reply on {subject} within {timeout_s:g} s") from exc
     except (nats.errors.Error, OSError) as exc:

@@ -8,7 +8,7 @@ Flow
 2. Follow the node's inventory and health (:class:`~.feeds.NodeFeed`): unhealthy and
    lost GPUs take no new allocation, recovered ones do again.
 3. Serve the ``nats.micro`` service :data:`~.protocol.SERVICE_NAME` with the
-   endpoints ``allocate``, ``preferred``, ``release`` and ``state`` under
+   endpoints ``allocate``, ``allocate-batch``, ``preferred``, ``release`` and ``state`` under
    ``gpulet.allocator.<node>`` (contract: :mod:`.protocol`). It shows up in
    ``$SRV.PING/INFO/STATS``; each endpoint's ``data`` in STATS counts answers by
    outcome and refusals by code.
@@ -89,6 +89,10 @@ def _one_line(text: str) -> str:
     if text.isprintable():
         return text
     return "".join(c if c.isprintable() else " " for c in text)
+
+
+# Endpoints whose refusals fail a pod's admission: logged as warnings.
+_ALLOCATING = frozenset({p.ENDPOINT_ALLOCATE, p.ENDPOINT_ALLOCATE_BATCH})
 
 
 def checkpoint_path(settings: Settings) -> Path:
@@ -209,6 +213,7 @@ class AllocatorService:
             try:
                 handlers: dict[str, Callable[[Request], Awaitable[None]]] = {
                     p.ENDPOINT_ALLOCATE: self._on_allocate,
+                    p.ENDPOINT_ALLOCATE_BATCH: self._on_allocate_batch,
                     p.ENDPOINT_PREFERRED: self._on_preferred,
                     p.ENDPOINT_RELEASE: self._on_release,
                     p.ENDPOINT_STATE: self._on_state,
@@ -262,7 +267,7 @@ class AllocatorService:
                 self.name, "degraded", "waiting for the GPU inventory (is the collector running?)"
             )
         else:
-            held = len(self.core.ledger.allocations())
+            held = self.core.ledger.count()
             gpus = len(self.core.ledger.devices())
             self._rt.status.set(self.name, "ready", f"{gpus} GPUs, {held} allocations")
 
@@ -280,7 +285,7 @@ class AllocatorService:
             log.info("GPU %s is now %s", uuid, "healthy" if healthy else "unhealthy")
 
     def _count_held(self) -> None:
-        held = len(self.core.ledger.allocations())
+        held = self.core.ledger.count()
         if held != self._held:
             self._allocations.add(held - self._held)
             self._held = held
@@ -315,11 +320,9 @@ class AllocatorService:
         self._counts[endpoint].ok += 1
         self._record(endpoint, "ok", started)
 
-    async def _reject(
-        self, req: Request, endpoint: str, code: str, message: str, started: float
-    ) -> None:
+    def _refusal(self, endpoint: str, code: str, message: str) -> ErrorReply:
+        """Count and log one refusal; the bounded :class:`ErrorReply` that says it."""
         message = _bounded(message)
-        line = _one_line(message)
         counts = self._counts[endpoint]
         if code == "malformed_request":
             counts.malformed += 1
@@ -327,13 +330,21 @@ class AllocatorService:
             counts.rejected += 1
         counts.codes[code] = counts.codes.get(code, 0) + 1
         log.log(
-            logging.WARNING if endpoint == p.ENDPOINT_ALLOCATE else logging.INFO,
+            logging.WARNING if endpoint in _ALLOCATING else logging.INFO,
             "%s refused: %s: %s",
             endpoint,
             code,
-            line,
+            _one_line(message),
         )
-        body = common_codecs.ERROR_REPLY.encode(ErrorReply(code=code, message=message))
+        return ErrorReply(code=code, message=message)
+
+    async def _reject(
+        self, req: Request, endpoint: str, code: str, message: str, started: float
+    ) -> None:
+        refusal = self._refusal(endpoint, code, message)
+        message = refusal.message
+        line = _one_line(message)
+        body = common_codecs.ERROR_REPLY.encode(refusal)
         await self._send(
             req,
             body,
@@ -418,6 +429,42 @@ class AllocatorService:
             return
         self._count_held()
         await self._answer_durably(req, p.ENDPOINT_ALLOCATE, data, started, undo)
+
+    async def _on_allocate_batch(self, req: Request) -> None:
+        """Several kubelet calls in one message, each decided as if it came alone."""
+        endpoint = p.ENDPOINT_ALLOCATE_BATCH
+        started = time.perf_counter()
+        value = await self._decode(req, endpoint, p.ALLOCATE_BATCH_REQUEST, started)
+        if value is None:
+            return
+        if not 0 < len(value.calls) <= p.MAX_BATCH_CALLS:
+            size = f"a batch carries 1 to {p.MAX_BATCH_CALLS} calls, not {len(value.calls)}"
+            await self._reject(req, endpoint, "invalid_request", size, started)
+            return
+        outcomes: list[p.AllocateOutcome] = []
+        undos: list[Undo] = []
+        for call in value.calls:
+            try:
+                answers, undo = self.core.allocate(call.resource, call.containers)
+            except Rejected as exc:
+                refusal = self._refusal(endpoint, exc.code, exc.message)
+                outcomes.append(p.AllocateOutcome(error=refusal))
+                continue
+            outcomes.append(p.AllocateOutcome(containers=answers))
+            undos.append(undo)
+
+        def undo_all() -> None:
+            for undo in reversed(undos):
+                undo()
+
+        data = p.ALLOCATE_BATCH_REPLY.encode(p.AllocateBatchReply(outcomes=outcomes))
+        if problem := self._too_large(data, sum(len(c.containers) for c in value.calls)):
+            undo_all()
+            self._count_held()
+            await self._reject(req, endpoint, "invalid_request", problem, started)
+            return
+        self._count_held()
+        await self._answer_durably(req, endpoint, data, started, undo_all if undos else None)
 
     async def _on_preferred(self, req: Request) -> None:
         started = time.perf_counter()

@@ -73,6 +73,7 @@ class DevicePluginService:
         )
         async with anyio.create_task_group() as tg:
             await tg.start(feed.run)
+            await tg.start(backend.run)
             # Said before "started", so the status board never shows a ready plugin
             # that kubelet cannot see.
             if not await self._plugin_dir_exists():
