@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test install lint typecheck pytest bench clean
+.PHONY: run test install lint typecheck pytest bench bench-deps clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -34,8 +34,19 @@ pytest: $(STAMP)
 
 test: lint typecheck pytest
 
-bench: $(STAMP)
+bench: $(STAMP) bench-deps
 	$(BIN)/python bench/run_all.py
+
+# Go and grpc-go for the kubelet stand-in of bench/allocate_roundtrip.py (Debian
+# packages, installed when missing); without them that bench uses a Python client.
+GO_DEPS := golang-go golang-google-grpc-dev
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+bench-deps:
+	@if ! command -v go >/dev/null 2>&1 || [ ! -d /usr/share/gocode/src/google.golang.org/grpc ]; then \
+	  $(SUDO) apt-get install -y $(GO_DEPS) || \
+	  { $(SUDO) apt-get update && $(SUDO) apt-get install -y $(GO_DEPS); } || \
+	  echo "note: could not install $(GO_DEPS): bench/allocate_roundtrip.py will use its Python kubelet stand-in"; \
+	fi
 
 clean:
 	rm -rf $(VENV) .gpulet .mypy_cache .ruff_cache

@@ -5,43 +5,64 @@ Method
 Everything real but kubelet, each in its own process as on a node: a nats-server;
 the allocator and device-plugin services, either as two sidecar processes (the
 DaemonSet layout) or together in one process (``gpulet run``); and, in this process,
-the fake kubelet calling ``Allocate`` over the plugin's unix socket with kubelet's own
-protos (:mod:`support.fake_kubelet`), plus a stand-in collector publishing the
-inventory of the 8-GPU NVLink box with 80 GiB cards.
+the fake kubelet (:mod:`support.fake_kubelet`: registration, ListAndWatch) plus a
+stand-in collector publishing the inventory of the 8-GPU NVLink box with 80 GiB cards.
 
 * Each call is a new container asking for 2 ``gpulet.io/gpu-core`` units (a share:
   parse the IDs, best-fit placement, the grant) or for one whole GPU
   (``nvidia.com/gpu``). Every answer is durable before it leaves: the checkpoint is
   fsynced (group commit), in a temporary directory on this machine's disk.
+* **Kubelet stand-in** (``--kubelet``): kubelet is Go and calls plugins with grpc-go,
+  so the timed ``Allocate`` calls come from ``bench/kubelet_load``, a small grpc-go
+  program in a process of its own: one connection per plugin socket, dialled the way
+  kubelet's device manager dials, each call timed in Go (from just before the call to
+  its return). The requests and answers are kubelet's own protos, encoded and decoded
+  here; the calls up to the next release go over in one message. A Python gRPC client
+  in this process would spend its own CPU on every call (0.2-0.7 ms of it on the
+  2-core machine), competing with the services being measured on a small machine,
+  more than kubelet would. Without Go and grpc-go (``apt-get install golang-go
+  golang-google-grpc-dev``) the fake kubelet's Python client (grpc.aio) makes the
+  calls instead; the table's title says which did.
 * **1 concurrent call**: one call after the other. **50 concurrent calls**: waves of
   50 calls started together, the next wave once all have answered. Between batches
   the allocations are released over NATS (not timed), so the node never fills up.
+* **gRPC floor**: the same stand-in's calls to a plugin, in a process of its own, whose
+  ``Allocate`` answers at once (no NATS, no allocator, no checkpoint): what grpcio's
+  Python server costs per call on this machine, a bound no Python plugin can beat.
 * **In process**: the same decisions through :class:`~gpulet_allocator.core.AllocatorCore`
   and the same group-committed checkpoint, called directly in this process: what the
   allocator itself costs. The ratio to it is what the split (gRPC, NATS, two more
   processes) costs.
 
 Run from the repository root: ``python bench/allocate_roundtrip.py`` (``--quick`` for
-fewer samples, ``--layout`` for one layout). Target: p99 under 10 ms.
+fewer samples, ``--layout`` for one layout, ``--kubelet go|python`` to pick the
+stand-in; ``auto``, the default, takes Go when it builds). Target: p99 under 10 ms.
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
+import contextlib
+import hashlib
+import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack
 from pathlib import Path
+from typing import Any
 
 import anyio
 import anyio.abc
 import msgspec
+from anyio.streams.buffered import BufferedByteReceiveStream
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
@@ -50,6 +71,7 @@ from _util import percentile, table
 from gpulet_allocator import protocol as p
 from gpulet_allocator.core import AllocatorCore
 from gpulet_allocator.engine import reference
+from gpulet_allocator.kubelet_api.deviceplugin.v1beta1 import api_pb2 as dp
 from gpulet_allocator.store import CheckpointFile, Committer, encode
 from gpulet_common import codec, subjects
 from gpulet_common.bus import Bus, BusError, Delivery
@@ -62,8 +84,15 @@ from support.fake_kubelet import FakeKubelet, running_fake_kubelet
 TARGET_P99_MS = 10.0
 SHARE_UNITS = 2
 LAYOUTS = ("sidecars", "one-process")
+KUBELETS = ("auto", "go", "python")
+ALLOCATION = "gpulet.io/allocation"
+GO_SOURCE = Path(__file__).resolve().parent / "kubelet_load"
 
+# One call: device IDs in, allocation ID out.
 Call = Callable[[list[str]], Awaitable[str]]
+# Waves of calls, one wave after the other, the calls of a wave started together: the
+# device IDs of each call in; (latency ms, allocation ID) of each call out, in order.
+Waves = Callable[[list[list[list[str]]]], Awaitable[list[tuple[float, str]]]]
 Results = dict[tuple[str, int], list[float]]
 
 
@@ -84,8 +113,29 @@ class IdPool:
         self._next = 0
 
 
+def in_waves(call: Call) -> Waves:
+    """Waves of ``call``s from this process, each call timed here."""
+
+    async def one(ids: list[str], answers: list[tuple[float, str]], i: int) -> None:
+        started = time.perf_counter()
+        allocation = await call(ids)
+        answers[i] = ((time.perf_counter() - started) * 1000, allocation)
+
+    async def run(waves: list[list[list[str]]]) -> list[tuple[float, str]]:
+        results: list[tuple[float, str]] = []
+        for wave in waves:
+            answers = [(0.0, "")] * len(wave)
+            async with anyio.create_task_group() as tg:
+                for i, ids in enumerate(wave):
+                    tg.start_soon(one, ids, answers, i)
+            results.extend(answers)
+        return results
+
+    return run
+
+
 async def measure(
-    call: Call,
+    run: Waves,
     pool: IdPool,
     release: Callable[[list[str]], Awaitable[None]],
     *,
@@ -93,30 +143,29 @@ async def measure(
     calls: int,
     batch: int,
 ) -> list[float]:
-    """Latencies in ms of ``calls`` calls, ``concurrency`` at a time."""
+    """Latencies in ms of ``calls`` calls, in waves of ``concurrency``.
+
+    The waves up to the next release (at most ``batch`` calls held) go to ``run`` at
+    once, so that a kubelet stand-in in another process needs one message per batch.
+    """
     samples: list[float] = []
-    held: list[str] = []
-
-    async def one() -> None:
-        ids = pool.take()
-        started = time.perf_counter()
-        allocation = await call(ids)
-        samples.append((time.perf_counter() - started) * 1000)
-        held.append(allocation)
-
     while len(samples) < calls:
-        async with anyio.create_task_group() as tg:
-            for _ in range(concurrency):
-                tg.start_soon(one)
-        if len(held) + concurrency > batch or len(samples) >= calls:
-            await release(held)
-            held.clear()
-            pool.reset()
+        waves = [[pool.take() for _ in range(concurrency)]]
+        while (len(waves) + 1) * concurrency <= batch and (
+            len(samples) + len(waves) * concurrency < calls
+        ):
+            waves.append([pool.take() for _ in range(concurrency)])
+        held = []
+        for latency, allocation in await run(waves):
+            samples.append(latency)
+            held.append(allocation)
+        await release(held)
+        pool.reset()
     return samples
 
 
 async def scenarios(
-    call: Callable[[str], Call],
+    call: Callable[[str], Waves],
     release: Callable[[list[str]], Awaitable[None]],
     cores: IdPool,
     gpus: IdPool,
@@ -131,6 +180,109 @@ async def scenarios(
         ),
         ("whole", 1): await measure(call(GPU), gpus, release, concurrency=1, calls=n // 2, batch=8),
     }
+
+
+# --- the Go kubelet stand-in ------------------------------------------------------------
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "gpulet-bench"
+
+
+async def build_go_kubelet() -> Path:
+    """The kubelet_load binary, built once per source and Go version into the cache."""
+    go = shutil.which("go")
+    if go is None:
+        raise RuntimeError("go is not on PATH")
+    version = (await anyio.run_process([go, "version"])).stdout
+    sources = b"".join((GO_SOURCE / name).read_bytes() for name in ("main.go", "build.sh"))
+    key = hashlib.sha256(version + sources).hexdigest()[:16]
+    binary = cache_dir() / f"kubelet_load-{key}"
+    if binary.exists():
+        return binary
+    binary.parent.mkdir(parents=True, exist_ok=True)
+    partial = binary.with_name(f"{binary.name}.{os.getpid()}.tmp")
+    built = await anyio.run_process(
+        [str(GO_SOURCE / "build.sh"), str(partial)], check=False, stderr=subprocess.STDOUT
+    )
+    if built.returncode != 0:
+        partial.unlink(missing_ok=True)
+        raise RuntimeError(f"building {GO_SOURCE}: {built.stdout.decode(errors='replace')}")
+    partial.replace(binary)
+    for stale in binary.parent.glob("kubelet_load-*"):
+        if stale != binary:
+            stale.unlink(missing_ok=True)
+    return binary
+
+
+class GoKubelet:
+    """Kubelet's calls to one plugin socket, made by ``bench/kubelet_load`` (grpc-go)."""
+
+    def __init__(self, process: anyio.abc.Process, resource: str) -> None:
+        assert process.stdin is not None
+        assert process.stdout is not None
+        self._stdin = process.stdin
+        self._stdout = BufferedByteReceiveStream(process.stdout)
+        self._resource = resource
+
+    @classmethod
+    @contextlib.asynccontextmanager
+    async def running(cls, binary: Path, socket: Path, resource: str) -> AsyncIterator[GoKubelet]:
+        # stderr=None: its errors go to ours.
+        process = await anyio.open_process([str(binary), "-socket", str(socket)], stderr=None)
+        try:
+            go = cls(process, resource)
+            with anyio.fail_after(15):
+                ready = await go._receive()
+            if ready.get("ready") is not True:
+                raise RuntimeError(f"kubelet_load on {socket}: {ready!r}")
+            yield go
+        finally:
+            with anyio.CancelScope(shield=True):
+                if process.stdin is not None:
+                    await process.stdin.aclose()  # EOF: it exits
+                with anyio.move_on_after(5):
+                    await process.wait()
+                if process.returncode is None:
+                    process.kill()
+                    await process.wait()
+                await process.aclose()
+
+    async def _receive(self) -> dict[str, object]:
+        try:
+            line = await self._stdout.receive_until(b"\n", 64 << 20)
+        except (anyio.EndOfStream, anyio.IncompleteRead):
+            raise RuntimeError(f"kubelet_load ({self._resource}) exited") from None
+        answer = json.loads(line)
+        assert isinstance(answer, dict)
+        return answer
+
+    async def run(self, waves: Sequence[Sequence[Sequence[str]]]) -> list[tuple[float, str]]:
+        """Waves one after the other; a call per entry (one container, these device IDs)."""
+        encoded = [
+            [
+                base64.b64encode(
+                    dp.AllocateRequest(
+                        container_requests=[dp.ContainerAllocateRequest(devices_ids=ids)]
+                    ).SerializeToString()
+                ).decode()
+                for ids in wave
+            ]
+            for wave in waves
+        ]
+        await self._stdin.send(json.dumps({"waves": encoded}).encode() + b"\n")
+        calls = (await self._receive())["calls"]
+        assert isinstance(calls, list)
+        results = []
+        for call in calls:
+            if not call["ok"]:
+                raise RuntimeError(
+                    f"Allocate of {self._resource} failed: {call['code']}: {call['message']}"
+                )
+            response = dp.AllocateResponse.FromString(base64.b64decode(call["response"]))
+            allocation = response.container_responses[0].annotations[ALLOCATION]
+            results.append((float(call["latency_ms"]), allocation))
+        return results
 
 
 # --- the services, in their own processes ----------------------------------------------
@@ -201,7 +353,10 @@ async def wait_ready(bus: Bus, kubelet: FakeKubelet, node: str, gpus: int) -> No
             await anyio.sleep(0.1)
 
 
-async def round_trip(base: Path, layout: str, nats_url: str, n: int) -> Results:
+async def round_trip(
+    base: Path, layout: str, nats_url: str, n: int, go_kubelet: Path | None
+) -> Results:
+    """``go_kubelet``: the kubelet_load binary for the timed calls; None: Python's."""
     plugin_dir = base / layout / "dp"
     plugin_dir.mkdir(parents=True)
     settings = make_settings(
@@ -245,20 +400,32 @@ async def round_trip(base: Path, layout: str, nats_url: str, n: int) -> Results:
                     timeout_s=5.0,
                 )
 
-            def via_kubelet(resource: str) -> Call:
+            def via_kubelet(resource: str) -> Waves:
                 async def call(ids: list[str]) -> str:
                     response = await kubelet.allocate(resource, [ids])
-                    return response.container_responses[0].annotations["gpulet.io/allocation"]
+                    return response.container_responses[0].annotations[ALLOCATION]
 
-                return call
+                return in_waves(call)
 
-            return await scenarios(
-                via_kubelet,
-                release,
-                IdPool([d.ID for d in kubelet.devices(CORE)], SHARE_UNITS),
-                IdPool([d.ID for d in kubelet.devices(GPU)], 1),
-                n,
-            )
+            async with AsyncExitStack() as callers:
+                go: dict[str, GoKubelet] = {}
+                if go_kubelet is not None:
+                    for resource in (CORE, GPU):
+                        socket = plugin_dir / kubelet.endpoint(resource).registration.endpoint
+                        go[resource] = await callers.enter_async_context(
+                            GoKubelet.running(go_kubelet, socket, resource)
+                        )
+
+                def via_go(resource: str) -> Waves:
+                    return go[resource].run
+
+                return await scenarios(
+                    via_go if go else via_kubelet,
+                    release,
+                    IdPool([d.ID for d in kubelet.devices(CORE)], SHARE_UNITS),
+                    IdPool([d.ID for d in kubelet.devices(GPU)], 1),
+                    n,
+                )
         finally:
             for process in processes:
                 process.send_signal(signal.SIGTERM)
@@ -269,6 +436,101 @@ async def round_trip(base: Path, layout: str, nats_url: str, n: int) -> Results:
                     process.kill()
 
 
+# --- the gRPC floor: the same calls to a plugin that does nothing -----------------------
+
+
+def floor_process(socket: str) -> None:
+    """A DevicePlugin server that answers Allocate at once (``--floor``)."""
+    import grpc.aio
+
+    from gpulet_allocator.kubelet_api.deviceplugin.v1beta1 import api_pb2_grpc as dp_grpc
+
+    class Instant(dp_grpc.DevicePluginServicer):
+        def __init__(self) -> None:
+            self.answered = 0
+
+        async def Allocate(
+            self, request: dp.AllocateRequest, context: grpc.aio.ServicerContext[Any, Any]
+        ) -> dp.AllocateResponse:
+            self.answered += 1
+            return dp.AllocateResponse(
+                container_responses=[
+                    dp.ContainerAllocateResponse(
+                        envs={"NVIDIA_VISIBLE_DEVICES": "GPU-floor"},
+                        annotations={ALLOCATION: f"floor-{self.answered}"},
+                    )
+                    for _ in request.container_requests
+                ]
+            )
+
+    async def serve() -> None:
+        server = grpc.aio.server()
+        # Only Allocate is ever called; the other RPCs keep the stub's UNIMPLEMENTED.
+        dp_grpc.add_DevicePluginServicer_to_server(Instant(), server)  # type: ignore[abstract]
+        server.add_insecure_port(f"unix://{socket}")
+        with anyio.open_signal_receiver(signal.SIGTERM) as signals:
+            await server.start()
+            async for _ in signals:
+                await server.stop(0)
+                return
+
+    anyio.run(serve)
+
+
+async def grpc_floor(base: Path, n: int, go_kubelet: Path | None) -> Results:
+    """What the gRPC layer alone costs: the stand-in's calls to a do-nothing plugin."""
+    import grpc.aio
+
+    from gpulet_allocator.kubelet_api.deviceplugin.v1beta1 import api_pb2_grpc as dp_grpc
+
+    socket = base / "floor.sock"
+    process = subprocess.Popen(  # noqa: ASYNC220 - started once, stopped below
+        [sys.executable, __file__, "--floor", str(socket)]
+    )
+    try:
+        with anyio.fail_after(30):
+            while not socket.exists():
+                if process.poll() is not None:
+                    raise RuntimeError(f"the floor plugin exited with {process.returncode}")
+                await anyio.sleep(0.05)
+
+        async def release(_allocations: list[str]) -> None:
+            return None
+
+        ids = [f"GPU-floor::core-{u}" for u in range(800)]
+        async with AsyncExitStack() as callers:
+            if go_kubelet is not None:
+                go = await callers.enter_async_context(GoKubelet.running(go_kubelet, socket, CORE))
+                waves: Waves = go.run
+            else:
+                channel = await callers.enter_async_context(
+                    grpc.aio.insecure_channel(f"unix://{socket}")
+                )
+                stub = dp_grpc.DevicePluginStub(channel)
+
+                async def call(device_ids: list[str]) -> str:
+                    response = await stub.Allocate(
+                        dp.AllocateRequest(
+                            container_requests=[dp.ContainerAllocateRequest(devices_ids=device_ids)]
+                        )
+                    )
+                    return response.container_responses[0].annotations[ALLOCATION]
+
+                waves = in_waves(call)
+            pool = IdPool(ids, SHARE_UNITS)
+            await measure(waves, pool, release, concurrency=10, calls=100, batch=200)
+            return {
+                ("share", c): await measure(waves, pool, release, concurrency=c, calls=n, batch=200)
+                for c in (1, 50)
+            }
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            await anyio.to_thread.run_sync(process.wait, 10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
 async def in_process(base: Path, n: int) -> Results:
     core = AllocatorCore(node="bench", names=ResourceNames())
     inventory = reference.nvlink_pairs_8()
@@ -276,13 +538,13 @@ async def in_process(base: Path, n: int) -> Results:
     store = CheckpointFile(base / "in-process" / "allocations.json")
     committer = Committer(lambda: encode(core.snapshot()), store.write)
 
-    def direct(resource: str) -> Call:
+    def direct(resource: str) -> Waves:
         async def call(ids: list[str]) -> str:
             [answer], _undo = core.allocate(resource, [ids])
             await committer.wait(core.version)
-            return answer.annotations["gpulet.io/allocation"]
+            return answer.annotations[ALLOCATION]
 
-        return call
+        return in_waves(call)
 
     async def release(allocations: list[str]) -> None:
         core.release(p.ReleaseRequest(allocation_ids=allocations))
@@ -318,8 +580,26 @@ def row(label: str, samples: list[float], base: list[float] | None = None) -> li
     ]
 
 
-async def main(quick: bool, layouts: list[str]) -> int:
+async def pick_kubelet(choice: str) -> Path | None:
+    """The kubelet_load binary when the Go stand-in is to be used, else None."""
+    if choice == "python":
+        return None
+    try:
+        return await build_go_kubelet()
+    except (OSError, RuntimeError) as exc:
+        if choice == "go":
+            raise SystemExit(f"--kubelet go: {exc}") from None
+        print(
+            f"note: no Go kubelet stand-in ({exc}); using the Python client instead "
+            "(apt-get install golang-go golang-google-grpc-dev for the Go one)",
+            file=sys.stderr,
+        )
+        return None
+
+
+async def main(quick: bool, layouts: list[str], kubelet: str) -> int:
     logging.basicConfig(level=logging.ERROR)
+    go_kubelet = await pick_kubelet(kubelet)
     load = os.getloadavg()[0]
     n = 200 if quick else 1000
     with tempfile.TemporaryDirectory(prefix="gpl-bench-") as tmp:
@@ -327,22 +607,31 @@ async def main(quick: bool, layouts: list[str]) -> int:
         over_nats: dict[str, Results] = {}
         async with EmbeddedNats.running(state_dir=base / "nats", port=0) as server:
             for layout in layouts:
-                over_nats[layout] = await round_trip(base, layout, server.url, n)
+                over_nats[layout] = await round_trip(base, layout, server.url, n, go_kubelet)
         local = await in_process(base, n)
+        floor = await grpc_floor(base, n, go_kubelet)
 
     rows = []
     for key in (("share", 1), ("share", 50), ("whole", 1)):
         kind, concurrency = key
         label = f"{kind}, {concurrency} concurrent"
         rows.append(row(f"in process: {label}", local[key]))
+        if key in floor:
+            rows.append(row(f"gRPC floor (do-nothing plugin): {label}", floor[key]))
         rows.extend(
             row(f"round trip ({layout}): {label}", over_nats[layout][key], local[key])
             for layout in layouts
         )
     header = ["path", "calls", "p50 ms", "p99 ms", "max ms", "vs in process p50/p99", "p99<10ms"]
+    stand_in = (
+        "Go kubelet stand-in (grpc-go, own process)"
+        if go_kubelet is not None
+        else "Python kubelet stand-in (grpc.aio, in the bench process)"
+    )
     title = (
-        f"Allocate round trip (fake kubelet -> plugin -> NATS -> allocator); {os.cpu_count()} "
-        f"CPUs, load average {load:.1f} before the run; checkpoint fsynced before every answer"
+        f"Allocate round trip (fake kubelet -> plugin -> NATS -> allocator); {stand_in}; "
+        f"{os.cpu_count()} CPUs, load average {load:.1f} before the run; checkpoint fsynced "
+        "before every answer"
     )
     print(table(title, header, rows))
     worst = max(percentile(r[k], 99) for r in over_nats.values() for k in r)
@@ -353,9 +642,20 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer samples")
     parser.add_argument("--layout", choices=LAYOUTS, action="append", help="default: both")
+    parser.add_argument(
+        "--kubelet",
+        choices=KUBELETS,
+        default="auto",
+        help="who makes the timed Allocate calls: go (bench/kubelet_load, grpc-go), python "
+        "(grpc.aio in this process), auto (go when it builds; default)",
+    )
     parser.add_argument("--agent", nargs=2, metavar=("CONFIG", "SERVICES"), help=argparse.SUPPRESS)
+    parser.add_argument("--floor", metavar="SOCKET", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.agent:
         agent_process(*args.agent)
         sys.exit(0)
-    sys.exit(anyio.run(main, args.quick, args.layout or list(LAYOUTS)))
+    if args.floor:
+        floor_process(args.floor)
+        sys.exit(0)
+    sys.exit(anyio.run(main, args.quick, args.layout or list(LAYOUTS), args.kubelet))

@@ -48,6 +48,7 @@ class DeviceNodes:
         self._clock = clock
         # relative name -> (exists, when it was looked at)
         self._seen: dict[str, tuple[bool, float]] = {}
+        self._specs: dict[str, DeviceSpec] = {}
 
     def _exists(self, relative: str) -> bool:
         now = self._clock()
@@ -64,8 +65,13 @@ class DeviceNodes:
     def _spec(self, name: str) -> DeviceSpec | None:
         if not self._exists(name):
             return None
-        path = str(self.host_dev / name)
-        return DeviceSpec(container_path=path, host_path=path, permissions=self.permissions)
+        spec = self._specs.get(name)
+        if spec is None:
+            path = str(self.host_dev / name)
+            spec = DeviceSpec(container_path=path, host_path=path, permissions=self.permissions)
+            # Only nvidiaN and the control files: bounded by the node's GPUs.
+            self._specs[name] = spec
+        return spec
 
     def control_specs(self) -> list[DeviceSpec]:
         return [s for name in CONTROL_DEVICES if (s := self._spec(name)) is not None]
