@@ -23,7 +23,7 @@ from nats.aio.msg import Msg
 from gpulet_allocator import protocol as p
 from gpulet_allocator.engine import reference
 from gpulet_allocator.kubelet_api.deviceplugin.v1beta1 import api_pb2 as dp
-from gpulet_allocator.nats_backend import NatsAllocationBackend
+from gpulet_allocator.nats_backend import MAX_IN_FLIGHT, NatsAllocationBackend
 from gpulet_allocator.plugin.backend import (
     AllocationRejected,
     AllocatorUnavailable,
@@ -259,7 +259,7 @@ async def test_batched_refusals_reach_each_caller_with_their_code(
         release = anyio.Event()
 
         async def lone(msg: Msg) -> None:
-            await release.wait()  # holds the first call in flight while the rest queue
+            await release.wait()  # holds the lone calls in flight while the rest queue
             request = p.ALLOCATE_REQUEST.decode(msg.data)
             await msg.respond(p.ALLOCATE_REPLY.encode(_answer_for(request)))
 
@@ -289,6 +289,8 @@ async def test_batched_refusals_reach_each_caller_with_their_code(
         ]
         await allocator.flush()
         backend = NatsAllocationBackend(plugin.client, NODE, timeout_s=2.0)
+        # The first calls take every request slot and are held; the rest queue up.
+        slots = MAX_IN_FLIGHT
         outcomes: dict[int, object] = {}
 
         async def call(n: int) -> None:
@@ -302,9 +304,10 @@ async def test_batched_refusals_reach_each_caller_with_their_code(
                 await tg.start(backend.run)
                 with anyio.fail_after(10):
                     async with anyio.create_task_group() as calls:
-                        calls.start_soon(call, 0)
-                        await anyio.sleep(0.05)
-                        for n in range(1, 7):
+                        for n in range(slots):
+                            calls.start_soon(call, n)
+                            await anyio.sleep(0.02)  # each alone: nothing else waits
+                        for n in range(slots, slots + 6):
                             calls.start_soon(call, n)
                         await anyio.sleep(0.05)
                         release.set()
@@ -313,17 +316,17 @@ async def test_batched_refusals_reach_each_caller_with_their_code(
             for sub in subs:
                 await sub.unsubscribe()
         assert batches == [6]
-        assert isinstance(outcomes[0], list)
-        # In the batch [1..6], every second call (2, 4, 6) was refused.
-        for n in (2, 4, 6):
-            refusal = outcomes[n]
-            assert isinstance(refusal, AllocationRejected)
-            assert refusal.code is RejectCode.RESOURCE_EXHAUSTED
-            assert refusal.message == f"too_many_units: call {n - 1} is too big"
-        for n in (1, 3, 5):
-            answer = outcomes[n]
-            assert isinstance(answer, list)
-            assert answer[0].annotations["ids"] == f"GPU-x::core-{n}"
+        assert all(isinstance(outcomes[n], list) for n in range(slots))
+        # In the batch, every second call was refused.
+        for i, n in enumerate(range(slots, slots + 6)):
+            outcome = outcomes[n]
+            if i % 2:
+                assert isinstance(outcome, AllocationRejected)
+                assert outcome.code is RejectCode.RESOURCE_EXHAUSTED
+                assert outcome.message == f"too_many_units: call {i} is too big"
+            else:
+                assert isinstance(outcome, list)
+                assert outcome[0].annotations["ids"] == f"GPU-x::core-{n}"
 
 
 async def test_a_stopping_plugin_fails_queued_calls_at_once(nats_server: EmbeddedNats) -> None:

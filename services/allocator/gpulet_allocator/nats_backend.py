@@ -18,15 +18,16 @@ one NATS request to ``gpulet.allocator.<node>.<endpoint>`` (contract:
 
 Coalescing
 ----------
-Kubelet admits pods one at a time, but a burst (a restarted kubelet re-admitting a
-node's pods, or several plugins' clients) can put dozens of Allocate calls in flight.
-Sent one by one, each costs a NATS message both ways, a nats.micro dispatch and a
-durability wait in the allocator: under 50 concurrent calls that overhead, not the
-decision, was most of the allocator's time. So while :meth:`NatsAllocationBackend.run`
-is running, calls go through a bounded queue to one sender: a call that finds no
-request in flight goes out alone at once (a lone call waits for nothing), and the
-calls that arrive while one is in flight leave together in the next
-``allocate-batch`` (at most :data:`MAX_BATCH` calls). The allocator decides each call
+Kubelet admits pods one at a time, but calls can still come in bursts (several
+kubelet clients, tools, the 50-call waves of ``bench/allocate_roundtrip.py``). Sent one
+by one, each costs a NATS message both ways, a nats.micro dispatch and a durability
+wait in the allocator: under 50 concurrent calls that overhead, not the decision, was
+most of the allocator's time. So while :meth:`NatsAllocationBackend.run` is running,
+calls go through a bounded queue to one sender, which keeps at most
+:data:`MAX_IN_FLIGHT` requests out: whenever a slot is free it takes every call
+waiting (at most :data:`MAX_BATCH`) and sends them as one ``allocate-batch``, or alone
+when only one waits. A lone call therefore waits for nothing, and a burst forms
+batches by itself, as large as the allocator is slow. The allocator decides each call
 on its own, so batching changes neither the answers nor the refusals. A batch
 endpoint that nobody serves (an older allocator) makes the sender fall back to one
 request per call. Without :meth:`~NatsAllocationBackend.run` (tests, tools), every
@@ -75,6 +76,10 @@ REJECT_CODES: Final[dict[str, RejectCode]] = {
 }
 UNAVAILABLE_CODES: Final = frozenset({"not_ready"})
 
+# Requests (lone calls or batches) the plugin has in flight at once. More than one,
+# so that the allocator's group commit covers several while one batch is being
+# written; few, so that a burst still forms batches.
+MAX_IN_FLIGHT: Final = 4
 # Calls per allocate-batch: a batch's answer (about 1 KB per container) must stay
 # well under NATS's 1 MiB max_payload.
 MAX_BATCH: Final = 32
@@ -124,22 +129,18 @@ class NatsAllocationBackend:
     ) -> None:
         """Send queued Allocate calls, coalesced (see the module docstring), until cancelled."""
         send, receive = anyio.create_memory_object_stream[_Queued](QUEUE_SIZE)
-        in_flight: list[_Queued] = []
         async with send, receive:
             self._queue = send
             try:
                 task_status.started()
-                await self._send_queued(receive, in_flight)
+                await self._send_queued(receive)
             finally:
                 self._queue = None
-                # Nobody will answer these any more: tell their callers now rather
-                # than at their deadline.
-                stopping = AllocatorUnavailable("the device plugin is stopping")
-                for queued in in_flight:
-                    queued.fail(stopping)
+                # Nobody will send these any more: tell their callers now rather than
+                # at their deadline.
                 while True:
                     try:
-                        receive.receive_nowait().fail(stopping)
+                        receive.receive_nowait().fail(_stopping())
                     except (anyio.WouldBlock, anyio.EndOfStream):
                         break
 
@@ -154,7 +155,7 @@ class NatsAllocationBackend:
             await self._queue.send(queued)
             await queued.done.wait()
         except (anyio.ClosedResourceError, anyio.BrokenResourceError) as exc:
-            raise AllocatorUnavailable("the device plugin is stopping") from exc
+            raise _stopping() from exc
         except BaseException:
             queued.abandoned = True
             raise
@@ -163,24 +164,35 @@ class NatsAllocationBackend:
         assert queued.containers is not None
         return queued.containers
 
-    async def _send_queued(
-        self, receive: MemoryObjectReceiveStream[_Queued], in_flight: list[_Queued]
-    ) -> None:
-        async for first in receive:
-            in_flight.append(first)
-            while len(in_flight) < MAX_BATCH:
-                try:
-                    in_flight.append(receive.receive_nowait())
-                except anyio.WouldBlock:
-                    break
-            live = [q for q in in_flight if not q.abandoned]
+    async def _send_queued(self, receive: MemoryObjectReceiveStream[_Queued]) -> None:
+        slots = anyio.Semaphore(MAX_IN_FLIGHT)
+        async with anyio.create_task_group() as tg:
+            async for first in receive:
+                # Waiting for a slot is what lets the calls behind it pile up.
+                await slots.acquire()
+                batch = [first]
+                while len(batch) < MAX_BATCH:
+                    try:
+                        batch.append(receive.receive_nowait())
+                    except anyio.WouldBlock:
+                        break
+                tg.start_soon(self._send, batch, slots)
+
+    async def _send(self, batch: list[_Queued], slots: anyio.Semaphore) -> None:
+        try:
+            live = [q for q in batch if not q.abandoned]
             if len(live) > 1 and anyio.current_time() >= self._batch_unserved_until:
                 await self._send_batch(live)
             else:
                 async with anyio.create_task_group() as tg:
                     for queued in live:
                         tg.start_soon(self._send_alone, queued)
-            in_flight.clear()
+        finally:
+            slots.release()
+            # Only a cancellation (the plugin stopping) leaves a call unanswered here.
+            for queued in batch:
+                if not queued.done.is_set():
+                    queued.fail(_stopping())
 
     async def _send_alone(self, queued: _Queued) -> None:
         try:
@@ -258,6 +270,11 @@ class NatsAllocationBackend:
             raise AllocatorUnavailable(str(exc)) from exc
         except BusError as exc:
             raise AllocatorUnavailable(str(exc)) from exc
+
+
+def _stopping() -> AllocatorUnavailable:
+    # A new one each time: one raised by several callers would share a traceback.
+    return AllocatorUnavailable("the device plugin is stopping")
 
 
 class _BatchUnserved(Exception):
