@@ -7,8 +7,8 @@ its own NATS connection, with its checkpoint on disk and its metrics going to an
 in-memory reader. The node has 8 GPUs (NVLink pairs, two NUMA nodes, 80 GiB and 24 GiB
 cards, so "more memory than a card" depends on the card). Two kinds of input:
 
-* **10,000+ well-formed but hostile requests per endpoint** (allocate, preferred,
-  release, state), handed to the service's endpoint handlers -- the coroutines
+* **10,000+ well-formed but hostile requests per endpoint** (allocate, allocate-batch,
+  preferred, release, state), handed to the service's endpoint handlers -- the coroutines
   nats.micro calls for each message -- with a request object that captures the answer;
   the socket would only add time. Hypothesis draws a base request and a seed, and a
   fast structural mutator (:func:`allocate_variants` and its siblings) fans each out
@@ -21,23 +21,35 @@ cards, so "more memory than a card" depends on the card). Two kinds of input:
   theirs are byte mutants (mostly malformed, some valid with odd extras). Between
   batches GPUs turn unhealthy and healthy again and one goes missing from the
   inventory, through the bus as the health service and the collector would say so.
+  Allocate-batch requests (:func:`allocate_batch_variants`) carry calls drawn from the
+  allocate variants: hostile and valid calls mixed, the same call several times, the
+  core and memory halves of shares, wrong resources, calls of hundreds of containers or
+  thousands of IDs, retries of earlier grants, 0, 64, 65 and 1,000 calls, and 64 calls
+  whose answer would not fit one NATS message.
 * **A few hundred malformed raw payloads** through the real NATS endpoints
   (:func:`robustness.strategies.bases` + :func:`~robustness.strategies.mutants`, plus a
-  near-1 MiB request and IDs carrying CR/LF).
+  near-1 MiB request and IDs carrying CR/LF, for allocate and allocate-batch).
 
 Checked after every request: the answer is either a reply that decodes and makes sense
 (an allocation on GPUs of the node, a preference of exactly ``size`` offered IDs) or a
 typed refusal -- ``Gpulet-Error`` header, an ``ErrorReply`` with a known code and a
-non-empty message, the matching ``Nats-Service-Error-Code`` -- never an exception,
-never ``internal``. After every batch: no card past 100 core units or its memory, no
-GPU held twice (whole twice, or whole and shared), no allocation made or grown on a GPU
-that was unhealthy or lost. At the end: every answer is counted by outcome in the
-endpoint's ``$SRV.STATS`` data and in ``gpulet.allocator.requests``, nats.micro saw no
-handler error, and the checkpoint on disk restores to the same state.
+non-empty, bounded message, the matching ``Nats-Service-Error-Code`` -- never an
+exception, never ``internal``, never more than NATS carries. An allocate-batch answer
+has one outcome per call, each such an allocation or refusal; the same container gets
+the same answer throughout the batch; and every call got exactly what it would have got
+alone: a copy of the allocator's core taken before the batch (the *twin*) decides the
+calls one at a time and must give the same answers and end in the same state (for a
+batch refused whole, none of its decisions may stay). After every batch: no card past
+100 core units or its memory, no GPU held twice (whole twice, or whole and shared), no
+allocation made or grown on a GPU that was unhealthy or lost. At the end: every answer
+is counted by outcome in the endpoint's ``$SRV.STATS`` data and in
+``gpulet.allocator.requests`` (STATS also counts the calls refused inside a batch),
+nats.micro saw no handler error, and the checkpoint on disk restores to the same state.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import logging
@@ -63,17 +75,17 @@ from nats.aio.msg import Msg
 from nats.micro.request import Request
 
 from gpulet_allocator import protocol as p
-from gpulet_allocator.core import CORES_PER_GPU, AllocatorCore, StoredState
+from gpulet_allocator.core import CORES_PER_GPU, AllocatorCore, Rejected, StoredState, Undo
 from gpulet_allocator.engine import ERROR_CODES, ShareAllocation, WholeAllocation, reference
 from gpulet_allocator.engine.shares import memory_units
-from gpulet_allocator.plugin.backend import PreferredRequest
-from gpulet_allocator.service import AllocatorService
+from gpulet_allocator.plugin.backend import ContainerAllocation, PreferredRequest
+from gpulet_allocator.service import MAX_ERROR_MESSAGE_CHARS, AllocatorService, _bounded
 from gpulet_allocator.store import CheckpointFile
 from gpulet_common import codec, subjects
 from gpulet_common.bus import Bus
 from gpulet_common.codec import Codec
 from gpulet_common.embedded_nats import EmbeddedNats
-from gpulet_common.messages import HealthEvent, Inventory
+from gpulet_common.messages import ErrorReply, HealthEvent, HealthState, Inventory
 from gpulet_common.runtime import NvmlProvider, Runtime
 from gpulet_common.settings import Settings
 from gpulet_common.settings.allocator import ResourceNames
@@ -168,6 +180,20 @@ ALLOWED_CODES: Final = (ERROR_CODES | p.SERVICE_ERROR_CODES) - {
     "checkpoint_failed",
     "not_ready",
 }
+
+# What hostile allocate requests (and allocate-batch calls) must all run into.
+ALLOCATE_REFUSALS: Final = frozenset(
+    {
+        "unknown_resource",
+        "unknown_device",
+        "invalid_request",
+        "invalid_core_units",
+        "memory_exceeds_card",
+        "unhealthy_device",
+        "insufficient_capacity",
+        "too_many_units",
+    }
+)
 
 T = TypeVar("T")
 
@@ -405,6 +431,192 @@ def allocate_variants(
         for op in rng.choices(ops, weights, k=rng.randint(1, 2)):
             resource, containers = op(rng, resource, containers, world)
         out.append(p.AllocateRequest(resource=resource, containers=containers))
+    return out
+
+
+# --- allocate-batch ---------------------------------------------------------------------------
+
+Calls = list[p.AllocateRequest]
+# Each example's batches draw their calls from this many of its allocate variants.
+BATCH_POOL: Final = 40
+# Containers per call of a batch whose answer cannot fit one NATS message (1 MiB):
+# 64 calls x 100 containers x ~250 bytes per answered container.
+TOO_LARGE_CONTAINERS: Final = 100
+
+
+@dataclass(frozen=True)
+class CallPool:
+    """One example's allocate variants, as calls for its batches.
+
+    Every ID of every call is parsed (twice: the twin decides the calls again), so the
+    calls of thousands of IDs come in about as often as in the allocate test.
+    """
+
+    every: Calls
+    #: Without the calls of thousands of IDs.
+    usual: Calls
+    #: A few IDs each: for batches that carry dozens of calls.
+    small: Calls
+
+    @classmethod
+    def of(cls, calls: Calls) -> CallPool:
+        def upto(n: int) -> Calls:
+            return [c for c in calls if sum(map(len, c.containers)) <= n] or [
+                p.AllocateRequest(resource=GPU, containers=[[]])
+            ]
+
+        return cls(every=calls, usual=upto(400), small=upto(64))
+
+
+BatchOp = Callable[[random.Random, CallPool, World], Calls]
+
+
+def _fresh_call(rng: random.Random, w: World) -> p.AllocateRequest:
+    """A call that fits what is free now (see :func:`_op_fresh`)."""
+    resource, containers = _op_fresh(rng, GPU, [], w)
+    if not containers:
+        resource, containers = CORE, [ids_of("core", rng.choice((1, 10, 25)), rng)]
+    return p.AllocateRequest(resource=resource, containers=containers)
+
+
+def _reordered(rng: random.Random, call: p.AllocateRequest) -> p.AllocateRequest:
+    """The same call with its containers and IDs in another order: the same grants."""
+    containers = [rng.sample(ids, len(ids)) for ids in call.containers]
+    rng.shuffle(containers)
+    return p.AllocateRequest(resource=call.resource, containers=containers)
+
+
+def _b_mixed(rng: random.Random, pool: CallPool, w: World) -> Calls:
+    """Hostile calls with valid ones in between."""
+    calls = rng.choices(pool.usual, k=rng.randint(1, 4))
+    if rng.random() < 0.6:
+        calls.insert(rng.randrange(len(calls) + 1), _fresh_call(rng, w))
+    return calls
+
+
+def _b_single(rng: random.Random, pool: CallPool, w: World) -> Calls:
+    return [rng.choice(pool.every)]
+
+
+def _b_dup(rng: random.Random, pool: CallPool, w: World) -> Calls:
+    """One call several times (kubelet retrying within a batch), maybe reordered."""
+    call = rng.choice(pool.usual) if rng.random() < 0.5 else _fresh_call(rng, w)
+    calls = rng.choices(pool.small, k=rng.randint(0, 2))
+    for _ in range(rng.randint(2, 3)):
+        again = call if rng.random() < 0.5 else _reordered(rng, call)
+        calls.insert(rng.randrange(len(calls) + 1), again)
+    return calls
+
+
+def _b_pairs(rng: random.Random, pool: CallPool, w: World) -> Calls:
+    """The core and memory calls of share containers, adjacent, as kubelet makes them."""
+    calls: Calls = []
+    for _ in range(rng.randint(1, 2)):
+        cores = ids_of("core", rng.choice((1, 10, 25, 50, 99, 100)), rng)
+        memory = ids_of("memory", rng.choice((1, 4, 16, 40, SMALLEST + 1)), rng)
+        pair = [
+            p.AllocateRequest(resource=CORE, containers=[cores]),
+            p.AllocateRequest(resource=MEM, containers=[memory]),
+        ]
+        if rng.random() < 0.5:
+            pair.reverse()
+        if rng.random() < 0.2:
+            pair.insert(1, rng.choice(pool.small))  # something between the halves
+        calls += pair
+    if rng.random() < 0.2:
+        calls += calls  # all of it again: retries
+    return calls
+
+
+def _b_wrong_resource(rng: random.Random, pool: CallPool, w: World) -> Calls:
+    calls = rng.choices(pool.usual, k=rng.randint(1, 4))
+    return [
+        msgspec.structs.replace(c, resource=rng.choice(WRONG_RESOURCES))
+        if rng.random() < 0.7
+        else c
+        for c in calls
+    ]
+
+
+def _b_many_containers(rng: random.Random, pool: CallPool, w: World) -> Calls:
+    """A call of hundreds of containers, or of thousands of IDs in one."""
+    roll = rng.random()
+    if roll < 0.4:
+        gpu = rng.choice(w.free_whole or UUIDS)
+        big = p.AllocateRequest(resource=GPU, containers=[[gpu]] * rng.choice((50, 300)))
+    elif roll < 0.7:
+        resource = rng.choice(RESOURCES)
+        big = p.AllocateRequest(
+            resource=resource, containers=[spread_ids(KIND[resource], 2_000, rng)]
+        )
+    else:
+        hostile = [[rng.choice(HOSTILE_IDS)] for _ in range(rng.choice((100, 1_000)))]
+        big = p.AllocateRequest(resource=rng.choice(RESOURCES), containers=hostile)
+    calls = rng.choices(pool.small, k=rng.randint(0, 2))
+    calls.insert(rng.randrange(len(calls) + 1), big)
+    return calls
+
+
+def _b_replay(rng: random.Random, pool: CallPool, w: World) -> Calls:
+    """Retries of containers answered before, alone or together in one call."""
+    if not w.granted:
+        return _b_mixed(rng, pool, w)
+    picks = rng.sample(w.granted, min(len(w.granted), rng.randint(1, 3)))
+    calls = [p.AllocateRequest(resource=r, containers=[list(ids)]) for r, ids in picks]
+    resource = picks[0][0]
+    together = [list(ids) for r, ids in picks if r == resource]
+    if len(together) > 1:
+        calls.append(p.AllocateRequest(resource=resource, containers=together))
+    calls += rng.choices(pool.small, k=rng.randint(0, 1))
+    rng.shuffle(calls)
+    return calls
+
+
+def _b_count(rng: random.Random, pool: CallPool, w: World) -> Calls:
+    """No call, the most allowed, one too many, far too many."""
+    n = rng.choice((0, p.MAX_BATCH_CALLS, p.MAX_BATCH_CALLS + 1, 1_000))
+    return rng.choices(pool.small, k=n)
+
+
+def _b_too_large(rng: random.Random, pool: CallPool, w: World) -> Calls:
+    """64 calls whose answer would pass NATS's max_payload: refused whole, undone."""
+    if w.free_whole:
+        ids = [rng.choice(w.free_whole)]
+        resource = GPU
+    else:
+        ids = mem_ids(rng.choice(UUIDS), [0])
+        resource = MEM
+    call = p.AllocateRequest(resource=resource, containers=[ids] * TOO_LARGE_CONTAINERS)
+    calls = [call] * p.MAX_BATCH_CALLS
+    calls[rng.randrange(len(calls))] = rng.choice(pool.small)
+    return calls
+
+
+# (op, weight): about 20 too-large batches per run, they cost tens of milliseconds each.
+BATCH_OPS: Final[list[tuple[BatchOp, float]]] = [
+    (_b_mixed, 10),
+    (_b_single, 4),
+    (_b_dup, 5),
+    (_b_pairs, 5),
+    (_b_wrong_resource, 2),
+    (_b_many_containers, 0.5),
+    (_b_replay, 3),
+    (_b_count, 1),
+    (_b_too_large, 0.07),
+]
+
+
+def allocate_batch_variants(
+    base: p.AllocateRequest, seed: int, count: int, world: World
+) -> list[p.AllocateBatchRequest]:
+    """``count`` batches of calls derived from ``base`` (see :func:`allocate_variants`)."""
+    rng = random.Random(seed)
+    pool = CallPool.of(allocate_variants(base, seed, BATCH_POOL, world))
+    ops, weights = zip(*BATCH_OPS, strict=True)
+    out = [p.AllocateBatchRequest(calls=[base])]
+    while len(out) < count:
+        op = rng.choices(ops, weights)[0]
+        out.append(p.AllocateBatchRequest(calls=op(rng, pool, world)))
     return out
 
 
@@ -673,12 +885,14 @@ class CapturedRequest(Request):
 
 REPLY_CODECS: Final[dict[str, Codec[Any]]] = {
     p.ENDPOINT_ALLOCATE: p.ALLOCATE_REPLY,
+    p.ENDPOINT_ALLOCATE_BATCH: p.ALLOCATE_BATCH_REPLY,
     p.ENDPOINT_PREFERRED: p.PREFERRED_REPLY,
     p.ENDPOINT_RELEASE: p.RELEASE_REPLY,
     p.ENDPOINT_STATE: p.STATE_REPLY,
 }
 REQUEST_CODECS: Final[dict[str, Codec[Any]]] = {
     p.ENDPOINT_ALLOCATE: p.ALLOCATE_REQUEST,
+    p.ENDPOINT_ALLOCATE_BATCH: p.ALLOCATE_BATCH_REQUEST,
     p.ENDPOINT_PREFERRED: p.PREFERRED_REQUEST,
     p.ENDPOINT_RELEASE: p.RELEASE_REQUEST,
     p.ENDPOINT_STATE: p.STATE_REQUEST,
@@ -712,6 +926,7 @@ class Fuzz:
         self.checkpoint = checkpoint
         self.handlers: dict[str, Callable[[Request], Awaitable[None]]] = {
             p.ENDPOINT_ALLOCATE: service._on_allocate,
+            p.ENDPOINT_ALLOCATE_BATCH: service._on_allocate_batch,
             p.ENDPOINT_PREFERRED: service._on_preferred,
             p.ENDPOINT_RELEASE: service._on_release,
             p.ENDPOINT_STATE: service._on_state,
@@ -727,6 +942,18 @@ class Fuzz:
         self.released = 0
         #: Hostile requests sent by ``batch`` (the tallies also count housekeeping).
         self.cases: Counter[str] = Counter()
+        #: Outcome ("ok" or the code) of every call inside an answered allocate-batch;
+        #: the service counts the refused ones with the endpoint's refusals.
+        self.batch_calls: Counter[str] = Counter()
+        #: Batches of 1 to 64 calls refused whole (their answer was too large).
+        self.too_large = 0
+        #: A copy of the core taken before a batch of allocate-batch requests, which
+        #: decides their calls one at a time, as lone allocates; what the two disagree on.
+        self.twin: AllocatorCore | None = None
+        self.divergences: list[str] = []
+        #: Batches compared with the twin, and skipped (a join window closing meanwhile).
+        self.twin_checked = 0
+        self.twin_skipped = 0
 
     @property
     def core(self) -> AllocatorCore:
@@ -761,14 +988,96 @@ class Fuzz:
         """Check one answer; record and return its outcome."""
         assert len(request.answers) == 1, f"{endpoint}: {len(request.answers)} answers"
         data, headers = request.answers[0]
-        outcome = judge_answer(endpoint, data, headers, value)
+        # Handed to the handler directly, nothing else would notice an answer that
+        # NATS cannot carry.
+        assert len(data) <= self.bus.client.max_payload, f"{endpoint}: {len(data)} bytes"
+        return self.record(endpoint, data, headers, value)
+
+    def record(self, endpoint: str, data: bytes, headers: dict[str, str], value: Any) -> str:
+        """Judge one answer (``value``: the request, None for raw bytes); tally it."""
+        outcome, reply = judge_answer(endpoint, data, headers, value)
         self.tally[endpoint][outcome] += 1
-        if outcome == "ok" and endpoint == p.ENDPOINT_RELEASE:
-            self.released += len(p.RELEASE_REPLY.decode(data).released)
-        if outcome == "ok" and endpoint == p.ENDPOINT_ALLOCATE and value is not None:
-            self.granted += [(value.resource, list(ids)) for ids in value.containers]
-            del self.granted[:-200]
+        if isinstance(value, p.AllocateBatchRequest):
+            if outcome != "ok" and 0 < len(value.calls) <= p.MAX_BATCH_CALLS:
+                self.too_large += 1
+            self._replay(value, reply)
+        if outcome != "ok":
+            return outcome
+        if endpoint == p.ENDPOINT_RELEASE:
+            self.released += len(reply.released)
+        elif endpoint == p.ENDPOINT_ALLOCATE and value is not None:
+            self._remember(value)
+        elif endpoint == p.ENDPOINT_ALLOCATE_BATCH:
+            for n, answer in enumerate(reply.outcomes):
+                self.batch_calls[answer.error.code if answer.error else "ok"] += 1
+                if answer.error is None and value is not None:
+                    self._remember(value.calls[n])
         return outcome
+
+    def _remember(self, call: p.AllocateRequest) -> None:
+        """Keep a granted call's containers for retries and releases by device IDs."""
+        self.granted += [(call.resource, list(ids)) for ids in call.containers]
+        del self.granted[:-200]
+
+    # --- allocate-batch against lone allocates ------------------------------------------
+
+    def _replay(self, value: p.AllocateBatchRequest, reply: Any) -> None:
+        """Decide ``value``'s calls on the twin as lone allocates; note what differs.
+
+        ``reply`` is the service's answer: an AllocateBatchReply, or the ErrorReply of a
+        batch refused whole, whose decisions must then have been undone.
+        """
+        twin = self.twin
+        if twin is None or not 0 < len(value.calls) <= p.MAX_BATCH_CALLS:
+            return
+        alone: list[list[ContainerAllocation] | Rejected] = []
+        undos: list[Undo] = []
+        for call in value.calls:
+            try:
+                answers, undo = twin.allocate(call.resource, call.containers)
+            except Rejected as exc:
+                alone.append(exc)
+                continue
+            alone.append(answers)
+            undos.append(undo)
+        if not isinstance(reply, p.AllocateBatchReply):
+            for undo in reversed(undos):
+                undo()
+            return
+        for n, (got, want) in enumerate(zip(reply.outcomes, alone, strict=True)):
+            if isinstance(want, Rejected):
+                same = got.error is not None and (got.error.code, got.error.message) == (
+                    want.code,
+                    _bounded(want.message),
+                )
+            else:
+                same = got.error is None and got.containers == want
+            if not same:
+                self.divergences.append(
+                    f"call {n} of {len(value.calls)}, {value.calls[n]!r:.300}: in the batch "
+                    f"{got!r:.300}, alone {want!r:.300}"
+                )
+
+    def start_twin(self) -> None:
+        self.twin = copy.deepcopy(self.core)
+        self.divergences = []
+
+    def finish_twin(self, started: float, open_half: tuple[float, ...]) -> None:
+        """The batch's calls, decided alone, got the same answers and left the same state.
+
+        Both cores read the monotonic clock, the twin a little later: skipped when a
+        share's join window (opened before the batch, or during it) closed in between.
+        """
+        twin, self.twin = self.twin, None
+        assert twin is not None
+        ended = time.monotonic()
+        window = self.core._join_window_s
+        if any(started <= at + window <= ended for at in open_half) or ended - started > window:
+            self.twin_skipped += 1
+            return
+        assert not self.divergences, "\n".join(self.divergences[:5])
+        assert _decided(twin) == _decided(self.core), "a batch left another state than alone"
+        self.twin_checked += 1
 
     # --- between batches ----------------------------------------------------------------
 
@@ -859,7 +1168,7 @@ class Fuzz:
         """Churn, send one batch of ``make``'s requests, then check the invariants."""
         rng = random.Random(seed ^ 0x5EED)
         await self.churn(rng)
-        if endpoint != p.ENDPOINT_ALLOCATE:
+        if endpoint not in (p.ENDPOINT_ALLOCATE, p.ENDPOINT_ALLOCATE_BATCH):
             await self.populate(rng)
         self.refresh()
         schedulable = _schedulable(self.core)
@@ -869,6 +1178,12 @@ class Fuzz:
         if raw:
             for request in await self.handle(endpoint, values):
                 self.judge(endpoint, request, None)
+        elif endpoint == p.ENDPOINT_ALLOCATE_BATCH:
+            started = time.monotonic()
+            open_half = (self.core._open.at,) if self.core._open else ()
+            self.start_twin()
+            await self.call(endpoint, values)
+            self.finish_twin(started, open_half)
         else:
             await self.call(endpoint, values)
         check_invariants(self.core, schedulable, before)
@@ -885,16 +1200,23 @@ class Fuzz:
             entry = stats[endpoint]
             assert entry["num_errors"] == 0, entry["last_error"]
             counted = entry["data"]
-            refusals = {k: v for k, v in tally.items() if k != "ok"}
+            # STATS counts answers sent ("ok") and refusals: of whole requests, and for
+            # allocate-batch also of each call refused inside an answered batch.
+            refusals = Counter({k: v for k, v in tally.items() if k != "ok"})
+            if endpoint == p.ENDPOINT_ALLOCATE_BATCH:
+                # Not the calls of a batch then refused whole (its answer too large):
+                # only that batch's invalid_request was sent.
+                refusals.update({k: v for k, v in self.batch_calls.items() if k != "ok"})
             assert counted["ok"] == tally["ok"], endpoint
-            assert counted["codes"] == refusals, endpoint
+            assert counted["codes"] == dict(refusals), endpoint
             assert counted["malformed"] == tally["malformed_request"], endpoint
             assert counted["rejected"] == sum(refusals.values()) - tally["malformed_request"]
-            for outcome, n in tally.items():
+            # The metric counts answers only: a call refused inside a batch is not one.
+            for outcome in set(tally) | set(refusals):
                 measured = self.probe.value(
                     "gpulet.allocator.requests", endpoint=endpoint, outcome=outcome
                 )
-                assert measured == n, (endpoint, outcome, measured, n)
+                assert measured == tally[outcome], (endpoint, outcome, measured, tally[outcome])
 
     async def check_checkpoint(self) -> None:
         """What is on disk restores to exactly the state in memory."""
@@ -914,35 +1236,95 @@ def _stored(state: StoredState) -> bytes:
     return msgspec.json.encode(state)
 
 
+def _decided(core: AllocatorCore) -> bytes:
+    """Allocations, grants (without their wall-clock times) and the open share half."""
+    state = core.snapshot()
+    allocations = sorted(state.allocations, key=lambda a: a.owner.pod_uid)
+    grants = [msgspec.structs.replace(g, created_at=0.0) for g in state.grants]
+    open_half = (core._open.allocation, core._open.kind) if core._open else None
+    return msgspec.json.encode((allocations, grants, open_half))
+
+
 # --- judging answers --------------------------------------------------------------------------
 
 
-def judge_answer(endpoint: str, data: bytes, headers: dict[str, str], value: Any) -> str:
+def judge_answer(
+    endpoint: str, data: bytes, headers: dict[str, str], value: Any
+) -> tuple[str, Any]:
     """``"ok"`` for a sound reply, the code for a clean refusal; AssertionError otherwise.
 
-    ``value`` is the request that was sent (None when it was raw bytes).
+    ``value`` is the request that was sent (None when it was raw bytes). Returns the
+    outcome with the decoded reply (the ErrorReply of a refusal).
     """
     if p.GPULET_ERROR_HEADER in headers:
         error = codec.ERROR_REPLY.decode(data)
         assert error.code == headers[p.GPULET_ERROR_HEADER]
-        assert error.code in ALLOWED_CODES, f"{endpoint}: {error.code}: {error.message}"
-        assert error.message.strip(), f"{endpoint}: {error.code} without a message"
+        _judge_error(endpoint, error)
         assert headers[p.MICRO_ERROR_CODE_HEADER] == p.micro_status(error.code)
         assert headers[p.MICRO_ERROR_HEADER].startswith(error.code)
-        return error.code
+        if isinstance(value, p.AllocateBatchRequest):
+            _judge_batch_refusal(value, error)
+        return error.code, error
     # Raised past our handler, nats.micro would have answered a bare 500.
     assert p.MICRO_ERROR_CODE_HEADER not in headers, headers
     reply = REPLY_CODECS[endpoint].decode(data)
     if isinstance(value, p.AllocateRequest):
-        _judge_allocate(value, reply)
+        _judge_allocate(value, reply.containers)
     elif isinstance(value, p.PreferredAllocationRequest):
         _judge_preferred(value, reply)
-    return "ok"
+    elif endpoint == p.ENDPOINT_ALLOCATE_BATCH:
+        _judge_allocate_batch(value, reply)
+    return "ok", reply
 
 
-def _judge_allocate(request: p.AllocateRequest, reply: p.AllocateReply) -> None:
-    assert len(reply.containers) == len(request.containers)
-    for answer in reply.containers:
+def _judge_error(endpoint: str, error: ErrorReply) -> None:
+    assert error.code in ALLOWED_CODES, f"{endpoint}: {error.code}: {error.message}"
+    assert error.message.strip(), f"{endpoint}: {error.code} without a message"
+    # Bounded: 64 refusals quoting 20,000 IDs each must still fit one answer.
+    assert len(error.message) <= MAX_ERROR_MESSAGE_CHARS + 50, error.message[-100:]
+
+
+def _judge_batch_refusal(request: p.AllocateBatchRequest, error: ErrorReply) -> None:
+    """A well-formed batch is refused whole only for its size, or its answer's."""
+    assert error.code == "invalid_request", error
+    calls = len(request.calls)
+    if 0 < calls <= p.MAX_BATCH_CALLS:
+        # Only thousands of answered containers make an answer of 1 MiB.
+        containers = sum(len(c.containers) for c in request.calls)
+        assert containers >= 1_000, (calls, containers, error.message)
+
+
+def _judge_allocate_batch(
+    request: p.AllocateBatchRequest | None, reply: p.AllocateBatchReply
+) -> None:
+    """One outcome per call: a sound allocation or a refusal, the same grant alike."""
+    if request is not None:
+        assert 0 < len(request.calls) <= p.MAX_BATCH_CALLS, len(request.calls)
+        assert len(reply.outcomes) == len(request.calls), (len(reply.outcomes), request)
+    granted: dict[tuple[str, tuple[str, ...]], ContainerAllocation] = {}
+    for n, outcome in enumerate(reply.outcomes):
+        call = request.calls[n] if request is not None else None
+        if outcome.error is not None:
+            assert not outcome.containers, f"call {n} refused with containers: {outcome}"
+            _judge_error(p.ENDPOINT_ALLOCATE_BATCH, outcome.error)
+            assert outcome.error.code != "malformed_request", outcome
+            if call is not None and call.containers:
+                # Containers this batch granted already: a retry gets the same answer.
+                keys = [(call.resource, tuple(sorted(ids))) for ids in call.containers]
+                assert not all(k in granted for k in keys), (n, call, outcome.error)
+            continue
+        assert outcome.containers, f"call {n}: neither containers nor an error"
+        if call is None:
+            continue
+        _judge_allocate(call, outcome.containers)
+        for ids, answer in zip(call.containers, outcome.containers, strict=True):
+            first = granted.setdefault((call.resource, tuple(sorted(ids))), answer)
+            assert first == answer, f"call {n}: {ids} answered {first} and {answer}"
+
+
+def _judge_allocate(request: p.AllocateRequest, containers: list[ContainerAllocation]) -> None:
+    assert len(containers) == len(request.containers)
+    for answer in containers:
         assert answer.gpus, "an allocation without a GPU"
         assert set(answer.gpus) <= set(UUIDS), answer.gpus
         assert answer.envs["NVIDIA_VISIBLE_DEVICES"] == ",".join(answer.gpus)
@@ -1016,6 +1398,15 @@ async def running_allocator(settings: Settings, probe: MetricsProbe) -> AsyncIte
         Bus.connect(settings.nats, name="fuzz-allocator", max_initial_attempts=5) as bus,
         anyio.create_task_group() as tg,
     ):
+        # Answer the service's health-state query as a health service with nothing to
+        # report would. Unanswered, it is asked again and again, and each request
+        # starts a trace span, whose ID draws from the global PRNG on the event loop
+        # while hypothesis draws in its thread: HypothesisDeprecationWarning, at times.
+        async def health_state(msg: Msg) -> None:
+            await msg.respond(codec.HEALTH_STATE.encode(HealthState(node=NODE)))
+
+        await world.client.subscribe(subjects.health_state(NODE), cb=health_state)
+        await world.flush()
         runtime = Runtime(
             settings=settings,
             bus=bus,
@@ -1087,17 +1478,34 @@ async def test_allocate_refuses_hostile_requests_cleanly(fuzz: Fuzz) -> None:
     assert fuzz.cases[p.ENDPOINT_ALLOCATE] >= CASES
     # The inputs reach every kind of refusal, and valid requests still succeed.
     assert tally["ok"] > CASES // 20, tally
-    expected = {
-        "unknown_resource",
-        "unknown_device",
-        "invalid_request",
-        "invalid_core_units",
-        "memory_exceeds_card",
-        "unhealthy_device",
-        "insufficient_capacity",
-        "too_many_units",
-    }
-    assert expected <= set(tally), tally
+    assert set(tally) >= ALLOCATE_REFUSALS, tally
+    await fuzz.check_counts()
+    await fuzz.check_checkpoint()
+
+
+async def test_allocate_batch_decides_each_call_as_if_alone(fuzz: Fuzz) -> None:
+    async def batch(base: p.AllocateRequest, seed: int) -> None:
+        await fuzz.batch(
+            p.ENDPOINT_ALLOCATE_BATCH,
+            lambda world: allocate_batch_variants(base, seed, BATCH, world),
+            seed=seed,
+        )
+
+    await anyio.to_thread.run_sync(_run_examples(allocate_bases(), CASES // BATCH, batch))
+    tally = fuzz.tally[p.ENDPOINT_ALLOCATE_BATCH]
+    calls = fuzz.batch_calls
+    assert fuzz.cases[p.ENDPOINT_ALLOCATE_BATCH] >= CASES
+    assert calls.total() >= 3 * CASES, calls
+    # Most batches are answered; their calls reach every kind of refusal, and valid
+    # calls still succeed.
+    assert tally["ok"] > CASES // 2, tally
+    assert calls["ok"] > CASES // 5, calls
+    assert set(calls) >= ALLOCATE_REFUSALS, calls
+    # Refused whole: empty, more than 64 calls, and answers too large for NATS.
+    assert set(tally) == {"ok", "invalid_request"}, tally
+    assert fuzz.too_large > 0, "no batch had an answer too large to send"
+    # Nearly every batch was checked against lone allocates on a copy of the core.
+    assert fuzz.twin_checked > fuzz.batches * 9 // 10, (fuzz.twin_checked, fuzz.twin_skipped)
     await fuzz.check_counts()
     await fuzz.check_checkpoint()
 
@@ -1177,19 +1585,53 @@ SPECIAL_PAYLOADS: Final = (
 )
 
 
+def _batch_payload(calls: Sequence[p.AllocateRequest]) -> bytes:
+    return p.ALLOCATE_BATCH_REQUEST.encode(p.AllocateBatchRequest(calls=list(calls)))
+
+
+def _big_batch_payload() -> bytes:
+    """64 calls of unknown IDs carrying CR/LF, just under 1 MiB: 64 refusals, bounded."""
+    ids = [f"GPU-{n:08x}\r\nX-Injected: {n}" for n in range(24_000)]
+    step = len(ids) // p.MAX_BATCH_CALLS
+    calls = [
+        p.AllocateRequest(resource=GPU, containers=[ids[n : n + step]])
+        for n in range(0, step * p.MAX_BATCH_CALLS, step)
+    ]
+    return _batch_payload(calls)
+
+
+# (payload, the outcome it must get)
+BATCH_SPECIAL_PAYLOADS: Final = (
+    (_big_batch_payload(), "ok"),
+    (_batch_payload([]), "invalid_request"),
+    (_batch_payload([p.AllocateRequest(resource=GPU, containers=[[U0]])] * 65), "invalid_request"),
+    (b'{"calls": null}', "malformed_request"),
+    (b'{"calls": [1, "x", null]}', "malformed_request"),
+    (b'{"calls": [{"resource": "nvidia.com/gpu"}]}', "malformed_request"),
+    (b'{"calls": {"resource": "nvidia.com/gpu", "containers": [["a"]]}}', "malformed_request"),
+    (b'{"calls": ' + b"[" * 10_000, "malformed_request"),
+    (_batch_payload([p.AllocateRequest(resource="", containers=[[]])] * 15_000), "invalid_request"),
+    (
+        b'{"calls": [' + b'{"resource": "", "containers": [[]]},' * 20_000 + b"{}]}",
+        "malformed_request",
+    ),
+)
+
+
 async def test_malformed_payloads_over_nats_are_refused_and_counted(fuzz: Fuzz) -> None:
     nc = fuzz.bus.client
     sent: Counter[str] = Counter()
 
-    async def send(endpoint: str, payloads: Sequence[bytes]) -> None:
+    async def send(endpoint: str, payloads: Sequence[bytes]) -> list[str]:
         subject = subjects.allocator_endpoint(NODE, endpoint)
         schedulable, before = _schedulable(fuzz.core), _footprint(fuzz.core)
+        outcomes = []
         for payload in payloads:
             msg = await nc.request(subject, payload, timeout=5)
-            outcome = judge_answer(endpoint, msg.data, dict(msg.headers or {}), None)
-            fuzz.tally[endpoint][outcome] += 1
+            outcomes.append(fuzz.record(endpoint, msg.data, dict(msg.headers or {}), None))
             sent[endpoint] += 1
         check_invariants(fuzz.core, schedulable, before)
+        return outcomes
 
     for endpoint in p.ENDPOINTS:
         request_type: type[msgspec.Struct] = REQUEST_CODECS[endpoint].type
@@ -1200,8 +1642,18 @@ async def test_malformed_payloads_over_nats_are_refused_and_counted(fuzz: Fuzz) 
         await anyio.to_thread.run_sync(_run_examples(bases(request_type), RAW_EXAMPLES, batch))
     await send(p.ENDPOINT_ALLOCATE, SPECIAL_PAYLOADS)
     await send(p.ENDPOINT_RELEASE, SPECIAL_PAYLOADS[4:])
+    payloads, expected = zip(*BATCH_SPECIAL_PAYLOADS, strict=True)
+    refused = fuzz.batch_calls.copy()
+    assert await send(p.ENDPOINT_ALLOCATE_BATCH, payloads) == list(expected)
+    assert fuzz.batch_calls - refused == Counter(unknown_device=p.MAX_BATCH_CALLS)
+    # An answer too large for NATS is refused (and undone), not left unanswered.
+    free = fuzz.core.ledger.free_whole()[0]
+    call = p.AllocateRequest(resource=GPU, containers=[[free]] * TOO_LARGE_CONTAINERS)
+    too_large = _batch_payload([call] * p.MAX_BATCH_CALLS)
+    assert await send(p.ENDPOINT_ALLOCATE_BATCH, [too_large]) == ["invalid_request"]
+    assert free in fuzz.core.ledger.free_whole()
 
-    assert sum(sent.values()) >= 4 * RAW_EXAMPLES * RAW_BATCH
+    assert sum(sent.values()) >= len(p.ENDPOINTS) * RAW_EXAMPLES * RAW_BATCH
     for endpoint in p.ENDPOINTS:
         assert fuzz.tally[endpoint]["malformed_request"] > 0, endpoint
     nats_stats = json.loads((await nc.request(f"$SRV.STATS.{p.SERVICE_NAME}", b"", timeout=5)).data)

@@ -320,30 +320,28 @@ class AllocatorService:
         self._counts[endpoint].ok += 1
         self._record(endpoint, "ok", started)
 
-    def _refusal(self, endpoint: str, code: str, message: str) -> ErrorReply:
-        """Count and log one refusal; the bounded :class:`ErrorReply` that says it."""
-        message = _bounded(message)
+    def _count_refusal(self, endpoint: str, refusal: ErrorReply) -> None:
+        """Count and log one refusal that is being sent."""
         counts = self._counts[endpoint]
-        if code == "malformed_request":
+        if refusal.code == "malformed_request":
             counts.malformed += 1
         else:
             counts.rejected += 1
-        counts.codes[code] = counts.codes.get(code, 0) + 1
+        counts.codes[refusal.code] = counts.codes.get(refusal.code, 0) + 1
         log.log(
             logging.WARNING if endpoint in _ALLOCATING else logging.INFO,
             "%s refused: %s: %s",
             endpoint,
-            code,
-            _one_line(message),
+            refusal.code,
+            _one_line(refusal.message),
         )
-        return ErrorReply(code=code, message=message)
 
     async def _reject(
         self, req: Request, endpoint: str, code: str, message: str, started: float
     ) -> None:
-        refusal = self._refusal(endpoint, code, message)
-        message = refusal.message
-        line = _one_line(message)
+        refusal = ErrorReply(code=code, message=_bounded(message))
+        self._count_refusal(endpoint, refusal)
+        line = _one_line(refusal.message)
         body = common_codecs.ERROR_REPLY.encode(refusal)
         await self._send(
             req,
@@ -368,12 +366,18 @@ class AllocatorService:
         data: bytes,
         started: float,
         undo: Undo | None,
+        on_answer: Callable[[], None] = lambda: None,
     ) -> None:
-        """Answer once the state the answer reflects is on disk (group commit)."""
+        """Answer once the state the answer reflects is on disk (group commit).
+
+        ``on_answer`` runs just before ``data`` is sent (not when a failed write
+        replaces it with a refusal).
+        """
         committer, version = self._committer, self.core.version
         assert committer is not None
         assert self._tg is not None
         if committer.durable >= version:
+            on_answer()
             await self._ok(req, endpoint, data, started)
             return
 
@@ -389,6 +393,7 @@ class AllocatorService:
                     detail = f"{exc}; done in memory only, the next write will retry"
                 await self._reject(req, endpoint, "checkpoint_failed", detail, started)
                 return
+            on_answer()
             await self._ok(req, endpoint, data, started)
 
         self._tg.start_soon(when_durable)
@@ -442,12 +447,14 @@ class AllocatorService:
             await self._reject(req, endpoint, "invalid_request", size, started)
             return
         outcomes: list[p.AllocateOutcome] = []
+        refused: list[ErrorReply] = []
         undos: list[Undo] = []
         for call in value.calls:
             try:
                 answers, undo = self.core.allocate(call.resource, call.containers)
             except Rejected as exc:
-                refusal = self._refusal(endpoint, exc.code, exc.message)
+                refusal = ErrorReply(code=exc.code, message=_bounded(exc.message))
+                refused.append(refusal)
                 outcomes.append(p.AllocateOutcome(error=refusal))
                 continue
             outcomes.append(p.AllocateOutcome(containers=answers))
@@ -464,7 +471,16 @@ class AllocatorService:
             await self._reject(req, endpoint, "invalid_request", problem, started)
             return
         self._count_held()
-        await self._answer_durably(req, endpoint, data, started, undo_all if undos else None)
+
+        def count_refused() -> None:
+            # Counted once they are sent: a batch refused whole (too large, or the
+            # checkpoint failed) answers only its own refusal.
+            for refusal in refused:
+                self._count_refusal(endpoint, refusal)
+
+        await self._answer_durably(
+            req, endpoint, data, started, undo_all if undos else None, count_refused
+        )
 
     async def _on_preferred(self, req: Request) -> None:
         started = time.perf_counter()
