@@ -10,9 +10,6 @@ stopping plugin fails its queued calls at once instead of at their deadline.
 from __future__ import annotations
 
 import json
-import tempfile
-from collections.abc import Iterator
-from pathlib import Path
 
 import anyio
 import grpc
@@ -42,29 +39,10 @@ from support.allocator_stack import (
     NODE,
     Stack,
     allocator_stack,
-    dev_root_with,
-    make_settings,
+    ids,
 )
 
 pytestmark = pytest.mark.anyio
-
-
-@pytest.fixture
-def plugin_dir() -> Iterator[Path]:
-    # Short: a unix socket path must fit in 108 bytes, pytest's tmp_path may not.
-    with tempfile.TemporaryDirectory(prefix="gpl-") as d:
-        yield Path(d)
-
-
-@pytest.fixture
-def settings(nats_server: EmbeddedNats, tmp_path: Path, plugin_dir: Path) -> Settings:
-    return make_settings(
-        nats_server.url, tmp_path / "state", plugin_dir, dev_root_with(tmp_path / "dev", 8)
-    )
-
-
-def ids(stack: Stack, resource: str) -> list[str]:
-    return [d.ID for d in stack.kubelet.devices(resource)]
 
 
 async def endpoint_requests(stack: Stack) -> dict[str, int]:

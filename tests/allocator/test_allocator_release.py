@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import anyio
@@ -32,12 +31,6 @@ from support.allocator_stack import (
 from support.fake_kubelet import FakeContainer, FakePod, running_fake_kubelet
 
 pytestmark = pytest.mark.anyio
-
-
-@pytest.fixture
-def plugin_dir() -> Iterator[Path]:
-    with tempfile.TemporaryDirectory(prefix="gpl-") as d:
-        yield Path(d)
 
 
 def settings_for(

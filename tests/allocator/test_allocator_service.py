@@ -9,9 +9,7 @@ collector uses) or from the engine's reference topologies.
 from __future__ import annotations
 
 import json
-import tempfile
-from collections.abc import Awaitable, Iterator
-from pathlib import Path
+from collections.abc import Awaitable
 
 import anyio
 import grpc
@@ -23,7 +21,6 @@ from gpulet_allocator import protocol as p
 from gpulet_allocator.engine import reference
 from gpulet_allocator.kubelet_api.deviceplugin.v1beta1 import api_pb2 as dp
 from gpulet_common.bus import RemoteError
-from gpulet_common.embedded_nats import EmbeddedNats
 from gpulet_common.messages import Inventory
 from gpulet_common.nvml.loader import open_mock
 from gpulet_common.settings import Settings
@@ -32,10 +29,8 @@ from support.allocator_stack import (
     GPU,
     MEM,
     NODE,
-    Stack,
     allocator_stack,
-    dev_root_with,
-    make_settings,
+    ids,
 )
 
 pytestmark = pytest.mark.anyio
@@ -47,24 +42,6 @@ def mock_inventory(scenario: str) -> Inventory:
         return adapter.inventory(NODE, 1)
     finally:
         adapter.shutdown()
-
-
-@pytest.fixture
-def plugin_dir() -> Iterator[Path]:
-    # Short: a unix socket path must fit in 108 bytes, pytest's tmp_path may not.
-    with tempfile.TemporaryDirectory(prefix="gpl-") as d:
-        yield Path(d)
-
-
-@pytest.fixture
-def settings(nats_server: EmbeddedNats, tmp_path: Path, plugin_dir: Path) -> Settings:
-    return make_settings(
-        nats_server.url, tmp_path / "state", plugin_dir, dev_root_with(tmp_path / "dev", 8)
-    )
-
-
-def ids(stack: Stack, resource: str) -> list[str]:
-    return [d.ID for d in stack.kubelet.devices(resource)]
 
 
 def index_of(inventory: Inventory) -> dict[str, int]:

@@ -2,17 +2,12 @@
 
 from __future__ import annotations
 
-import tempfile
-from collections.abc import Iterator
-from pathlib import Path
-
 import grpc
 import grpc.aio
 import msgspec
 import pytest
 
 from gpulet_allocator.engine import reference
-from gpulet_common.embedded_nats import EmbeddedNats
 from gpulet_common.messages import Inventory
 from gpulet_common.settings import Settings
 from gpulet_common.settings.allocator import CdiSettings, MpsSettings
@@ -22,26 +17,11 @@ from support.allocator_stack import (
     MEM,
     Stack,
     allocator_stack,
-    dev_root_with,
-    make_settings,
 )
 
 pytestmark = pytest.mark.anyio
 
 GIB = 1024**3
-
-
-@pytest.fixture
-def plugin_dir() -> Iterator[Path]:
-    with tempfile.TemporaryDirectory(prefix="gpl-") as d:
-        yield Path(d)
-
-
-@pytest.fixture
-def settings(nats_server: EmbeddedNats, tmp_path: Path, plugin_dir: Path) -> Settings:
-    return make_settings(
-        nats_server.url, tmp_path / "state", plugin_dir, dev_root_with(tmp_path / "dev", 8)
-    )
 
 
 def small_node(cards: int, memory_gib: int = 16) -> Inventory:

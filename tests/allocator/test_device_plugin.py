@@ -9,8 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import stat
-import tempfile
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import anyio
@@ -100,13 +99,6 @@ class FakeBackend:
         if self.preferred_answer is not None:
             return self.preferred_answer
         return [[*r.must_include, *r.available][: r.size] for r in requests]
-
-
-@pytest.fixture
-def plugin_dir() -> Iterator[Path]:
-    # Short path: a unix socket path must fit in 108 bytes, pytest's tmp_path may not.
-    with tempfile.TemporaryDirectory(prefix="gpl-") as d:
-        yield Path(d)
 
 
 @pytest.fixture

@@ -103,6 +103,11 @@ def dev_root_with(path: Path, gpus: int) -> Path:
     return path
 
 
+def ids(stack: Stack, resource: str) -> list[str]:
+    """The device IDs kubelet was last told of for ``resource``."""
+    return [d.ID for d in stack.kubelet.devices(resource)]
+
+
 async def eventually(
     check: Callable[[], Awaitable[bool]], what: str, *, timeout_s: float = 5.0
 ) -> None:
