@@ -3,6 +3,7 @@ from __future__ import annotations
 import anyio
 import msgspec
 import pytest
+from nats.aio.msg import Msg
 
 from gpulet_common import codec, subjects
 from gpulet_common.bus import Bus, Delivery, RemoteError, RequestRejected, RequestTimeout
@@ -163,3 +164,49 @@ async def test_refusals_are_bounded_in_size(nats_server: EmbeddedNats) -> None:
         tg.cancel_scope.cancel()
     assert info.value.code == "invalid_request"
     assert len(info.value.message) < 1100
+
+
+async def test_every_inbox_uses_the_configured_prefix(nats_server: EmbeddedNats) -> None:
+    """Requests, JetStream and KV API calls, pull fetches and KV watches: all replies and
+    deliveries come under nats.inbox_prefix, so a server can confine a user to its own."""
+    prefix = "_INBOX.unit-test"
+    assert NatsSettings().inbox_prefix == "_INBOX"
+    seen: list[tuple[str, str, bytes]] = []
+
+    async def spy(msg: Msg) -> None:
+        seen.append((msg.subject, msg.reply, msg.data))
+
+    async def handler(request: Delivery[InventoryRequest]) -> Ack:
+        return Ack(detail=request.reply)
+
+    async with (
+        Bus.connect(NatsSettings(url=nats_server.url)) as observer,
+        Bus.connect(NatsSettings(url=nats_server.url, inbox_prefix=prefix)) as bus,
+        anyio.create_task_group() as tg,
+    ):
+        await observer.client.subscribe("$JS.API.>", cb=spy)
+        await tg.start(observer.serve, "svc.prefix", handler, codec.INVENTORY_REQUEST, codec.ACK)
+        await observer.flush()
+        ack = await bus.request(
+            "svc.prefix", InventoryRequest(), codec.INVENTORY_REQUEST, codec.ACK
+        )
+        assert ack.detail.startswith(prefix + ".")
+        await bus.ensure_stream("PFX", ["pfx.>"], max_age_s=60, max_bytes=1 << 20)
+        await bus.js_publish("pfx.a", _batch(), codec.SAMPLES)
+        sub = await bus.jetstream.pull_subscribe("pfx.>", durable="d", stream="PFX")
+        assert len(await sub.fetch(1, timeout=2)) == 1
+        kv = await bus.key_value("pfx_bucket")
+        await kv.put("k", b"v")
+        assert await kv.keys() == ["k"]  # a watch: an ordered push consumer
+        await observer.flush()
+        tg.cancel_scope.cancel()
+    api_calls = [(subject, reply) for subject, reply, _ in seen if reply]
+    assert any(s.startswith("$JS.API.CONSUMER.MSG.NEXT.") for s, _ in api_calls)
+    assert [c for c in api_calls if not c[1].startswith(prefix + ".")] == []
+    delivers = [
+        msgspec.json.decode(data)["config"]["deliver_subject"]
+        for subject, _, data in seen
+        if subject.startswith("$JS.API.CONSUMER.CREATE.KV_pfx_bucket")
+    ]
+    assert delivers
+    assert all(d.startswith(prefix + ".") for d in delivers), delivers

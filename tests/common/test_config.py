@@ -67,3 +67,32 @@ def test_override_pairs_parse_types() -> None:
     assert settings.collector.sample_period_s == 0.25
     with pytest.raises(ConfigError, match=r"expected section\.key=value"):
         config.overrides_layer(["collector.sample_period_s"])
+
+
+@pytest.mark.parametrize(
+    "prefix",
+    [
+        "",
+        " ",
+        "_INBOX.>",
+        "_INBOX.*",
+        "_INBOX.*.x",
+        "my inbox",
+        "_INBOX.",
+        ".x",
+        "a..b",
+        "_INBOX.a\tb",
+        ">",
+    ],
+)
+def test_inbox_prefix_must_be_plain_subject_tokens(prefix: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        config.load(env={"GPULET_NATS__INBOX_PREFIX": prefix})
+    assert info.value.setting == "nats.inbox_prefix"
+
+
+def test_inbox_prefix_default_and_per_user_values() -> None:
+    assert config.load(env={}).nats.inbox_prefix == "_INBOX"
+    for prefix in ("_INBOX.device-plugin", "_INBOX_health", "replies.node-1.alerts"):
+        settings = config.load(env={"GPULET_NATS__INBOX_PREFIX": prefix})
+        assert settings.nats.inbox_prefix == prefix

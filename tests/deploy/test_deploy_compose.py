@@ -28,7 +28,7 @@ import yaml
 
 from gpulet import services
 from gpulet_common.mock_nvml.scenario import list_scenarios
-from support.deploy import COMPOSE_FILE, NATS_USERS, ROOT, password_variable
+from support.deploy import COMPOSE_FILE, NATS_USERS, ROOT, inbox_prefix, password_variable
 
 GPULET_SERVICES = ("collector", "health", "reporter", "allocator", "device-plugin")
 NOT_GPULET = {"nats", "k3s", "k3s-setup"}
@@ -118,6 +118,7 @@ def test_nats_users_and_passwords_agree() -> None:
         user = env["GPULET_NATS__USER"]
         assert user in NATS_USERS, name
         assert env["GPULET_NATS__PASSWORD"] == server_env[password_variable(user)], name
+        assert env["GPULET_NATS__INBOX_PREFIX"] == inbox_prefix(user), name
         if name in GPULET_SERVICES or name == "alerts":
             assert user == name
             assert env.get("NODE_NAME") == NODE

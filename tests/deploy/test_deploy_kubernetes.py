@@ -37,6 +37,7 @@ from support.deploy import (
     NATS_DIR,
     NATS_USERS,
     PROMETHEUS_DIR,
+    inbox_prefix,
     password_variable,
 )
 
@@ -287,6 +288,8 @@ def test_each_container_has_its_own_nats_user_and_password(
         assert user in NATS_USERS
         ref = env["GPULET_NATS__PASSWORD"]["valueFrom"]["secretKeyRef"]
         assert ref["key"] == user
+        # Its own reply inbox, the only one auth.conf lets it read.
+        assert env["GPULET_NATS__INBOX_PREFIX"]["value"] == inbox_prefix(user)
         secret_names.add(ref["name"])
         # No other user's password, and no NATS URL: the sidecar default (127.0.0.1).
         assert not [k for k in env if re.fullmatch(r"GPULET_NATS_[A-Z_]+_PASSWORD", k)]

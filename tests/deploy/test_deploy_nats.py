@@ -3,7 +3,9 @@
 Each service's user must be able to do its job (publish its data, answer its
 requests, use its JetStream stream and bucket) and be refused everything else: above
 all, publishing health events, answering allocation requests (subscribing to
-``gpulet.allocator.*.>``) or forging replies. A refused publish or subscribe is seen
+``gpulet.allocator.*.>``), forging replies or reading the replies meant for another
+user (each user reads only its own inboxes, ``_INBOX.<user>.>``, and gpulet's Bus
+creates every inbox under ``nats.inbox_prefix``). A refused publish or subscribe is seen
 twice: the server reports a permissions violation to the client, and the message never
 reaches a subscriber that would have received it.
 
@@ -16,7 +18,7 @@ from __future__ import annotations
 import re
 import shutil
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,10 +35,18 @@ from nats.micro.request import Request
 
 from gpulet_common import codec, subjects
 from gpulet_common.bus import Bus
+from gpulet_common.codec import Codec
 from gpulet_common.embedded_nats import EmbeddedNats, free_port
 from gpulet_common.messages import GpuSample, SampleBatch
 from gpulet_common.settings.nats import NatsSettings
-from support.deploy import NATS_DIR, NATS_USERS, node_config, password_for, set_passwords
+from support.deploy import (
+    NATS_DIR,
+    NATS_USERS,
+    inbox_prefix,
+    node_config,
+    password_for,
+    set_passwords,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -66,8 +76,9 @@ class Conn:
 
 @asynccontextmanager
 async def connect(
-    server: EmbeddedNats, user: str, password: str | None = None
+    server: EmbeddedNats, user: str, password: str | None = None, *, prefix: str | None = None
 ) -> AsyncIterator[Conn]:
+    """Connect as ``user``, with its own inbox prefix unless ``prefix`` is given."""
     errors: list[str] = []
 
     async def on_error(exc: Exception) -> None:
@@ -80,11 +91,24 @@ async def connect(
         error_cb=on_error,
         allow_reconnect=False,
         connect_timeout=2,
+        inbox_prefix=inbox_prefix(user) if prefix is None else prefix,
     )
     try:
         yield Conn(user, nc, errors)
     finally:
         await nc.close()
+
+
+def bus_settings(server: EmbeddedNats, user: str, **changes: str) -> NatsSettings:
+    """A service's NATS settings, as its container gets them from the environment."""
+    settings = NatsSettings(
+        url=server.url,
+        user=user,
+        password=password_for(user),
+        inbox_prefix=inbox_prefix(user),
+        connect_timeout_s=2,
+    )
+    return msgspec.structs.replace(settings, **changes)
 
 
 @pytest.fixture(params=[False, True], ids=["production", "mock"])
@@ -186,12 +210,13 @@ async def test_collector_cannot_publish_health_forge_replies_or_serve_allocation
     server, _ = secured
     async with connect(server, "collector") as collector, connect(server, "operator") as operator:
         watch = await listen(operator, "gpu.health.*")
-        inbox = await listen(operator, "_INBOX.operator-test.>")
+        inbox = await listen(operator, inbox_prefix("operator") + ".>")
         await collector.nc.publish(subjects.health(NODE), b'{"forged": true}')
         assert await collector.refused(subjects.health(NODE))
         # A reply subject nobody asked it to answer: forging a reply is refused.
-        await collector.nc.publish("_INBOX.operator-test.1", b"forged reply")
-        assert await collector.refused("_INBOX.operator-test.1")
+        forged = inbox_prefix("operator") + ".test.1"
+        await collector.nc.publish(forged, b"forged reply")
+        assert await collector.refused(forged)
         await collector.nc.subscribe(subjects.allocator_prefix(NODE) + ".>")
         assert await collector.refused("gpulet.allocator")
         await collector.nc.publish("$JS.API.STREAM.DELETE.GPU_HEALTH", b"")
@@ -276,12 +301,10 @@ async def test_health_owns_its_stream_and_bucket_and_alerts_reads_them(
     """The JetStream calls of the real Bus, as the health service and alerts make them."""
     server, _ = secured
 
-    def settings(user: str) -> NatsSettings:
-        return NatsSettings(url=server.url, user=user, password=password_for(user))
-
     async with (
-        Bus.connect(settings("health"), max_initial_attempts=3) as health,
+        Bus.connect(bus_settings(server, "health"), max_initial_attempts=3) as health,
         connect(server, "alerts") as alerts,
+        Bus.connect(bus_settings(server, "alerts"), max_initial_attempts=3) as alerts_bus,
         connect(server, "reporter") as reporter,
     ):
         await health.ensure_stream(
@@ -311,8 +334,9 @@ async def test_health_owns_its_stream_and_bucket_and_alerts_reads_them(
         assert (await kv.get(key)).value == b'{"healthy": false}'
         assert await kv.keys() == [key]  # a watch: an ordered consumer on KV_gpu_health
 
-        # gpulet alerts: a durable consumer that resumes where it stopped, and KV reads.
-        js = alerts.nc.jetstream()
+        # gpulet alerts: a durable consumer that resumes where it stopped, and KV reads,
+        # through its Bus (replies and deliveries under _INBOX.alerts only).
+        js = alerts_bus.jetstream
         sub = await js.pull_subscribe(
             "gpu.health.*", durable="gpulet-alerts", stream=subjects.HEALTH_STREAM
         )
@@ -323,6 +347,8 @@ async def test_health_owns_its_stream_and_bucket_and_alerts_reads_them(
         assert (await alerts_kv.get(key)).value == b'{"healthy": false}'
         assert await alerts_kv.keys() == [key]
         assert await alerts.violations() == []
+        assert alerts_bus.client.last_error is None
+        assert health.client.last_error is None
 
         # What alerts must not do: write health or state, purge or delete the stream.
         # (Raw API publishes: refused requests would otherwise wait out a timeout.)
@@ -344,6 +370,108 @@ async def test_health_owns_its_stream_and_bucket_and_alerts_reads_them(
         info = await health.jetstream.stream_info(subjects.HEALTH_STREAM)
         assert info.state.messages == 1
         assert (await kv.get(key)).value == b'{"healthy": false}'
+
+
+# What each user's service asks, and who answers (the responders' own users).
+REQUESTS: dict[str, list[str]] = {
+    "health": [subjects.inventory_request(NODE)],
+    "reporter": [subjects.inventory_request(NODE), subjects.health_state(NODE)],
+    "allocator": [subjects.inventory_request(NODE), subjects.health_state(NODE)],
+    "device-plugin": [
+        subjects.allocator_endpoint(NODE, "allocate"),
+        subjects.allocator_endpoint(NODE, "preferred"),
+        subjects.inventory_request(NODE),
+        subjects.health_state(NODE),
+    ],
+    "operator": [
+        subjects.inventory_request(NODE),
+        subjects.health_state(NODE),
+        subjects.health_clear(NODE),
+        subjects.allocator_endpoint(NODE, "state"),
+        subjects.allocator_endpoint(NODE, "release"),
+    ],
+}
+RESPONDERS = {
+    subjects.inventory_request(NODE): "collector",
+    subjects.health_state(NODE): "health",
+    subjects.health_clear(NODE): "health",
+    subjects.allocator_prefix(NODE) + ".>": "allocator",
+}
+REPLY_SUBJECT = Codec(str)
+
+
+async def test_every_requester_gets_its_replies_in_its_own_inbox(
+    secured: tuple[EmbeddedNats, bool],
+) -> None:
+    """Each service's requests, made by a Bus with its settings, are answered in its inbox.
+
+    The responders answer with the reply subject they saw, so the test sees both ends:
+    the request went out with the requester's own prefix, and the reply came back.
+    """
+    server, _ = secured
+    async with AsyncExitStack() as stack:
+        responders = [
+            await stack.enter_async_context(connect(server, u))
+            for u in ("collector", "health", "allocator")
+        ]
+        by_user = {c.user: c for c in responders}
+        for subject, user in RESPONDERS.items():
+
+            async def answer(msg: Msg) -> None:
+                await msg.respond(REPLY_SUBJECT.encode(msg.reply))
+
+            await by_user[user].nc.subscribe(subject, cb=answer)
+        for conn in responders:
+            await conn.nc.flush(timeout=2)
+        for user, requests in REQUESTS.items():
+            async with Bus.connect(bus_settings(server, user), max_initial_attempts=3) as bus:
+                for subject in requests:
+                    reply = await bus.request(subject, "{}", REPLY_SUBJECT, REPLY_SUBJECT)
+                    assert reply.startswith(inbox_prefix(user) + "."), (user, subject, reply)
+                assert bus.client.last_error is None, (user, bus.client.last_error)
+        for conn in responders:
+            assert await conn.violations() == []
+
+
+async def test_no_user_reads_the_replies_meant_for_another(
+    secured: tuple[EmbeddedNats, bool],
+) -> None:
+    server, _ = secured
+    async with AsyncExitStack() as stack:
+        conns = {u: await stack.enter_async_context(connect(server, u)) for u in NATS_USERS}
+        overheard: list[list[Msg]] = []
+        for user, conn in conns.items():
+            others = [inbox_prefix(u) + ".>" for u in NATS_USERS if u != user]
+            attempts = ["_INBOX.>", "_INBOX.*.>", "_INBOX.*", *others]
+            overheard.extend([await listen(conn, subject) for subject in attempts])
+            violations = await conn.violations()
+            assert len(violations) == len(attempts), (user, violations)
+            for subject in attempts:
+                quoted = f'"{subject.lower()}"'
+                assert any(quoted in v for v in violations), (user, subject, violations)
+
+        # Real traffic meanwhile: the device plugin asks the allocator, the reporter
+        # asks the health service for the state.
+        async def answer(msg: Msg) -> None:
+            await msg.respond(b"private")
+
+        await conns["allocator"].nc.subscribe(subjects.allocator_prefix(NODE) + ".>", cb=answer)
+        await conns["health"].nc.subscribe(subjects.health_state(NODE), cb=answer)
+        await settle(conns["allocator"], conns["health"], wait_s=0)
+        plugin_reply = await request(
+            conns["device-plugin"], subjects.allocator_endpoint(NODE, "allocate"), b"{}"
+        )
+        reporter_reply = await request(conns["reporter"], subjects.health_state(NODE), b"{}")
+        assert plugin_reply.data == reporter_reply.data == b"private"
+        await settle(*conns.values())
+        assert [m for got in overheard for m in got] == []
+
+        # A client of a service user that keeps the default prefix gets no reply: its
+        # inbox subscription is refused (and the request times out).
+        async with connect(server, "reporter", prefix="_INBOX") as stray:
+            with pytest.raises(nats.errors.TimeoutError):
+                await stray.nc.request(subjects.health_state(NODE), b"{}", timeout=0.3)
+            assert await stray.refused("_INBOX.")
 
 
 async def test_mock_fault_injection_only_in_the_mock_config(

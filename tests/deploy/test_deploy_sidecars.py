@@ -35,7 +35,7 @@ from gpulet_common.bus import Bus
 from gpulet_common.embedded_nats import EmbeddedNats
 from gpulet_common.messages import MockInjectRequest
 from gpulet_common.settings.nats import NatsSettings
-from support.deploy import node_config, password_for, set_passwords
+from support.deploy import inbox_prefix, node_config, password_for, set_passwords
 from support.fake_kubelet import FakeKubelet, running_fake_kubelet
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
@@ -83,6 +83,7 @@ def _env(user: str, extra: dict[str, str] | None = None) -> dict[str, str]:
             "NODE_NAME": NODE,
             "GPULET_NATS__USER": user,
             "GPULET_NATS__PASSWORD": password_for(user),
+            "GPULET_NATS__INBOX_PREFIX": inbox_prefix(user),
             "GPULET_NATS__RECONNECT_MAX_WAIT_S": "0.5",
             **(extra or {}),
         }
@@ -151,7 +152,12 @@ async def test_each_service_does_its_job_with_its_own_nats_user(
     pod: tuple[FakeKubelet, Path, Path, EmbeddedNats],
 ) -> None:
     kubelet, state, logs, server = pod
-    operator = NatsSettings(url=server.url, user="operator", password=password_for("operator"))
+    operator = NatsSettings(
+        url=server.url,
+        user="operator",
+        password=password_for("operator"),
+        inbox_prefix=inbox_prefix("operator"),
+    )
     try:
         with anyio.fail_after(DEADLINE_S):
             # device plugin -> kubelet, with the inventory it read from NATS.

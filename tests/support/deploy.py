@@ -18,6 +18,11 @@ COMPOSE_FILE = ROOT / "docker-compose.yml"
 NATS_USERS = ("collector", "health", "reporter", "allocator", "device-plugin", "alerts", "operator")
 
 
+def inbox_prefix(user: str) -> str:
+    """``user``'s reply inbox prefix (nats.inbox_prefix): the only inboxes it may read."""
+    return f"_INBOX.{user}"
+
+
 def password_variable(user: str) -> str:
     """The environment variable that holds ``user``'s password in auth.conf."""
     return "GPULET_NATS_" + user.upper().replace("-", "_") + "_PASSWORD"

@@ -3,7 +3,9 @@
 Layers
 ------
 * :meth:`Bus.connect` owns the connection: initial connect and reconnect with
-  exponential, jittered back-off; user/password, token, NKey seed, creds file and TLS.
+  exponential, jittered back-off; user/password, token, NKey seed, creds file and TLS;
+  the reply inbox prefix (``nats.inbox_prefix``), so that a server can confine each
+  user to its own replies.
 * :meth:`Bus.publish` encodes with a :class:`~gpulet_common.codec.Codec` and puts the
   current OpenTelemetry trace context into the NATS headers (W3C ``traceparent``), so a
   consumer's span joins the producer's trace.
@@ -254,6 +256,10 @@ class Bus:
                     disconnected_cb=on_disconnect,
                     reconnected_cb=on_reconnect,
                     drain_timeout=max(1, int(drain_timeout_s)),
+                    # Every inbox of this client (request replies, JetStream API replies,
+                    # pull and KV watch deliveries) starts with it: nats-py derives them
+                    # all from the connection's prefix.
+                    inbox_prefix=settings.inbox_prefix,
                     **options,
                 )
                 nc.options["allow_reconnect"] = True

@@ -7,6 +7,9 @@ from typing import Annotated
 import msgspec
 
 PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
+# One or more NATS subject tokens joined by single dots: no empty token, no space,
+# no wildcard (`*`, `>`).
+SubjectPrefix = Annotated[str, msgspec.Meta(pattern=r"^[^\s.*>]+(\.[^\s.*>]+)*$")]
 
 
 class NatsSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -36,6 +39,10 @@ class NatsSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     reconnect_wait_s: PositiveFloat = 0.25
     # Ceiling of the reconnect back-off in seconds.
     reconnect_max_wait_s: PositiveFloat = 5.0
+    # Subject prefix of this client's reply inboxes (requests, JetStream and KV calls).
+    # With a per-user `_INBOX.<user>`, the server can let each user read only its own
+    # replies (deploy/nats/auth.conf).
+    inbox_prefix: SubjectPrefix = "_INBOX"
     # Default seconds a request waits for its reply.
     request_timeout_s: PositiveFloat = 2.0
     # Messages a subscription may hold before nats-py reports a slow consumer.
