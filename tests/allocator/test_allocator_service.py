@@ -266,6 +266,15 @@ async def test_allocator_down_gives_a_clean_bounded_error(settings: Settings) ->
         response = await stack.kubelet.allocate(GPU, [gpus[:1]])
         assert response.container_responses[0].envs["NVIDIA_VISIBLE_DEVICES"] == gpus[0]
 
+        # What kubelet saw is counted in the plugin: the allocator never saw the failure.
+        calls = "gpulet.device_plugin.calls"
+        metrics = stack.metrics
+        assert metrics.value(calls, rpc="Allocate", resource=GPU, code="UNAVAILABLE") == 1
+        assert metrics.value(calls, rpc="Allocate", resource=GPU, code="OK") == 1
+        assert metrics.value(calls, rpc="GetPreferredAllocation", code="OK") == 1
+        assert metrics.value("gpulet.device_plugin.preferred_fallbacks", resource=GPU) == 1
+        assert metrics.value("gpulet.allocator.requests", outcome="ok") == 1
+
 
 async def test_a_hung_allocator_times_out(settings: Settings) -> None:
     inventory = mock_inventory("nvlink-pairs-8gpu")

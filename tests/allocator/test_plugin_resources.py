@@ -5,7 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import anyio
+import grpc
 import pytest
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import HistogramDataPoint, InMemoryMetricReader
 
 from gpulet_allocator.plugin import (
     CORE_UNITS_PER_GPU,
@@ -23,8 +26,10 @@ from gpulet_allocator.plugin import (
     socket_name,
 )
 from gpulet_allocator.plugin.backend import PreferredRequest
+from gpulet_allocator.plugin.metrics import PluginMetrics
 from gpulet_allocator.plugin.server import fallback_preference
 from gpulet_common.messages import GpuInfo
+from gpulet_common.telemetry import REQUEST_LATENCY_BUCKETS_S
 
 UUID = "GPU-fef8089b-4820-abfc-e83e-94318197576e"
 
@@ -156,3 +161,23 @@ async def test_device_state_is_level_triggered() -> None:
     assert seen == [2]
     with anyio.fail_after(1):
         assert (await state.wait_for_change(0)).version == 2
+
+
+def test_plugin_call_latency_buckets_fit_milliseconds() -> None:
+    reader = InMemoryMetricReader()
+    plugin_metrics = PluginMetrics(MeterProvider(metric_readers=[reader]).get_meter("test"))
+    plugin_metrics.call("Allocate", "nvidia.com/gpu", grpc.StatusCode.OK, 0.003)
+    data = reader.get_metrics_data()
+    assert data is not None
+    [histogram] = [
+        m
+        for r in data.resource_metrics
+        for s in r.scope_metrics
+        for m in s.metrics
+        if m.name == "gpulet.device_plugin.call_duration"
+    ]
+    [point] = histogram.data.data_points
+    assert isinstance(point, HistogramDataPoint)
+    assert tuple(point.explicit_bounds) == REQUEST_LATENCY_BUCKETS_S
+    # 3 ms lands between 2.5 and 5 ms, not in a first bucket of "up to 5 s".
+    assert point.bucket_counts[REQUEST_LATENCY_BUCKETS_S.index(0.005)] == 1

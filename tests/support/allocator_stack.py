@@ -45,6 +45,7 @@ from gpulet_common.settings.allocator import AllocatorSettings, PluginConfig
 from gpulet_common.settings.nats import NatsSettings
 from gpulet_common.telemetry import StatusBoard
 from support.fake_kubelet import FakeKubelet, FakePod, running_fake_kubelet
+from support.metrics import MetricsProbe
 
 NODE = "node-a.example"
 GPU = "nvidia.com/gpu"
@@ -143,6 +144,8 @@ class Stack:
         self.kubelet = kubelet
         self.inventory: Inventory | None = None
         self.status = StatusBoard()
+        #: Every service's metrics.
+        self.metrics = MetricsProbe()
         self._tg = tg
         self._exits = exit_stack
         self._running: dict[str, _Running] = {}
@@ -160,6 +163,7 @@ class Stack:
             bus=bus,
             status=self.status,
             nvml=NvmlProvider(self.settings.nvml),
+            meter=self.metrics.meter,
         )
 
     async def _start(self, name: str, service: Service) -> None:

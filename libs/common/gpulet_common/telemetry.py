@@ -36,6 +36,24 @@ log = logging.getLogger("gpulet.telemetry")
 
 ComponentState = Literal["starting", "ready", "degraded", "stopping", "stopped", "failed"]
 
+# Bucket boundaries (seconds) for request latencies of a millisecond to seconds: OTel's
+# default buckets are made for milliseconds and would put every such request in the first.
+REQUEST_LATENCY_BUCKETS_S = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+)
+
 
 @dataclass(slots=True)
 class ComponentStatus:

@@ -62,6 +62,7 @@ from gpulet_common.logutil import RateLimitedLog
 from gpulet_common.messages import ErrorReply, Inventory
 from gpulet_common.runtime import Runtime
 from gpulet_common.settings import Settings
+from gpulet_common.telemetry import REQUEST_LATENCY_BUCKETS_S
 
 log = logging.getLogger("gpulet.allocator")
 
@@ -150,6 +151,7 @@ class AllocatorService:
             "gpulet.allocator.request_duration",
             unit="s",
             description="From receiving a request to sending its (durable) answer",
+            explicit_bucket_boundaries_advisory=REQUEST_LATENCY_BUCKETS_S,
         )
         self._released = meter.create_counter(
             "gpulet.allocator.released", description="Allocations released, by reason"

@@ -39,6 +39,7 @@ from gpulet_allocator.kubelet_api.deviceplugin.v1beta1 import api_pb2_grpc as pb
 from gpulet_allocator.plugin.backend import AllocationBackend
 from gpulet_allocator.plugin.config import PluginConfig
 from gpulet_allocator.plugin.devnodes import DeviceNodes
+from gpulet_allocator.plugin.metrics import PluginMetrics
 from gpulet_allocator.plugin.resources import resource_specs
 from gpulet_allocator.plugin.server import ResourceServer
 from gpulet_allocator.plugin.state import DeviceStateSource
@@ -91,11 +92,13 @@ class DevicePluginManager:
         backend: AllocationBackend,
         *,
         device_nodes: DeviceNodes | None = None,
+        metrics: PluginMetrics | None = None,
     ) -> None:
         self.config = config
         nodes = device_nodes or DeviceNodes(config.dev_root, config.host_dev)
+        calls = metrics or PluginMetrics()
         self.servers = [
-            ResourceServer(spec, source, backend, config, nodes)
+            ResourceServer(spec, source, backend, config, nodes, calls)
             for spec in resource_specs(config.resources, shares=config.shares)
         ]
         self.kubelet_socket = Path(config.plugin_dir) / config.kubelet_socket

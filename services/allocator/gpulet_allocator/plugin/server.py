@@ -30,6 +30,7 @@ import logging
 import os
 import re
 import stat
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -51,6 +52,7 @@ from gpulet_allocator.plugin.backend import (
 )
 from gpulet_allocator.plugin.config import PluginConfig
 from gpulet_allocator.plugin.devnodes import DeviceNodes
+from gpulet_allocator.plugin.metrics import PluginMetrics
 from gpulet_allocator.plugin.resources import (
     PluginDevice,
     PluginGpu,
@@ -119,6 +121,7 @@ class DevicePluginService(pb_grpc.DevicePluginServicer):
         config: PluginConfig,
         nodes: DeviceNodes,
         stopping: anyio.Event,
+        metrics: PluginMetrics | None = None,
     ) -> None:
         self._spec = spec
         self._source = source
@@ -126,6 +129,7 @@ class DevicePluginService(pb_grpc.DevicePluginServicer):
         self._config = config
         self._nodes = nodes
         self._stopping = stopping
+        self._metrics = metrics or PluginMetrics()
         self._gpus_of: DeviceSnapshot | None = None
         self._gpus_by_uuid: dict[str, PluginGpu] = {}
 
@@ -161,6 +165,7 @@ class DevicePluginService(pb_grpc.DevicePluginServicer):
             )
             for c in request.container_requests
         ]
+        started = time.perf_counter()
         try:
             answers = await self._call_backend(
                 "GetPreferredAllocation",
@@ -169,13 +174,16 @@ class DevicePluginService(pb_grpc.DevicePluginServicer):
             _check_preferences(requests, answers)
         except _RpcFailure as failure:
             if not (failure.fallback_ok and self._config.preferred_fallback):
+                self._observe("GetPreferredAllocation", failure.code, started)
                 await context.abort(failure.code, failure.message)
             log.warning(
                 "GetPreferredAllocation for %s answered locally: %s",
                 self._spec.name,
                 failure.message,
             )
+            self._metrics.fallback(self._spec.name)
             answers = self._fallback_preferred(requests)
+        self._observe("GetPreferredAllocation", grpc.StatusCode.OK, started)
         return pb.PreferredAllocationResponse(
             container_responses=[
                 pb.ContainerPreferredAllocationResponse(deviceIDs=a) for a in answers
@@ -183,6 +191,7 @@ class DevicePluginService(pb_grpc.DevicePluginServicer):
         )
 
     async def Allocate(self, request: pb.AllocateRequest, context: Context) -> pb.AllocateResponse:
+        started = time.perf_counter()
         container_requests = [list(c.devices_ids) for c in request.container_requests]
         try:
             allocations = await self._call_backend(
@@ -194,7 +203,9 @@ class DevicePluginService(pb_grpc.DevicePluginServicer):
             responses = [self._container_response(a, gpus) for a in allocations]
         except _RpcFailure as failure:
             log.warning("Allocate %s %s failed: %s", self._spec.name, container_requests, failure)
+            self._observe("Allocate", failure.code, started)
             await context.abort(failure.code, failure.message)
+        self._observe("Allocate", grpc.StatusCode.OK, started)
         return pb.AllocateResponse(container_responses=responses)
 
     async def PreStartContainer(
@@ -203,6 +214,9 @@ class DevicePluginService(pb_grpc.DevicePluginServicer):
         return pb.PreStartContainerResponse()
 
     # --- helpers -------------------------------------------------------------------
+
+    def _observe(self, rpc: str, code: grpc.StatusCode, started: float) -> None:
+        self._metrics.call(rpc, self._spec.name, code, time.perf_counter() - started)
 
     def _gpus(self) -> dict[str, PluginGpu]:
         """The node's GPUs by UUID, rebuilt only when the snapshot changed."""
@@ -366,12 +380,14 @@ class ResourceServer:
         backend: AllocationBackend,
         config: PluginConfig,
         nodes: DeviceNodes,
+        metrics: PluginMetrics | None = None,
     ) -> None:
         self.spec = spec
         self._source = source
         self._backend = backend
         self._config = config
         self._nodes = nodes
+        self._metrics = metrics or PluginMetrics()
         self.endpoint = socket_name(config.socket_prefix, spec.name)
         self.socket_path = Path(config.plugin_dir) / self.endpoint
         self._server: grpc.aio.Server | None = None
@@ -399,7 +415,13 @@ class ResourceServer:
         server = grpc.aio.server()
         pb_grpc.add_DevicePluginServicer_to_server(
             DevicePluginService(
-                self.spec, self._source, self._backend, self._config, self._nodes, self._stopping
+                self.spec,
+                self._source,
+                self._backend,
+                self._config,
+                self._nodes,
+                self._stopping,
+                self._metrics,
             ),
             server,
         )

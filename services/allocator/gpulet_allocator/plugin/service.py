@@ -26,6 +26,7 @@ import anyio.abc
 from gpulet_allocator.feeds import NodeFeed
 from gpulet_allocator.nats_backend import NatsAllocationBackend
 from gpulet_allocator.plugin.manager import DevicePluginManager
+from gpulet_allocator.plugin.metrics import PluginMetrics
 from gpulet_allocator.plugin.resources import plugin_gpus_from_inventory
 from gpulet_allocator.plugin.state import DeviceState
 from gpulet_common.lifecycle import idle_disabled
@@ -52,6 +53,7 @@ class DevicePluginService:
         self._gpus: list[GpuInfo] = []
         self._unhealthy: set[str] = set()
         self._have_inventory = False
+        self._metrics = PluginMetrics(runtime.meter)
         #: The running manager, once kubelet's directory exists (for tests).
         self.manager: DevicePluginManager | None = None
 
@@ -83,7 +85,9 @@ class DevicePluginService:
             task_status.started()
             while True:
                 await self._wait_for_plugin_dir()
-                manager = DevicePluginManager(self._config, self.state, backend)
+                manager = DevicePluginManager(
+                    self._config, self.state, backend, metrics=self._metrics
+                )
                 self.manager = manager
                 failure: str | None = None
                 try:
