@@ -20,7 +20,7 @@ from nats.aio.msg import Msg
 from gpulet_allocator import protocol as p
 from gpulet_allocator.engine import reference
 from gpulet_allocator.kubelet_api.deviceplugin.v1beta1 import api_pb2 as dp
-from gpulet_allocator.nats_backend import MAX_IN_FLIGHT, NatsAllocationBackend
+from gpulet_allocator.nats_backend import NatsAllocationBackend
 from gpulet_allocator.plugin.backend import (
     AllocationRejected,
     AllocatorUnavailable,
@@ -267,8 +267,8 @@ async def test_batched_refusals_reach_each_caller_with_their_code(
         ]
         await allocator.flush()
         backend = NatsAllocationBackend(plugin.client, NODE, timeout_s=2.0)
-        # The first calls take every request slot and are held; the rest queue up.
-        slots = MAX_IN_FLIGHT
+        # The first call is the one request out, and is held; the rest queue up.
+        held = 1
         outcomes: dict[int, object] = {}
 
         async def call(n: int) -> None:
@@ -282,10 +282,10 @@ async def test_batched_refusals_reach_each_caller_with_their_code(
                 await tg.start(backend.run)
                 with anyio.fail_after(10):
                     async with anyio.create_task_group() as calls:
-                        for n in range(slots):
+                        for n in range(held):
                             calls.start_soon(call, n)
                             await anyio.sleep(0.02)  # each alone: nothing else waits
-                        for n in range(slots, slots + 6):
+                        for n in range(held, held + 6):
                             calls.start_soon(call, n)
                         await anyio.sleep(0.05)
                         release.set()
@@ -294,9 +294,9 @@ async def test_batched_refusals_reach_each_caller_with_their_code(
             for sub in subs:
                 await sub.unsubscribe()
         assert batches == [6]
-        assert all(isinstance(outcomes[n], list) for n in range(slots))
+        assert all(isinstance(outcomes[n], list) for n in range(held))
         # In the batch, every second call was refused.
-        for i, n in enumerate(range(slots, slots + 6)):
+        for i, n in enumerate(range(held, held + 6)):
             outcome = outcomes[n]
             if i % 2:
                 assert isinstance(outcome, AllocationRejected)

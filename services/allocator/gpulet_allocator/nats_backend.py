@@ -23,11 +23,13 @@ kubelet clients, tools, the 50-call waves of ``bench/allocate_roundtrip.py``). S
 by one, each costs a NATS message both ways, a nats.micro dispatch and a durability
 wait in the allocator: under 50 concurrent calls that overhead, not the decision, was
 most of the allocator's time. So while :meth:`NatsAllocationBackend.run` is running,
-calls go through a bounded queue to one sender, which keeps at most
-:data:`MAX_IN_FLIGHT` requests out: whenever a slot is free it takes every call
-waiting (at most :data:`MAX_BATCH`) and sends them as one ``allocate-batch``, or alone
-when only one waits. A lone call therefore waits for nothing, and a burst forms
-batches by itself, as large as the allocator is slow. The allocator decides each call
+calls go through a bounded queue to one sender, which keeps one request out at a
+time: when it is answered, the sender takes every call waiting (at most
+:data:`MAX_BATCH`) and sends them as one ``allocate-batch``, or alone when only one
+waits. A lone call therefore waits for nothing, and a burst forms batches by itself,
+as large as the allocator is slow. (Measured with 50 concurrent calls on 2 cores,
+allowing 4 requests out made smaller batches and cost the plugin and the allocator
+50-90 % more CPU per call.) The allocator decides each call
 on its own, so batching changes neither the answers nor the refusals. A batch
 endpoint that nobody serves (an older allocator) makes the sender fall back to one
 request per call. Without :meth:`~NatsAllocationBackend.run` (tests, tools), every
@@ -76,10 +78,6 @@ REJECT_CODES: Final[dict[str, RejectCode]] = {
 }
 UNAVAILABLE_CODES: Final = frozenset({"not_ready"})
 
-# Requests (lone calls or batches) the plugin has out at once. One: measured with 50
-# concurrent calls on 2 cores, 4 made smaller batches and cost the plugin and the
-# allocator 50-90 % more CPU per call (p50 34-43 ms against 23-26 ms).
-MAX_IN_FLIGHT: Final = 1
 # Calls per allocate-batch: a batch's answer (about 1 KB per container) must stay
 # well under NATS's 1 MiB max_payload.
 MAX_BATCH: Final = 32
@@ -165,34 +163,33 @@ class NatsAllocationBackend:
         return queued.containers
 
     async def _send_queued(self, receive: MemoryObjectReceiveStream[_Queued]) -> None:
-        slots = anyio.Semaphore(MAX_IN_FLIGHT)
-        async with anyio.create_task_group() as tg:
-            async for first in receive:
-                # Waiting for a slot is what lets the calls behind it pile up.
-                await slots.acquire()
-                batch = [first]
-                while len(batch) < MAX_BATCH:
-                    try:
-                        batch.append(receive.receive_nowait())
-                    except anyio.WouldBlock:
-                        break
-                tg.start_soon(self._send, batch, slots)
+        async for first in receive:
+            # The calls that came while the previous request was out go together.
+            batch = [first]
+            while len(batch) < MAX_BATCH:
+                try:
+                    batch.append(receive.receive_nowait())
+                except anyio.WouldBlock:
+                    break
+            await self._send(batch)
 
-    async def _send(self, batch: list[_Queued], slots: anyio.Semaphore) -> None:
+    async def _send(self, batch: list[_Queued]) -> None:
         try:
             live = [q for q in batch if not q.abandoned]
             if len(live) > 1 and anyio.current_time() >= self._batch_unserved_until:
                 await self._send_batch(live)
             else:
-                async with anyio.create_task_group() as tg:
-                    for queued in live:
-                        tg.start_soon(self._send_alone, queued)
+                await self._send_each(live)
         finally:
-            slots.release()
             # Only a cancellation (the plugin stopping) leaves a call unanswered here.
             for queued in batch:
                 if not queued.done.is_set():
                     queued.fail(_stopping())
+
+    async def _send_each(self, calls: list[_Queued]) -> None:
+        async with anyio.create_task_group() as tg:
+            for queued in calls:
+                tg.start_soon(self._send_alone, queued)
 
     async def _send_alone(self, queued: _Queued) -> None:
         try:
@@ -216,9 +213,7 @@ class NatsAllocationBackend:
         except _BatchUnserved:
             # No allocator at all looks the same; the calls alone then say so.
             self._batch_unserved_until = anyio.current_time() + BATCH_RECHECK_S
-            async with anyio.create_task_group() as tg:
-                for queued in batch:
-                    tg.start_soon(self._send_alone, queued)
+            await self._send_each(batch)
             return
         except Exception as exc:  # handed to the callers, never lost
             failure = _as_backend_failure(exc)
@@ -266,7 +261,6 @@ class NatsAllocationBackend:
         except p.NoAllocator as exc:
             if alone_if_unserved:
                 raise _BatchUnserved from exc
-            raise AllocatorUnavailable(str(exc)) from exc
             raise AllocatorUnavailable(str(exc)) from exc
         except BusError as exc:
             raise AllocatorUnavailable(str(exc)) from exc

@@ -121,7 +121,7 @@ class DevicePluginService(pb_grpc.DevicePluginServicer):
         config: PluginConfig,
         nodes: DeviceNodes,
         stopping: anyio.Event,
-        metrics: PluginMetrics | None = None,
+        metrics: PluginMetrics,
     ) -> None:
         self._spec = spec
         self._source = source
@@ -129,7 +129,7 @@ class DevicePluginService(pb_grpc.DevicePluginServicer):
         self._config = config
         self._nodes = nodes
         self._stopping = stopping
-        self._metrics = metrics or PluginMetrics()
+        self._metrics = metrics
         self._gpus_of: DeviceSnapshot | None = None
         self._gpus_by_uuid: dict[str, PluginGpu] = {}
 
@@ -380,14 +380,14 @@ class ResourceServer:
         backend: AllocationBackend,
         config: PluginConfig,
         nodes: DeviceNodes,
-        metrics: PluginMetrics | None = None,
+        metrics: PluginMetrics,
     ) -> None:
         self.spec = spec
         self._source = source
         self._backend = backend
         self._config = config
         self._nodes = nodes
-        self._metrics = metrics or PluginMetrics()
+        self._metrics = metrics
         self.endpoint = socket_name(config.socket_prefix, spec.name)
         self.socket_path = Path(config.plugin_dir) / self.endpoint
         self._server: grpc.aio.Server | None = None
