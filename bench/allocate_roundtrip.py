@@ -29,6 +29,12 @@ stand-in collector publishing the inventory of the 8-GPU NVLink box with 80 GiB 
 * **gRPC floor**: the same stand-in's calls to a plugin, in a process of its own, whose
   ``Allocate`` answers at once (no NATS, no allocator, no checkpoint): what grpcio's
   Python server costs per call on this machine, a bound no Python plugin can beat.
+* **CPU per call**: a second table gives, for the 50-concurrent share row of each
+  path, the CPU its processes spent per call (every thread, from the kernel's
+  per-thread counters, only while calls were timed), and what that implies: all the
+  processes share the machine's cores, so a wave of 50 cannot end before
+  50 x (CPU per call) / cores has passed. Where that bound is over 10 ms, no
+  scheduling or batching can bring the wave's p99 under it on this machine.
 * **In process**: the same decisions through :class:`~gpulet_allocator.core.AllocatorCore`
   and the same group-committed checkpoint, called directly in this process: what the
   allocator itself costs. The ratio to it is what the split (gRPC, NATS, two more
@@ -54,7 +60,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
@@ -86,6 +92,14 @@ SHARE_UNITS = 2
 LAYOUTS = ("sidecars", "one-process")
 KUBELETS = ("auto", "go", "python")
 ALLOCATION = "gpulet.io/allocation"
+# Process names in the CPU table.
+STAND_IN = "kubelet stand-in"
+NATS_SERVER = "nats-server"
+PROCESS_NAMES = {
+    "allocator": "allocator",
+    "device-plugin": "device plugin",
+    "allocator,device-plugin": "gpulet run",
+}
 GO_SOURCE = Path(__file__).resolve().parent / "kubelet_load"
 
 # One call: device IDs in, allocation ID out.
@@ -94,6 +108,78 @@ Call = Callable[[list[str]], Awaitable[str]]
 # device IDs of each call in; (latency ms, allocation ID) of each call out, in order.
 Waves = Callable[[list[list[list[str]]]], Awaitable[list[tuple[float, str]]]]
 Results = dict[tuple[str, int], list[float]]
+Scenario = tuple[str, int]
+
+
+def _on_cpu_ns(schedstat: str) -> int | None:
+    """Nanoseconds a thread has run; None once it has exited."""
+    try:
+        with open(schedstat) as f:
+            return int(f.read().split()[0])
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+
+
+class CpuMeter:
+    """CPU time of the processes on a path, counted only while its calls are timed.
+
+    Read per thread from ``/proc/<pid>/task/*/schedstat`` (nanoseconds on a CPU;
+    grpcio's and nats-server's threads included) rather than from ``/proc/<pid>/stat``,
+    whose 10 ms ticks are too coarse for a row that takes a second. A thread that ends
+    while calls are timed loses what it ran in that time (grpcio's threads live long).
+    Releases between batches and the warm-up are not counted.
+    """
+
+    def __init__(self) -> None:
+        self._pids: dict[str, list[int]] = {}
+        self._spent_ns: dict[Scenario, dict[str, int]] = {}
+        self._calls: dict[Scenario, int] = {}
+
+    def watch(self, name: str, pid: int | None) -> None:
+        """Count ``pid`` under ``name`` (several processes may share a name)."""
+        if pid is not None:
+            self._pids.setdefault(name, []).append(pid)
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._pids)
+
+    def _threads(self) -> dict[str, dict[str, int]]:
+        """Each name's threads (by their /proc path) and how long each has run."""
+        threads: dict[str, dict[str, int]] = {}
+        for name, pids in self._pids.items():
+            ran = threads[name] = {}
+            for pid in pids:
+                try:
+                    tids = os.listdir(f"/proc/{pid}/task")
+                except (FileNotFoundError, ProcessLookupError):
+                    continue
+                for tid in tids:
+                    path = f"/proc/{pid}/task/{tid}/schedstat"
+                    if (ns := _on_cpu_ns(path)) is not None:
+                        ran[path] = ns
+        return threads
+
+    @contextlib.contextmanager
+    def counting(self, scenario: Scenario | None, calls: int) -> Iterator[None]:
+        if scenario is None or not self._pids:
+            yield
+            return
+        before = self._threads()
+        yield
+        after = self._threads()
+        spent = self._spent_ns.setdefault(scenario, dict.fromkeys(self._pids, 0))
+        for name, ran in after.items():
+            # A thread born during the calls ran all of its time in them.
+            spent[name] += sum(ns - before[name].get(path, 0) for path, ns in ran.items())
+        self._calls[scenario] = self._calls.get(scenario, 0) + calls
+
+    def per_call_ms(self, scenario: Scenario) -> dict[str, float]:
+        """CPU milliseconds per call of each process name, for ``scenario``."""
+        calls = self._calls.get(scenario, 0)
+        if not calls:
+            return {}
+        return {name: ns / calls / 1e6 for name, ns in self._spent_ns[scenario].items()}
 
 
 class IdPool:
@@ -142,11 +228,14 @@ async def measure(
     concurrency: int,
     calls: int,
     batch: int,
+    meter: CpuMeter | None = None,
+    scenario: Scenario | None = None,
 ) -> list[float]:
     """Latencies in ms of ``calls`` calls, in waves of ``concurrency``.
 
     The waves up to the next release (at most ``batch`` calls held) go to ``run`` at
     once, so that a kubelet stand-in in another process needs one message per batch.
+    With a ``meter``, the CPU its processes spend on the calls counts for ``scenario``.
     """
     samples: list[float] = []
     while len(samples) < calls:
@@ -156,7 +245,9 @@ async def measure(
         ):
             waves.append([pool.take() for _ in range(concurrency)])
         held = []
-        for latency, allocation in await run(waves):
+        with (meter or CpuMeter()).counting(scenario, len(waves) * concurrency):
+            answered = await run(waves)
+        for latency, allocation in answered:
             samples.append(latency)
             held.append(allocation)
         await release(held)
@@ -170,16 +261,28 @@ async def scenarios(
     cores: IdPool,
     gpus: IdPool,
     n: int,
+    meter: CpuMeter,
 ) -> Results:
     # Warm-up: connections, code paths, the first checkpoint file.
     await measure(call(CORE), cores, release, concurrency=10, calls=100, batch=200)
-    return {
-        ("share", 1): await measure(call(CORE), cores, release, concurrency=1, calls=n, batch=200),
-        ("share", 50): await measure(
-            call(CORE), cores, release, concurrency=50, calls=n, batch=200
-        ),
-        ("whole", 1): await measure(call(GPU), gpus, release, concurrency=1, calls=n // 2, batch=8),
-    }
+    plan: list[tuple[Scenario, str, IdPool, int, int]] = [
+        (("share", 1), CORE, cores, n, 200),
+        (("share", 50), CORE, cores, n, 200),
+        (("whole", 1), GPU, gpus, n // 2, 8),
+    ]
+    results: Results = {}
+    for scenario, resource, pool, calls, batch in plan:
+        results[scenario] = await measure(
+            call(resource),
+            pool,
+            release,
+            concurrency=scenario[1],
+            calls=calls,
+            batch=batch,
+            meter=meter,
+            scenario=scenario,
+        )
+    return results
 
 
 # --- the Go kubelet stand-in ------------------------------------------------------------
@@ -221,6 +324,7 @@ class GoKubelet:
     def __init__(self, process: anyio.abc.Process, resource: str) -> None:
         assert process.stdin is not None
         assert process.stdout is not None
+        self.pid = process.pid
         self._stdin = process.stdin
         self._stdout = BufferedByteReceiveStream(process.stdout)
         self._resource = resource
@@ -354,13 +458,13 @@ async def wait_ready(bus: Bus, kubelet: FakeKubelet, node: str, gpus: int) -> No
 
 
 async def round_trip(
-    base: Path, layout: str, nats_url: str, n: int, go_kubelet: Path | None
+    base: Path, layout: str, nats: EmbeddedNats, n: int, go_kubelet: Path | None, meter: CpuMeter
 ) -> Results:
     """``go_kubelet``: the kubelet_load binary for the timed calls; None: Python's."""
     plugin_dir = base / layout / "dp"
     plugin_dir.mkdir(parents=True)
     settings = make_settings(
-        nats_url, base / layout / "state", plugin_dir, dev_root_with(base / "dev", 8)
+        nats.url, base / layout / "state", plugin_dir, dev_root_with(base / "dev", 8)
     )
     settings.telemetry.http_port = 0
     settings.telemetry.log_level = "error"
@@ -384,6 +488,10 @@ async def round_trip(
             )
             for group in groups
         ]
+        meter.watch(STAND_IN, None if go_kubelet else os.getpid())
+        for group, process in zip(groups, processes, strict=True):
+            meter.watch(PROCESS_NAMES.get(group, group), process.pid)
+        meter.watch(NATS_SERVER, nats.pid)
         try:
             async with anyio.create_task_group() as watch:
                 watch.start_soon(watch_processes, processes)
@@ -415,6 +523,7 @@ async def round_trip(
                         go[resource] = await callers.enter_async_context(
                             GoKubelet.running(go_kubelet, socket, resource)
                         )
+                        meter.watch(STAND_IN, go[resource].pid)
 
                 def via_go(resource: str) -> Waves:
                     return go[resource].run
@@ -425,6 +534,7 @@ async def round_trip(
                     IdPool([d.ID for d in kubelet.devices(CORE)], SHARE_UNITS),
                     IdPool([d.ID for d in kubelet.devices(GPU)], 1),
                     n,
+                    meter,
                 )
         finally:
             for process in processes:
@@ -477,7 +587,7 @@ def floor_process(socket: str) -> None:
     anyio.run(serve)
 
 
-async def grpc_floor(base: Path, n: int, go_kubelet: Path | None) -> Results:
+async def grpc_floor(base: Path, n: int, go_kubelet: Path | None, meter: CpuMeter) -> Results:
     """What the gRPC layer alone costs: the stand-in's calls to a do-nothing plugin."""
     import grpc.aio
 
@@ -501,6 +611,7 @@ async def grpc_floor(base: Path, n: int, go_kubelet: Path | None) -> Results:
         async with AsyncExitStack() as callers:
             if go_kubelet is not None:
                 go = await callers.enter_async_context(GoKubelet.running(go_kubelet, socket, CORE))
+                meter.watch(STAND_IN, go.pid)
                 waves: Waves = go.run
             else:
                 channel = await callers.enter_async_context(
@@ -517,10 +628,21 @@ async def grpc_floor(base: Path, n: int, go_kubelet: Path | None) -> Results:
                     return response.container_responses[0].annotations[ALLOCATION]
 
                 waves = in_waves(call)
+                meter.watch(STAND_IN, os.getpid())
+            meter.watch("device plugin", process.pid)
             pool = IdPool(ids, SHARE_UNITS)
             await measure(waves, pool, release, concurrency=10, calls=100, batch=200)
             return {
-                ("share", c): await measure(waves, pool, release, concurrency=c, calls=n, batch=200)
+                ("share", c): await measure(
+                    waves,
+                    pool,
+                    release,
+                    concurrency=c,
+                    calls=n,
+                    batch=200,
+                    meter=meter,
+                    scenario=("share", c),
+                )
                 for c in (1, 50)
             }
     finally:
@@ -531,12 +653,14 @@ async def grpc_floor(base: Path, n: int, go_kubelet: Path | None) -> Results:
             process.kill()
 
 
-async def in_process(base: Path, n: int) -> Results:
+async def in_process(base: Path, n: int, meter: CpuMeter) -> Results:
     core = AllocatorCore(node="bench", names=ResourceNames())
     inventory = reference.nvlink_pairs_8()
     core.update_inventory(inventory)
     store = CheckpointFile(base / "in-process" / "allocations.json")
     committer = Committer(lambda: encode(core.snapshot()), store.write)
+    # The decisions and the checkpoint's fsync thread, in this process.
+    meter.watch("allocator", os.getpid())
 
     def direct(resource: str) -> Waves:
         async def call(ids: list[str]) -> str:
@@ -558,6 +682,7 @@ async def in_process(base: Path, n: int) -> Results:
             IdPool([f"{g.uuid}::core-{u}" for g in inventory.gpus for u in range(100)], 2),
             IdPool([g.uuid for g in inventory.gpus], 1),
             n,
+            meter,
         )
         tg.cancel_scope.cancel()
     return results
@@ -578,6 +703,40 @@ def row(label: str, samples: list[float], base: list[float] | None = None) -> li
         ratio,
         verdict,
     ]
+
+
+def cpu_table(meters: dict[str, CpuMeter], scenario: Scenario) -> str:
+    """CPU per call of each process, and the wall time a wave needs at the least.
+
+    All the processes share the machine's cores, so a wave of ``c`` calls cannot end
+    before ``c x (CPU per call) / cores`` has passed, however well it is scheduled.
+    """
+    kind, concurrency = scenario
+    cores = os.cpu_count() or 1
+    names = [STAND_IN, "device plugin", "allocator", "gpulet run", NATS_SERVER]
+    present = [n for n in names if any(n in m.names for m in meters.values())]
+    rows = []
+    for label, meter in meters.items():
+        spent = meter.per_call_ms(scenario)
+        if not spent:
+            continue
+        total = sum(spent.values())
+        bound = concurrency * total / cores
+        rows.append(
+            [
+                label,
+                *(f"{spent[n]:.3f}" if n in spent else "" for n in present),
+                f"{total:.3f}",
+                f"{bound:.1f}",
+                "yes" if bound < TARGET_P99_MS else "NO",
+            ]
+        )
+    header = ["path", *present, "all", f"{concurrency} calls / {cores} cores, ms", "fits 10 ms"]
+    title = (
+        f"CPU per call (ms, every thread of each process), {kind}, {concurrency} concurrent; "
+        f"the last column is the least wall time a wave of {concurrency} can take here"
+    )
+    return table(title, header, rows)
 
 
 async def pick_kubelet(choice: str) -> Path | None:
@@ -605,11 +764,14 @@ async def main(quick: bool, layouts: list[str], kubelet: str) -> int:
     with tempfile.TemporaryDirectory(prefix="gpl-bench-") as tmp:
         base = Path(tmp)
         over_nats: dict[str, Results] = {}
+        cpu = {label: CpuMeter() for label in ("in process", "gRPC floor", *layouts)}
         async with EmbeddedNats.running(state_dir=base / "nats", port=0) as server:
             for layout in layouts:
-                over_nats[layout] = await round_trip(base, layout, server.url, n, go_kubelet)
-        local = await in_process(base, n)
-        floor = await grpc_floor(base, n, go_kubelet)
+                over_nats[layout] = await round_trip(
+                    base, layout, server, n, go_kubelet, cpu[layout]
+                )
+        local = await in_process(base, n, cpu["in process"])
+        floor = await grpc_floor(base, n, go_kubelet, cpu["gRPC floor"])
 
     rows = []
     for key in (("share", 1), ("share", 50), ("whole", 1)):
@@ -634,6 +796,8 @@ async def main(quick: bool, layouts: list[str], kubelet: str) -> int:
         "before every answer"
     )
     print(table(title, header, rows))
+    print()
+    print(cpu_table(cpu, ("share", 50)))
     worst = max(percentile(r[k], 99) for r in over_nats.values() for k in r)
     return 0 if worst < TARGET_P99_MS else 1
 

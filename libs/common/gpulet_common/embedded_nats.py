@@ -84,6 +84,11 @@ class EmbeddedNats:
     def url(self) -> str:
         return f"nats://{self.host}:{self.port}"
 
+    @property
+    def pid(self) -> int | None:
+        """The server's process ID while it runs (it execs in place of its launcher)."""
+        return self._process.pid if self._process is not None else None
+
     def _command(self) -> list[str]:
         cmd = [
             nats_server_binary(),
