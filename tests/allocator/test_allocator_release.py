@@ -14,11 +14,10 @@ from gpulet_allocator.cli import format_state
 from gpulet_allocator.engine import reference
 from gpulet_allocator.plugin.service import DevicePluginService
 from gpulet_allocator.service import AllocatorService
-from gpulet_common.bus import Bus, RemoteError
+from gpulet_common.bus import RemoteError
 from gpulet_common.embedded_nats import EmbeddedNats
-from gpulet_common.runtime import NvmlProvider, Runtime
 from gpulet_common.settings import Settings
-from gpulet_common.telemetry import StatusBoard
+from support.agent import runtime_for
 from support.allocator_stack import (
     CORE,
     GPU,
@@ -162,14 +161,8 @@ async def test_plugin_waits_degraded_for_the_kubelet_dir(
         settings = make_settings(
             nats_server.url, tmp_path / "state", plugin_dir, dev_root_with(tmp_path / "dev", 1)
         )
-        status = StatusBoard()
-        async with (
-            Bus.connect(settings.nats, max_initial_attempts=3) as bus,
-            anyio.create_task_group() as tg,
-        ):
-            runtime = Runtime(
-                settings=settings, bus=bus, status=status, nvml=NvmlProvider(settings.nvml)
-            )
+        async with runtime_for(settings) as runtime, anyio.create_task_group() as tg:
+            status = runtime.status
             service = DevicePluginService(runtime)
             with anyio.fail_after(5):
                 await tg.start(service.run)
@@ -209,14 +202,8 @@ async def test_disabled_services_idle_and_say_so(nats_server: EmbeddedNats, tmp_
         nats_server.url, tmp_path / "state", tmp_path / "dp", dev_root_with(tmp_path / "dev", 1)
     )
     settings.allocator.enabled = False
-    status = StatusBoard()
-    async with (
-        Bus.connect(settings.nats, max_initial_attempts=3) as bus,
-        anyio.create_task_group() as tg,
-    ):
-        runtime = Runtime(
-            settings=settings, bus=bus, status=status, nvml=NvmlProvider(settings.nvml)
-        )
+    async with runtime_for(settings) as runtime, anyio.create_task_group() as tg:
+        status = runtime.status
         with anyio.fail_after(5):
             await tg.start(AllocatorService(runtime).run)
             await tg.start(DevicePluginService(runtime).run)
@@ -239,14 +226,8 @@ async def test_plugin_socket_paths_too_long_are_reported_not_fatal(
     settings = make_settings(
         nats_server.url, tmp_path / "state", plugin_dir, dev_root_with(tmp_path / "dev", 1)
     )
-    status = StatusBoard()
-    async with (
-        Bus.connect(settings.nats, max_initial_attempts=3) as bus,
-        anyio.create_task_group() as tg,
-    ):
-        runtime = Runtime(
-            settings=settings, bus=bus, status=status, nvml=NvmlProvider(settings.nvml)
-        )
+    async with runtime_for(settings) as runtime, anyio.create_task_group() as tg:
+        status = runtime.status
         await tg.start(DevicePluginService(runtime).run)
 
         async def reported() -> bool:
@@ -269,14 +250,8 @@ async def test_an_unreadable_checkpoint_stops_allocations_until_it_reads(
         nats_server.url, tmp_path / "state", tmp_path / "dp", dev_root_with(tmp_path / "dev", 1)
     )
     settings.allocator.checkpoint_path = str(checkpoint)
-    status = StatusBoard()
-    async with (
-        Bus.connect(settings.nats, max_initial_attempts=3) as bus,
-        anyio.create_task_group() as tg,
-    ):
-        runtime = Runtime(
-            settings=settings, bus=bus, status=status, nvml=NvmlProvider(settings.nvml)
-        )
+    async with runtime_for(settings) as runtime, anyio.create_task_group() as tg:
+        status = runtime.status
         service = AllocatorService(runtime)
         with anyio.fail_after(5):
             await tg.start(service.run)  # started, degraded: later services go on

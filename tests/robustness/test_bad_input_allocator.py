@@ -86,11 +86,10 @@ from gpulet_common.bus import Bus
 from gpulet_common.codec import Codec
 from gpulet_common.embedded_nats import EmbeddedNats
 from gpulet_common.messages import ErrorReply, HealthEvent, HealthState, Inventory
-from gpulet_common.runtime import NvmlProvider, Runtime
 from gpulet_common.settings import Settings
 from gpulet_common.settings.allocator import ResourceNames
-from gpulet_common.telemetry import StatusBoard
 from robustness.strategies import bases, mutants
+from support.agent import runtime_for
 from support.allocator_stack import NODE, make_settings
 from support.metrics import MetricsProbe
 
@@ -1395,7 +1394,7 @@ def check_invariants(
 async def running_allocator(settings: Settings, probe: MetricsProbe) -> AsyncIterator[Fuzz]:
     async with (
         Bus.connect(settings.nats, name="fuzz-world", max_initial_attempts=5) as world,
-        Bus.connect(settings.nats, name="fuzz-allocator", max_initial_attempts=5) as bus,
+        runtime_for(settings, meter=probe.meter, name="fuzz-allocator") as runtime,
         anyio.create_task_group() as tg,
     ):
         # Answer the service's health-state query as a health service with nothing to
@@ -1407,13 +1406,6 @@ async def running_allocator(settings: Settings, probe: MetricsProbe) -> AsyncIte
 
         await world.client.subscribe(subjects.health_state(NODE), cb=health_state)
         await world.flush()
-        runtime = Runtime(
-            settings=settings,
-            bus=bus,
-            status=StatusBoard(),
-            nvml=NvmlProvider(settings.nvml),
-            meter=probe.meter,
-        )
         service = AllocatorService(runtime)
         with anyio.fail_after(10):
             await tg.start(service.run)

@@ -49,18 +49,23 @@ async def runtime_for(
     *,
     adapter: NvmlAdapter | None = None,
     meter: metrics.Meter | None = None,
+    status: StatusBoard | None = None,
+    name: str | None = None,
 ) -> AsyncIterator[Runtime]:
-    """A Runtime whose NVML is ``adapter`` (or the settings' backend) and bus is real."""
+    """A Runtime whose NVML is ``adapter`` (or the settings' backend) and bus is real.
+
+    ``name`` names the NATS connection; ``status`` lets several runtimes share a board.
+    """
     provider = (
         NvmlProvider.preopened(settings.nvml, adapter)
         if adapter is not None
         else NvmlProvider(settings.nvml)
     )
-    async with Bus.connect(settings.nats, meter=meter, max_initial_attempts=5) as bus:
+    async with Bus.connect(settings.nats, name=name, meter=meter, max_initial_attempts=5) as bus:
         runtime = Runtime(
             settings=settings,
             bus=bus,
-            status=StatusBoard(),
+            status=status or StatusBoard(),
             nvml=provider,
             meter=meter or metrics.get_meter("test"),
         )

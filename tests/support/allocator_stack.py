@@ -39,11 +39,12 @@ from gpulet_common.bus import Bus, Delivery
 from gpulet_common.codec import Codec
 from gpulet_common.lifecycle import Service
 from gpulet_common.messages import HealthEvent, Inventory, InventoryRequest
-from gpulet_common.runtime import NvmlProvider, Runtime
+from gpulet_common.runtime import Runtime
 from gpulet_common.settings import Settings
 from gpulet_common.settings.allocator import AllocatorSettings, PluginConfig
 from gpulet_common.settings.nats import NatsSettings
 from gpulet_common.telemetry import StatusBoard
+from support.agent import runtime_for
 from support.fake_kubelet import FakeKubelet, FakePod, running_fake_kubelet
 from support.metrics import MetricsProbe
 
@@ -155,15 +156,10 @@ class Stack:
     # --- services ------------------------------------------------------------------------
 
     async def _runtime(self, name: str) -> Runtime:
-        bus = await self._exits.enter_async_context(
-            Bus.connect(self.settings.nats, name=f"test-{name}", max_initial_attempts=5)
-        )
-        return Runtime(
-            settings=self.settings,
-            bus=bus,
-            status=self.status,
-            nvml=NvmlProvider(self.settings.nvml),
-            meter=self.metrics.meter,
+        return await self._exits.enter_async_context(
+            runtime_for(
+                self.settings, meter=self.metrics.meter, status=self.status, name=f"test-{name}"
+            )
         )
 
     async def _start(self, name: str, service: Service) -> None:

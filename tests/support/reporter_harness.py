@@ -23,12 +23,12 @@ from gpulet_common.messages import (
     HealthState,
     Inventory,
 )
-from gpulet_common.runtime import NvmlProvider, Runtime
+from gpulet_common.runtime import Runtime
 from gpulet_common.settings import Settings
 from gpulet_common.settings.nats import NatsSettings
 from gpulet_common.settings.reporter import ReporterSettings
-from gpulet_common.telemetry import StatusBoard
 from gpulet_reporter.service import ReporterService
+from support.agent import runtime_for
 from support.metrics import MetricsProbe
 
 H100 = "NVIDIA H100 80GB HBM3"
@@ -184,14 +184,8 @@ async def running_reporter(
     )
     settings.nvml.backend = nvml_backend
     probe = MetricsProbe()
-    async with Bus.connect(settings.nats, max_initial_attempts=3) as bus:
-        runtime = Runtime(
-            settings=settings,
-            bus=bus,
-            status=StatusBoard(),
-            nvml=NvmlProvider(settings.nvml),
-            meter=probe.meter,
-        )
+    async with runtime_for(settings, meter=probe.meter) as runtime:
+        bus = runtime.bus
         service = ReporterService(runtime, env=env or {}, sa_dir=tmp_path / "no-service-account")
         async with anyio.create_task_group() as tg:
             await tg.start(service.run)
