@@ -109,6 +109,8 @@ Call = Callable[[list[str]], Awaitable[str]]
 Waves = Callable[[list[list[list[str]]]], Awaitable[list[tuple[float, str]]]]
 Results = dict[tuple[str, int], list[float]]
 Scenario = tuple[str, int]
+# A thread of a watched process: (process name, pid, tid).
+Thread = tuple[str, int, int]
 
 
 def _on_cpu_ns(schedstat: str) -> int | None:
@@ -132,9 +134,9 @@ class CpuMeter:
 
     def __init__(self) -> None:
         self._pids: dict[str, list[int]] = {}
-        self._spent_ns: dict[Scenario, dict[str, int]] = {}
-        # Per thread too: kubelet's one connection is served by one thread of the plugin.
-        self._thread_ns: dict[Scenario, dict[tuple[str, str], int]] = {}
+        # Per thread, not only per process: kubelet's one connection is served by one
+        # thread of the plugin.
+        self._thread_ns: dict[Scenario, dict[Thread, int]] = {}
         self._calls: dict[Scenario, int] = {}
 
     def watch(self, name: str, pid: int | None) -> None:
@@ -146,21 +148,19 @@ class CpuMeter:
     def names(self) -> list[str]:
         return list(self._pids)
 
-    def _threads(self) -> dict[str, dict[str, int]]:
-        """Each name's threads (by their /proc path) and how long each has run."""
-        threads: dict[str, dict[str, int]] = {}
+    def _threads(self) -> dict[Thread, int]:
+        """Every watched thread and how long it has run."""
+        ran: dict[Thread, int] = {}
         for name, pids in self._pids.items():
-            ran = threads[name] = {}
             for pid in pids:
                 try:
                     tids = os.listdir(f"/proc/{pid}/task")
                 except (FileNotFoundError, ProcessLookupError):
                     continue
                 for tid in tids:
-                    path = f"/proc/{pid}/task/{tid}/schedstat"
-                    if (ns := _on_cpu_ns(path)) is not None:
-                        ran[path] = ns
-        return threads
+                    if (ns := _on_cpu_ns(f"/proc/{pid}/task/{tid}/schedstat")) is not None:
+                        ran[name, pid, int(tid)] = ns
+        return ran
 
     @contextlib.contextmanager
     def counting(self, scenario: Scenario | None, calls: int) -> Iterator[None]:
@@ -170,14 +170,10 @@ class CpuMeter:
         before = self._threads()
         yield
         after = self._threads()
-        spent = self._spent_ns.setdefault(scenario, dict.fromkeys(self._pids, 0))
         threads = self._thread_ns.setdefault(scenario, {})
-        for name, ran in after.items():
-            for path, ns in ran.items():
-                # A thread born during the calls ran all of its time in them.
-                delta = ns - before[name].get(path, 0)
-                spent[name] += delta
-                threads[name, path] = threads.get((name, path), 0) + delta
+        for thread, ns in after.items():
+            # A thread born during the calls ran all of its time in them.
+            threads[thread] = threads.get(thread, 0) + ns - before.get(thread, 0)
         self._calls[scenario] = self._calls.get(scenario, 0) + calls
 
     def per_call_ms(self, scenario: Scenario) -> dict[str, float]:
@@ -185,7 +181,10 @@ class CpuMeter:
         calls = self._calls.get(scenario, 0)
         if not calls:
             return {}
-        return {name: ns / calls / 1e6 for name, ns in self._spent_ns[scenario].items()}
+        spent = dict.fromkeys(self._pids, 0)
+        for (name, _pid, _tid), ns in self._thread_ns[scenario].items():
+            spent[name] += ns
+        return {name: ns / calls / 1e6 for name, ns in spent.items()}
 
     def busiest_thread(self, scenario: Scenario) -> tuple[str, float] | None:
         """The thread that ran most for ``scenario``: who it is, and its ms per call.
@@ -197,8 +196,7 @@ class CpuMeter:
         threads = self._thread_ns.get(scenario)
         if not calls or not threads:
             return None
-        (name, path), ns = max(threads.items(), key=lambda item: item[1])
-        _proc, pid, _task, tid, _file = path.strip("/").split("/")
+        (name, pid, tid), ns = max(threads.items(), key=lambda item: item[1])
         which = "main thread" if pid == tid else "a thread"
         return f"{name}, {which}", ns / calls / 1e6
 
