@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from gpulet_common.embedded_nats import free_port
+from support.host import HIDDEN_DRIVER, without_driver
 
 GPULET = [sys.executable, "-m", "gpulet"]
 
@@ -179,7 +180,9 @@ def test_shuts_down_cleanly_within_two_seconds(agent: Agent, signum: int) -> Non
 
 
 def test_without_nvml_it_says_so_and_points_to_the_mock(tmp_path: Path) -> None:
-    proc = Agent(tmp_path, "--only", "collector", "--nvml", "auto")
+    # "No NVML" is made, not assumed: the library path does not exist on any host.
+    hide = [arg for override in without_driver() for arg in ("--set", override)]
+    proc = Agent(tmp_path, "--only", "collector", "--nvml", "auto", *hide)
     try:
         ready = proc.wait_ready()
         components = ready["components"]
@@ -187,6 +190,7 @@ def test_without_nvml_it_says_so_and_points_to_the_mock(tmp_path: Path) -> None:
         assert components["collector"]["state"] == "degraded"
         assert "--nvml mock" in components["collector"]["detail"]
         assert "--nvml mock" in proc.output()
+        assert HIDDEN_DRIVER in components["collector"]["detail"]
     finally:
         proc.stop()
 

@@ -14,6 +14,7 @@ from gpulet_common.embedded_nats import EmbeddedNats
 from gpulet_common.messages import InventoryRequest, MockInjectRequest
 from gpulet_common.settings.nvml import NvmlSettings
 from support.agent import agent_settings, mock_adapter, runtime_for
+from support.host import HIDDEN_DRIVER, without_driver
 from support.metrics import MetricsProbe
 
 pytestmark = pytest.mark.anyio
@@ -141,9 +142,11 @@ async def test_lost_gpu_is_reported_in_samples(nats_server: EmbeddedNats, tmp_pa
 async def test_without_nvml_the_collector_runs_degraded_and_says_why(
     nats_server: EmbeddedNats, tmp_path: Path
 ) -> None:
-    # The real pynvml on a machine without the driver: library not found.
-    settings = agent_settings(nats_server.url, tmp_path, overrides=["nvml.backend=auto"])
-    assert settings.nvml == NvmlSettings(backend="auto")
+    # The real pynvml on a machine made driverless: the library path does not exist.
+    settings = agent_settings(
+        nats_server.url, tmp_path, overrides=["nvml.backend=auto", *without_driver()]
+    )
+    assert settings.nvml == NvmlSettings(backend="auto", library=HIDDEN_DRIVER)
     async with runtime_for(settings) as rt, anyio.create_task_group() as tg:
         async with rt.bus.subscribe(
             subjects.inventory(settings.node_name), codec.INVENTORY
@@ -156,6 +159,7 @@ async def test_without_nvml_the_collector_runs_degraded_and_says_why(
     assert inventory.gpus == []
     assert inventory.degraded_reason is not None
     assert "--nvml mock" in inventory.degraded_reason
+    assert HIDDEN_DRIVER in inventory.degraded_reason
     assert status is not None
     assert status.state == "degraded"
 

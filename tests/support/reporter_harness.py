@@ -29,6 +29,7 @@ from gpulet_common.settings.nats import NatsSettings
 from gpulet_common.settings.reporter import ReporterSettings
 from gpulet_reporter.service import ReporterService
 from support.agent import runtime_for
+from support.host import HIDDEN_DRIVER
 from support.metrics import MetricsProbe
 
 H100 = "NVIDIA H100 80GB HBM3"
@@ -183,6 +184,7 @@ async def running_reporter(
         reporter=reporter,
     )
     settings.nvml.backend = nvml_backend
+    settings.nvml.library = HIDDEN_DRIVER  # never the host's GPUs, whatever it has
     probe = MetricsProbe()
     async with runtime_for(settings, meter=probe.meter) as runtime:
         bus = runtime.bus

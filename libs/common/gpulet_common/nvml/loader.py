@@ -12,10 +12,16 @@ Backends: ``nvml`` is the real library through ``pynvml``; ``mock`` is the in-re
 :mod:`gpulet_common.mock_nvml` driven by a scenario; ``auto`` is ``nvml`` when it
 loads and degraded otherwise -- never the mock, so production never silently reports
 fake GPUs.
+
+The real backend loads the library named by ``nvml.library`` itself (``ctypes``)
+before pynvml would: pynvml only knows the default name, and a host must be able to
+be *made* driverless -- a path that does not exist is exactly "no NVML here", whatever
+the host has. pynvml keeps one library per process; once loaded, it stays.
 """
 
 from __future__ import annotations
 
+import ctypes
 import importlib
 import logging
 from typing import Literal
@@ -70,6 +76,18 @@ def open_nvml(settings: NvmlSettings) -> tuple[NvmlAdapter | None, str | None]:
     except ImportError as exc:
         reason = f"the NVML Python bindings (nvidia-ml-py) are not installed: {exc}"
         return None, _degraded(settings, reason)
+    try:
+        library = ctypes.CDLL(settings.library)
+    except OSError as exc:
+        reason = (
+            f"NVML library not found ({settings.library} could not be loaded: {exc}; no "
+            "NVIDIA driver on this host, or the container was not started with the NVIDIA "
+            "runtime)"
+        )
+        return None, _degraded(settings, reason)
+    if getattr(pynvml, "nvmlLib", None) is None:
+        # Hand pynvml the library we loaded, so that it does not search for its default.
+        setattr(pynvml, "nvmlLib", library)  # noqa: B010 - untyped module attribute
     adapter = NvmlAdapter(pynvml, backend="nvml")
     try:
         adapter.init()

@@ -13,5 +13,9 @@ class NvmlSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     backend: Literal["auto", "nvml", "mock"] = "auto"
     # Scenario name (see `gpulet mock scenarios`) or path to a scenario TOML file.
     scenario: str = "dgx-h100"
+    # The NVML library the real backend loads: a name the dynamic linker searches for
+    # (the driver's default) or an absolute path. A path that does not exist makes a
+    # host look driverless, which is how tests create "no NVML" on a GPU machine.
+    library: Annotated[str, msgspec.Meta(min_length=1)] = "libnvidia-ml.so.1"
     # A single NVML call taking longer than this marks the GPU as hung for the period.
     call_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 0.5
