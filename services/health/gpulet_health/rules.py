@@ -525,12 +525,16 @@ class RuleEngine:
             out += self.observe_lost(gpu.uuid, now, "NVML GpuUnavailable event")
         return out
 
-    def observe_xid(self, uuid: str, code: int, now: float) -> list[HealthEvent]:
+    def observe_xid(
+        self, uuid: str, code: int, now: float, *, seen_in: str = ""
+    ) -> list[HealthEvent]:
+        """An XID on a GPU; ``seen_in`` says where, when not from an NVML event."""
         gpu = self.gpus.get(uuid)
         if gpu is None:
             return []
         verdict = self.catalogue.lookup(code)
         info = verdict.info
+        where = f"; {seen_in}" if seen_in else ""
         if not verdict.unhealthy:
             why = (
                 "an application error: the GPU stays healthy"
@@ -543,7 +547,7 @@ class RuleEngine:
                 now,
                 kind="xid",
                 severity=info.severity,
-                reason=f"XID {code}: {info.description} ({why})",
+                reason=f"XID {code}: {info.description} ({why}){where}",
                 action=info.action,
                 value=float(code),
                 xid=code,
@@ -554,7 +558,7 @@ class RuleEngine:
                 condition=f"xid:{code}",
                 kind="xid",
                 severity=info.severity,
-                reason=f"XID {code}: {info.description}",
+                reason=f"XID {code}: {info.description}{where}",
                 action=info.action,
                 since=now,
                 sticky=True,

@@ -18,7 +18,10 @@ One task group, all of it structured (nothing outlives the service):
 * the **state store** (:mod:`.kv`) keeps each GPU's health in the ``gpu_health`` KV
   bucket, and two endpoints answer ``gpulet.health.state.<node>`` (current state) and
   ``gpulet.health.clear.<node>`` (operator clears sticky conditions);
-* a **tick** flushes de-duplication summaries and ages the correctable-ECC window.
+* a **tick** flushes de-duplication summaries and ages the correctable-ECC window;
+* the **kernel log** (:mod:`.kmsg`): ``NVRM: Xid`` records, a second source of XIDs
+  that also gives back those logged while the agent was down. An XID that both sources
+  see is reported once (the first source wins).
 
 Without NVML the service runs *degraded* and retries, like the collector.
 """
@@ -62,6 +65,15 @@ from gpulet_health.events_source import (
     NvmlUp,
     Registered,
     SourceItem,
+)
+from gpulet_health.kmsg import (
+    CrossSourceDedup,
+    Cursor,
+    KmsgReader,
+    KmsgXid,
+    boot_id,
+    boot_wall_time,
+    pci_key,
 )
 from gpulet_health.kv import StateStore
 from gpulet_health.publisher import HealthPublisher
@@ -129,6 +141,11 @@ class HealthService:
         self.registered: dict[int, int] = {}
         self._registered_generation = -1
         self._registration = anyio.Event()
+        # Every PCI address a GPU of this node has had (kept after a loss: XID 79 is
+        # logged for a GPU that NVML no longer answers for), for the kernel log's XIDs.
+        self._pci: dict[tuple[int, int, int], str] = {}
+        self._xid_dedup = CrossSourceDedup(self._settings.kmsg.dedup_window_s)
+        self._state_dir = Path(runtime.settings.state_dir)
         self._event_counter = runtime.meter.create_counter(
             "gpulet.health.events", description="Health events produced, by kind and severity"
         )
@@ -177,6 +194,7 @@ class HealthService:
                     await self._emit(self.engine.observe_nvml_unavailable(reason, time.time()))
                     tg.start_soon(self._wait_for_nvml, tg)
                 tg.start_soon(self._ask_collector)
+                tg.start_soon(self._kmsg_loop)
                 task_status.started()
         finally:
             with anyio.CancelScope(shield=True):
@@ -343,6 +361,7 @@ class HealthService:
             return
         now = time.time()
         self._last_scan_count = count
+        self._learn_pci(found)
         events: list[HealthEvent] = []
         for index, uuid in lost:
             if uuid is None and previous_count == count:
@@ -410,7 +429,15 @@ class HealthService:
     async def _handle_source(self, item: SourceItem) -> None:
         engine = self.engine
         if isinstance(item, EventReceived):
-            await self._emit(engine.observe_nvml_event(item.event))
+            event = item.event
+            xid = event.xid
+            if (
+                xid is not None
+                and event.gpu_uuid is not None
+                and not self._xid_dedup.admit("nvml", event.gpu_uuid, xid, time.monotonic())
+            ):
+                return  # the kernel log reported this XID first
+            await self._emit(engine.observe_nvml_event(event))
         elif isinstance(item, LostSignal):
             uuid = item.uuid
             if uuid is None and item.index is not None:
@@ -511,6 +538,7 @@ class HealthService:
             }
             for g in inventory.gpus
         }
+        self._learn_pci(inventory.gpus)
         theirs = {(g.index, g.uuid) for g in inventory.gpus}
         ours = {(i, u) for i, u in self.engine.index_map().items()}
         if theirs != ours:
@@ -519,6 +547,72 @@ class HealthService:
                 inventory.generation,
             )
             self._rescan.set()
+
+    def _learn_pci(self, gpus: list[GpuInfo]) -> None:
+        for gpu in gpus:
+            key = pci_key(gpu.pci_bus_id) if gpu.pci_bus_id else None
+            if key is not None:
+                self._pci[key] = gpu.uuid
+
+    async def _kmsg_loop(self) -> None:
+        """XIDs from the kernel log, from its ring buffer on; degraded without access."""
+        cfg = self._settings.kmsg
+        component = "health.kmsg"
+        path = cfg.path or ("/dev/kmsg" if self._rt.settings.nvml.backend != "mock" else "")
+        if not cfg.enabled or not path:
+            return
+        cursor = await anyio.to_thread.run_sync(
+            Cursor, self._state_dir / "health-kmsg.cursor", boot_id()
+        )
+        reader = KmsgReader(path, cursor)
+        try:
+            await anyio.to_thread.run_sync(reader.open)
+        except OSError as exc:
+            self._rt.status.set(
+                component,
+                "degraded",
+                f"cannot read the kernel log {path} ({exc.strerror or exc}): XIDs come "
+                "from NVML events only, and XIDs from while the agent was down are missed",
+            )
+            return
+        self._rt.status.set(component, "ready", f"reading XIDs from {path}")
+        boot = boot_wall_time()
+        try:
+            while True:
+                if not self.engine.gpus:  # nothing to tie a PCI address to yet
+                    await anyio.sleep(cfg.poll_s)
+                    continue
+                try:
+                    xids = await anyio.to_thread.run_sync(reader.poll)
+                except OSError as exc:
+                    self._rt.status.set(component, "degraded", f"reading {path}: {exc}")
+                    await anyio.sleep(max(cfg.poll_s, 5.0))
+                    continue
+                for xid in xids:
+                    await self._on_kmsg_xid(xid, boot)
+                if xids:
+                    await anyio.to_thread.run_sync(reader.commit, xids[-1].seq)
+                else:
+                    await anyio.sleep(cfg.poll_s)
+        finally:
+            reader.close()
+
+    async def _on_kmsg_xid(self, xid: KmsgXid, boot: float) -> None:
+        uuid = self._pci.get(xid.pci)
+        if uuid is None:
+            log.warning(
+                "kernel log XID %d for PCI %04x:%02x:%02x, not a GPU of this node: ignored",
+                xid.xid,
+                *xid.pci,
+            )
+            return
+        if not self._xid_dedup.admit("kmsg", uuid, xid.xid, time.monotonic()):
+            return  # NVML reported it first
+        now = time.time()
+        logged_at = boot + xid.usec / 1e6
+        ago = max(0.0, now - logged_at)
+        seen_in = "from the kernel log" + (f", logged {ago:.0f} s earlier" if ago >= 2 else "")
+        await self._emit(self.engine.observe_xid(uuid, xid.xid, now, seen_in=seen_in))
 
     async def _ask_collector(self) -> None:
         # The reply is also published on gpu.inventory.<node>, where we listen.

@@ -163,6 +163,11 @@ class NvmlEvent(msgspec.Struct, frozen=True, kw_only=True):
     event_data: int
     timestamp: float
 
+    @property
+    def xid(self) -> int | None:
+        """The XID number when this is an XID event and nothing else, None otherwise."""
+        return self.event_data if self.event_type == EVENT_XID else None
+
 
 class _Gpu:
     """What the adapter remembers about one GPU between calls."""

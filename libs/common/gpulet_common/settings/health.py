@@ -142,6 +142,21 @@ class AlertSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     ack_wait_s: PosFloat = 60.0
 
 
+class KmsgSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    # Read XIDs from the kernel log too (NVRM: Xid lines), including the ring buffer's
+    # XIDs from while the agent was down. Without access the check runs degraded.
+    enabled: bool = True
+    # The kernel log to read (a plain file is read line by line). Empty: /dev/kmsg with
+    # the real NVML, none with the mock NVML (the host's kernel log does not describe
+    # mock GPUs).
+    path: str = ""
+    # How often to look for new records once the log is read to its end (s).
+    poll_s: PosFloat = 0.5
+    # The same XID on the same GPU from NVML and the kernel log within this window (s)
+    # is one fault: the second copy is dropped.
+    dedup_window_s: PosFloat = 30.0
+
+
 class HealthSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # Run the health service (false: `gpulet run` starts it idle).
     enabled: bool = True
@@ -169,3 +184,4 @@ class HealthSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     stream: StreamSettings = msgspec.field(default_factory=StreamSettings)
     buffer: BufferSettings = msgspec.field(default_factory=BufferSettings)
     alerts: AlertSettings = msgspec.field(default_factory=AlertSettings)
+    kmsg: KmsgSettings = msgspec.field(default_factory=KmsgSettings)
