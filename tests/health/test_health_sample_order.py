@@ -31,7 +31,9 @@ LOST = 1
 BOOT = "collector-1"
 
 
-def _batch(h: HealthNode, seq: int, *, lost: bool, boot: str = BOOT, at: float = 0.0) -> SampleBatch:
+def _batch(
+    h: HealthNode, seq: int, *, lost: bool, boot: str = BOOT, at: float = 0.0
+) -> SampleBatch:
     at = at or time.time()
     samples = [
         GpuSample(uuid=h.uuid(i), index=i, timestamp=at, error="lost")
@@ -86,4 +88,3 @@ async def test_late_batches_after_an_outage_do_not_make_a_lost_gpu_flap(
         await bus.publish(subjects.samples(h.node), restarted, codec.SAMPLES)
         await bus.flush()
         await wait_until(lambda: _flips(h) > flips_before, what="the new boot's batch")
-
