@@ -227,20 +227,18 @@ class NodeView:
             uuid = self._uuid_of(entry.key)
             if uuid is None:
                 continue
+            health = None
+            if entry.operation not in (KV_DEL, KV_PURGE):
+                health = self._decode(entry.key, uuid, entry.value or b"")
+                if health is None:
+                    continue
             revision = entry.revision or 0
-            if entry.operation in (KV_DEL, KV_PURGE):
-                if snapshot is not None:
-                    snapshot.pop(uuid, None)
-                else:
-                    self._drop(uuid, revision)
-                continue
-            health = self._decode(entry.key, uuid, entry.value or b"")
-            if health is None:
-                continue
-            if snapshot is not None:
-                snapshot[uuid] = (revision, health)
-            else:
+            if snapshot is None:
                 self._apply(uuid, revision, health)
+            elif health is None:
+                snapshot.pop(uuid, None)
+            else:
+                snapshot[uuid] = (revision, health)
 
     def _uuid_of(self, key: str) -> str | None:
         if not key.startswith(self._prefix):
@@ -273,21 +271,18 @@ class NodeView:
         if changed:
             self._notify(NodeChange(gpus=frozenset(changed)))
 
-    def _apply(self, uuid: str, revision: int, health: GpuHealth) -> None:
+    def _apply(self, uuid: str, revision: int, health: GpuHealth | None) -> None:
+        """One live change (None: the key was deleted), if newer than what we hold."""
         if revision <= self._revision.get(uuid, 0):
             return
         self._revision[uuid] = revision
         if self._health.get(uuid) == health:
             return
-        self._health[uuid] = health
+        if health is None:
+            del self._health[uuid]
+        else:
+            self._health[uuid] = health
         self._notify(NodeChange(gpus=frozenset({uuid})))
-
-    def _drop(self, uuid: str, revision: int) -> None:
-        if revision <= self._revision.get(uuid, 0):
-            return
-        self._revision[uuid] = revision
-        if self._health.pop(uuid, None) is not None:
-            self._notify(NodeChange(gpus=frozenset({uuid})))
 
     def _notify(self, change: NodeChange) -> None:
         for listener in self._listeners:
