@@ -14,12 +14,13 @@ production. Settings are the production defaults (quiet window 0.5 s, maximum de
 What is simulated
 -----------------
 * **The bus.** Inputs are handed to each node's ``ReporterCore`` directly, as the
-  service does after decoding a NATS message; no nats-server, no 1000 connections.
+  service's NodeView does after reading a NATS message or a KV change; no
+  nats-server, no 1000 connections.
 * **The inputs, at realistic rates.** Every second each node receives its unchanged
-  inventory (the collector's 1 Hz cadence) and a repeat report for each GPU with an
-  active fault (the health service's re-reports). Health flaps arrive per node as a
-  Poisson process (``--flap-rate`` per node-hour): one GPU raises an XID, as a burst
-  of 1-10 events within 100 ms (repeats and a second, more severe XID), stays
+  inventory (the collector's 1 Hz cadence) and, for each GPU with an active fault,
+  its unchanged health state again. Health flaps arrive per node as a Poisson
+  process (``--flap-rate`` per node-hour): one GPU raises an XID, as a burst of 1-10
+  health states within 100 ms (repeats and a second, more severe XID), stays
   unhealthy 5-30 s and recovers.
 * **The flap rate is raised** far above a real fleet's so that a one-minute run sees
   enough faults to measure latency. Writes are therefore reported per flap, and the
@@ -65,7 +66,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _util import percentile, rss_mb, table
 
-from gpulet_common.messages import HealthEvent, Inventory
+from gpulet_common.messages import ActiveCondition, GpuHealth, Inventory
 from gpulet_common.settings.reporter import ReporterSettings
 from gpulet_reporter.core import ReporterCore
 from gpulet_reporter.desired import GROUP, PLURAL, VERSION
@@ -116,10 +117,9 @@ class SimNode:
         self.metrics = ReporterMetrics(metrics.get_meter("bench"))
         self.writer = KubeWriter(api, name, settings, self.metrics)
         self.loop = WriteLoop(self.writer, self.core.debouncer, settings, self.metrics)
-        self.faulted: dict[str, HealthEvent] = {}
+        self.faulted: dict[str, GpuHealth] = {}
         self._expect = expectations
         self._results = results
-        self._seq = 0
 
     @property
     def converged(self) -> bool:
@@ -129,26 +129,31 @@ class SimNode:
             and not self.core.debouncer.pending
         )
 
-    def _event(self, uuid: str, *, healthy: bool, xid: int, severity: str) -> HealthEvent:
-        self._seq += 1
+    def _event(self, uuid: str, *, healthy: bool, xid: int, severity: str) -> GpuHealth:
+        """The GPU's health state after one more fact, as the health service keeps it."""
         now = time.time()
-        return HealthEvent(
-            event_id=f"{self.name}-{self._seq}",
-            node=self.name,
-            gpu_uuid=uuid,
-            kind="xid" if not healthy else "recovered",
-            severity=severity if not healthy else "info",  # type: ignore[arg-type]
-            healthy=healthy,
-            reason=f"XID {xid}" if not healthy else "condition ended",
-            message="simulated fault" if not healthy else "simulated recovery",
-            xid=xid if not healthy else None,
-            condition=f"xid:{xid}",
-            observed_at=now,
-        )
+        if healthy:
+            return GpuHealth(gpu_uuid=uuid, updated_at=now)
+        previous = self.faulted.get(uuid)
+        conditions = list(previous.conditions) if previous is not None else []
+        if all(c.condition != f"xid:{xid}" for c in conditions):
+            conditions.append(
+                ActiveCondition(
+                    condition=f"xid:{xid}",
+                    kind="xid",
+                    severity=severity,  # type: ignore[arg-type]
+                    reason=f"XID {xid}",
+                    message="simulated fault",
+                    since=now,
+                )
+            )
+        return GpuHealth(gpu_uuid=uuid, healthy=False, conditions=conditions, updated_at=now)
 
-    def feed(self, event: HealthEvent) -> None:
+    def feed(self, health: GpuHealth) -> None:
         self._results.events += 1
-        self.core.on_health_event(event)
+        if not health.healthy:
+            self.faulted[health.gpu_uuid] = health
+        self.core.on_health(health.gpu_uuid, health)
 
     async def tick(self, stop_at: float) -> None:
         """The 1 Hz inputs that change nothing."""
@@ -170,7 +175,6 @@ class SimNode:
         if previous is not None and previous.healthy:
             self._results.superseded += 1
         self._expect[key] = Expectation(healthy=False, since=start)
-        self.faulted[uuid] = first
         self.feed(first)
         for _ in range(random.randint(0, 9)):  # the rest of the burst, within 100 ms
             await anyio.sleep(random.uniform(0, 0.011))

@@ -159,12 +159,21 @@ def test_a_degraded_inventory_does_not_lose_the_gpus() -> None:
 
 
 def test_health_before_the_inventory_is_applied_when_it_arrives() -> None:
-    core = AllocatorCore(node="n", names=ResourceNames())
-    core.set_health(U1, False)
+    # The health source (the service's NodeView) knew U1 unhealthy before the
+    # inventory listed it; the core keeps no copy of its own but reads it on arrival.
+    health = {U1: False}
+    core = AllocatorCore(node="n", names=ResourceNames(), health_of=lambda u: health.get(u, True))
+    assert not core.set_health(U1, False)  # not in the ledger yet: nothing to change
     core.update_inventory(two_cards())
     assert core.ledger.free_whole() == [U0]
+    health[U1] = True
     assert core.set_health(U1, True)
+    assert not core.set_health(U1, True)
     assert core.ledger.free_whole() == [U0, U1]
+    # A new inventory takes the health from the source again, not a stale copy.
+    health[U0] = False
+    core.update_inventory(two_cards())
+    assert core.ledger.free_whole() == [U1]
 
 
 def test_reconcile_releases_after_the_grace_only() -> None:

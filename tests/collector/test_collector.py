@@ -53,6 +53,9 @@ async def test_publishes_inventory_then_samples_of_every_gpu(
     assert all(s.error is None and s.temperature_c is not None for s in first.samples)
     assert {s.uuid for s in first.samples} == {g.uuid for g in inventory.gpus}
     assert 0.02 < second.timestamp - first.timestamp < 1.0
+    # The collector's own order (gpulet_common.ordering): one process, rising seq.
+    assert inventory.boot_id == first.boot_id == second.boot_id != ""
+    assert 0 < inventory.seq < first.seq < second.seq
 
 
 async def test_inventory_on_request_and_after_hot_add(

@@ -37,7 +37,8 @@ from gpulet_common import codec, subjects
 from gpulet_common.bus import Bus
 from gpulet_common.codec import Codec
 from gpulet_common.embedded_nats import EmbeddedNats, free_port
-from gpulet_common.messages import GpuSample, SampleBatch
+from gpulet_common.messages import GpuHealth, GpuSample, SampleBatch
+from gpulet_common.nodeview import NodeView
 from gpulet_common.settings.nats import NatsSettings
 from support.deploy import (
     NATS_DIR,
@@ -398,6 +399,38 @@ RESPONDERS = {
     subjects.allocator_prefix(NODE) + ".>": "allocator",
 }
 REPLY_SUBJECT = Codec(str)
+
+
+async def test_consumers_read_the_health_bucket_and_cannot_write_it(
+    secured: tuple[EmbeddedNats, bool],
+) -> None:
+    """The reporter, the allocator and the device plugin follow each GPU's health
+    through a NodeView (a watch on the gpu_health bucket); none may write the bucket,
+    so the state they trust is the health service's alone."""
+    server, _ = secured
+    key = subjects.health_kv_key(NODE, "GPU-a")
+    sick = GpuHealth(gpu_uuid="GPU-a", healthy=False, updated_at=1.0)
+    async with Bus.connect(bus_settings(server, "health"), max_initial_attempts=3) as health:
+        kv = await health.key_value(subjects.HEALTH_KV_BUCKET)
+        await kv.put(key, codec.GPU_HEALTH.encode(sick))
+        for user in ("reporter", "allocator", "device-plugin"):
+            async with (
+                Bus.connect(bus_settings(server, user), max_initial_attempts=3) as bus,
+                connect(server, user) as raw,
+                anyio.create_task_group() as tg,
+            ):
+                view = NodeView(bus, NODE, retry_s=0.1, who=user)
+                await tg.start(view.run)
+                with anyio.fail_after(5):
+                    await view.health_seen.wait()
+                assert view.health("GPU-a") == sick, user
+                assert not view.healthy("GPU-a")
+                forged = f"$KV.{subjects.HEALTH_KV_BUCKET}.{key}"
+                await raw.nc.publish(forged, b'{"gpu_uuid": "GPU-a", "healthy": true}')
+                assert await raw.refused(forged), user
+                tg.cancel_scope.cancel()
+            assert bus.client.last_error is None, (user, bus.client.last_error)
+        assert (await kv.get(key)).value == codec.GPU_HEALTH.encode(sick)
 
 
 async def test_every_requester_gets_its_replies_in_its_own_inbox(

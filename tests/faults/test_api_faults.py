@@ -6,12 +6,12 @@ emulator, which answers 30 % of the requests -- reads and writes alike, chosen b
 seeded generator -- with 409, 429 (``Retry-After: 1``, as the API server sends) or 500
 instead of doing them.
 Meanwhile a GPU's health flaps every 2.5 s (a GPU overheats, then recovers, GPU after
-GPU), as a stand-in health service publishes it, and one GPU fails for good at the
-end.
+GPU), as a stand-in health service writes it into the ``gpu_health`` KV bucket, and
+one GPU fails for good at the end.
 
 What must hold:
 
-* **converges**: once the faults stop, the Device says what the health events said,
+* **converges**: once the faults stop, the Device says what the health state says,
   within a bound (and it follows each flap, measured while the faults last);
 * **bounded**: the reporter's request rate stays low (on average and in any 1 s
   window, so nothing spins in a hot loop), and every retry follows a real failure.
@@ -33,14 +33,14 @@ import pytest
 
 from gpulet_common import codec, subjects
 from gpulet_common.embedded_nats import EmbeddedNats
-from gpulet_common.messages import HealthEvent
+from gpulet_common.messages import GpuHealth
 from gpulet_common.settings.reporter import ReporterSettings
 from support.faults import device_view, summary
+from support.health_kv import gpu_health, put_health
 from support.kube_emulator import KubeEmulator, RequestRecord
 from support.reporter_harness import (
     RunningReporter,
     gpu_uuid,
-    health_event,
     make_inventory,
     running_reporter,
 )
@@ -66,21 +66,20 @@ async def emulator(tmp_path: Path) -> AsyncIterator[KubeEmulator]:
         yield emu
 
 
-def _flap_events(k: int) -> tuple[str, HealthEvent]:
+def _flap_events(k: int) -> tuple[str, GpuHealth]:
     """The k-th health change: GPU k//2 overheats (k even), then recovers (k odd)."""
     uuid = gpu_uuid(NODE, (k // 2) % 8)
     hot = k % 2 == 0
-    event = health_event(
-        NODE,
+    state = gpu_health(
         uuid,
         healthy=not hot,
-        kind="thermal" if hot else "recovered",
-        severity="critical" if hot else "info",
-        reason="GPU temperature 99 C is above the limit of 95 C" if hot else "",
+        kind="thermal",
+        severity="critical",
+        reason="GPU temperature 99 C is above the limit of 95 C",
         xid=None,
         condition="thermal",
     )
-    return uuid, event
+    return uuid, state
 
 
 def _max_in_window(records: list[RequestRecord], window_s: float = 1.0) -> int:
@@ -93,8 +92,8 @@ def _max_in_window(records: list[RequestRecord], window_s: float = 1.0) -> int:
     return best
 
 
-async def _publish(r: RunningReporter, event: HealthEvent) -> None:
-    await r.bus.publish(subjects.health(NODE), event, codec.HEALTH_EVENT)
+async def _publish(r: RunningReporter, state: GpuHealth) -> None:
+    await put_health(r.bus, NODE, state)
 
 
 async def test_thirty_percent_api_failures_for_a_minute_converge_without_a_hot_loop(
@@ -136,16 +135,16 @@ async def test_thirty_percent_api_failures_for_a_minute_converge_without_a_hot_l
                 FAULT_WINDOW_S - 1.0
             ):
                 await anyio.sleep(max(0.0, next_at - time.monotonic()))
-                uuid, event = _flap_events(k)
-                await _publish(r, event)
-                want[uuid] = event.healthy
+                uuid, state = _flap_events(k)
+                await _publish(r, state)
+                want[uuid] = state.healthy
                 superseded += uuid in pending
-                pending[uuid] = (event.healthy, time.monotonic())
+                pending[uuid] = (state.healthy, time.monotonic())
                 k += 1
             # The last change: a GPU fails for good (it is the final state).
             last = gpu_uuid(NODE, 7)
             await anyio.sleep(max(0.0, started + FAULT_WINDOW_S - 0.5 - time.monotonic()))
-            await _publish(r, health_event(NODE, last, healthy=False))
+            await _publish(r, gpu_health(last, healthy=False))
             want[last] = False
             superseded += last in pending
             pending[last] = (False, time.monotonic())

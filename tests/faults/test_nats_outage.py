@@ -1,15 +1,16 @@
 """nats-server SIGKILLed in the middle of a fault storm, then restarted on the same port.
 
 The collector and the health service (one process, as in ``gpulet run``), the reporter
-(in cluster mode against the Kubernetes API emulator, through a kubeconfig) and the
-allocator's / device plugin's :class:`~gpulet_allocator.feeds.NodeFeed` run against a
-real nats-server, each consumer on its own connection. The reporter has the production
+(in cluster mode against the Kubernetes API emulator, through a kubeconfig) and a
+:class:`~gpulet_common.nodeview.NodeView` as the allocator and the device plugin run
+it, against a real nats-server, each consumer on its own connection. The reporter has the production
 timings (quiet window 0.5 s, maximum delay 2 s); the consumers have the production
 reconnect back-off (0.25 s doubling to 5 s, jittered) while the health service
 reconnects fast (50-250 ms): it is usually back, and has drained its disk buffer,
-before the consumers have their subscriptions back -- the order in which a consumer
-misses the drained events and must re-ask for the state (it once did not: the Device
-stayed wrong until the 5-minute reconcile, and the allocator's view for ever).
+before the consumers have their subscriptions back. Consumers read the health
+service's KV state, not its events; a view cut off misses KV changes and must read
+the state again after the reconnection (when it did not re-ask, the Device stayed
+wrong until the 5-minute reconcile, and the allocator's view for ever).
 
 A storm of faults (XIDs of every class on four GPUs, a double-bit ECC error, two GPUs
 overheating and one cooling down, single-bit ECC noise) is injected into the mock NVML
@@ -41,10 +42,10 @@ from pathlib import Path
 import anyio
 import pytest
 
-from gpulet_allocator.feeds import NodeFeed
 from gpulet_common.bus import Bus
 from gpulet_common.embedded_nats import EmbeddedNats
 from gpulet_common.mock_nvml import SCENARIO_DIR
+from gpulet_common.nodeview import NodeView
 from gpulet_common.settings.allocator import AllocatorSettings
 from gpulet_common.settings.nats import NatsSettings
 from gpulet_common.settings.reporter import ReporterSettings
@@ -142,7 +143,6 @@ async def test_nats_sigkill_mid_storm_loses_no_event_and_the_device_converges(
     overrides = ["health.dedup_window_s=0"]
     reporter = ReporterSettings(mode="cluster", kubeconfig=str(tmp_path / "kubeconfig"))
     production = NatsSettings(url=nats_server.url)  # reconnect back-off 0.25 s -> 5 s
-    feed_health: dict[str, bool] = {}
     t = Timeline()
     async with (
         health_node(nats_server.url, tmp_path, overrides=overrides, scenario=DGX) as h,
@@ -150,13 +150,7 @@ async def test_nats_sigkill_mid_storm_loses_no_event_and_the_device_converges(
         Bus.connect(production, name="test-allocator-feed", max_initial_attempts=5) as feed_bus,
         anyio.create_task_group() as services,
     ):
-        feed = NodeFeed(
-            feed_bus,
-            NODE,
-            on_inventory=lambda _inventory: None,
-            on_health=feed_health.__setitem__,
-            retry_s=AllocatorSettings().request_retry_s,
-        )
+        feed = NodeView(feed_bus, NODE, retry_s=AllocatorSettings().request_retry_s)
         await services.start(feed.run)
         uuids = [h.uuid(i) for i in range(8)]
         # Before the storm: the Device exists with 8 healthy GPUs.
@@ -184,10 +178,14 @@ async def test_nats_sigkill_mid_storm_loses_no_event_and_the_device_converges(
         # What the Device must end up saying: GPUs 0, 1, 3 (fatal XIDs), 4 (uncorrectable
         # ECC) and 6 (hot) unhealthy; 2, 5 (cooled down) and 7 healthy.
         final = {u: i in (2, 5, 7) for i, u in enumerate(uuids)}
+
+        def feed_health() -> dict[str, bool]:
+            return {u: feed.healthy(u) for u in uuids}
+
         with anyio.move_on_after(30):
             while t.converged is None or t.feed_converged is None:
                 now = time.monotonic()
-                if t.feed_converged is None and feed_health == final:
+                if t.feed_converged is None and feed_health() == final:
                     t.feed_converged = now
                 seen = device_view(emulator, NODE)
                 if t.converged is None and {u: g.health for u, g in seen.items()} == final:
@@ -200,7 +198,7 @@ async def test_nats_sigkill_mid_storm_loses_no_event_and_the_device_converges(
                 f"the Device never converged: {t}\n"
                 f"device: {[seen[u].health if u in seen else None for u in uuids]}\n"
                 f"reporter view: {[r.service.health.get(u) for u in uuids]}\n"
-                f"allocator view: {[feed_health.get(u) for u in uuids]}\n"
+                f"allocator view: {[feed.healthy(u) for u in uuids]}\n"
                 f"engine: {[g.healthy for g in h.service.engine.state(time.time()).gpus]}"
             )
         times = {

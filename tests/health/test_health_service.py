@@ -13,11 +13,11 @@ import pytest
 
 from gpulet_common import codec, subjects
 from gpulet_common.bus import Bus, RemoteError
+from gpulet_common.codec import GPU_HEALTH
 from gpulet_common.embedded_nats import EmbeddedNats
 from gpulet_common.messages import HealthClearRequest, HealthEvent, HealthStateRequest
 from gpulet_common.runtime import NvmlHandle, NvmlProvider, Runtime
 from gpulet_common.telemetry import StatusBoard
-from gpulet_health.codecs import GPU_HEALTH
 from gpulet_health.service import HealthService
 from support.agent import agent_settings
 from support.health_harness import HealthNode, health_node

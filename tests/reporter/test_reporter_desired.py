@@ -11,12 +11,12 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from gpulet_common.messages import ActiveCondition, GpuHealth, HealthState
+from gpulet_common.messages import ActiveCondition, GpuHealth
 from gpulet_reporter import desired as d
 from gpulet_reporter.health_view import HealthView
 from gpulet_reporter.pcie import make_resolver, sysfs_pcie_root
 from support.kube_emulator import DEFAULT_CRD_PATH, CrdSchema
-from support.reporter_harness import gpu_uuid, health_event, make_inventory
+from support.reporter_harness import gpu_uuid, make_inventory
 
 NODE = "node-a"
 NOW = 1_700_000_000.0
@@ -276,12 +276,26 @@ def test_node_label_patch_touches_only_our_keys() -> None:
     assert patch["metadata"]["annotations"] == {d.MANAGED_LABELS_ANNOTATION: "a.io/x"}
 
 
-def test_health_view_follows_the_health_services_model() -> None:
+def _condition(
+    name: str, severity: str, reason: str, since: float, *, kind: str = "", message: str = ""
+) -> ActiveCondition:
+    return ActiveCondition(
+        condition=name,
+        kind=kind or ("xid" if name.startswith("xid:") else name),  # type: ignore[arg-type]
+        severity=severity,  # type: ignore[arg-type]
+        reason=reason,
+        message=message,
+        since=since,
+    )
+
+
+def test_health_view_renders_the_health_services_state() -> None:
     view = HealthView()
     uuid = gpu_uuid(NODE, 0)
     t = time.time()
-    raised = health_event(NODE, uuid, healthy=False, observed_at=t, message="fell off the bus")
-    assert view.apply_event(raised)
+    xid79 = _condition("xid:79", "critical", "XID 79", t, message="fell off the bus")
+    raised = GpuHealth(gpu_uuid=uuid, healthy=False, conditions=[xid79], updated_at=t)
+    assert view.apply(uuid, raised)
     first = view.get(uuid)
     assert first is not None
     assert (first.healthy, first.reason, first.message, first.since) == (
@@ -290,93 +304,71 @@ def test_health_view_follows_the_health_services_model() -> None:
         "fell off the bus",
         t,
     )
-    # A repeat of the same condition changes nothing.
-    assert not view.apply_event(
-        health_event(NODE, uuid, healthy=False, observed_at=t + 1, message="again")
-    )
+    # The same state written again (a repeat) changes nothing.
+    assert not view.apply(uuid, msgspec.structs.replace(raised, updated_at=t + 1))
     # A worse condition shows; the transition time stays.
-    assert view.apply_event(
-        health_event(
-            NODE,
-            uuid,
-            healthy=False,
-            xid=48,
-            reason="XID 48: DBE",
-            message="",
-            severity="fatal",
-            observed_at=t + 2,
-        )
-    )
+    xid48 = _condition("xid:48", "fatal", "XID 48: DBE", t + 2)
+    worse_state = msgspec.structs.replace(raised, conditions=[xid79, xid48], updated_at=t + 2)
+    assert view.apply(uuid, worse_state)
     worse = view.get(uuid)
     assert worse is not None
     assert (worse.reason, worse.message, worse.since) == ("Xid48", "XID 48: DBE", t)
-    # An older event is ignored.
-    assert not view.apply_event(health_event(NODE, uuid, healthy=True, observed_at=t - 5))
     # One condition ends while another keeps the GPU unhealthy: the remaining one shows.
-    ended = health_event(NODE, uuid, healthy=True, condition="xid:48", observed_at=t + 3)
-    assert view.apply_event(msgspec.structs.replace(ended, healthy=False))
+    assert view.apply(uuid, msgspec.structs.replace(raised, updated_at=t + 3))
     remaining = view.get(uuid)
     assert remaining is not None
     assert (remaining.healthy, remaining.reason) == (False, "Xid79")
-    # Recovery.
-    assert view.apply_event(health_event(NODE, uuid, healthy=True, observed_at=t + 4))
+    # Recovery, seen as it happens: "Recovered" since the state's time.
+    assert view.apply(uuid, GpuHealth(gpu_uuid=uuid, updated_at=t + 4))
     healed = view.get(uuid)
     assert healed is not None
     assert (healed.healthy, healed.reason, healed.since) == (True, "Recovered", t + 4)
     # A warning on a healthy GPU changes nothing.
-    warning = health_event(
-        NODE,
-        uuid,
-        healthy=True,
-        kind="thermal_slowdown",
-        severity="warning",
-        condition="thermal",
-        observed_at=t + 5,
-    )
-    assert not view.apply_event(warning)
-    # A snapshot flips the status; its text is the worst condition's.
-    state = HealthState(
-        node=NODE,
+    hot = _condition("thermal", "warning", "slowdown", t + 5, kind="thermal_slowdown")
+    assert not view.apply(uuid, GpuHealth(gpu_uuid=uuid, conditions=[hot], updated_at=t + 5))
+    # Unhealthy again: the worst condition's text, the state's time.
+    state = GpuHealth(
+        gpu_uuid=uuid,
+        healthy=False,
         updated_at=t + 6,
-        gpus=[
-            GpuHealth(
-                gpu_uuid=uuid,
-                healthy=False,
-                updated_at=t + 6,
-                conditions=[
-                    ActiveCondition(
-                        condition="thermal",
-                        kind="thermal",
-                        severity="critical",
-                        reason="Hot",
-                        since=t + 5.5,
-                    ),
-                    ActiveCondition(
-                        condition="ecc_uncorrectable",
-                        kind="ecc_uncorrectable",
-                        severity="fatal",
-                        reason="DBE",
-                        since=t + 5.9,
-                    ),
-                ],
-            )
+        conditions=[
+            _condition("thermal", "critical", "Hot", t + 5.5),
+            _condition("ecc_uncorrectable", "fatal", "DBE", t + 5.9),
         ],
     )
-    assert view.apply_state(state)
+    assert view.apply(uuid, state)
     snap = view.get(uuid)
     assert snap is not None
-    assert (snap.reason, snap.message, snap.since) == (
-        "EccUncorrectable",
-        "DBE",
-        t + 6,
-    )
-    assert not view.apply_state(state)
-    # A first word that a GPU is healthy is a placeholder, not authoritative text.
+    assert (snap.reason, snap.message, snap.since) == ("EccUncorrectable", "DBE", t + 6)
+    assert not view.apply(uuid, state)
+    # A GPU that is gone reads GpuNotPresent; a first word that a GPU is healthy is a
+    # placeholder, not authoritative text (a restarted reporter does not reword).
     other = gpu_uuid(NODE, 1)
-    assert view.apply_event(health_event(NODE, other, healthy=True, kind="cleared", observed_at=t))
-    placeholder = view.get(other)
+    assert view.apply(other, GpuHealth(gpu_uuid=other, present=False, updated_at=t))
+    gone = view.get(other)
+    assert gone is not None
+    assert (gone.healthy, gone.reason) == (False, "GpuNotPresent")
+    third = gpu_uuid(NODE, 2)
+    assert view.apply(third, GpuHealth(gpu_uuid=third, updated_at=t))
+    placeholder = view.get(third)
     assert placeholder is not None
     assert placeholder.healthy
     assert not placeholder.from_event
-    view.forget({other})
+    # A state that vanished (its key deleted) leaves the view.
+    assert view.apply(uuid, None)
     assert view.get(uuid) is None
+
+
+def test_a_time_out_of_range_is_clamped_not_raised() -> None:
+    """rfc3339(1e18) raised OSError and froze the reporter's output."""
+    assert d.rfc3339(1e18) == "9999-12-31T23:59:59Z"
+    assert d.rfc3339(float("nan")) == d.rfc3339(-1e18) == "1970-01-01T00:00:00Z"
+    assert d.rfc3339(float("inf")) == "9999-12-31T23:59:59Z"
+    uuid = gpu_uuid(NODE, 0)
+    far = _condition("xid:79", "critical", "XID 79", 1e18)
+    view = HealthView()
+    view.apply(uuid, GpuHealth(gpu_uuid=uuid, healthy=False, conditions=[far], updated_at=1e18))
+    desired = d.build_desired(make_inventory(NODE, 1), view.snapshot())
+    device = d.render_device(desired, None, node_uid=None, now=NOW)
+    [entry] = device["spec"]["devices"]
+    assert entry["conditions"][0]["lastTransitionTime"] == "9999-12-31T23:59:59Z"

@@ -18,11 +18,11 @@ from gpulet_common.settings import Settings
 from gpulet_common.settings.nats import NatsSettings
 from gpulet_common.settings.reporter import ReporterSettings
 from gpulet_reporter.kube import KubeConfigError, load_target
+from support.health_kv import gpu_health, put_health
 from support.kube_emulator import DEFAULT_CRD_PATH, CrdSchema, KubeEmulator
 from support.reporter_harness import (
     fast_settings,
     gpu_uuid,
-    health_event,
     make_inventory,
     running_reporter,
     wait_until,
@@ -133,9 +133,7 @@ async def test_no_cluster_mode_writes_the_device_to_a_file_and_the_log(
     bad = gpu_uuid(NODE, 1)
     async with running_reporter(nats_server.url, tmp_path, NODE, settings, env=env) as r:
         await r.bus.publish(subjects.inventory(NODE), make_inventory(NODE, 2), codec.INVENTORY)
-        await r.bus.publish(
-            subjects.health(NODE), health_event(NODE, bad, healthy=False), codec.HEALTH_EVENT
-        )
+        await put_health(r.bus, NODE, gpu_health(bad, healthy=False))
 
         def written() -> bool:
             if not device_file.exists():

@@ -3,7 +3,8 @@ and the unmodified kubernetes-asyncio client.
 
 Timings are scaled down (quiet window 50 ms, maximum delay 200 ms) except where a test
 is about the real defaults. Inputs are published on the bus by the test, standing in
-for the collector and the health service.
+for the collector (inventories) and the health service (each GPU's state in the
+``gpu_health`` KV bucket, :mod:`support.health_kv`).
 """
 
 from __future__ import annotations
@@ -19,20 +20,14 @@ import pytest
 from gpulet_common import codec, subjects
 from gpulet_common.bus import Delivery
 from gpulet_common.embedded_nats import EmbeddedNats
-from gpulet_common.messages import (
-    HealthState,
-    HealthStateRequest,
-    Inventory,
-    InventoryRequest,
-)
+from gpulet_common.messages import Inventory, InventoryRequest
 from gpulet_reporter import desired as d
+from support.health_kv import gpu_health, put_health
 from support.kube_emulator import KubeEmulator
 from support.reporter_harness import (
     RunningReporter,
     fast_settings,
     gpu_uuid,
-    health_event,
-    health_state,
     make_inventory,
     running_reporter,
     wait_until,
@@ -90,9 +85,8 @@ async def _publish_inventory(r: RunningReporter, inventory: Inventory) -> None:
 
 
 async def _publish_health(r: RunningReporter, uuid: str, *, healthy: bool, **kw: Any) -> None:
-    await r.bus.publish(
-        subjects.health(NODE), health_event(NODE, uuid, healthy=healthy, **kw), codec.HEALTH_EVENT
-    )
+    """The GPU's state as the health service writes it after a fault (or with none)."""
+    await put_health(r.bus, NODE, gpu_health(uuid, healthy=healthy, **kw))
 
 
 async def _converged(r: RunningReporter, emu: KubeEmulator) -> None:
@@ -249,9 +243,9 @@ async def test_steady_state_makes_no_writes(
     nats_server: EmbeddedNats, emu: KubeEmulator, tmp_path: Path
 ) -> None:
     """60 s of steady state, time-compressed 20x: the 1 Hz inputs (republished
-    inventory, repeated health events, health-state snapshots) arrive every 50 ms for
-    3 s, i.e. 60 cycles, and the periodic reconcile runs every 0.5 s (6 times) instead
-    of every 5 minutes. What is simulated is the rate; the inputs, the bus, the HTTP
+    inventory, health states rewritten unchanged, a warning on a healthy GPU) arrive
+    every 50 ms for 3 s, i.e. 60 cycles, and the periodic reconcile runs every 0.5 s (6
+    times) instead of every 5 minutes. What is simulated is the rate; the inputs, the bus, the HTTP
     requests and the comparisons are the real ones. Expect zero writes, and only the
     reconcile reads."""
     settings = fast_settings(
@@ -262,11 +256,10 @@ async def test_steady_state_makes_no_writes(
     )
     inventory = make_inventory(NODE)
     bad = gpu_uuid(NODE, 2)
-    fault = health_event(NODE, bad, healthy=False)
-    snapshot = health_state(NODE, [fault])
+    fault = gpu_health(bad, healthy=False)
     async with running_reporter(nats_server.url, tmp_path, NODE, settings) as r:
         await _publish_inventory(r, inventory)
-        await r.bus.publish(subjects.health(NODE), fault, codec.HEALTH_EVENT)
+        await put_health(r.bus, NODE, fault)
         await wait_until(lambda: _health_of(emu).get(bad) is False)
         await _converged(r, emu)
         await anyio.sleep(0.2)
@@ -274,9 +267,9 @@ async def test_steady_state_makes_no_writes(
         log_start = len(emu.stats.log)
         for _cycle in range(60):
             await _publish_inventory(r, inventory)
-            # The same fault re-reported (a repeat), a warning on a healthy GPU, the
-            # health service's snapshot: nothing the Device shows changes.
-            await _publish_health(r, bad, healthy=False, reason="Xid79 again")
+            # The same state written again (a repeat keeps its condition's text), a
+            # warning on a healthy GPU: nothing the Device shows changes.
+            await put_health(r.bus, NODE, fault)
             await _publish_health(
                 r,
                 gpu_uuid(NODE, 0),
@@ -285,7 +278,6 @@ async def test_steady_state_makes_no_writes(
                 severity="warning",
                 condition="thermal",
             )
-            r.service.on_health_state(snapshot)
             await anyio.sleep(0.05)
         await _converged(r, emu)
         assert _total_writes(emu) == before_writes
@@ -377,28 +369,23 @@ async def test_a_restart_converges_without_a_needless_write(
     settings = fast_settings(kubeconfig=str(tmp_path / "kubeconfig"))
     inventory = make_inventory(NODE)
     bad = gpu_uuid(NODE, 4)
-    fault = health_event(NODE, bad, healthy=False)
     async with running_reporter(nats_server.url, tmp_path, NODE, settings) as first:
         await _publish_inventory(first, inventory)
-        await first.bus.publish(subjects.health(NODE), fault, codec.HEALTH_EVENT)
+        await _publish_health(first, bad, healthy=False)
         await wait_until(lambda: _health_of(emu).get(bad) is False)
         await _converged(first, emu)
     writes = _total_writes(emu)
     device_rv = _device(emu)["metadata"]["resourceVersion"]
 
-    # The second reporter starts after the collector and the health service: it learns
-    # their state by asking, over the bus, and finds the API already up to date.
-    state = health_state(NODE, [fault])
+    # The second reporter starts after the collector and the health service: it asks
+    # for the inventory, reads the health state from the KV bucket, and finds the API
+    # already up to date.
     asked: list[str] = []
     async with running_reporter(nats_server.url, tmp_path / "second", NODE, settings) as second:
 
         async def answer_inventory(_req: Delivery[InventoryRequest]) -> Inventory:
             asked.append("inventory")
             return inventory
-
-        async def answer_health(_req: Delivery[HealthStateRequest]) -> HealthState:
-            asked.append("health")
-            return state
 
         async with anyio.create_task_group() as tg:
             await tg.start(
@@ -408,18 +395,12 @@ async def test_a_restart_converges_without_a_needless_write(
                 codec.INVENTORY_REQUEST,
                 codec.INVENTORY,
             )
-            await tg.start(
-                second.bus.serve,
-                subjects.health_state(NODE),
-                answer_health,
-                codec.HEALTH_STATE_REQUEST,
-                codec.HEALTH_STATE,
-            )
             await wait_until(lambda: second.service.inventory is not None, within=5)
             await _converged(second, emu)
             await anyio.sleep(0.4)  # twice the maximum delay: nothing else comes
             tg.cancel_scope.cancel()
-        assert {"inventory", "health"} <= set(asked)
+        assert "inventory" in asked
+        assert second.service.view.health(bad) is not None
         assert _total_writes(emu) == writes
         assert _device(emu)["metadata"]["resourceVersion"] == device_rv
         assert second.service.metrics.writes_total == 0

@@ -55,7 +55,6 @@ import json
 import logging
 import random
 import time
-import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from contextlib import asynccontextmanager
@@ -85,12 +84,13 @@ from gpulet_common import codec, subjects
 from gpulet_common.bus import Bus
 from gpulet_common.codec import Codec
 from gpulet_common.embedded_nats import EmbeddedNats
-from gpulet_common.messages import ErrorReply, HealthEvent, HealthState, Inventory
+from gpulet_common.messages import ErrorReply, Inventory
 from gpulet_common.settings import Settings
 from gpulet_common.settings.allocator import ResourceNames
 from robustness.strategies import bases, mutants
 from support.agent import runtime_for
 from support.allocator_stack import NODE, make_settings
+from support.health_kv import gpu_health, health_bucket, put_health
 from support.metrics import MetricsProbe
 
 pytestmark = pytest.mark.anyio
@@ -1058,7 +1058,9 @@ class Fuzz:
                 )
 
     def start_twin(self) -> None:
-        self.twin = copy.deepcopy(self.core)
+        # The twin shares the health source (the service's NodeView), not a copy of it.
+        health_of = self.core._health_of
+        self.twin = copy.deepcopy(self.core, {id(health_of): health_of})
         self.divergences = []
 
     def finish_twin(self, started: float, open_half: tuple[float, ...]) -> None:
@@ -1106,18 +1108,7 @@ class Fuzz:
             self.refresh()
 
     async def set_health(self, gpu: str, healthy: bool) -> None:
-        event = HealthEvent(
-            event_id=uuid.uuid4().hex,
-            node=NODE,
-            gpu_uuid=gpu,
-            kind="recovered" if healthy else "xid",
-            severity="info" if healthy else "critical",
-            healthy=healthy,
-            reason="recovered" if healthy else "Xid 79: GPU fell off the bus",
-            condition="xid:79",
-            observed_at=time.time(),
-        )
-        await self.bus.publish(subjects.health(NODE), event, codec.HEALTH_EVENT)
+        await put_health(self.bus, NODE, gpu_health(gpu, healthy=healthy))
         await self._until(lambda: self.core.ledger.device(gpu).healthy == healthy)
 
     async def toggle_lost(self, gpu: str) -> None:
@@ -1397,15 +1388,8 @@ async def running_allocator(settings: Settings, probe: MetricsProbe) -> AsyncIte
         runtime_for(settings, meter=probe.meter, name="fuzz-allocator") as runtime,
         anyio.create_task_group() as tg,
     ):
-        # Answer the service's health-state query as a health service with nothing to
-        # report would. Unanswered, it is asked again and again, and each request
-        # starts a trace span, whose ID draws from the global PRNG on the event loop
-        # while hypothesis draws in its thread: HypothesisDeprecationWarning, at times.
-        async def health_state(msg: Msg) -> None:
-            await msg.respond(codec.HEALTH_STATE.encode(HealthState(node=NODE)))
-
-        await world.client.subscribe(subjects.health_state(NODE), cb=health_state)
-        await world.flush()
+        # The health state bucket, as a health service with nothing to report has it.
+        await health_bucket(world)
         service = AllocatorService(runtime)
         with anyio.fail_after(10):
             await tg.start(service.run)

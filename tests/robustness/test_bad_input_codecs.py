@@ -25,7 +25,6 @@ from support.metrics import MetricsProbe
 
 CODEC_MODULES = (
     "gpulet_common.codec",
-    "gpulet_health.codecs",
     "gpulet_allocator.protocol",
 )
 

@@ -7,8 +7,9 @@ tests run the real services the way ``gpulet`` runs them in sidecars: a real
 nats-server, the real :class:`~gpulet_allocator.service.AllocatorService` and
 :class:`~gpulet_allocator.plugin.service.DevicePluginService`, each with its own NATS
 connection, and the fake kubelet driving the plugin's sockets. A stand-in collector
-answers inventory requests and publishes inventories; health events are published as
-the health service would.
+answers inventory requests and publishes inventories; each GPU's health state is
+written into the ``gpu_health`` KV bucket as the health service would
+(:mod:`support.health_kv`).
 
 Layers
 ------
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,7 +38,7 @@ from gpulet_common import codec, subjects
 from gpulet_common.bus import Bus, Delivery
 from gpulet_common.codec import Codec
 from gpulet_common.lifecycle import Service
-from gpulet_common.messages import HealthEvent, Inventory, InventoryRequest
+from gpulet_common.messages import Inventory, InventoryRequest
 from gpulet_common.runtime import Runtime
 from gpulet_common.settings import Settings
 from gpulet_common.settings.allocator import AllocatorSettings, PluginConfig
@@ -46,6 +46,7 @@ from gpulet_common.settings.nats import NatsSettings
 from gpulet_common.telemetry import StatusBoard
 from support.agent import runtime_for
 from support.fake_kubelet import FakeKubelet, FakePod, running_fake_kubelet
+from support.health_kv import gpu_health, health_bucket, put_health
 from support.metrics import MetricsProbe
 
 NODE = "node-a.example"
@@ -224,19 +225,8 @@ class Stack:
         )
 
     async def publish_health(self, gpu_uuid: str, *, healthy: bool) -> None:
-        event = HealthEvent(
-            event_id=uuid.uuid4().hex,
-            node=self.node,
-            gpu_uuid=gpu_uuid,
-            kind="xid" if not healthy else "recovered",
-            severity="critical" if not healthy else "info",
-            healthy=healthy,
-            reason="Xid 79: GPU fell off the bus" if not healthy else "recovered",
-            condition="xid:79",
-            observed_at=time.time(),
-        )
-        await self.bus.publish(subjects.health(self.node), event, codec.HEALTH_EVENT)
-        await self.bus.flush()
+        """The GPU's state in the health service's KV bucket (an XID 79, or none)."""
+        await put_health(self.bus, self.node, gpu_health(gpu_uuid, healthy=healthy))
 
     async def ask(
         self, endpoint: str, value: Q, request: Codec[Q], reply: Codec[R], *, timeout_s: float = 2.0
@@ -301,6 +291,7 @@ async def allocator_stack(
     ):
         stack = Stack(settings, tg, bus, kubelet, exits)
         try:
+            await health_bucket(bus)  # as a running health service would have it
             await tg.start(stack.serve_inventory)
             if inventory is not None:
                 await stack.publish_inventory(inventory)

@@ -29,6 +29,7 @@ from gpulet_common.settings.nats import NatsSettings
 from gpulet_common.settings.reporter import ReporterSettings
 from gpulet_reporter.service import ReporterService
 from support.agent import runtime_for
+from support.health_kv import health_bucket
 from support.host import HIDDEN_DRIVER
 from support.metrics import MetricsProbe
 
@@ -189,6 +190,7 @@ async def running_reporter(
     async with runtime_for(settings, meter=probe.meter) as runtime:
         bus = runtime.bus
         service = ReporterService(runtime, env=env or {}, sa_dir=tmp_path / "no-service-account")
+        await health_bucket(bus)  # as a running health service would have it
         async with anyio.create_task_group() as tg:
             await tg.start(service.run)
             try:

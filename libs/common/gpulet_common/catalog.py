@@ -48,8 +48,9 @@ SUBJECTS: tuple[SubjectSpec, ...] = (
         "gpu.health.<node>",
         codec.HEALTH_EVENT,
         "health",
-        "Health events; subscribe to `gpu.health.*` for every node. Also in the "
-        "GPU_HEALTH JetStream stream.",
+        "Health events, for alerting and history; subscribe to `gpu.health.*` for every "
+        "node. Also in the GPU_HEALTH JetStream stream. gpulet's own consumers read each "
+        "GPU's state from the gpu_health KV bucket instead (ordered by KV revision).",
     ),
     SubjectSpec(
         "gpulet.inventory.request.<node>",

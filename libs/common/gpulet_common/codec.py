@@ -54,3 +54,5 @@ ERROR_REPLY = Codec(m.ErrorReply)
 MOCK_INJECT_REQUEST = Codec(m.MockInjectRequest)
 MOCK_INJECT_REPLY = Codec(m.MockInjectReply)
 ACK = Codec(m.Ack)
+# Value of each key of the gpu_health KV bucket (written by the health service).
+GPU_HEALTH = Codec(m.GpuHealth)

@@ -83,6 +83,11 @@ class Inventory(_Message, frozen=True, kw_only=True):
     degraded_reason: str | None = None
     nvml_backend: Literal["nvml", "mock", "none"] = "nvml"
     published_at: float = 0.0
+    # The collector's own order (see gpulet_common.ordering): ``seq`` counts its
+    # messages from 1, ``boot_id`` names the collector process. Consumers order by
+    # these, never by ``published_at``; 0 / "" is a sender that does not sequence.
+    seq: NonNegative = 0
+    boot_id: str = ""
 
 
 # --- samples -----------------------------------------------------------------------
@@ -123,6 +128,10 @@ class SampleBatch(_Message, frozen=True, kw_only=True):
     timestamp: float
     samples: list[GpuSample] = []
     inventory_generation: int = 0
+    # As on Inventory: the collector's sequence and process, never ``timestamp``,
+    # order batches (a batch older than the newest seen is dropped).
+    seq: NonNegative = 0
+    boot_id: str = ""
 
 
 class InventoryRequest(_Message, frozen=True, kw_only=True):

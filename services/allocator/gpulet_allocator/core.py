@@ -64,7 +64,6 @@ release by allocation ID, pod or device IDs does it (:meth:`AllocatorCore.releas
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
 import math
@@ -192,8 +191,12 @@ class AllocatorCore:
         release_grace_s: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
+        health_of: Callable[[str], bool] = lambda _uuid: True,
     ) -> None:
         self.node = node
+        # Where each GPU's health is read (the service's NodeView): the ledger holds
+        # the only copy here, taken from it when a GPU arrives and on every change.
+        self._health_of = health_of
         self.ledger = Ledger()
         self._kinds: dict[str, GrantKind] = {names.gpu: "whole"}
         if shares:
@@ -207,7 +210,6 @@ class AllocatorCore:
         self._wall = wall_clock
         self._grants: dict[str, Grant] = {}
         self._gpus: dict[str, GpuInfo] = {}
-        self._health: dict[str, bool] = {}
         self._inventory: Inventory | None = None
         self._open: _OpenHalf | None = None
         self._missing_since: dict[str, float] = {}
@@ -249,19 +251,20 @@ class AllocatorCore:
         self._inventory = inventory
         self._gpus = {g.uuid: g for g in inventory.gpus}
         self.ledger.update_inventory(inventory.gpus)
-        for uuid, healthy in self._health.items():
-            if uuid in self._gpus:
-                self.ledger.set_health(uuid, healthy)
+        for uuid in self._gpus:
+            self.ledger.set_health(uuid, self._health_of(uuid))
         return True
 
     def set_health(self, uuid: str, healthy: bool) -> bool:
-        """Record a GPU's health; returns whether it changed."""
-        changed = self._health.get(uuid, True) != healthy
-        self._health[uuid] = healthy
-        # A GPU not in the inventory yet gets it applied when it arrives.
-        with contextlib.suppress(AllocationError):
-            self.ledger.set_health(uuid, healthy)
-        return changed
+        """Record a GPU's health; returns whether it changed.
+
+        A GPU not in the inventory yet is left alone: ``health_of`` gives its health
+        when it arrives.
+        """
+        try:
+            return self.ledger.set_health(uuid, healthy)
+        except AllocationError:
+            return False
 
     # --- Allocate ----------------------------------------------------------------------
 

@@ -5,8 +5,10 @@ Flow
 1. Load the checkpoint (:mod:`.store`) into the :class:`~.core.AllocatorCore`, so a
    kubelet retry after our restart gets the same GPUs. A corrupt file is kept aside
    and reported; entries that break an invariant are refused and the file rewritten.
-2. Follow the node's inventory and health (:class:`~.feeds.NodeFeed`): unhealthy and
-   lost GPUs take no new allocation, recovered ones do again.
+2. Follow the node's inventory and health (:class:`~gpulet_common.nodeview.NodeView`,
+   the health service's KV state): unhealthy and lost GPUs take no new allocation,
+   recovered ones do again. The ledger holds the only copy of each GPU's health;
+   an Allocate reads it in memory and never waits on NATS.
 3. Serve the ``nats.micro`` service :data:`~.protocol.SERVICE_NAME` with the
    endpoints ``allocate``, ``allocate-batch``, ``preferred``, ``release`` and ``state`` under
    ``gpulet.allocator.<node>`` (contract: :mod:`.protocol`). It shows up in
@@ -47,7 +49,6 @@ from nats.micro.service import EndpointStats, Service
 
 from gpulet_allocator import protocol as p
 from gpulet_allocator.core import AllocatorCore, Rejected, Undo
-from gpulet_allocator.feeds import NodeFeed
 from gpulet_allocator.podresources import (
     PodResourcesUnavailable,
     list_pod_resources,
@@ -59,7 +60,8 @@ from gpulet_common import codec as common_codecs
 from gpulet_common.codec import Codec
 from gpulet_common.lifecycle import idle_disabled
 from gpulet_common.logutil import RateLimitedLog
-from gpulet_common.messages import ErrorReply, Inventory
+from gpulet_common.messages import ErrorReply
+from gpulet_common.nodeview import NodeChange, NodeView
 from gpulet_common.runtime import Runtime
 from gpulet_common.settings import Settings
 from gpulet_common.telemetry import REQUEST_LATENCY_BUCKETS_S
@@ -127,6 +129,10 @@ class AllocatorService:
         self._settings = runtime.settings.allocator
         self._node = runtime.node
         plugin = self._settings.plugin
+        self.view = NodeView(
+            runtime.bus, self._node, retry_s=self._settings.request_retry_s, who="allocator"
+        )
+        self.view.listen(self._on_view)
         self.core = AllocatorCore(
             node=self._node,
             names=plugin.resources,
@@ -135,6 +141,7 @@ class AllocatorService:
             cdi=self._settings.cdi,
             join_window_s=self._settings.share_join_window_s,
             release_grace_s=self._settings.release_grace_s,
+            health_of=self.view.healthy,
         )
         self.checkpoint = CheckpointFile(checkpoint_path(runtime.settings))
         self._counts = {e: _Counts() for e in p.ENDPOINTS}
@@ -190,19 +197,12 @@ class AllocatorService:
             lambda: encode(self.core.snapshot()), self.checkpoint.write, on_error=self._on_disk
         )
         self._committer = committer
-        feed = NodeFeed(
-            self._rt.bus,
-            self._node,
-            on_inventory=self._on_inventory,
-            on_health=self._on_health,
-            retry_s=self._settings.request_retry_s,
-        )
         async with anyio.create_task_group() as tg:
             self._tg = tg
             await tg.start(committer.run)
             if problems or loaded.status == "corrupt":
                 committer.request(self.core.version)
-            await tg.start(feed.run)
+            await tg.start(self.view.run)
             service = await nats.micro.add_service(
                 self._rt.bus.client,
                 name=p.SERVICE_NAME,
@@ -277,14 +277,19 @@ class AllocatorService:
         self._checkpoint_error = error
         self._update_status()
 
-    def _on_inventory(self, inventory: Inventory) -> None:
-        if self.core.update_inventory(inventory):
-            log.info("inventory generation %d: %d GPUs", inventory.generation, len(inventory.gpus))
-        self._update_status()
-
-    def _on_health(self, uuid: str, healthy: bool) -> None:
-        if self.core.set_health(uuid, healthy):
-            log.info("GPU %s is now %s", uuid, "healthy" if healthy else "unhealthy")
+    def _on_view(self, change: NodeChange) -> None:
+        inventory = self.view.inventory
+        if change.inventory and inventory is not None:
+            # Takes each GPU's health from the view as it goes.
+            if self.core.update_inventory(inventory):
+                log.info(
+                    "inventory generation %d: %d GPUs", inventory.generation, len(inventory.gpus)
+                )
+            self._update_status()
+        for uuid in change.gpus:
+            healthy = self.view.healthy(uuid)
+            if self.core.set_health(uuid, healthy):
+                log.info("GPU %s is now %s", uuid, "healthy" if healthy else "unhealthy")
 
     def _count_held(self) -> None:
         held = self.core.ledger.count()

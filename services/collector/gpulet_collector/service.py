@@ -12,11 +12,17 @@ Flow
    that overran is skipped rather than queued.
 4. When the GPU count changes (hot-add, removal) the inventory is rebuilt and
    republished with a new ``generation``.
+
+Every inventory and batch carries the collector's own order: ``seq`` (one counter
+for both, from 1) and ``boot_id`` (random per process). Consumers order by them,
+never by a timestamp (:mod:`gpulet_common.ordering`).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
+import secrets
 import time
 
 import anyio
@@ -48,6 +54,8 @@ class CollectorService:
         self._settings = runtime.settings.collector
         self._node = runtime.node
         self._generation = 0
+        self._boot_id = secrets.token_hex(8)
+        self._seq = itertools.count(1)
         self._inventory = Inventory(node=self._node, nvml_backend="none")
         self._adapter: NvmlAdapter | None = None
         self._gauges = GpuGauges(runtime.meter)
@@ -149,7 +157,9 @@ class CollectorService:
         self._rt.status.set(self.name, "ready", f"{len(self._inventory.gpus)} GPUs")
 
     async def _publish_inventory(self, inventory: Inventory) -> None:
-        inventory = msgspec.structs.replace(inventory, published_at=time.time())
+        inventory = msgspec.structs.replace(
+            inventory, published_at=time.time(), seq=next(self._seq), boot_id=self._boot_id
+        )
         self._inventory = inventory
         self._gauges.update_inventory(inventory)
         await self._rt.bus.publish(subjects.inventory(self._node), inventory, codec.INVENTORY)
@@ -198,6 +208,8 @@ class CollectorService:
             timestamp=time.time(),
             samples=samples,
             inventory_generation=self._inventory.generation,
+            seq=next(self._seq),
+            boot_id=self._boot_id,
         )
         if samples and all((s.error or "").startswith(NVML_UNAVAILABLE) for s in samples):
             await self._reinit_nvml(adapter, samples[0].error or "")

@@ -58,10 +58,9 @@ from opentelemetry import metrics
 
 from gpulet_common import subjects
 from gpulet_common.bus import Bus
-from gpulet_common.codec import HEALTH_EVENT
+from gpulet_common.codec import GPU_HEALTH, HEALTH_EVENT
 from gpulet_common.messages import GpuHealth, HealthEvent
 from gpulet_common.settings.health import AlertSettings
-from gpulet_health.codecs import GPU_HEALTH
 
 log = logging.getLogger("gpulet.alerts")
 
@@ -95,6 +94,8 @@ class PermanentDeliveryError(Exception):
 
 
 def rfc3339(ts: float) -> str:
+    # Total: an event's time is its sender's word (1e18, NaN): clamp, never raise.
+    ts = min(max(ts, 0.0), 253402300799.0) if ts == ts else 0.0
     return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 

@@ -28,8 +28,8 @@ from nats.js.kv import KeyValue
 
 from gpulet_common import subjects
 from gpulet_common.bus import Bus
+from gpulet_common.codec import GPU_HEALTH
 from gpulet_common.messages import GpuHealth
-from gpulet_health.codecs import GPU_HEALTH
 
 log = logging.getLogger("gpulet.health.kv")
 

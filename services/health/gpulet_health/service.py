@@ -7,7 +7,10 @@ One task group, all of it structured (nothing outlives the service):
 * **NVML events** (:mod:`.events_source`): a worker thread waits for XID, ECC and
   GPU-unavailable events with a short timeout and watches the GPU count;
 * **samples**: the collector's ``gpu.samples.<node>`` (temperature, throttle reasons,
-  ECC counters, remapped rows, "lost");
+  ECC counters, remapped rows, "lost"), in the collector's own order: a batch older
+  than the newest seen (``seq`` / ``boot_id``, :mod:`gpulet_common.ordering`) is
+  dropped and counted, so batches delivered late after a NATS outage cannot make a
+  lost GPU flap lost/recovered;
 * **GPU list**: a scan of NVML (handles, UUIDs, thresholds, supported events) at start,
   when the count changes, when an NVML event or a sample names an unknown GPU, when a
   GPU is lost, and when the collector publishes an inventory that differs from ours
@@ -54,6 +57,7 @@ from gpulet_common.messages import (
 )
 from gpulet_common.nvml.adapter import NvmlAdapter
 from gpulet_common.nvml.errors import GpuLostError, NvmlCallError, NvmlUnavailable
+from gpulet_common.ordering import SenderOrder
 from gpulet_common.runtime import Runtime
 from gpulet_health.buffer import DiskBuffer
 from gpulet_health.events_source import (
@@ -146,6 +150,11 @@ class HealthService:
         self._pci: dict[tuple[int, int, int], str] = {}
         self._xid_dedup = CrossSourceDedup(self._settings.kmsg.dedup_window_s)
         self._state_dir = Path(runtime.settings.state_dir)
+        self._sample_order = SenderOrder()
+        self._late_samples = runtime.meter.create_counter(
+            "gpulet.health.samples_late",
+            description="Sample batches dropped: older than the newest seen from the collector",
+        )
         self._event_counter = runtime.meter.create_counter(
             "gpulet.health.events", description="Health events produced, by kind and severity"
         )
@@ -475,6 +484,10 @@ class HealthService:
 
     async def _on_samples(self, batch: SampleBatch) -> None:
         if batch.node != self._node:
+            return
+        if not self._sample_order.accept(batch.boot_id, batch.seq):
+            self._late_samples.add(1)
+            log.debug("dropped a late sample batch (seq %d of %s)", batch.seq, batch.boot_id)
             return
         events: list[HealthEvent] = []
         for sample in batch.samples:

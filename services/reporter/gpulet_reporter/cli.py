@@ -89,8 +89,8 @@ async def preview(settings: Settings, *, timeout_s: float = 2.0) -> dict[str, An
     else:
         inventory, state = await _from_nvml(settings), None
     view = HealthView()
-    if state is not None:
-        view.apply_state(state)
+    for health in state.gpus if state is not None else ():
+        view.apply(health.gpu_uuid, health)
     desired = build_desired(
         inventory,
         view.snapshot(),

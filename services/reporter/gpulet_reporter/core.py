@@ -3,8 +3,8 @@
 :class:`ReporterCore` holds the node's inventory and :class:`HealthView`, rebuilds the
 :class:`DesiredState` on every input, and offers it to the :class:`Debouncer` only
 when it differs from the previous one -- the stream of unchanged inputs (1 Hz
-republished inventories, repeated health reports, periodic snapshots) stops here and
-costs no more than a comparison.
+republished inventories, health states rewritten with the same verdict) stops here
+and costs no more than a comparison.
 
 It knows nothing of NATS or of the API server, which is what lets the fleet bench
 drive a thousand of them in one process with simulated inputs, while the service
@@ -21,7 +21,7 @@ import logging
 from collections.abc import Callable
 
 from gpulet_common.logutil import RateLimitedLog
-from gpulet_common.messages import HealthEvent, HealthState, Inventory
+from gpulet_common.messages import GpuHealth, Inventory
 from gpulet_common.settings.reporter import ReporterSettings
 from gpulet_reporter.debounce import Debouncer
 from gpulet_reporter.desired import DesiredState, build_desired, fallback_pcie_root
@@ -65,19 +65,11 @@ class ReporterCore:
             # Keep the last good Device: a passing NVML failure is not "no GPUs".
             return
         self.inventory = inventory
-        self.health.forget({g.uuid for g in inventory.gpus})
         self._rebuild()
 
-    def on_health_event(self, event: HealthEvent) -> None:
-        if event.node != self.node:
-            return
-        if self.health.apply_event(event):
-            self._rebuild()
-
-    def on_health_state(self, state: HealthState) -> None:
-        if state.node not in ("", self.node):
-            return
-        if self.health.apply_state(state):
+    def on_health(self, uuid: str, health: GpuHealth | None) -> None:
+        """One GPU's state as the health service keeps it (None: it has none)."""
+        if self.health.apply(uuid, health):
             self._rebuild()
 
     def _rebuild(self) -> None:

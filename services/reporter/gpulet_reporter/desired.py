@@ -183,9 +183,16 @@ def condition_message(text: str) -> str:
     return text[:_MESSAGE_MAX]
 
 
+# The last second metav1.Time (RFC 3339, four-digit year) can write.
+_MAX_EPOCH_S = 253402300799.0
+
+
 def rfc3339(epoch_s: float) -> str:
-    """Seconds precision, as metav1.Time serialises."""
-    return datetime.fromtimestamp(max(epoch_s, 0.0), UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    """Seconds precision, as metav1.Time serialises; total: a time out of range
+    (``1e18``, NaN, infinity) is clamped to 1970-01-01 / 9999-12-31 instead of raising,
+    so one odd timestamp cannot freeze the reporter's output."""
+    seconds = min(max(epoch_s, 0.0), _MAX_EPOCH_S) if epoch_s == epoch_s else 0.0
+    return datetime.fromtimestamp(seconds, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def bus_id_short(bus_id: str) -> str:

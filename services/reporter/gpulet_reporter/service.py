@@ -2,17 +2,16 @@
 
 Flow
 ----
-1. Subscribe to ``gpu.inventory.<node>`` and ``gpu.health.<node>`` before anything
-   else, so nothing published after start is missed.
-2. Ask for what was published before we started: the collector's inventory
-   (``gpulet.inventory.request.<node>``) and the health service's state
-   (``gpulet.health.state.<node>``). Neither has to be there: without an answer we
-   ask again later with back-off, so start order does not matter. The health state is
-   asked again every reconcile interval, which corrects a missed event.
-3. Every input goes to the :class:`ReporterCore`, which folds it into the inventory and
-   the health view and rebuilds the intent; only an intent that differs from the
+1. Follow the node's inventory and every GPU's health state through a
+   :class:`~gpulet_common.nodeview.NodeView`: the collector's inventory, and the
+   health service's ``gpu_health`` KV state, ordered by KV revision and read again
+   after every reconnection to NATS. Neither has to be there at start: the view
+   asks and watches with back-off, so start order does not matter. Health events
+   (``gpu.health.<node>``) are not read: they are for alerting and history.
+2. Every change goes to the :class:`ReporterCore`, which folds it into the inventory
+   and the health view and rebuilds the intent; only an intent that differs from the
    previous one reaches the :class:`Debouncer`.
-4. The :class:`WriteLoop` takes debounced intents and applies them through a sink --
+3. The :class:`WriteLoop` takes debounced intents and applies them through a sink --
    :class:`KubeWriter` against the API server, or :class:`OfflineSink` when there is
    no cluster -- in a task of its own, so the bus side never waits for the API.
 
@@ -22,25 +21,15 @@ No write happens before the first usable inventory (see :mod:`gpulet_reporter.co
 from __future__ import annotations
 
 import logging
-import random
 from pathlib import Path
-from typing import Any
 
 import anyio
 import anyio.abc
-import nats.errors
 from kubernetes_asyncio import client as k8s_client
 
-from gpulet_common import codec, subjects
-from gpulet_common.bus import BusError, Delivery
 from gpulet_common.lifecycle import idle_disabled
-from gpulet_common.messages import (
-    HealthEvent,
-    HealthState,
-    HealthStateRequest,
-    Inventory,
-    InventoryRequest,
-)
+from gpulet_common.messages import Inventory
+from gpulet_common.nodeview import NodeChange, NodeView
 from gpulet_common.runtime import Runtime
 from gpulet_reporter.core import ReporterCore
 from gpulet_reporter.debounce import Debouncer
@@ -54,7 +43,6 @@ from gpulet_reporter.writer import KubeWriter, Sink, WriteLoop
 
 log = logging.getLogger("gpulet.reporter")
 
-REQUEST_TIMEOUT_S = 2.0
 MAX_ASK_INTERVAL_S = 300.0
 
 
@@ -83,6 +71,10 @@ class ReporterService:
             else make_resolver(),
             on_degraded=lambda detail: runtime.status.set(self.name, "degraded", detail),
         )
+        self.view = NodeView(
+            runtime.bus, self._node, retry_s=self._settings.request_retry_s, who="reporter"
+        )
+        self.view.listen(self._on_view)
         self.target: KubeTarget | None = None
         self.sink: Sink | None = None
         self.loop: WriteLoop | None = None
@@ -111,89 +103,19 @@ class ReporterService:
     ) -> None:
         if not self._settings.enabled:
             await idle_disabled(self.name, "reporter.enabled", self._rt.status, task_status)
-        bus = self._rt.bus
-        async with (
-            bus.subscribe(subjects.inventory(self._node), codec.INVENTORY) as inventories,
-            bus.subscribe(subjects.health(self._node), codec.HEALTH_EVENT) as events,
-            anyio.create_task_group() as tg,
-        ):
-            tg.start_soon(self._consume_inventory, inventories)
-            tg.start_soon(self._consume_health, events)
-            tg.start_soon(self._ask_inventory)
-            tg.start_soon(self._ask_health)
+        async with anyio.create_task_group() as tg:
+            await tg.start(self.view.run)
             tg.start_soon(self._write)
             task_status.started()
 
     # -- inputs ------------------------------------------------------------------
 
-    async def _consume_inventory(self, stream: Any) -> None:
-        delivery: Delivery[Inventory]
-        async for delivery in stream:
-            self.on_inventory(delivery.value)
-
-    async def _consume_health(self, stream: Any) -> None:
-        delivery: Delivery[HealthEvent]
-        async for delivery in stream:
-            self.on_health_event(delivery.value)
-
-    def on_inventory(self, inventory: Inventory) -> None:
-        self.core.on_inventory(inventory)
-
-    def on_health_event(self, event: HealthEvent) -> None:
-        self.core.on_health_event(event)
-
-    def on_health_state(self, state: HealthState) -> None:
-        self.core.on_health_state(state)
-
-    # -- asking for state published before we started ------------------------------
-
-    async def _ask_inventory(self) -> None:
-        delay = self._settings.request_retry_s
-        while self.inventory is None:
-            try:
-                inventory = await self._rt.bus.request(
-                    subjects.inventory_request(self._node),
-                    InventoryRequest(reason="reporter start"),
-                    codec.INVENTORY_REQUEST,
-                    codec.INVENTORY,
-                    timeout_s=REQUEST_TIMEOUT_S,
-                )
-            except (BusError, nats.errors.Error, OSError) as exc:
-                log.debug("inventory request unanswered (%s); asking again in %.0fs", exc, delay)
-            else:
-                self.on_inventory(inventory)
-                if self.inventory is not None:
-                    return
-            await anyio.sleep(delay)
-            delay = min(delay * 2, MAX_ASK_INTERVAL_S)
-
-    async def _ask_health(self) -> None:
-        retry = self._settings.request_retry_s
-        refresh = self._settings.reconcile_interval_s or MAX_ASK_INTERVAL_S
-        delay = retry
-        while True:
-            try:
-                state = await self._rt.bus.request(
-                    subjects.health_state(self._node),
-                    HealthStateRequest(),
-                    codec.HEALTH_STATE_REQUEST,
-                    codec.HEALTH_STATE,
-                    timeout_s=REQUEST_TIMEOUT_S,
-                )
-            except (BusError, nats.errors.Error, OSError) as exc:
-                log.debug("health state request unanswered (%s); asking again in %.0fs", exc, delay)
-                await anyio.sleep(delay)
-                delay = min(delay * 2, max(retry, refresh))
-                continue
-            self.on_health_state(state)
-            delay = retry
-            # Ask again at the next reconcile, or at once after a reconnection to NATS:
-            # the health events published while we were cut off (or drained from the
-            # health service's disk buffer before our subscription was back) never
-            # reach us, and without this the Device stayed wrong until the reconcile
-            # (5 min). Found by tests/faults/test_nats_outage.py.
-            with anyio.move_on_after(refresh * random.uniform(0.9, 1.1)):
-                await self._rt.bus.wait_reconnected()
+    def _on_view(self, change: NodeChange) -> None:
+        inventory = self.view.inventory
+        if change.inventory and inventory is not None:
+            self.core.on_inventory(inventory)
+        for uuid in change.gpus:
+            self.core.on_health(uuid, self.view.health(uuid))
 
     # -- output ------------------------------------------------------------------
 

@@ -187,8 +187,11 @@ class Ledger:
                 state.present, state.index, state.memory_units = True, info.index, units
         self._topology = Topology.from_gpus(infos)
 
-    def set_health(self, uuid: str, healthy: bool) -> None:
-        self._known(uuid).healthy = healthy
+    def set_health(self, uuid: str, healthy: bool) -> bool:
+        """Mark a known card (un)healthy; returns whether that changed."""
+        gpu = self._known(uuid)
+        changed, gpu.healthy = gpu.healthy != healthy, healthy
+        return changed
 
     @property
     def topology(self) -> Topology:

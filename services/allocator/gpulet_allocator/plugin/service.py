@@ -2,9 +2,10 @@
 
 Flow
 ----
-1. Follow the node's inventory and health (:class:`~gpulet_allocator.feeds.NodeFeed`)
-   into a :class:`~.state.DeviceState`: every ``ListAndWatch`` stream then sends the
-   new list when a GPU turns unhealthy *and* when it recovers.
+1. Follow the node's inventory and health (:class:`~gpulet_common.nodeview.NodeView`,
+   the health service's KV state) into a :class:`~.state.DeviceState`: every
+   ``ListAndWatch`` stream then sends the new list when a GPU turns unhealthy *and*
+   when it recovers.
 2. Wait for kubelet's device-plugin directory. Where there is none (``gpulet run`` on
    a laptop, a node without kubelet) the service stays up, *degraded*, saying why on
    the status board (``/readyz``), and checks again every few seconds instead of
@@ -23,14 +24,14 @@ import os
 import anyio
 import anyio.abc
 
-from gpulet_allocator.feeds import NodeFeed
 from gpulet_allocator.nats_backend import NatsAllocationBackend
 from gpulet_allocator.plugin.manager import DevicePluginManager
 from gpulet_allocator.plugin.metrics import PluginMetrics
 from gpulet_allocator.plugin.resources import plugin_gpus_from_inventory
 from gpulet_allocator.plugin.state import DeviceState
 from gpulet_common.lifecycle import idle_disabled
-from gpulet_common.messages import GpuInfo, Inventory
+from gpulet_common.messages import GpuInfo
+from gpulet_common.nodeview import NodeChange, NodeView
 from gpulet_common.runtime import Runtime
 
 log = logging.getLogger("gpulet.device-plugin")
@@ -51,8 +52,14 @@ class DevicePluginService:
         self._config = self._settings.plugin
         self.state = DeviceState()
         self._gpus: list[GpuInfo] = []
-        self._unhealthy: set[str] = set()
         self._have_inventory = False
+        self.view = NodeView(
+            runtime.bus,
+            runtime.node,
+            retry_s=self._settings.request_retry_s,
+            who="device-plugin",
+        )
+        self.view.listen(self._on_view)
         self._metrics = PluginMetrics(runtime.meter)
         #: The running manager, once kubelet's directory exists (for tests).
         self.manager: DevicePluginManager | None = None
@@ -65,16 +72,8 @@ class DevicePluginService:
         backend = NatsAllocationBackend(
             self._rt.bus.client, self._rt.node, timeout_s=self._settings.request_timeout_s
         )
-        feed = NodeFeed(
-            self._rt.bus,
-            self._rt.node,
-            on_inventory=self._on_inventory,
-            on_health=self._on_health,
-            retry_s=self._settings.request_retry_s,
-            who="device-plugin",
-        )
         async with anyio.create_task_group() as tg:
-            await tg.start(feed.run)
+            await tg.start(self.view.run)
             await tg.start(backend.run)
             # Said before "started", so the status board never shows a ready plugin
             # that kubelet cannot see.
@@ -153,25 +152,16 @@ class DevicePluginService:
             else:
                 self._waiting_for_kubelet()
 
-    def _publish(self) -> None:
-        if self.state.publish(plugin_gpus_from_inventory(self._gpus, self._unhealthy)):
+    def _on_view(self, change: NodeChange) -> None:
+        inventory = self.view.inventory
+        if change.inventory and inventory is not None:
+            if inventory.degraded_reason and not inventory.gpus and self._have_inventory:
+                # NVML failed: that says nothing about the GPUs, so kubelet keeps the list.
+                log.warning(
+                    "keeping the GPU list: inventory degraded (%s)", inventory.degraded_reason
+                )
+            else:
+                self._have_inventory = True
+                self._gpus = list(inventory.gpus)
+        if self.state.publish(plugin_gpus_from_inventory(self._gpus, self.view.unhealthy())):
             log.debug("device list version %d", self.state.snapshot().version)
-
-    def _on_inventory(self, inventory: Inventory) -> None:
-        if inventory.degraded_reason and not inventory.gpus and self._have_inventory:
-            # NVML failed: that says nothing about the GPUs, so kubelet keeps the list.
-            log.warning("keeping the GPU list: inventory degraded (%s)", inventory.degraded_reason)
-            return
-        self._have_inventory = True
-        self._gpus = list(inventory.gpus)
-        self._publish()
-
-    def _on_health(self, uuid: str, healthy: bool) -> None:
-        was_unhealthy = uuid in self._unhealthy
-        if healthy:
-            self._unhealthy.discard(uuid)
-        else:
-            self._unhealthy.add(uuid)
-        if was_unhealthy == healthy:
-            log.info("GPU %s is now %s", uuid, "healthy" if healthy else "unhealthy")
-        self._publish()

@@ -1,0 +1,293 @@
+"""One read model of a node: its GPU inventory and every GPU's health state.
+
+Why
+---
+The reporter, the allocator and the device plugin all need the same two facts: which
+GPUs the node has, and whether each is healthy. They used to fold health *events*
+each in its own way, each ordered by the sender's ``observed_at``, so one event dated
+``1e18`` pinned a GPU's health in two consumers in two different ways. The health
+service already keeps exactly the state they want, in the ``gpu_health`` KV bucket;
+:class:`NodeView` reads it, and nothing else. Health events on ``gpu.health.*`` are
+for alerting and history only: no consumer of this view reads them.
+
+Sources and their order (never a sender's clock)
+------------------------------------------------
+* **Health**: a watch on the KV keys ``<node>.<gpu-uuid>`` (value a JSON
+  :class:`~gpulet_common.messages.GpuHealth`). The watch first delivers every key's
+  current value, then each change, in the order of the bucket's stream; an entry is
+  applied only if its *revision*, assigned by the server, is newer than the one held
+  for its GPU. Only the health service may write the bucket. A delete removes the GPU.
+* **Inventory**: ``gpu.inventory.<node>``, and the collector's answer to
+  ``gpulet.inventory.request.<node>``, ordered by the collector's own ``seq`` and
+  ``boot_id`` (:mod:`gpulet_common.ordering`), never by ``published_at``.
+
+One loop
+--------
+:meth:`NodeView.run` subscribes to the inventory first, then runs *sessions*. A
+session asks the collector for its inventory (with back-off, until one arrives) and
+opens the KV watch (with back-off, until the bucket exists). Every reconnection to
+NATS ends the session and starts a new one: core NATS delivers at most once, and a
+fresh watch re-reads every key, so a view that missed changes while it was cut off
+converges on the health service's state as soon as it is back. The first snapshot of
+a session replaces the health map whole (a GPU whose key vanished meanwhile goes).
+
+Reads are in memory and never wait (an Allocate never waits on NATS for health).
+Listeners (:meth:`NodeView.listen`) are called synchronously, on the event loop,
+after each change, with what changed; they read the view for the values.
+
+A GPU the health service has not spoken of counts as healthy: without the health
+service (disabled, not started yet), GPUs are still usable, as before.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import suppress
+from dataclasses import dataclass
+
+import anyio
+import anyio.abc
+import nats.errors
+from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
+
+from gpulet_common import codec, subjects
+from gpulet_common.bus import Bus, BusError, Delivery
+from gpulet_common.logutil import RateLimitedLog
+from gpulet_common.messages import GpuHealth, Inventory, InventoryRequest
+from gpulet_common.ordering import SenderOrder
+
+log = logging.getLogger("gpulet.nodeview")
+
+ASK_TIMEOUT_S = 1.0
+ASK_MAX_DELAY_S = 30.0
+# Opening the KV watch (bucket lookup and consumer creation) is given this long.
+WATCH_OPEN_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class NodeChange:
+    """What one update changed: the inventory, and/or the health of these GPUs."""
+
+    inventory: bool = False
+    gpus: frozenset[str] = frozenset()
+
+
+Listener = Callable[[NodeChange], None]
+
+
+class NodeView:
+    def __init__(self, bus: Bus, node: str, *, retry_s: float = 2.0, who: str = "") -> None:
+        self._bus = bus
+        self._node = node
+        self._retry_s = retry_s
+        self._who = who or "node view"
+        self._prefix = subjects.token(node) + "."
+        self._listeners: list[Listener] = []
+        self._order = SenderOrder()
+        self._health: dict[str, GpuHealth] = {}
+        self._revision: dict[str, int] = {}
+        self._arrived = anyio.Event()
+        self._bad = RateLimitedLog(log, per_minute=10)
+        #: The last inventory accepted (degraded ones included: consumers decide).
+        self.inventory: Inventory | None = None
+        self.inventory_seen = anyio.Event()
+        #: Set once a KV snapshot was read: the health map is the service's state.
+        self.health_seen = anyio.Event()
+        #: Sessions started (1 + reconnections followed), for tests and status.
+        self.sessions = 0
+
+    # --- reads (in memory, never blocking) ------------------------------------------------
+
+    def listen(self, listener: Listener) -> None:
+        self._listeners.append(listener)
+
+    def health(self, uuid: str) -> GpuHealth | None:
+        return self._health.get(uuid)
+
+    def healths(self) -> Mapping[str, GpuHealth]:
+        return dict(self._health)
+
+    def healthy(self, uuid: str) -> bool:
+        """Healthy and present; a GPU the health service never named counts as healthy."""
+        health = self._health.get(uuid)
+        return health is None or (health.healthy and health.present)
+
+    def unhealthy(self) -> set[str]:
+        return {u for u, h in self._health.items() if not (h.healthy and h.present)}
+
+    # --- the loop --------------------------------------------------------------------------
+
+    async def run(
+        self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        async with (
+            self._bus.subscribe(subjects.inventory(self._node), codec.INVENTORY) as inventories,
+            anyio.create_task_group() as tg,
+        ):
+            tg.start_soon(self._follow_inventory, inventories)
+            tg.start_soon(self._sessions)
+            task_status.started()
+
+    async def _sessions(self) -> None:
+        while True:
+            self.sessions += 1
+            self._arrived = anyio.Event()
+            async with anyio.create_task_group() as session:
+                session.start_soon(self._ask_inventory)
+                session.start_soon(self._watch_health)
+                # Core NATS delivered nothing while we were cut off: start afresh.
+                await self._bus.wait_reconnected()
+                session.cancel_scope.cancel()
+            log.debug("%s: reconnected to NATS; reading the node's state again", self._who)
+
+    # --- inventory -------------------------------------------------------------------------
+
+    async def _follow_inventory(self, stream: AsyncIterator[Delivery[Inventory]]) -> None:
+        async for delivery in stream:
+            self._on_inventory(delivery.value)
+
+    def _on_inventory(self, inventory: Inventory) -> None:
+        self._arrived.set()
+        if inventory.node != self._node:
+            self._bad.warning(
+                "%s: ignored an inventory of node %r (we are %r)",
+                self._who,
+                inventory.node,
+                self._node,
+            )
+            return
+        if not self._order.accept(inventory.boot_id, inventory.seq):
+            return  # older than one already applied (or the same one again)
+        self.inventory = inventory
+        self.inventory_seen.set()
+        self._notify(NodeChange(inventory=True))
+
+    async def _ask_inventory(self) -> None:
+        delay = self._retry_s
+        while not self._arrived.is_set():
+            try:
+                inventory = await self._bus.request(
+                    subjects.inventory_request(self._node),
+                    InventoryRequest(reason=f"{self._who} start"),
+                    codec.INVENTORY_REQUEST,
+                    codec.INVENTORY,
+                    timeout_s=ASK_TIMEOUT_S,
+                )
+            except BusError as exc:
+                log.debug(
+                    "%s: no inventory yet (%s); asking again in %.1f s", self._who, exc, delay
+                )
+            else:
+                self._on_inventory(inventory)
+                return
+            with anyio.move_on_after(delay):
+                await self._arrived.wait()
+            delay = min(delay * 2, ASK_MAX_DELAY_S)
+
+    # --- health ----------------------------------------------------------------------------
+
+    async def _watch_health(self) -> None:
+        delay = self._retry_s
+        while True:
+            try:
+                with anyio.fail_after(WATCH_OPEN_TIMEOUT_S):
+                    kv = await self._bus.jetstream.key_value(subjects.HEALTH_KV_BUCKET)
+                    watcher = await kv.watch(f"{self._prefix}>")
+            except (nats.errors.Error, OSError, TimeoutError) as exc:
+                log.debug(
+                    "%s: cannot watch KV %s yet (%s); trying again in %.1f s",
+                    self._who,
+                    subjects.HEALTH_KV_BUCKET,
+                    exc or type(exc).__name__,
+                    delay,
+                )
+                await anyio.sleep(delay)
+                delay = min(delay * 2, ASK_MAX_DELAY_S)
+                continue
+            delay = self._retry_s
+            try:
+                await self._follow_watch(watcher)
+            finally:
+                with (
+                    anyio.CancelScope(shield=True),
+                    anyio.move_on_after(1.0),
+                    suppress(nats.errors.Error, OSError),
+                ):
+                    await watcher.stop()  # type: ignore[no-untyped-call]
+
+    async def _follow_watch(self, watcher: KeyValue.KeyWatcher) -> None:
+        snapshot: dict[str, tuple[int, GpuHealth]] | None = {}
+        async for entry in watcher:
+            if entry is None:  # the end of the current values
+                if snapshot is not None:
+                    self._replace(snapshot)
+                    snapshot = None
+                continue
+            uuid = self._uuid_of(entry.key)
+            if uuid is None:
+                continue
+            health = None
+            if entry.operation not in (KV_DEL, KV_PURGE):
+                health = self._decode(entry.key, uuid, entry.value or b"")
+                if health is None:
+                    continue
+            revision = entry.revision or 0
+            if snapshot is None:
+                self._apply(uuid, revision, health)
+            elif health is None:
+                snapshot.pop(uuid, None)
+            else:
+                snapshot[uuid] = (revision, health)
+
+    def _uuid_of(self, key: str) -> str | None:
+        if not key.startswith(self._prefix):
+            return None
+        try:
+            return subjects.untoken(key[len(self._prefix) :])
+        except (ValueError, UnicodeDecodeError):
+            self._bad.warning("%s: ignored KV key %r: not <node>.<gpu-uuid>", self._who, key)
+            return None
+
+    def _decode(self, key: str, uuid: str, data: bytes) -> GpuHealth | None:
+        try:
+            health = codec.GPU_HEALTH.decode(data)
+        except Exception as exc:  # total: no value, however hostile, ends a consumer
+            self._bad.warning("%s: ignored malformed KV value of %s: %s", self._who, key, exc)
+            return None
+        if health.gpu_uuid != uuid:
+            self._bad.warning(
+                "%s: ignored KV value of %s: it names GPU %r", self._who, key, health.gpu_uuid
+            )
+            return None
+        return health
+
+    def _replace(self, snapshot: Mapping[str, tuple[int, GpuHealth]]) -> None:
+        new = {uuid: health for uuid, (_, health) in snapshot.items()}
+        changed = {u for u in self._health.keys() | new.keys() if self._health.get(u) != new.get(u)}
+        self._health = new
+        self._revision = {uuid: revision for uuid, (revision, _) in snapshot.items()}
+        self.health_seen.set()
+        if changed:
+            self._notify(NodeChange(gpus=frozenset(changed)))
+
+    def _apply(self, uuid: str, revision: int, health: GpuHealth | None) -> None:
+        """One live change (None: the key was deleted), if newer than what we hold."""
+        if revision <= self._revision.get(uuid, 0):
+            return
+        self._revision[uuid] = revision
+        if self._health.get(uuid) == health:
+            return
+        if health is None:
+            del self._health[uuid]
+        else:
+            self._health[uuid] = health
+        self._notify(NodeChange(gpus=frozenset({uuid})))
+
+    def _notify(self, change: NodeChange) -> None:
+        for listener in self._listeners:
+            try:
+                listener(change)
+            except Exception:
+                # A consumer's bug must not stop the view for the others.
+                log.exception("%s: a node view listener failed", self._who)
