@@ -64,8 +64,12 @@ class NodeFeed:
         self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
     ) -> None:
         async with (
-            self._bus.subscribe(subjects.inventory(self._node), codec.INVENTORY) as inventories,
-            self._bus.subscribe(subjects.health(self._node), codec.HEALTH_EVENT) as events,
+            self._bus.subscribe(
+                subjects.inventory(self._node), codec.INVENTORY, node=self._node
+            ) as inventories,
+            self._bus.subscribe(
+                subjects.health(self._node), codec.HEALTH_EVENT, node=self._node
+            ) as events,
             anyio.create_task_group() as tg,
         ):
 

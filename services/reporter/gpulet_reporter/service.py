@@ -113,8 +113,12 @@ class ReporterService:
             await idle_disabled(self.name, "reporter.enabled", self._rt.status, task_status)
         bus = self._rt.bus
         async with (
-            bus.subscribe(subjects.inventory(self._node), codec.INVENTORY) as inventories,
-            bus.subscribe(subjects.health(self._node), codec.HEALTH_EVENT) as events,
+            bus.subscribe(
+                subjects.inventory(self._node), codec.INVENTORY, node=self._node
+            ) as inventories,
+            bus.subscribe(
+                subjects.health(self._node), codec.HEALTH_EVENT, node=self._node
+            ) as events,
             anyio.create_task_group() as tg,
         ):
             tg.start_soon(self._consume_inventory, inventories)
