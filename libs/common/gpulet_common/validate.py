@@ -157,9 +157,8 @@ def _samples(batch: m.SampleBatch, ctx: Context) -> None:
 
 
 def _event(event: m.HealthEvent, ctx: Context) -> None:
+    # No UUID check: node-wide events (nvml_unavailable, buffer_overflow) name no GPU.
     _node(event.node, ctx, "health event")
-    if not event.gpu_uuid:
-        raise RejectedMessage(EMPTY_UUID, "health event without a GPU UUID")
     _observed(event.observed_at, ctx, "health event observed_at")
     if event.published_at:
         _observed(event.published_at, ctx, "health event published_at")

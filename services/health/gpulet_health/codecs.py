@@ -6,4 +6,4 @@ from gpulet_common.codec import Codec
 from gpulet_common.messages import GpuHealth
 
 # Value of each key of the gpu_health KV bucket.
-GPU_HEALTH = Codec(GpuHealth)
+GPU_HEALTH = Codec(GpuHealth, limit="health_state")

@@ -176,8 +176,8 @@ class Ledger:
         # A UUID listed twice keeps its first entry, as in Topology.from_gpus (the bus
         # refuses such inventories; the ledger must still agree with its topology).
         unique: dict[str, GpuInfo] = {}
-        for g in _as_gpus(gpus):
-            unique.setdefault(g.uuid, g)
+        for info in _as_gpus(gpus):
+            unique.setdefault(info.uuid, info)
         infos = list(unique.values())
         seen = set(unique)
         for g in self._gpus.values():
