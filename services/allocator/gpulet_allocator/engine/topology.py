@@ -243,6 +243,14 @@ class Topology:
         self.numa: tuple[int | None, ...] = tuple(numa)
         # reports[a][b]: what GPU a says about GPU b, as (level or None, nvlinks).
         self._reports: tuple[Mapping[int, Report], ...] = tuple(reports)
+        # The reverse: which GPUs said something about GPU b (linear to build).
+        reported_by: list[list[int]] = [[] for _ in range(n)]
+        for a, said in enumerate(self._reports):
+            for b in said:
+                if 0 <= b < n:
+                    reported_by[b].append(a)
+        self._reported_by: tuple[tuple[int, ...], ...] = tuple(tuple(r) for r in reported_by)
+        self._pair_rows: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}
         self.positions: dict[str, int] = {u: p for p, u in enumerate(self.uuids)}
         self.levels: Sequence[tuple[int, ...]] = _Rows(n, self._level_row)
         self.nvlinks: Sequence[tuple[int, ...]] = _Rows(n, self._nvlink_row)
@@ -317,24 +325,44 @@ class Topology:
             nv = min(ab[1], ba[1])
         return normalize_level(level, self.numa[a], self.numa[b]), max(nv, 0)
 
+    def _pair_row(self, a: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Row ``a`` of the levels and of the NVLink counts: the NUMA fallback for
+        every pair, then the pairs either GPU reported. O(GPUs + links of ``a``)."""
+        cached = self._pair_rows.get(a)
+        if cached is not None:
+            return cached
+        numa_a = self.numa[a]
+        if numa_a is None:
+            levels = [LEVEL_SYSTEM] * len(self.uuids)
+        else:
+            levels = [LEVEL_NODE if x == numa_a else LEVEL_SYSTEM for x in self.numa]
+        links = [0] * len(self.uuids)
+        for b in {*self._reports[a], *self._reported_by[a]}:
+            levels[b], links[b] = self._pair(a, b)
+        levels[a], links[a] = LEVEL_INTERNAL, 0
+        row = (tuple(levels), tuple(links))
+        self._pair_rows[a] = row
+        return row
+
     def _level_row(self, a: int) -> tuple[int, ...]:
-        return tuple(self._pair(a, b)[0] for b in range(len(self.uuids)))
+        return self._pair_row(a)[0]
 
     def _nvlink_row(self, a: int) -> tuple[int, ...]:
-        return tuple(self._pair(a, b)[1] for b in range(len(self.uuids)))
+        return self._pair_row(a)[1]
 
     def _score_row(self, a: int) -> tuple[int, ...]:
-        levels, links = self.levels[a], self.nvlinks[a]
-        return tuple(
-            0 if a == b else pair_score(levels[b], links[b]) for b in range(len(self.uuids))
-        )
+        levels, links = self._pair_row(a)
+        row = [PCIE_SCORES[lv] + NVLINK_SCORE * nv for lv, nv in zip(levels, links, strict=True)]
+        row[a] = 0
+        return tuple(row)
 
     def _tier_row(self, a: int) -> tuple[int, ...]:
-        levels, links = self.levels[a], self.nvlinks[a]
-        return tuple(
-            TIER_NVLINK if a == b else pair_tier(levels[b], links[b])
-            for b in range(len(self.uuids))
-        )
+        levels, links = self._pair_row(a)
+        row = [
+            TIER_NVLINK if nv > 0 else 1 + lv // 10 for lv, nv in zip(levels, links, strict=True)
+        ]
+        row[a] = TIER_NVLINK
+        return tuple(row)
 
     # --- queries ---------------------------------------------------------------------
 
