@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from gpulet_allocator.engine.reference import (
@@ -113,9 +115,49 @@ def test_missing_levels_fall_back_to_numa_affinity() -> None:
     assert topo.level(u[0], u[2]) == LEVEL_SYSTEM
 
 
-def test_duplicate_uuids_are_rejected() -> None:
+def test_a_duplicate_uuid_keeps_its_first_entry_instead_of_ending_the_allocator() -> None:
+    # The bus refuses such an inventory (gpulet_common.validate); the engine, fed by
+    # other paths too, must still not raise on one: it used to end the whole agent.
+    topo = Topology.from_gpus(
+        [
+            GpuInfo(uuid="GPU-a", index=0),
+            GpuInfo(uuid="GPU-a", index=1),
+            GpuInfo(uuid="GPU-b", index=2),
+        ]
+    )
+    assert topo.uuids == ("GPU-a", "GPU-b")
+    assert topo.gpu_indices == (0, 2)
+
+
+def test_direct_construction_with_duplicate_uuids_is_a_programming_error() -> None:
     with pytest.raises(ValueError, match="duplicate"):
-        Topology.from_gpus([GpuInfo(uuid="GPU-a", index=0), GpuInfo(uuid="GPU-a", index=1)])
+        Topology(["GPU-a", "GPU-a"], [0, 1], [None, None], [{}, {}])
+
+
+def test_building_is_linear_in_what_the_inventory_lists() -> None:
+    # 4,096 GPUs in islands of 8: a dense build would fill 16.7 million pairs.
+    gpus = [
+        GpuInfo(
+            uuid=f"GPU-{i}",
+            index=i,
+            topology=[
+                PeerLink(peer_uuid=f"GPU-{j}", peer_index=j, level=10, nvlinks=4)
+                for j in range(i // 8 * 8, i // 8 * 8 + 8)
+                if j != i
+            ],
+        )
+        for i in range(4096)
+    ]
+    started = time.perf_counter()
+    topo = Topology.from_gpus(gpus)
+    elapsed = time.perf_counter() - started
+    assert topo.rows_built() == 0
+    assert topo.level("GPU-0", "GPU-7") == LEVEL_SINGLE
+    assert topo.nvlink_count("GPU-0", "GPU-7") == 4
+    assert topo.level("GPU-0", "GPU-8") == LEVEL_SYSTEM  # nothing listed, no NUMA
+    assert topo.rows_built() > 0
+    # Generous for a loaded CI machine; the dense build took over 20 s here.
+    assert elapsed < 2.0
 
 
 def test_tree_of_the_seven_gpu_host_matches_gpu_manager() -> None:

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import time
+
 import anyio
 import msgspec
 import pytest
@@ -16,11 +18,15 @@ from support.waiting import wait_until
 pytestmark = pytest.mark.anyio
 
 
+# Subscribers check timestamps against their clock: a sample of this test run.
+NOW = time.time()
+
+
 def _batch(node: str = "n1") -> SampleBatch:
     return SampleBatch(
         node=node,
-        timestamp=1.0,
-        samples=[GpuSample(uuid="GPU-a", index=0, timestamp=1.0, temperature_c=40)],
+        timestamp=NOW,
+        samples=[GpuSample(uuid="GPU-a", index=0, timestamp=NOW, temperature_c=40)],
     )
 
 
@@ -30,10 +36,10 @@ async def test_typed_publish_subscribe_and_trace_headers(nats_server: EmbeddedNa
         Bus.connect(settings) as bus,
         bus.subscribe(subjects.samples("n1.example"), codec.SAMPLES) as stream,
     ):
-        await bus.publish(subjects.samples("n1.example"), _batch(), codec.SAMPLES)
+        await bus.publish(subjects.samples("n1.example"), _batch("n1.example"), codec.SAMPLES)
         with anyio.fail_after(2):
             delivery = await anext(aiter(stream))
-    assert delivery.value == _batch()
+    assert delivery.value == _batch("n1.example")
     assert delivery.subject == "gpu.samples.n1_example"
     assert "traceparent" in delivery.headers
 
@@ -151,7 +157,7 @@ async def test_refusals_are_bounded_in_size(nats_server: EmbeddedNats) -> None:
     async def handler(request: Delivery[InventoryRequest]) -> Ack:
         raise RequestRejected("invalid_request", "unknown: " + request.value.reason)
 
-    huge = "x" * 200_000
+    huge = "x" * 60_000  # under limits.request_max_bytes, far over a refusal's bound
     async with (
         Bus.connect(NatsSettings(url=nats_server.url)) as bus,
         anyio.create_task_group() as tg,

@@ -61,7 +61,9 @@ async def runtime_for(
         if adapter is not None
         else NvmlProvider(settings.nvml)
     )
-    async with Bus.connect(settings.nats, name=name, meter=meter, max_initial_attempts=5) as bus:
+    async with Bus.connect(
+        settings.nats, name=name, meter=meter, max_initial_attempts=5, limits=settings.limits
+    ) as bus:
         runtime = Runtime(
             settings=settings,
             bus=bus,

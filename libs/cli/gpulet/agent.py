@@ -53,7 +53,11 @@ async def run_agent(
                 settings.nats = msgspec.structs.replace(settings.nats, url=server.url)
                 status.set("nats-server", "ready", server.url)
             bus = await stack.enter_async_context(
-                Bus.connect(settings.nats, name=f"gpulet-{settings.node_name}")
+                Bus.connect(
+                    settings.nats,
+                    name=f"gpulet-{settings.node_name}",
+                    limits=settings.limits,
+                )
             )
             runtime = Runtime(settings=settings, bus=bus, status=status, nvml=nvml)
             services: list[Service] = []

@@ -22,7 +22,9 @@ async def watch(
     settings: Settings, subject: str, *, count: int, timeout_s: float, raw: bool
 ) -> int:
     received = 0
-    async with Bus.connect(tool_nats(settings), name="gpulet-watch", max_initial_attempts=3) as bus:
+    async with Bus.connect(
+        tool_nats(settings), name="gpulet-watch", max_initial_attempts=3, limits=settings.limits
+    ) as bus:
         sub = await bus.client.subscribe(subject)
         if catalog.could_match(subject, subjects.inventory(settings.node_name)):
             # The inventory is published on change; ask for it so the watcher sees it now.
@@ -35,13 +37,16 @@ async def watch(
                 msg_codec = None if raw else catalog.codec_for(msg.subject)
                 if msg_codec is None:
                     body: Any = msg.data.decode(errors="replace")
-                    with contextlib.suppress(json.JSONDecodeError):
-                        body = json.loads(body)
+                    # Shown parsed when it is JSON of a sane depth (json.loads recurses
+                    # like msgspec), as text otherwise.
+                    if codec.nesting_problem(msg.data, bus.limits.max_depth) is None:
+                        with contextlib.suppress(ValueError, RecursionError):
+                            body = json.loads(body)
                 else:
                     delivery = bus.decode(msg, msg_codec)
                     if delivery is None:
                         print(
-                            f"# {msg.subject}: malformed {msg_codec.type.__name__}, dropped",
+                            f"# {msg.subject}: bad {msg_codec.name}, dropped",
                             file=sys.stderr,
                         )
                         continue
@@ -81,7 +86,9 @@ def _cmd_schema(args: argparse.Namespace, _load: LoadSettings) -> int:
 
 
 async def inject(settings: Settings, request: MockInjectRequest, timeout_s: float) -> int:
-    async with Bus.connect(tool_nats(settings), name="gpulet-mock", max_initial_attempts=3) as bus:
+    async with Bus.connect(
+        tool_nats(settings), name="gpulet-mock", max_initial_attempts=3, limits=settings.limits
+    ) as bus:
         try:
             reply = await bus.request(
                 subjects.mock_inject(settings.node_name),

@@ -9,11 +9,16 @@ Layers
 * :meth:`Bus.publish` encodes with a :class:`~gpulet_common.codec.Codec` and puts the
   current OpenTelemetry trace context into the NATS headers (W3C ``traceparent``), so a
   consumer's span joins the producer's trace.
-* :meth:`Bus.subscribe` yields typed :class:`Delivery` objects. A payload that fails to
-  decode is counted (``gpulet_bus_malformed_messages_total``), logged (rate-limited) and
-  dropped: bad input is never fatal. Backpressure comes from nats-py's bounded pending
-  queue; a consumer that falls behind is reported by the server as a slow consumer and
-  counted, rather than growing memory without bound.
+* :meth:`Bus.subscribe` yields typed :class:`Delivery` objects. Every payload goes
+  through :meth:`~gpulet_common.codec.Codec.decode` with the bus's ``[limits]``, the
+  subject it came on, the consumer's node (when given) and this clock: one that is too
+  large, too deep or not the type is counted in
+  ``gpulet_bus_malformed_messages_total{type,reason}``, one whose claims do not hold
+  (another node, duplicate GPUs, a far-future timestamp) in
+  ``gpulet_bus_rejected_messages_total{type,reason}``; either is logged (rate-limited)
+  and dropped: bad input is never fatal and changes no state. Backpressure comes from
+  nats-py's bounded pending queue; a consumer that falls behind is reported by the
+  server as a slow consumer and counted, rather than growing memory without bound.
 * :meth:`Bus.request` / :meth:`Bus.serve` give typed request/reply, with errors carried
   as :class:`~gpulet_common.messages.ErrorReply` so a caller always gets a code and a
   message instead of a timeout.
@@ -34,7 +39,6 @@ from typing import Any, Generic, TypeVar
 
 import anyio
 import anyio.abc
-import msgspec
 import nats
 import nats.errors
 import nats.js.errors
@@ -52,6 +56,7 @@ from gpulet_common import codec as codecs
 from gpulet_common.codec import Codec
 from gpulet_common.logutil import RateLimitedLog
 from gpulet_common.messages import ErrorReply
+from gpulet_common.settings.limits import LimitsSettings
 from gpulet_common.settings.nats import NatsSettings
 
 T = TypeVar("T")
@@ -106,6 +111,7 @@ class BusMetrics:
     published: metrics.Counter
     received: metrics.Counter
     malformed: metrics.Counter
+    rejected: metrics.Counter
     errors: metrics.Counter
     reconnects: metrics.Counter
 
@@ -120,7 +126,13 @@ class BusMetrics:
             ),
             malformed=meter.create_counter(
                 "gpulet.bus.malformed_messages",
-                description="Messages dropped because they failed to decode or validate",
+                description="Messages dropped because they failed to decode or validate "
+                "(too large, too deep, not JSON, not the type or out of range), by type and reason",
+            ),
+            rejected=meter.create_counter(
+                "gpulet.bus.rejected_messages",
+                description="Messages dropped because what they claim does not hold (another "
+                "node, duplicate or too many GPUs, a timestamp out of bounds), by type and reason",
             ),
             errors=meter.create_counter(
                 "gpulet.bus.errors", description="Asynchronous errors reported by the client"
@@ -177,9 +189,16 @@ def describe_servers(url: str) -> str:
 class Bus:
     """A connected NATS client with typed helpers. Create with :meth:`connect`."""
 
-    def __init__(self, nc: NatsClient, settings: NatsSettings, meter: metrics.Meter) -> None:
+    def __init__(
+        self,
+        nc: NatsClient,
+        settings: NatsSettings,
+        meter: metrics.Meter,
+        limits: LimitsSettings | None = None,
+    ) -> None:
         self._nc = nc
         self._settings = settings
+        self.limits = limits or LimitsSettings()
         self._metrics = BusMetrics.create(meter)
         self._malformed_log = RateLimitedLog(log, per_minute=20)
         self._js: JetStreamContext | None = None
@@ -203,6 +222,7 @@ class Bus:
         meter: metrics.Meter | None = None,
         max_initial_attempts: int | None = None,
         drain_timeout_s: float = 1.0,
+        limits: LimitsSettings | None = None,
     ) -> AsyncIterator[Bus]:
         """Connect, retrying with back-off; drain and close on exit.
 
@@ -281,7 +301,7 @@ class Bus:
                     delay,
                 )
                 await anyio.sleep(delay)
-        bus = cls(nc, settings, meter)
+        bus = cls(nc, settings, meter, limits)
         holder.append(bus)
         log.info(
             "nats: connected to %s",
@@ -340,26 +360,41 @@ class Bus:
             await self._nc.publish(subject, data, reply=reply, headers=carrier or None)
         self._metrics.published.add(1, {"type": codec.type.__name__})
 
-    def _count_malformed(
-        self, subject: str, codec: Codec[Any], exc: Exception, data: bytes
-    ) -> None:
-        self._metrics.malformed.add(1, {"type": codec.type.__name__})
+    def count_bad(self, subject: str, codec: Codec[Any], exc: Exception, data: bytes) -> None:
+        """Count and log (rate-limited) one payload that failed to decode or check."""
+        family, reason = codecs.failure_reason(exc)
+        counter = self._metrics.rejected if family == "rejected" else self._metrics.malformed
+        counter.add(1, {"type": codec.name, "reason": reason})
         preview = bytes(data[:120])
         self._malformed_log.warning(
-            "dropped malformed %s on %s: %s (payload %d bytes: %r)",
-            codec.type.__name__,
-            subject,
-            exc,
+            "dropped %s %s on %s: %s: %s (payload %d bytes: %r)",
+            family,
+            codec.name,
+            subject[:200],
+            reason,
+            str(exc)[:300],
             len(data),
             preview,
         )
 
-    def decode(self, msg: Msg, codec: Codec[T]) -> Delivery[T] | None:
-        """Decode one message; count, log and drop it (return None) if malformed."""
+    def decode_value(
+        self, data: bytes, codec: Codec[T], *, subject: str, node: str | None = None
+    ) -> T | None:
+        """Decode and check one payload with this bus's limits and clock; count, log
+        and drop it (return None) if it fails."""
         try:
-            value = codec.decode(msg.data)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            self._count_malformed(msg.subject, codec, exc, msg.data)
+            return codec.decode(
+                data, limits=self.limits, subject=subject, node=node, now=time.time()
+            )
+        except Exception as exc:
+            self.count_bad(subject, codec, exc, data)
+            return None
+
+    def decode(self, msg: Msg, codec: Codec[T], *, node: str | None = None) -> Delivery[T] | None:
+        """Decode one message; count, log and drop it (return None) if malformed or
+        if what it claims does not hold (see :mod:`gpulet_common.validate`)."""
+        value = self.decode_value(msg.data, codec, subject=msg.subject, node=node)
+        if value is None:
             return None
         self._metrics.received.add(1, {"type": codec.type.__name__})
         return Delivery(
@@ -372,26 +407,29 @@ class Bus:
 
     @asynccontextmanager
     async def subscribe(
-        self, subject: str, codec: Codec[T], *, queue: str = ""
+        self, subject: str, codec: Codec[T], *, queue: str = "", node: str | None = None
     ) -> AsyncIterator[AsyncIterator[Delivery[T]]]:
         """Subscribe for the duration of the ``async with`` block.
 
         The subscription exists when the block starts, so a publish made after entering
-        it is never missed.
+        it is never missed. ``node``: the consumer's node; a message about another node
+        is rejected (so is one whose node differs from its subject's, always).
         """
         sub = await self._nc.subscribe(
             subject, queue=queue, pending_msgs_limit=self._settings.pending_msgs_limit
         )
         try:
-            yield self._iterate(sub, codec)
+            yield self._iterate(sub, codec, node)
         finally:
             with anyio.CancelScope(shield=True):
                 with suppress(nats.errors.Error, OSError):
                     await sub.unsubscribe()
 
-    async def _iterate(self, sub: Subscription, codec: Codec[T]) -> AsyncIterator[Delivery[T]]:
+    async def _iterate(
+        self, sub: Subscription, codec: Codec[T], node: str | None
+    ) -> AsyncIterator[Delivery[T]]:
         async for msg in sub.messages:
-            delivery = self.decode(msg, codec)
+            delivery = self.decode(msg, codec, node=node)
             if delivery is not None:
                 yield delivery
 
@@ -405,8 +443,13 @@ class Bus:
         reply_codec: Codec[R],
         *,
         timeout_s: float | None = None,
+        node: str | None = None,
     ) -> R:
-        """Send a request and decode the reply; an :class:`ErrorReply` raises RemoteError."""
+        """Send a request and decode the reply; an :class:`ErrorReply` raises RemoteError.
+
+        The reply is checked like a subscribed message, against the request's subject
+        (and ``node``): a reply that fails raises ``RemoteError("malformed_reply")``.
+        """
         data = request_codec.encode(value)
         carrier: dict[str, str] = {}
         with _tracer.start_as_current_span(f"request {subject}", kind=SpanKind.CLIENT):
@@ -433,14 +476,18 @@ class Bus:
                 # already handles RequestTimeout (ask again later), so a lost connection
                 # must not escape as an exception that would end its service.
                 raise RequestTimeout(f"no reply on {subject}: {type(exc).__name__}") from exc
-        if msg.headers and msg.headers.get("Gpulet-Error"):
-            error = codecs.ERROR_REPLY.decode(msg.data)
+        if msg.headers and (code := msg.headers.get("Gpulet-Error")):
+            error = self.decode_value(msg.data, codecs.ERROR_REPLY, subject=subject)
+            if error is None:
+                raise RemoteError(str(code)[:100], "(the error reply did not decode)")
             raise RemoteError(error.code, error.message)
         try:
-            return reply_codec.decode(msg.data)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            self._count_malformed(subject, reply_codec, exc, msg.data)
-            raise RemoteError("malformed_reply", str(exc)) from exc
+            return reply_codec.decode(
+                msg.data, limits=self.limits, subject=subject, node=node, now=time.time()
+            )
+        except Exception as exc:
+            self.count_bad(subject, reply_codec, exc, msg.data)
+            raise RemoteError("malformed_reply", str(exc)[:MAX_ERROR_MESSAGE_CHARS]) from exc
 
     async def respond(self, delivery: Delivery[Any], value: R, codec: Codec[R]) -> None:
         if delivery.reply:
@@ -494,9 +541,11 @@ class Bus:
         reply_codec: Codec[R],
     ) -> None:
         try:
-            value = request_codec.decode(msg.data)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            self._count_malformed(msg.subject, request_codec, exc, msg.data)
+            value = request_codec.decode(
+                msg.data, limits=self.limits, subject=msg.subject, now=time.time()
+            )
+        except Exception as exc:
+            self.count_bad(msg.subject, request_codec, exc, msg.data)
             await self.respond_error(msg.reply, "malformed_request", str(exc))
             return
         delivery = Delivery(msg.subject, value, dict(msg.headers or {}), msg.reply, msg)

@@ -23,7 +23,13 @@ import msgspec
 
 SCHEMA_VERSION = 1
 
+# Wire-level ranges, checked by msgspec while decoding (cross-field facts -- node,
+# unique UUIDs, clock skew -- are checked by gpulet_common.validate).
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+Percent = Annotated[int, msgspec.Meta(ge=0, le=100)]
+# Degrees Celsius as NVML reports them (unsigned), with room for any sensor.
+Celsius = Annotated[int, msgspec.Meta(ge=-273, le=1000)]
+NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0)]
 
 
 class _Message(msgspec.Struct, frozen=True, kw_only=True):
@@ -40,41 +46,41 @@ class PeerLink(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=True):
     """How this GPU reaches one other GPU of the node."""
 
     peer_uuid: str
-    peer_index: int
+    peer_index: NonNegative
     # NVML common-ancestor level: 0 INTERNAL, 10 SINGLE (PIX), 20 MULTIPLE (PXB),
     # 30 HOSTBRIDGE (PHB), 40 NODE, 50 SYSTEM (SYS). None when NVML cannot tell.
-    level: int | None = None
-    nvlinks: int = 0
+    level: NonNegative | None = None
+    nvlinks: NonNegative = 0
 
 
 class GpuInfo(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=True):
     uuid: str
-    index: int
-    minor: int | None = None
+    index: NonNegative
+    minor: NonNegative | None = None
     name: str = ""
-    memory_total_bytes: int = 0
+    memory_total_bytes: NonNegative = 0
     pci_bus_id: str = ""
-    numa_node: int | None = None
-    cpu_affinity: list[int] = []
+    numa_node: NonNegative | None = None
+    cpu_affinity: list[NonNegative] = []
     topology: list[PeerLink] = []
     serial: str | None = None
     board_id: int | None = None
     compute_capability: tuple[int, int] | None = None
     ecc_enabled: bool | None = None
     # Temperature thresholds reported by NVML (degrees C); absent when unsupported.
-    temp_shutdown_c: int | None = None
-    temp_slowdown_c: int | None = None
-    temp_gpu_max_c: int | None = None
-    temp_mem_max_c: int | None = None
+    temp_shutdown_c: Celsius | None = None
+    temp_slowdown_c: Celsius | None = None
+    temp_gpu_max_c: Celsius | None = None
+    temp_mem_max_c: Celsius | None = None
     # Which NVML event types the GPU accepts (bit mask), for the health service.
-    supported_events: int | None = None
+    supported_events: NonNegative | None = None
 
 
 class Inventory(_Message, frozen=True, kw_only=True):
     """Everything a consumer needs to know about a node's GPUs."""
 
     node: str
-    generation: int = 0
+    generation: NonNegative = 0
     driver_version: str | None = None
     cuda_driver_version: str | None = None
     nvml_version: str | None = None
@@ -97,26 +103,26 @@ class GpuSample(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=True):
     """One reading of one GPU. A None field was not supported by the GPU."""
 
     uuid: str
-    index: int
+    index: NonNegative
     timestamp: float
-    gpu_util_pct: int | None = None
-    mem_util_pct: int | None = None
-    memory_used_bytes: int | None = None
-    memory_free_bytes: int | None = None
-    temperature_c: int | None = None
-    power_mw: int | None = None
-    sm_clock_mhz: int | None = None
-    mem_clock_mhz: int | None = None
-    ecc_volatile_corrected: int | None = None
-    ecc_volatile_uncorrected: int | None = None
-    ecc_aggregate_corrected: int | None = None
-    ecc_aggregate_uncorrected: int | None = None
-    remapped_rows_correctable: int | None = None
-    remapped_rows_uncorrectable: int | None = None
+    gpu_util_pct: Percent | None = None
+    mem_util_pct: Percent | None = None
+    memory_used_bytes: NonNegative | None = None
+    memory_free_bytes: NonNegative | None = None
+    temperature_c: Celsius | None = None
+    power_mw: NonNegative | None = None
+    sm_clock_mhz: NonNegative | None = None
+    mem_clock_mhz: NonNegative | None = None
+    ecc_volatile_corrected: NonNegative | None = None
+    ecc_volatile_uncorrected: NonNegative | None = None
+    ecc_aggregate_corrected: NonNegative | None = None
+    ecc_aggregate_uncorrected: NonNegative | None = None
+    remapped_rows_correctable: NonNegative | None = None
+    remapped_rows_uncorrectable: NonNegative | None = None
     remapped_rows_pending: bool | None = None
     remapped_rows_failed: bool | None = None
     retired_pages_pending: bool | None = None
-    throttle_reasons: int | None = None
+    throttle_reasons: NonNegative | None = None
     # Set when the GPU could not be read this period: "lost", "timeout", "error: ...".
     error: str | None = None
 
@@ -127,7 +133,7 @@ class SampleBatch(_Message, frozen=True, kw_only=True):
     node: str
     timestamp: float
     samples: list[GpuSample] = []
-    inventory_generation: int = 0
+    inventory_generation: NonNegative = 0
     # As on Inventory: the collector's sequence and process, never ``timestamp``,
     # order batches (a batch older than the newest seen is dropped).
     seq: NonNegative = 0
@@ -176,7 +182,7 @@ class HealthEvent(_Message, frozen=True, kw_only=True):
     event_id: str
     node: str
     gpu_uuid: str
-    gpu_index: int | None = None
+    gpu_index: NonNegative | None = None
     kind: HealthKind
     severity: Severity
     healthy: bool
@@ -185,11 +191,11 @@ class HealthEvent(_Message, frozen=True, kw_only=True):
     action: Action = "none"
     observed_value: float | None = None
     threshold: float | None = None
-    xid: int | None = None
+    xid: NonNegative | None = None
     # The condition this event raises or clears, e.g. "xid:79" or "thermal".
     condition: str = ""
     # How many identical faults were folded into this event by de-duplication.
-    repeat_count: int = 1
+    repeat_count: Annotated[int, msgspec.Meta(ge=1)] = 1
     observed_at: float
     published_at: float = 0.0
     # When the condition this event raises, repeats or ends began. On recovered and
@@ -215,7 +221,7 @@ class GpuHealth(msgspec.Struct, frozen=True, kw_only=True):
     # Every field is always on the wire (healthy: true included): KV readers in any
     # language must not have to know our defaults.
     gpu_uuid: str
-    gpu_index: int | None = None
+    gpu_index: NonNegative | None = None
     healthy: bool = True
     present: bool = True
     conditions: list[ActiveCondition] = []
@@ -255,10 +261,10 @@ class ErrorReply(_Message, frozen=True, kw_only=True):
 class MockInjectRequest(_Message, frozen=True, kw_only=True):
     """Inject a fault into the mock NVML of every process serving the node."""
 
-    gpu: int | None = None
+    gpu: NonNegative | None = None
     fault: str
     value: float | None = None
-    duration_s: float | None = None
+    duration_s: NonNegativeFloat | None = None
 
 
 class MockInjectReply(_Message, frozen=True, kw_only=True):

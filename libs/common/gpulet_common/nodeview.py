@@ -122,7 +122,9 @@ class NodeView:
         self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
     ) -> None:
         async with (
-            self._bus.subscribe(subjects.inventory(self._node), codec.INVENTORY) as inventories,
+            self._bus.subscribe(
+                subjects.inventory(self._node), codec.INVENTORY, node=self._node
+            ) as inventories,
             anyio.create_task_group() as tg,
         ):
             tg.start_soon(self._follow_inventory, inventories)

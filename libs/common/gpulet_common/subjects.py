@@ -99,6 +99,27 @@ def allocator_endpoint(node: str, endpoint: str) -> str:
     return f"{allocator_prefix(node)}.{token(endpoint)}"
 
 
+# Subjects whose last token names the node the message is about (or the node asked).
+_NODE_SCOPED: Final = (
+    "gpu.inventory.",
+    "gpu.samples.",
+    "gpu.health.",
+    "gpulet.inventory.request.",
+    "gpulet.health.state.",
+    "gpulet.health.clear.",
+    "gpulet.mock.inject.",
+)
+
+
+def node_token(subject: str) -> str | None:
+    """The node token of a node-scoped subject (``gpu.health.<node>`` and the like),
+    or None for a subject that names no node."""
+    for prefix in _NODE_SCOPED:
+        if subject.startswith(prefix):
+            return subject[len(prefix) :]
+    return None
+
+
 HEALTH_STREAM: Final = "GPU_HEALTH"
 HEALTH_KV_BUCKET: Final = "gpu_health"
 

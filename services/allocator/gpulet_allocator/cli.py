@@ -49,7 +49,10 @@ async def _ask(
     from gpulet_allocator import protocol as p
 
     async with Bus.connect(
-        tool_nats(settings), name="gpulet-allocator-cli", max_initial_attempts=3
+        tool_nats(settings),
+        name="gpulet-allocator-cli",
+        max_initial_attempts=3,
+        limits=settings.limits,
     ) as bus:
         return await p.request(
             bus.client,

@@ -55,7 +55,10 @@ async def _request(
     settings: Settings, subject: str, value: Any, request_codec: Any, timeout_s: float
 ) -> HealthState:
     async with Bus.connect(
-        tool_nats(settings), name="gpulet-health-cli", max_initial_attempts=3
+        tool_nats(settings),
+        name="gpulet-health-cli",
+        max_initial_attempts=3,
+        limits=settings.limits,
     ) as bus:
         result: HealthState = await bus.request(
             subject, value, request_codec, codec.HEALTH_STATE, timeout_s=timeout_s
@@ -117,7 +120,9 @@ def _cmd_clear(args: argparse.Namespace, load: LoadSettings) -> int:
 
 
 async def run_alerts(settings: Settings) -> None:
-    async with Bus.connect(tool_nats(settings), name="gpulet-alerts") as bus:
+    async with Bus.connect(
+        tool_nats(settings), name="gpulet-alerts", limits=settings.limits
+    ) as bus:
         consumer = AlertsConsumer.from_settings(bus, settings.health.alerts)
         await consumer.run()
 

@@ -477,7 +477,9 @@ class HealthService:
     async def _consume_samples(
         self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
     ) -> None:
-        async with self._rt.bus.subscribe(subjects.samples(self._node), codec.SAMPLES) as stream:
+        async with self._rt.bus.subscribe(
+            subjects.samples(self._node), codec.SAMPLES, node=self._node
+        ) as stream:
             task_status.started()
             async for delivery in stream:
                 await self._on_samples(delivery.value)
@@ -502,7 +504,7 @@ class HealthService:
         self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
     ) -> None:
         async with self._rt.bus.subscribe(
-            subjects.inventory(self._node), codec.INVENTORY
+            subjects.inventory(self._node), codec.INVENTORY, node=self._node
         ) as stream:
             task_status.started()
             async for delivery in stream:

@@ -40,7 +40,10 @@ class PreviewError(Exception):
 
 async def _from_agent(settings: Settings, timeout_s: float) -> tuple[Inventory, HealthState | None]:
     async with Bus.connect(
-        settings.nats, name="gpulet-reporter-preview", max_initial_attempts=3
+        settings.nats,
+        name="gpulet-reporter-preview",
+        max_initial_attempts=3,
+        limits=settings.limits,
     ) as bus:
         try:
             inventory = await bus.request(

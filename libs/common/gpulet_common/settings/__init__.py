@@ -12,6 +12,7 @@ import msgspec
 from gpulet_common.settings.allocator import AllocatorSettings
 from gpulet_common.settings.collector import CollectorSettings
 from gpulet_common.settings.health import HealthSettings
+from gpulet_common.settings.limits import LimitsSettings
 from gpulet_common.settings.nats import NatsSettings
 from gpulet_common.settings.nvml import NvmlSettings
 from gpulet_common.settings.reporter import ReporterSettings
@@ -31,12 +32,14 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     health: HealthSettings = msgspec.field(default_factory=HealthSettings)
     reporter: ReporterSettings = msgspec.field(default_factory=ReporterSettings)
     allocator: AllocatorSettings = msgspec.field(default_factory=AllocatorSettings)
+    limits: LimitsSettings = msgspec.field(default_factory=LimitsSettings)
 
 
 __all__ = [
     "AllocatorSettings",
     "CollectorSettings",
     "HealthSettings",
+    "LimitsSettings",
     "NatsSettings",
     "NvmlSettings",
     "ReporterSettings",

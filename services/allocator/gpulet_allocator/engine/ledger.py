@@ -173,8 +173,13 @@ class Ledger:
         A lost card keeps its recorded allocations (the pods still reference it) but
         takes no new ones until it is reported again.
         """
-        infos = _as_gpus(gpus)
-        seen = {g.uuid for g in infos}
+        # A UUID listed twice keeps its first entry, as in Topology.from_gpus (the bus
+        # refuses such inventories; the ledger must still agree with its topology).
+        unique: dict[str, GpuInfo] = {}
+        for info in _as_gpus(gpus):
+            unique.setdefault(info.uuid, info)
+        infos = list(unique.values())
+        seen = set(unique)
         for g in self._gpus.values():
             if g.uuid not in seen:
                 g.present = False
