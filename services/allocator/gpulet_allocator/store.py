@@ -9,8 +9,19 @@ requests to them. Both must change together, so they share one file rather than 
 engine's allocations-only checkpoint. Writing follows the engine's recipe: a temporary
 file in the same directory, fsync, rename over the checkpoint, fsync the directory.
 A crash leaves the old or the new file, never a mix. Loading never raises: a missing
-file is a first start; an unreadable or corrupt one is kept as ``<name>.corrupt`` and
-the allocator starts empty and says so.
+file is a first start; an unreadable one is retried by the service.
+
+**A corrupt file fails closed.** Starting empty would hand out GPUs that running pods
+hold, so a file that does not decode (or a version this build cannot read) is
+
+1. kept for a post-mortem under a name never used before,
+   ``<name>.corrupt-<UTC time>-<n>`` (a hard link, created exclusively: a second
+   corruption never overwrites the first one's copy), and
+2. replaced by a checkpoint that says the record is lost (``StoredState.lost``, the
+   reason). That marker is what the allocator reads back after a restart, so the loss
+   is not forgotten by restarting; it stays until the allocator rebuilds the record
+   from kubelet's PodResources or an operator accepts the loss
+   (``gpulet allocator reset --confirm``), see :mod:`gpulet_allocator.service`.
 
 **Group commit.** An answer to kubelet may only leave once its allocation is durable,
 and an fsync costs about a millisecond, so writing once per request would queue 50
@@ -33,7 +44,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +61,8 @@ from gpulet_allocator.core import STATE_VERSION, StoredState
 log = logging.getLogger("gpulet.allocator.store")
 
 CORRUPT_SUFFIX = ".corrupt"
+# Copies of corrupt files in one second beyond which quarantining gives up (a bound).
+MAX_COPIES_PER_SECOND = 1000
 RETRY_MIN_S = 0.2
 RETRY_MAX_S = 5.0
 
@@ -83,9 +98,49 @@ def decode(data: bytes) -> StoredState:
 
 @dataclass(frozen=True, slots=True)
 class Loaded:
-    status: Literal["ok", "missing", "corrupt", "unreadable"]
+    """``lost``: a checkpoint whose marker says the record is lost (see the docstring)."""
+
+    status: Literal["ok", "missing", "corrupt", "lost", "unreadable"]
     state: StoredState
     detail: str
+    #: Where a corrupt file was kept (status "corrupt").
+    corrupt_copy: Path | None = None
+
+
+def quarantine(path: Path, *, now: Callable[[], float] = time.time) -> Path:
+    """Keep ``path``'s content under a new name next to it; returns that name.
+
+    ``<name>.corrupt-<UTC time>-<n>``, the first ``n`` not taken. A hard link is made
+    with exclusive creation (``link`` fails if the name exists), so no earlier copy is
+    ever overwritten; where links are not supported the bytes are copied into a file
+    created exclusively. Raises OSError.
+    """
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now()))
+    for n in range(1, MAX_COPIES_PER_SECOND + 1):
+        copy = path.with_name(f"{path.name}{CORRUPT_SUFFIX}-{stamp}-{n}")
+        try:
+            os.link(path, copy)
+        except FileExistsError:
+            continue
+        except OSError:
+            try:
+                with path.open("rb") as src, copy.open("xb") as dst:
+                    shutil.copyfileobj(src, dst)
+                    dst.flush()
+                    os.fsync(dst.fileno())
+            except FileExistsError:
+                continue
+        _fsync_dir(path.parent)
+        return copy
+    raise OSError(f"{MAX_COPIES_PER_SECOND} corrupt copies of {path} in one second")
+
+
+def _fsync_dir(directory: Path) -> None:
+    dir_fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
 
 
 class CheckpointFile:
@@ -109,14 +164,10 @@ class CheckpointFile:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise
-        dir_fd = os.open(self.path.parent, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        _fsync_dir(self.path.parent)
 
     def load(self) -> Loaded:
-        """Read the checkpoint; never raises."""
+        """Read the checkpoint; never raises. A corrupt file is quarantined (docstring)."""
         with contextlib.suppress(OSError):
             for entry in self.path.parent.iterdir():
                 # Left by a crash between mkstemp and rename; the real file is intact.
@@ -133,18 +184,36 @@ class CheckpointFile:
         try:
             state = decode(data)
         except ValueError as exc:
-            copy = self.path.with_name(self.path.name + CORRUPT_SUFFIX)
-            try:
-                os.replace(self.path, copy)
-            except OSError as move_exc:
-                return Loaded("corrupt", empty, f"{exc}; could not keep a copy: {move_exc}")
-            return Loaded("corrupt", empty, f"{exc}; kept as {copy}; starting empty")
+            return self._quarantine(exc)
+        if state.lost:
+            return Loaded(
+                "lost",
+                state,
+                f"{self.path} records that the allocation record was lost ({state.lost}); "
+                f"{len(state.allocations)} allocation(s) rebuilt since",
+            )
         return Loaded(
             "ok",
             state,
             f"{len(state.allocations)} allocation(s), {len(state.grants)} grant(s) "
             f"from {self.path}",
         )
+
+    def _quarantine(self, problem: ValueError) -> Loaded:
+        try:
+            copy = quarantine(self.path)
+        except OSError as exc:
+            # The file stays where it is: the next start finds it corrupt again.
+            reason = f"{self.path} is corrupt ({problem}) and could not be copied aside: {exc}"
+            return Loaded("corrupt", StoredState(lost=reason), reason)
+        reason = f"{self.path} was corrupt ({problem}); kept as {copy.name}"
+        marker = StoredState(lost=reason)
+        try:
+            self.write(encode(marker))
+        except OSError as exc:
+            detail = f"{reason}; could not mark the loss in {self.path}: {exc}"
+            return Loaded("corrupt", marker, detail, copy)
+        return Loaded("corrupt", marker, reason, copy)
 
 
 class CheckpointError(Exception):
