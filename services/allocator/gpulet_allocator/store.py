@@ -6,17 +6,19 @@ Design
 ledger's allocations (the engine's tagged union, as in
 :mod:`gpulet_allocator.engine.checkpoint`) plus the grants that map kubelet's
 requests to them. Both must change together, so they share one file rather than the
-engine's allocations-only checkpoint. Writing follows the engine's recipe: a temporary
-file in the same directory, fsync, rename over the checkpoint, fsync the directory.
-A crash leaves the old or the new file, never a mix. Loading never raises: a missing
+engine's allocations-only checkpoint. Writing follows the engine's recipe
+(:func:`gpulet_common.statefile.write_atomic`): a temporary file in the same
+directory, fsync, rename over the checkpoint, fsync the directory. A crash leaves the
+old or the new file, never a mix. Loading never raises: a missing
 file is a first start; an unreadable one is retried by the service.
 
 **A corrupt file fails closed.** Starting empty would hand out GPUs that running pods
 hold, so a file that does not decode (or a version this build cannot read) is
 
 1. kept for a post-mortem under a name never used before,
-   ``<name>.corrupt-<UTC time>-<n>`` (a hard link, created exclusively: a second
-   corruption never overwrites the first one's copy), and
+   ``<name>.corrupt-<UTC time>-<n>`` (:func:`gpulet_common.statefile.quarantine`:
+   created exclusively, so a second corruption never overwrites the first one's
+   copy), and
 2. replaced by a checkpoint that says the record is lost (``StoredState.lost``, the
    reason). That marker is what the allocator reads back after a restart, so the loss
    is not forgotten by restarting; it stays until the allocator rebuilds the record
@@ -43,10 +45,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import shutil
-import tempfile
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,12 +55,10 @@ import anyio.abc
 import msgspec
 
 from gpulet_allocator.core import STATE_VERSION, StoredState
+from gpulet_common.statefile import quarantine, tmp_prefix, write_atomic
 
 log = logging.getLogger("gpulet.allocator.store")
 
-CORRUPT_SUFFIX = ".corrupt"
-# Copies of corrupt files in one second beyond which quarantining gives up (a bound).
-MAX_COPIES_PER_SECOND = 1000
 RETRY_MIN_S = 0.2
 RETRY_MAX_S = 5.0
 
@@ -107,71 +103,20 @@ class Loaded:
     corrupt_copy: Path | None = None
 
 
-def quarantine(path: Path, *, now: Callable[[], float] = time.time) -> Path:
-    """Keep ``path``'s content under a new name next to it; returns that name.
-
-    ``<name>.corrupt-<UTC time>-<n>``, the first ``n`` not taken. A hard link is made
-    with exclusive creation (``link`` fails if the name exists), so no earlier copy is
-    ever overwritten; where links are not supported the bytes are copied into a file
-    created exclusively. Raises OSError.
-    """
-    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now()))
-    for n in range(1, MAX_COPIES_PER_SECOND + 1):
-        copy = path.with_name(f"{path.name}{CORRUPT_SUFFIX}-{stamp}-{n}")
-        try:
-            os.link(path, copy)
-        except FileExistsError:
-            continue
-        except OSError:
-            try:
-                with path.open("rb") as src, copy.open("xb") as dst:
-                    shutil.copyfileobj(src, dst)
-                    dst.flush()
-                    os.fsync(dst.fileno())
-            except FileExistsError:
-                continue
-        _fsync_dir(path.parent)
-        return copy
-    raise OSError(f"{MAX_COPIES_PER_SECOND} corrupt copies of {path} in one second")
-
-
-def _fsync_dir(directory: Path) -> None:
-    dir_fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-
-
 class CheckpointFile:
     def __init__(self, path: Path | str) -> None:
         self.path = Path(path)
 
-    def _tmp_prefix(self) -> str:
-        return f".{self.path.name}."
-
     def write(self, data: bytes) -> None:
         """Atomically and durably replace the file with ``data``; raises OSError."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=self._tmp_prefix(), suffix=".tmp", dir=self.path.parent)
-        try:
-            with os.fdopen(fd, "wb") as fh:
-                fh.write(data)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, self.path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
-        _fsync_dir(self.path.parent)
+        write_atomic(self.path, data)
 
     def load(self) -> Loaded:
         """Read the checkpoint; never raises. A corrupt file is quarantined (docstring)."""
         with contextlib.suppress(OSError):
             for entry in self.path.parent.iterdir():
                 # Left by a crash between mkstemp and rename; the real file is intact.
-                if entry.name.startswith(self._tmp_prefix()) and entry.name.endswith(".tmp"):
+                if entry.name.startswith(tmp_prefix(self.path)) and entry.name.endswith(".tmp"):
                     with contextlib.suppress(OSError):
                         entry.unlink()
         empty = StoredState()

@@ -18,7 +18,10 @@ One task group, all of it structured (nothing outlives the service):
 * the **state store** (:mod:`.kv`) keeps each GPU's health in the ``gpu_health`` KV
   bucket, and two endpoints answer ``gpulet.health.state.<node>`` (current state) and
   ``gpulet.health.clear.<node>`` (operator clears sticky conditions);
-* a **tick** flushes de-duplication summaries and ages the correctable-ECC window.
+* a **tick** flushes de-duplication summaries and ages the correctable-ECC window;
+* the GPUs the node is expected to have are remembered (:mod:`.known`, and in the KV
+  bucket): one that the first scan does not find raises ``gpu_missing`` and stays
+  listed, not present and unhealthy, until it is back.
 
 Without NVML the service runs *degraded* and retries, like the collector.
 """
@@ -38,6 +41,7 @@ from opentelemetry import metrics
 from gpulet_common import codec, subjects
 from gpulet_common.bus import BusError, Delivery, RequestRejected
 from gpulet_common.lifecycle import idle_disabled
+from gpulet_common.logutil import RateLimitedLog
 from gpulet_common.messages import (
     GpuHealth,
     GpuInfo,
@@ -63,6 +67,7 @@ from gpulet_health.events_source import (
     Registered,
     SourceItem,
 )
+from gpulet_health.known import KnownGpus
 from gpulet_health.kv import StateStore
 from gpulet_health.publisher import HealthPublisher
 from gpulet_health.rules import RuleEngine, UnknownCondition, UnknownGpu
@@ -100,6 +105,10 @@ class HealthService:
             max_events=self._settings.buffer.max_events,
             segment_bytes=self._settings.buffer.segment_bytes,
         )
+        self.known = KnownGpus(
+            Path(runtime.settings.state_dir) / "health" / "gpus.json", self._node
+        )
+        self._known_log = RateLimitedLog(log, per_minute=2)
         self.store = StateStore(
             runtime.bus,
             self._node,
@@ -198,6 +207,11 @@ class HealthService:
                 len(restored),
                 sum(1 for h in restored if not h.healthy),
             )
+        known = await anyio.to_thread.run_sync(self.known.load)
+        added = self.engine.expect(known.gpus)
+        (log.info if known.gpus or "does not exist" in known.detail else log.warning)(
+            "GPUs this node is expected to have: %s (%d not in the KV state)", known.detail, added
+        )
 
     async def _ensure_stream(self) -> None:
         stream = self._settings.stream
@@ -356,6 +370,17 @@ class HealthService:
             "GPU scan (%s): %d GPUs, %d answering, %d lost", why, count, len(found), len(lost)
         )
         await self._emit_watched(events, count)
+        await self._remember()
+
+    async def _remember(self) -> None:
+        """Keep the list of expected GPUs on disk up to date."""
+        gpus = self.engine.expected()
+        if not self.known.changed(gpus):
+            return
+        try:
+            await anyio.to_thread.run_sync(self.known.save, gpus)
+        except OSError as exc:
+            self._known_log.warning("cannot save the expected GPUs to %s: %s", self.known.path, exc)
 
     async def _emit_watched(self, events: list[HealthEvent], count: int | None) -> None:
         """Emit, after updating the event thread's GPU list.

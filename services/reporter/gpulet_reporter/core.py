@@ -13,6 +13,12 @@ feeds it from the bus. Everything here is synchronous and never blocks.
 No intent exists before the first usable inventory: an agent that has not heard from
 the collector yet must not tell the scheduler that the node has no GPUs. A degraded
 inventory (NVML unavailable, no GPUs listed) likewise leaves the last intent alone.
+
+A GPU the health service reports as not present (lost, removed, missing at start)
+stays in the intent, unhealthy, although the inventory no longer lists it: the health
+service remembers the GPUs a node is expected to have, and its state names them
+(``GpuHealth.info``). The set is taken from every full health state and kept up to
+date by the lost/removed/missing/added events in between.
 """
 
 from __future__ import annotations
@@ -21,13 +27,16 @@ import logging
 from collections.abc import Callable
 
 from gpulet_common.logutil import RateLimitedLog
-from gpulet_common.messages import HealthEvent, HealthState, Inventory
+from gpulet_common.messages import GpuInfo, HealthEvent, HealthState, Inventory
 from gpulet_common.settings.reporter import ReporterSettings
 from gpulet_reporter.debounce import Debouncer
 from gpulet_reporter.desired import DesiredState, build_desired, fallback_pcie_root
 from gpulet_reporter.health_view import HealthView
 
 log = logging.getLogger("gpulet.reporter")
+
+# Health events after which a GPU is not present (until a gpu_added).
+_GONE_KINDS = frozenset({"gpu_lost", "gpu_removed", "gpu_missing"})
 
 
 class ReporterCore:
@@ -50,6 +59,10 @@ class ReporterCore:
             settings.quiet_window_s, settings.max_delay_s
         )
         self._input_log = RateLimitedLog(log, per_minute=10)
+        # Every GPU an inventory or a health state described, by UUID.
+        self._identity: dict[str, GpuInfo] = {}
+        # GPUs the health service says are not present (kept in the Device).
+        self._absent: set[str] = set()
 
     def on_inventory(self, inventory: Inventory) -> None:
         if inventory.node != self.node:
@@ -65,20 +78,46 @@ class ReporterCore:
             # Keep the last good Device: a passing NVML failure is not "no GPUs".
             return
         self.inventory = inventory
-        self.health.forget({g.uuid for g in inventory.gpus})
+        for gpu in inventory.gpus:
+            self._identity[gpu.uuid] = gpu
+        self.health.forget({g.uuid for g in inventory.gpus} | self._absent)
         self._rebuild()
 
     def on_health_event(self, event: HealthEvent) -> None:
         if event.node != self.node:
             return
-        if self.health.apply_event(event):
+        changed = False
+        if event.kind in _GONE_KINDS and event.gpu_uuid not in self._absent:
+            self._absent.add(event.gpu_uuid)
+            changed = True
+        elif event.kind == "gpu_added" and event.gpu_uuid in self._absent:
+            self._absent.discard(event.gpu_uuid)
+            changed = True
+        if self.health.apply_event(event) or changed:
             self._rebuild()
 
     def on_health_state(self, state: HealthState) -> None:
         if state.node not in ("", self.node):
             return
-        if self.health.apply_state(state):
+        absent: set[str] = set()
+        for gpu in state.gpus:
+            if gpu.info is not None and gpu.info.uuid == gpu.gpu_uuid:
+                self._identity[gpu.gpu_uuid] = gpu.info
+            if not gpu.present:
+                absent.add(gpu.gpu_uuid)
+        # A state answers for every GPU the health service knows: it replaces the set.
+        changed = absent != self._absent
+        self._absent = absent
+        if self.health.apply_state(state) or changed:
             self._rebuild()
+
+    def absent_gpus(self) -> list[GpuInfo]:
+        """The GPUs kept in the Device although the inventory does not list them."""
+        listed = {g.uuid for g in self.inventory.gpus} if self.inventory else set()
+        return sorted(
+            (self._identity[u] for u in self._absent if u in self._identity and u not in listed),
+            key=lambda g: (g.index, g.uuid),
+        )
 
     def _rebuild(self) -> None:
         inventory = self.inventory
@@ -90,6 +129,7 @@ class ReporterCore:
                 self.health.snapshot(),
                 gfd_labels=self._settings.gfd_labels,
                 pcie_root=self._pcie_root,
+                absent=self.absent_gpus(),
             )
         except (ValueError, TypeError, OverflowError) as exc:
             # A malformed inventory that passed the decoder's checks: keep the last
