@@ -231,7 +231,7 @@ async def test_a_replaced_pod_keeps_a_fatal_xid_and_the_allocations(tmp_path: Pa
 
                 async def still_unhealthy() -> dict[str, Any] | None:
                     health = await cli(second, "health", "state", "--json")
-                    gpus = {g["gpu_uuid"]: g for g in health["gpus"]}
+                    gpus: dict[str, dict[str, Any]] = {g["gpu_uuid"]: g for g in health["gpus"]}
                     alloc = await allocator_state(second)
                     seen = {g["uuid"]: g["healthy"] for g in alloc["gpus"]}
                     if (
