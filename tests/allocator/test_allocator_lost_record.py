@@ -152,11 +152,17 @@ async def test_pod_resources_rebuilds_a_corrupt_record_and_its_gpus_stay_taken(
     ) as stack:
         assert stack.allocator is not None
         assert len(copies(path)) == 1
+        started = anyio.current_time()
 
         async def rebuilt() -> bool:
             return (await stack.state()).ready
 
         await eventually(rebuilt, "the record to be rebuilt from PodResources")
+        print(
+            f"FIGURES lost record rebuilt from PodResources {anyio.current_time() - started:.2f} s "
+            f"after start (release_grace_s {settings.allocator.release_grace_s:g} s, "
+            f"release_interval_s {settings.allocator.release_interval_s:g} s)"
+        )
         state = await stack.state()
         assert state.lost == ""
         held = {

@@ -225,8 +225,15 @@ async def test_a_replaced_pod_keeps_a_fatal_xid_and_the_allocations(tmp_path: Pa
             # Device file is removed too, so that what it says next is the new pod's.
             for device in (host_state / "reporter").glob("device-*.json"):
                 device.unlink()
+            replaced = time.monotonic()
             with running_pod(host_state, plugin_dir, pod_resources) as second:
                 await second.wait_ready()
+                ready_s = time.monotonic() - replaced
+                # The Device the new pod writes (a file: cheap to poll closely).
+                with anyio.fail_after(30):
+                    while device_health(host_state).get(uuids[BROKEN]) is not False:  # noqa: ASYNC110
+                        await anyio.sleep(0.02)
+                device_s = time.monotonic() - replaced
                 await wait_listed(kubelet, 8)
 
                 async def still_unhealthy() -> dict[str, Any] | None:
@@ -264,5 +271,11 @@ async def test_a_replaced_pod_keeps_a_fatal_xid_and_the_allocations(tmp_path: Pa
                     allocation
                 )
                 assert isinstance(retry, dp.AllocateResponse)
+                print(
+                    f"FIGURES pod replacement: new pod ready {ready_s:.2f} s after the old "
+                    f"one stopped; its Device says GPU {BROKEN} (XID 79) unhealthy "
+                    f"{device_s:.2f} s after; allocations kept "
+                    f"{len(after['allocations'])}/{len(before['allocations'])}"
+                )
     finally:
         shutil.rmtree(short, ignore_errors=True)
