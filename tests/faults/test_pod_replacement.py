@@ -173,6 +173,13 @@ def device_health(host_state: Path) -> dict[str, bool]:
     return {d["id"]: bool(d["health"]) for d in obj["spec"]["devices"]}
 
 
+def device_reason(host_state: Path, uuid: str) -> str:
+    [device] = list((host_state / "reporter").glob("device-*.json"))
+    obj = json.loads(device.read_text())
+    [entry] = [d for d in obj["spec"]["devices"] if d["id"] == uuid]
+    return str(entry["conditions"][0]["reason"])
+
+
 async def allocator_state(pod: Pod) -> dict[str, Any]:
     return await cli(pod, "allocator", "state", "--json")
 
@@ -249,6 +256,7 @@ async def test_a_replaced_pod_keeps_a_fatal_xid_and_the_allocations(tmp_path: Pa
                     return None
 
                 broken = await eventually(still_unhealthy, "GPU 2 still unhealthy")
+                assert device_reason(host_state, uuids[BROKEN]) == "Xid79"
                 assert broken["healthy"] is False
                 assert [c["condition"] for c in broken["conditions"]] == ["xid:79"]
                 # The mock NVML of the new pod shows no XID: only the kept state knows.
