@@ -19,22 +19,35 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import anyio
+import msgspec
 import pytest
 
 from gpulet_collector import service as collector_service
 from gpulet_collector.service import CollectorService
 from gpulet_common import codec, subjects
 from gpulet_common.embedded_nats import EmbeddedNats
-from gpulet_common.messages import HealthEvent, HealthStateRequest, Inventory, MockInjectRequest
+from gpulet_common.messages import (
+    ActiveCondition,
+    GpuHealth,
+    GpuInfo,
+    HealthEvent,
+    HealthState,
+    HealthStateRequest,
+    Inventory,
+    MockInjectRequest,
+    PeerLink,
+)
 from gpulet_common.mock_nvml import SCENARIO_DIR, MockNvml
+from gpulet_common.settings.health import HealthSettings
 from gpulet_common.settings.reporter import ReporterSettings
+from gpulet_health.known import KnownGpus
+from gpulet_health.rules import RuleEngine
+from gpulet_reporter.core import ReporterCore
 from support.agent import agent_settings, mock_adapter, runtime_for
 from support.faults import DEVICES, GpuOnDevice, device_view
 from support.health_harness import NODE, HealthNode, health_node
 from support.kube_emulator import KubeEmulator
 from support.reporter_harness import fast_settings, running_reporter, wait_until
-
-pytestmark = pytest.mark.anyio
 
 DGX = SCENARIO_DIR / "dgx-h100.toml"
 LOST = 2
@@ -84,6 +97,7 @@ def missing_event(h: HealthNode, uuid: str) -> list[HealthEvent]:
     return h.log.where(lambda e: e.kind == "gpu_missing" and e.gpu_uuid == uuid)
 
 
+@pytest.mark.anyio
 async def test_a_gpu_lost_before_start_is_missing_and_stays_in_the_device(
     nats_server: EmbeddedNats, emulator: KubeEmulator, tmp_path: Path
 ) -> None:
@@ -141,6 +155,7 @@ async def test_a_gpu_lost_before_start_is_missing_and_stays_in_the_device(
         await until_device(emulator, lambda seen: seen[uuids[LOST]].health)
 
 
+@pytest.mark.anyio
 async def test_a_gpu_lost_while_running_stays_in_the_device_across_a_restart(
     nats_server: EmbeddedNats, emulator: KubeEmulator, tmp_path: Path
 ) -> None:
@@ -177,6 +192,7 @@ async def test_a_gpu_lost_while_running_stays_in_the_device_across_a_restart(
         assert [g.uuid for g in r.service.core.absent_gpus()] == [uuids[LOST]]
 
 
+@pytest.mark.anyio
 async def test_a_lost_gpu_does_not_make_the_collector_republish_the_inventory(
     nats_server: EmbeddedNats, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -237,3 +253,99 @@ async def test_a_lost_gpu_does_not_make_the_collector_republish_the_inventory(
             tg.cancel_scope.cancel()
     finally:
         mock.close()
+
+
+# --- the parts on their own -------------------------------------------------------------
+
+T0 = 1_700_000_000.0
+
+
+def info(index: int) -> GpuInfo:
+    return GpuInfo(
+        uuid=f"GPU-{index}", index=index, name="H100", pci_bus_id=f"0000:{index:02x}:00.0"
+    )
+
+
+def test_the_engine_raises_missing_for_an_expected_gpu_the_first_scan_lacks() -> None:
+    engine = RuleEngine("n1", HealthSettings())
+    assert engine.expect([info(0), info(1), info(2)]) == 3
+    assert engine.expect([info(0), GpuInfo(uuid="", index=9)]) == 0
+    events = engine.observe_inventory([info(0), info(2)], T0)
+    assert [(e.kind, e.condition, e.gpu_uuid, e.healthy) for e in events] == [
+        ("gpu_missing", "missing", "GPU-1", False)
+    ]
+    assert "GPU 1 (H100, bus 0000:01:00.0) was on this node before" in events[0].reason
+    snapshot = engine.snapshot("GPU-1")
+    assert (snapshot.present, snapshot.healthy) == (False, False)
+    assert snapshot.info == info(1)
+    assert [g.uuid for g in engine.expected()] == ["GPU-0", "GPU-1", "GPU-2"]
+    # A later scan that still lacks it says nothing new; one that finds it ends it.
+    assert engine.observe_inventory([info(0), info(2)], T0 + 1) == []
+    back = engine.observe_inventory([info(0), info(1), info(2)], T0 + 2)
+    assert ("recovered", "missing") in [(e.kind, e.condition) for e in back]
+    assert back[-1].kind == "gpu_added"
+    assert back[-1].healthy
+
+
+def test_a_restored_gpu_that_names_another_gpu_loses_that_identity() -> None:
+    forged = GpuHealth(gpu_uuid="GPU-1", gpu_index=1, info=info(7))
+    engine = RuleEngine("n1", HealthSettings())
+    engine.restore([forged, GpuHealth(gpu_uuid="GPU-2", gpu_index=2, info=info(2))])
+    assert engine.snapshot("GPU-1").info is None
+    assert engine.snapshot("GPU-2").info == info(2)
+
+
+def test_the_file_of_expected_gpus(tmp_path: Path) -> None:
+    path = tmp_path / "health" / "gpus.json"
+    known = KnownGpus(path, "n1")
+    assert known.load().gpus == []
+    with_topology = msgspec.structs.replace(
+        info(0), topology=[PeerLink(peer_uuid="GPU-1", peer_index=1)]
+    )
+    known.save([with_topology, info(1)])
+    known.save([with_topology, info(1)])  # unchanged: not written again
+    assert known.writes == 1
+    again = KnownGpus(path, "n1").load()
+    assert again.gpus == [info(0), info(1)]
+    # Another node's file, or a corrupt one, is kept aside and not used.
+    assert KnownGpus(path, "n2").load().gpus == []
+    path.write_bytes(b'{"version": 1, "gpus": [{"uuid": 1}]}')
+    broken = KnownGpus(path, "n1").load()
+    assert broken.gpus == []
+    assert "kept as gpus.json.corrupt-" in broken.detail
+    assert len(list(path.parent.glob("gpus.json.corrupt-*"))) == 2
+
+
+def test_the_reporter_keeps_a_gpu_the_health_service_says_is_not_present() -> None:
+    node = "n1"
+    core = ReporterCore(node, fast_settings())
+    inventory = Inventory(node=node, generation=1, gpus=[info(0), info(1), info(2)])
+    core.on_inventory(inventory)
+    assert core.desired is not None
+    assert len(core.desired.gpus) == 3
+    lost = GpuHealth(
+        gpu_uuid="GPU-1",
+        gpu_index=1,
+        healthy=False,
+        present=False,
+        info=info(1),
+        conditions=[
+            ActiveCondition(
+                condition="lost", kind="gpu_lost", severity="critical", reason="GPU 1 is lost"
+            )
+        ],
+    )
+    fine = [GpuHealth(gpu_uuid=f"GPU-{i}", gpu_index=i, info=info(i)) for i in (0, 2)]
+    core.on_health_state(HealthState(node=node, gpus=[fine[0], lost, fine[1]]))
+    # The collector's next inventory leaves it out: the Device does not.
+    core.on_inventory(msgspec.structs.replace(inventory, generation=2, gpus=[info(0), info(2)]))
+    gpus = {g.uuid: g for g in core.desired.gpus}
+    assert sorted(gpus) == ["GPU-0", "GPU-1", "GPU-2"]
+    condition = gpus["GPU-1"].condition
+    assert condition is not None
+    assert not condition.healthy
+    assert condition.reason == "GpuLost"
+    assert [g.uuid for g in core.absent_gpus()] == ["GPU-1"]
+    # The health service forgets it (a full state without it): so does the Device.
+    core.on_health_state(HealthState(node=node, gpus=fine))
+    assert sorted(g.uuid for g in core.desired.gpus) == ["GPU-0", "GPU-2"]

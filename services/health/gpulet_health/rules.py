@@ -166,7 +166,7 @@ class RuleEngine:
         """
         added = 0
         for info in gpus:
-            if info.uuid not in self.gpus:
+            if info.uuid and info.uuid not in self.gpus:
                 self.gpus[info.uuid] = GpuState(uuid=info.uuid, index=info.index, info=info)
                 added += 1
         return added

@@ -163,9 +163,11 @@ class GpuState:
 
     @classmethod
     def restore(cls, health: GpuHealth) -> GpuState:
-        state = cls(
-            uuid=health.gpu_uuid, index=health.gpu_index, present=health.present, info=health.info
+        # An identity that names another GPU is not this GPU's: left out.
+        info = (
+            health.info if health.info is not None and health.info.uuid == health.gpu_uuid else None
         )
+        state = cls(uuid=health.gpu_uuid, index=health.gpu_index, present=health.present, info=info)
         for c in health.conditions:
             xid: int | None = None
             if c.kind == "xid":
