@@ -20,6 +20,7 @@ from pathlib import Path
 
 import anyio
 import msgspec
+import nats.js.errors
 import pytest
 
 from gpulet_collector import service as collector_service
@@ -30,6 +31,7 @@ from gpulet_common.messages import (
     ActiveCondition,
     GpuHealth,
     GpuInfo,
+    HealthClearRequest,
     HealthEvent,
     HealthState,
     HealthStateRequest,
@@ -191,6 +193,42 @@ async def test_a_gpu_lost_while_running_stays_in_the_device_across_a_restart(
         assert device_view(emulator, NODE)[uuids[LOST]].reason == "GpuLost"
         assert [g.uuid for g in r.service.core.absent_gpus()] == [uuids[LOST]]
 
+        # The GPU was taken out for good: the operator clears it, it is forgotten.
+        cleared = await h.runtime.bus.request(
+            subjects.health_clear(NODE),
+            HealthClearRequest(gpu=uuids[LOST], condition="lost", requested_by="test"),
+            codec.HEALTH_CLEAR_REQUEST,
+            codec.HEALTH_STATE,
+            timeout_s=2.0,
+        )
+        assert cleared.gpus[0].gpu_uuid == uuids[LOST]
+        await until_device(emulator, lambda seen: set(seen) == set(uuids) - {uuids[LOST]})
+        assert uuids[LOST] not in h.service.engine.gpus
+        await wait_until(
+            lambda: uuids[LOST] not in (tmp_path / "state" / "health" / "gpus.json").read_text()
+        )
+        state = await h.runtime.bus.request(
+            subjects.health_state(NODE),
+            HealthStateRequest(),
+            codec.HEALTH_STATE_REQUEST,
+            codec.HEALTH_STATE,
+            timeout_s=2.0,
+        )
+        assert uuids[LOST] not in {g.gpu_uuid for g in state.gpus}
+        kv = await h.runtime.bus.key_value(subjects.HEALTH_KV_BUCKET)
+        key = subjects.health_kv_key(NODE, uuids[LOST])
+
+        async def deleted() -> bool:
+            try:
+                entry = await kv.get(key)
+            except nats.js.errors.KeyNotFoundError:
+                return True
+            return entry.value in (None, b"")
+
+        with anyio.fail_after(5):
+            while not await deleted():  # noqa: ASYNC110 - state in another service
+                await anyio.sleep(0.02)
+
 
 @pytest.mark.anyio
 async def test_a_lost_gpu_does_not_make_the_collector_republish_the_inventory(
@@ -349,3 +387,22 @@ def test_the_reporter_keeps_a_gpu_the_health_service_says_is_not_present() -> No
     # The health service forgets it (a full state without it): so does the Device.
     core.on_health_state(HealthState(node=node, gpus=fine))
     assert sorted(g.uuid for g in core.desired.gpus) == ["GPU-0", "GPU-2"]
+
+
+def test_clearing_a_gpu_that_is_not_present_forgets_it() -> None:
+    engine = RuleEngine("n1", HealthSettings())
+    engine.expect([info(0), info(1)])
+    engine.observe_inventory([info(0)], T0)
+    engine.take_dirty()
+    gpu, events = engine.clear("GPU-1", "missing", T0 + 1, "alice")
+    assert gpu.uuid == "GPU-1"
+    assert [(e.kind, e.condition) for e in events] == [("cleared", "missing")]
+    assert "forgotten" in events[0].reason
+    assert "GPU-1" not in engine.gpus
+    assert engine.take_dirty() == {"GPU-1"}
+    assert [g.uuid for g in engine.expected()] == ["GPU-0"]
+    # A present GPU's condition is cleared as before, and the GPU stays.
+    engine.observe_xid("GPU-0", 79, T0 + 2)
+    _, events = engine.clear("GPU-0", "xid:79", T0 + 3)
+    assert [(e.kind, e.condition) for e in events] == [("cleared", "xid:79")]
+    assert "GPU-0" in engine.gpus

@@ -40,7 +40,9 @@ Rules (defaults in :mod:`gpulet_common.settings.health`)
     from the health service's list of expected GPUs, :meth:`expect`) that the first
     scan does not find raises ``missing`` (``gpu_missing``, critical,
     present=False): a GPU lost or gone while the agent was down is not silently
-    dropped. It ends like ``removed``, when the GPU is listed again.
+    dropped. It ends like ``removed``, when the GPU is listed again. An operator who
+    took a GPU out on purpose clears its ``missing``/``removed``/``lost`` condition
+    (:meth:`clear`): a GPU that is not present is then forgotten.
   * **Reset observed**: volatile ECC counters going back, pending remaps clearing, or
     a lost/removed GPU answering again mean the GPU was reset: every sticky condition
     of that GPU ends (``recovered``), and the counters take a new baseline.
@@ -81,6 +83,10 @@ from gpulet_health.dedup import Deduplicator, event_id
 from gpulet_health.state import STICKY_KINDS, Condition, GpuState
 
 log = logging.getLogger("gpulet.health.rules")
+
+# Conditions of a GPU that is not there; clearing one of them while the GPU is not
+# present forgets the GPU (it was taken out of the node on purpose).
+GONE_CONDITIONS = frozenset({"lost", "removed", "missing"})
 
 # nvmlClocksEventReasonSwThermalSlowdown | nvmlClocksEventReasonHwThermalSlowdown.
 THROTTLE_THERMAL = 0x20 | 0x40
@@ -933,6 +939,20 @@ class RuleEngine:
         else:
             names = [n for n, c in gpu.conditions.items() if c.sticky or c.kind in STICKY_KINDS]
         out: list[HealthEvent] = []
+        if condition in GONE_CONDITIONS and not gpu.present:
+            # Taken out of the node on purpose: not expected here any more.
+            for name in list(gpu.conditions):
+                out += self._end(
+                    gpu,
+                    name,
+                    now,
+                    f"cleared by {by}: the GPU is not present and is forgotten (no longer "
+                    "expected on this node)",
+                    how="cleared",
+                )
+            del self.gpus[gpu.uuid]
+            self._dirty.add(gpu.uuid)  # its stored state goes too
+            return gpu, out
         for name in names:
             out += self._end(gpu, name, now, f"cleared by {by}", how="cleared")
         return gpu, out

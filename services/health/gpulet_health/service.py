@@ -614,6 +614,7 @@ class HealthService:
                 len([e for e in events if e.kind == "cleared"]),
             )
             await self._emit(events)
+            await self._remember()
             return HealthState(node=self._node, gpus=[gpu.snapshot()], updated_at=now)
 
         await self._rt.bus.serve(

@@ -37,6 +37,8 @@ log = logging.getLogger("gpulet.reporter")
 
 # Health events after which a GPU is not present (until a gpu_added).
 _GONE_KINDS = frozenset({"gpu_lost", "gpu_removed", "gpu_missing"})
+# Clearing one of these while the GPU is not present makes the health service forget it.
+_GONE_CONDITIONS = frozenset({"lost", "removed", "missing"})
 
 
 class ReporterCore:
@@ -90,7 +92,11 @@ class ReporterCore:
         if event.kind in _GONE_KINDS and event.gpu_uuid not in self._absent:
             self._absent.add(event.gpu_uuid)
             changed = True
-        elif event.kind == "gpu_added" and event.gpu_uuid in self._absent:
+        elif (
+            event.kind == "gpu_added"
+            or (event.kind == "cleared" and event.condition in _GONE_CONDITIONS)
+        ) and event.gpu_uuid in self._absent:
+            # Back, or forgotten by the health service (taken out on purpose).
             self._absent.discard(event.gpu_uuid)
             changed = True
         if self.health.apply_event(event) or changed:
