@@ -80,7 +80,7 @@ def decode(data: bytes) -> StoredState:
     """Decode a checkpoint; ValueError for anything this build cannot read."""
     try:
         version = _header_decoder.decode(data).version
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+    except Exception as exc:  # total: any failure means "not one" (RecursionError...)
         raise ValueError(f"not an allocator checkpoint: {exc}") from exc
     if version != STATE_VERSION:
         raise ValueError(
@@ -88,8 +88,8 @@ def decode(data: bytes) -> StoredState:
         )
     try:
         return _decoder.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise ValueError(f"invalid allocator checkpoint: {exc}") from exc
+    except Exception as exc:  # total, as above
+        raise ValueError(f"invalid allocator checkpoint: {type(exc).__name__}: {exc}") from exc
 
 
 @dataclass(frozen=True, slots=True)

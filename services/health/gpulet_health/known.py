@@ -81,8 +81,8 @@ class KnownGpus:
         """The file's content; ValueError for anything this build cannot use."""
         try:
             stored = _decoder.decode(data)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            raise ValueError(str(exc)) from exc
+        except Exception as exc:  # total: RecursionError and the like too
+            raise ValueError(f"{type(exc).__name__}: {exc}") from exc
         if stored.version != VERSION:
             raise ValueError(f"version {stored.version}, this build reads {VERSION}")
         if stored.node and stored.node != self._node:
