@@ -254,10 +254,11 @@ async def test_an_unreadable_checkpoint_stops_allocations_until_it_reads(
         status = runtime.status
         service = AllocatorService(runtime)
         with anyio.fail_after(5):
-            await tg.start(service.run)  # started, degraded: later services go on
+            await tg.start(service.run)  # started, blocked: later services go on
         current = status.get("allocator")
         assert current is not None
-        assert current.state == "degraded"
+        assert current.state == "blocked"  # not ready (/readyz 503), saying why
+        assert not status.ready
         assert "not serving until it can be read" in current.detail
         assert service.micro is None
 

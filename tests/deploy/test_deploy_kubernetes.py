@@ -231,32 +231,61 @@ def test_containers_have_least_privilege(build: tuple[str, list[dict[str, Any]]]
             assert {"cpu", "memory"} <= set(c["resources"][kind]), (name, kind)
 
 
-def test_host_access_is_limited_to_the_kubelet_directories(
+def test_host_access_is_limited_to_the_kubelet_directories_and_gpulets_state(
     build: tuple[str, list[dict[str, Any]]],
 ) -> None:
     _, docs = build
     pod = _one(docs, "DaemonSet", "gpulet")["spec"]["template"]["spec"]
-    host_paths = {v["name"]: v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v}
-    assert host_paths == {
+    host_paths = {v["name"]: v["hostPath"] for v in pod["volumes"] if "hostPath" in v}
+    assert {name: h["path"] for name, h in host_paths.items()} == {
         "device-plugins": "/var/lib/kubelet/device-plugins",
         "pod-resources": "/var/lib/kubelet/pod-resources",
+        "state": "/var/lib/gpulet",
     }
+    assert host_paths["state"]["type"] == "DirectoryOrCreate"
+    assert not [v["name"] for v in pod["volumes"] if "emptyDir" in v]
     mounts = {
-        name: {m["name"]: m for m in c.get("volumeMounts", [])}
+        name: {(m["name"], m.get("subPath", "")): m for m in c.get("volumeMounts", [])}
         for name, c in _containers(docs).items()
     }
-    users = {vol: sorted(n for n, m in mounts.items() if vol in m) for vol in host_paths}
+    users = {
+        vol: sorted(n for n, m in mounts.items() if any(v == vol for v, _ in m))
+        for vol in ("device-plugins", "pod-resources")
+    }
     assert users == {"device-plugins": ["device-plugin"], "pod-resources": ["allocator"]}
-    assert mounts["allocator"]["pod-resources"]["readOnly"] is True
+    assert mounts["allocator"]["pod-resources", ""]["readOnly"] is True
     assert (
-        mounts["device-plugin"]["device-plugins"]["mountPath"] == "/var/lib/kubelet/device-plugins"
+        mounts["device-plugin"]["device-plugins", ""]["mountPath"]
+        == "/var/lib/kubelet/device-plugins"
     )
-    # JetStream's files are the NATS container's alone; services share "state".
-    assert sorted(n for n, m in mounts.items() if "nats-data" in m) == ["nats"]
-    assert {n for n, m in mounts.items() if "state" in m} == set(GPULET_CONTAINERS)
-    for volume in pod["volumes"]:
-        if volume["name"] in ("state", "nats-data"):
-            assert "emptyDir" in volume
+    # The state survives a pod replacement, each part where its owner expects it:
+    # JetStream is the NATS container's alone, the checkpoint the allocator's, and the
+    # services share their state dir.
+    state_mounts = {
+        (name, sub): m["mountPath"]
+        for name, ms in mounts.items()
+        for (v, sub), m in ms.items()
+        if v == "state"
+    }
+    expected = {(n, "state"): "/var/lib/gpulet" for n in GPULET_CONTAINERS}
+    expected["nats", "nats"] = "/data"
+    expected["allocator", "allocator"] = "/var/lib/gpulet/allocator"
+    assert state_mounts == expected
+    nats = _containers(docs)["nats"]
+    assert "--store_dir=/data/jetstream" in nats["args"]
+    # The init container makes the directories and gives them to the non-root user,
+    # with CHOWN as its one capability, and mounts nothing else.
+    [init] = pod["initContainers"]
+    assert init["volumeMounts"] == [{"name": "state", "mountPath": "/host"}]
+    sc = init["securityContext"]
+    assert sc["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN"]}
+    assert sc["allowPrivilegeEscalation"] is False
+    assert sc["readOnlyRootFilesystem"] is True
+    script = " ".join(init["args"])
+    for part in ("state", "allocator", "nats"):
+        assert f"/host/{part}" in script
+    assert "chown 65532:65532 /host/state /host/nats" in script
+    assert pod["securityContext"]["runAsUser"] == 65532
 
 
 def test_only_the_reporter_gets_api_credentials(build: tuple[str, list[dict[str, Any]]]) -> None:

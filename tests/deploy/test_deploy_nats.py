@@ -276,6 +276,11 @@ async def test_allocator_micro_service_answers_the_device_plugin(
             await req.respond(b"state")
 
         await group.add_endpoint(name="state", handler=state)
+
+        async def reset(req: Request) -> None:
+            await req.respond(b"reset")
+
+        await group.add_endpoint(name="reset", handler=reset)
         await allocator.nc.flush()
 
         subject = subjects.allocator_endpoint(NODE, "allocate")
@@ -287,6 +292,9 @@ async def test_allocator_micro_service_answers_the_device_plugin(
         # The operator may read the allocator's state (`gpulet allocator state`)...
         answer = await request(operator, subjects.allocator_endpoint(NODE, "state"), b"{}")
         assert answer.data == b"state"
+        # ...and accept a lost allocation record (`gpulet allocator reset --confirm`).
+        answer = await request(operator, subjects.allocator_endpoint(NODE, "reset"), b"{}")
+        assert answer.data == b"reset"
         # ...but read-only users cannot ask for allocations.
         for conn in (operator, reporter):
             await conn.nc.publish(subject, b"gpu-1")

@@ -97,7 +97,7 @@ async def pod(
 ) -> AsyncIterator[tuple[FakeKubelet, Path, Path, EmbeddedNats]]:
     set_passwords(monkeypatch)
     config = node_config(tmp_path, mock=True)
-    state = tmp_path / "state"  # the pod's shared emptyDir
+    state = tmp_path / "state"  # the pod's shared state dir (hostPath /var/lib/gpulet/state)
     # Unix socket paths are limited to 107 bytes; pytest's tmp_path can be longer.
     short = Path(tempfile.mkdtemp(prefix="gpl-"))
     plugin_dir = short / "device-plugins"

@@ -888,6 +888,7 @@ REPLY_CODECS: Final[dict[str, Codec[Any]]] = {
     p.ENDPOINT_PREFERRED: p.PREFERRED_REPLY,
     p.ENDPOINT_RELEASE: p.RELEASE_REPLY,
     p.ENDPOINT_STATE: p.STATE_REPLY,
+    p.ENDPOINT_RESET: p.RESET_REPLY,
 }
 REQUEST_CODECS: Final[dict[str, Codec[Any]]] = {
     p.ENDPOINT_ALLOCATE: p.ALLOCATE_REQUEST,
@@ -895,6 +896,7 @@ REQUEST_CODECS: Final[dict[str, Codec[Any]]] = {
     p.ENDPOINT_PREFERRED: p.PREFERRED_REQUEST,
     p.ENDPOINT_RELEASE: p.RELEASE_REQUEST,
     p.ENDPOINT_STATE: p.STATE_REQUEST,
+    p.ENDPOINT_RESET: p.RESET_REQUEST,
 }
 
 
@@ -929,6 +931,7 @@ class Fuzz:
             p.ENDPOINT_PREFERRED: service._on_preferred,
             p.ENDPOINT_RELEASE: service._on_release,
             p.ENDPOINT_STATE: service._on_state,
+            p.ENDPOINT_RESET: service._on_reset,
         }
         #: Outcome ("ok" or the refusal's code) of every answer, by endpoint.
         self.tally: dict[str, Counter[str]] = {e: Counter() for e in p.ENDPOINTS}

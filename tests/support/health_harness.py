@@ -171,11 +171,17 @@ async def health_node(
     collector: bool = True,
     subscriber: bool = True,
     scenario: Path = SCENARIO,
+    prepare: Callable[[MockNvml], object] | None = None,
 ) -> AsyncIterator[HealthNode]:
-    """The service running; a scenario's timeline clock starts once it is ready."""
+    """The service running; a scenario's timeline clock starts once it is ready.
+
+    ``prepare`` gets the mock before anything starts (a GPU lost before the agent).
+    """
     settings = health_settings(nats_url, tmp_path, overrides)
     clock = GatedClock()
     adapter, mock = mock_adapter(str(scenario), clock=clock)
+    if prepare is not None:
+        prepare(mock)
     probe = MetricsProbe()
     log = EventLog()
     try:

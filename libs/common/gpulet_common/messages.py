@@ -168,6 +168,10 @@ HealthKind = Literal[
     "thermal_shutdown",
     "gpu_lost",
     "gpu_removed",
+    # A GPU the node had before (health service's memory) is not there at start.
+    # Added to the schema after version 1 (a new value: old consumers that check
+    # kinds strictly see an unknown kind).
+    "gpu_missing",
     "gpu_added",
     "recovered",
     "cleared",
@@ -226,6 +230,10 @@ class GpuHealth(msgspec.Struct, frozen=True, kw_only=True):
     present: bool = True
     conditions: list[ActiveCondition] = []
     updated_at: float = 0.0
+    # The GPU as NVML last described it (no topology), so that a GPU that is not
+    # present any more can still be named (the reporter keeps it in the Device).
+    # Added after schema version 1; null from older health services.
+    info: GpuInfo | None = None
 
 
 class HealthState(_Message, frozen=True, kw_only=True):

@@ -9,7 +9,9 @@ a global, so tests can hand them one backed by an in-memory reader.
 ``/healthz`` answers 200 while the event loop serves requests (liveness). ``/readyz``
 answers 200 once every component reported ready (a *degraded* component, e.g. NVML
 missing, counts as ready: it is running and saying why), and 503 otherwise; both bodies
-are JSON with each component's state and detail, so an operator sees *why*.
+are JSON with each component's state and detail, so an operator sees *why*. A
+*blocked* component runs but refuses its work until something (often an operator)
+acts, e.g. the allocator after a corrupt checkpoint: not ready.
 """
 
 from __future__ import annotations
@@ -34,7 +36,9 @@ from gpulet_common.settings.telemetry import TelemetrySettings
 
 log = logging.getLogger("gpulet.telemetry")
 
-ComponentState = Literal["starting", "ready", "degraded", "stopping", "stopped", "failed"]
+ComponentState = Literal[
+    "starting", "ready", "degraded", "blocked", "stopping", "stopped", "failed"
+]
 
 # Bucket boundaries (seconds) for request latencies of a millisecond to seconds: OTel's
 # default buckets are made for milliseconds and would put every such request in the first.
@@ -73,7 +77,7 @@ class StatusBoard:
             previous = self._components.get(name)
             self._components[name] = ComponentStatus(state, detail)
         if previous is None or previous.state != state or previous.detail != detail:
-            level = logging.WARNING if state in ("degraded", "failed") else logging.INFO
+            level = logging.WARNING if state in ("degraded", "blocked", "failed") else logging.INFO
             log.log(level, "%s: %s%s", name, state, f" ({detail})" if detail else "")
 
     def get(self, name: str) -> ComponentStatus | None:

@@ -1,4 +1,4 @@
-"""``gpulet allocator state`` and ``gpulet allocator release``: talk to a running allocator.
+"""``gpulet allocator state|release|reset``: talk to a running allocator.
 
 Why here
 --------
@@ -15,6 +15,11 @@ Release names allocations the way the allocator knows them: kubelet's Allocate
 carries no pod UID, so an allocation is an ID (``state`` lists them; containers see
 ``GPULET_ALLOCATION_ID``) or the ``namespace/name`` of its pod once PodResources has
 reported it.
+
+Reset accepts the loss of the allocation record after a corrupt checkpoint (the
+allocator refuses to allocate until then, unless PodResources rebuilt it). It needs
+``--confirm``: GPUs that running pods hold and that PodResources could not name may
+be handed out again.
 """
 
 from __future__ import annotations
@@ -85,7 +90,11 @@ def _mib(units: int) -> str:
 
 
 def format_state(state: p.StateReply) -> str:
-    lines = [f"node {state.node}: {'ready' if state.ready else 'NOT READY (no inventory)'}"]
+    if state.lost:
+        readiness = f"NOT READY ({state.lost})"
+    else:
+        readiness = "ready" if state.ready else "NOT READY (no inventory)"
+    lines = [f"node {state.node}: {readiness}"]
     lines.append(f"checkpoint {state.checkpoint}")
     lines.append("")
     lines.append(f"{'GPU':>3}  {'UUID':<42} {'HEALTH':<9} {'CORES':>7} {'MEMORY':>17}  HELD BY")
@@ -172,6 +181,34 @@ def _cmd_release(args: argparse.Namespace, load: LoadSettings) -> int:
     return 0 if reply.released else 1
 
 
+def _cmd_reset(args: argparse.Namespace, load: LoadSettings) -> int:
+    from gpulet_allocator import protocol as p
+
+    if not args.confirm:
+        print(
+            "gpulet allocator reset: this accepts that allocations of running pods may be "
+            "unknown and their GPUs handed out again; add --confirm",
+            file=sys.stderr,
+        )
+        return 2
+    settings = load(args)
+    request = p.ResetRequest(confirm=True, requested_by=args.requested_by)
+    reply = _run(
+        settings,
+        "reset",
+        lambda: _ask(
+            settings, p.ENDPOINT_RESET, request, p.RESET_REQUEST, p.RESET_REPLY, args.timeout
+        ),
+    )
+    if reply is None:
+        return 1
+    if args.json:
+        print(json.dumps(msgspec.to_builtins(reply), indent=2))
+    else:
+        print(reply.detail)
+    return 0
+
+
 def add_commands(sub: Any, add_flags: AddFlags, load: LoadSettings) -> None:
 
     # `gpulet allocator` (the sidecar command) exists already: add actions to it.
@@ -179,7 +216,7 @@ def add_commands(sub: Any, add_flags: AddFlags, load: LoadSettings) -> None:
     if parser is None:
         parser = sub.add_parser("allocator", help="talk to the allocator of a node")
     actions = parser.add_subparsers(
-        dest="allocator_action", metavar="[state|release]", required=False
+        dest="allocator_action", metavar="[state|release|reset]", required=False
     )
 
     state = actions.add_parser("state", help="show the node's GPUs and allocations")
@@ -207,3 +244,20 @@ def add_commands(sub: Any, add_flags: AddFlags, load: LoadSettings) -> None:
     release.add_argument("--timeout", type=float, default=2.0, help="seconds to wait")
     add_flags(release)
     release.set_defaults(func=bind(_cmd_release, load))
+
+    reset = actions.add_parser(
+        "reset",
+        help="accept the loss of the allocation record after a corrupt checkpoint",
+        description=(
+            "After a corrupt checkpoint the allocator refuses to allocate until kubelet's "
+            "PodResources API rebuilt its record. Where it cannot (no PodResources, GPU "
+            "shares in use), this accepts the loss: allocations rebuilt so far are kept, "
+            "GPUs of running pods that were not rebuilt may be handed out again."
+        ),
+    )
+    reset.add_argument("--confirm", action="store_true", help="required: you accept the loss")
+    reset.add_argument("--requested-by", default="operator", help="recorded in the allocator's log")
+    reset.add_argument("--json", action="store_true", help="print the raw reply as JSON")
+    reset.add_argument("--timeout", type=float, default=2.0, help="seconds to wait")
+    add_flags(reset)
+    reset.set_defaults(func=bind(_cmd_reset, load))

@@ -60,6 +60,13 @@ allocation none of whose grants has been listed for ``release_grace_s`` is relea
 (the grace covers a kubelet that lists nothing for a moment after a restart, and a
 grant younger than the grace is never released). Without PodResources, an explicit
 release by allocation ID, pod or device IDs does it (:meth:`AllocatorCore.release`).
+
+**Lost record.** When the checkpoint was corrupt, the allocations running pods hold are
+unknown and ``lost`` says why: :meth:`AllocatorCore.allocate` refuses every call
+(``checkpoint_lost``) rather than hand out a GPU twice. The record is rebuilt from
+PodResources (:meth:`AllocatorCore.adopt`: whole GPUs; kubelet does not know which
+card a share went to, so a share container blocks the rebuild) or the loss is accepted
+by an operator; the service decides which, then calls :meth:`AllocatorCore.end_loss`.
 """
 
 from __future__ import annotations
@@ -139,12 +146,56 @@ class StoredState(msgspec.Struct, frozen=True, kw_only=True):
     node: str = ""
     allocations: list[WholeAllocation | ShareAllocation] = []
     grants: list[Grant] = []
+    # Not empty: the record of allocations was lost (a corrupt file, why); what is
+    # above was rebuilt since. Kept until PodResources rebuilt it or an operator
+    # accepted the loss (see "Lost record" in the module docstring).
+    lost: str = ""
 
 
 @dataclass(frozen=True, slots=True)
 class PodRef:
     pod: str
     container: str
+
+
+@dataclass(frozen=True, slots=True)
+class HeldDevices:
+    """One container's devices of one resource, as kubelet's PodResources lists them."""
+
+    ref: PodRef
+    resource: str
+    device_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Adoption:
+    """What :meth:`AllocatorCore.adopt` made of one PodResources answer."""
+
+    adopted: int
+    # Containers whose cards PodResources cannot tell (shares), one line each.
+    unplaceable: tuple[str, ...] = ()
+    # Whole-GPU grants that could not be recorded (a card listed twice...), one line each.
+    conflicts: tuple[str, ...] = ()
+
+    @property
+    def complete(self) -> bool:
+        return not self.unplaceable and not self.conflicts
+
+    def blocker(self) -> str:
+        """Why this answer cannot stand for the lost record ("" when it can)."""
+        parts: list[str] = []
+        if self.unplaceable:
+            shown = "; ".join(self.unplaceable[:3])
+            more = f" and {len(self.unplaceable) - 3} more" if len(self.unplaceable) > 3 else ""
+            parts.append(
+                f"{len(self.unplaceable)} container(s) hold GPU shares whose cards kubelet "
+                f"does not know (the allocator placed them): {shown}{more}"
+            )
+        if self.conflicts:
+            shown = "; ".join(self.conflicts[:3])
+            more = f" and {len(self.conflicts) - 3} more" if len(self.conflicts) > 3 else ""
+            parts.append(f"{len(self.conflicts)} grant(s) conflict: {shown}{more}")
+        return "; ".join(parts)
 
 
 @dataclass(slots=True)
@@ -214,6 +265,10 @@ class AllocatorCore:
         self._open: _OpenHalf | None = None
         self._missing_since: dict[str, float] = {}
         self._mismatch_reported: set[str] = set()
+        #: Why the record of allocations is lost (None: it is not); Allocate is refused.
+        self.lost: str | None = None
+        #: Why the record cannot be rebuilt yet (shown with the refusal).
+        self.rebuild_blocker = ""
         #: Bumped on every change that must reach the checkpoint.
         self.version = 0
         #: Share joins that PodResources showed to span two containers.
@@ -276,6 +331,8 @@ class AllocatorCore:
         The returned undo reverts what this call changed, for a checkpoint that failed.
         """
         kind = self.resource_kind(resource)
+        if self.lost is not None:
+            raise self.lost_refusal()
         if not self.ready:
             raise Rejected("not_ready", "the allocator has no GPU inventory yet")
         if not containers:
@@ -718,6 +775,81 @@ class AllocatorCore:
                 ", ".join(sorted(f"{h.pod}/{h.container}" for h in holders)),
             )
 
+    # --- a lost record -----------------------------------------------------------------------
+
+    def lost_refusal(self) -> Rejected:
+        blocker = f"; {self.rebuild_blocker}" if self.rebuild_blocker else ""
+        return Rejected(
+            "checkpoint_lost",
+            f"the record of this node's allocations is lost: {self.lost}{blocker}. GPUs "
+            "that running pods hold are unknown, so nothing is allocated until kubelet's "
+            "PodResources API rebuilds the record or an operator accepts the loss with "
+            f"`gpulet allocator reset --confirm --node {self.node}`",
+        )
+
+    def adopt(self, held: Iterable[HeldDevices]) -> Adoption:
+        """Take over the whole-GPU grants kubelet lists that the ledger lacks.
+
+        For a lost record: kubelet names the cards of ``nvidia.com/gpu`` (its IDs are
+        the UUIDs), so those grants are recorded as they were answered (same key, same
+        allocation ID). A share's card was chosen by the allocator, not by kubelet, so
+        a container holding share units cannot be placed: it is reported as
+        ``unplaceable``. Adopting only ever adds holders, so it is safe to repeat.
+        """
+        adopted = 0
+        unplaceable: list[str] = []
+        conflicts: list[str] = []
+        wall = self._wall()
+        for item in held:
+            kind = self._kinds.get(item.resource)
+            if kind is None or not item.device_ids:
+                continue
+            key = grant_key(kind, item.resource, item.device_ids)
+            where = f"{item.ref.pod}/{item.ref.container}"
+            if key in self._grants:
+                continue
+            if kind != "whole":
+                unplaceable.append(f"{where} ({len(item.device_ids)} {item.resource})")
+                continue
+            try:
+                uuids = tuple(parse_device_id(i).gpu_uuid for i in item.device_ids)
+            except ValueError as exc:
+                conflicts.append(f"{where}: {exc}")
+                continue
+            problems = self.ledger.restore(
+                [WholeAllocation(owner=Owner(pod_uid=key), devices=uuids)]
+            )
+            if problems:
+                conflicts.extend(f"{where}: {p}" for p in problems)
+                continue
+            self._grants[key] = Grant(
+                key=key,
+                resource=item.resource,
+                kind=kind,
+                units=len(uuids),
+                allocation=key,
+                created_at=wall,
+                pod=item.ref.pod,
+                container=item.ref.container,
+            )
+            adopted += 1
+        if adopted:
+            self.version += 1
+        return Adoption(adopted, tuple(unplaceable), tuple(conflicts))
+
+    def mark_lost(self, reason: str) -> None:
+        """Refuse to allocate until the record is rebuilt or the loss accepted."""
+        if self.lost != reason:
+            self.lost = reason
+            self.version += 1
+
+    def end_loss(self) -> str | None:
+        """The record is whole again (rebuilt, or the loss accepted); returns the old reason."""
+        reason, self.lost, self.rebuild_blocker = self.lost, None, ""
+        if reason is not None:
+            self.version += 1
+        return reason
+
     # --- views and persistence --------------------------------------------------------------
 
     def _view(self, allocation: str) -> AllocationView:
@@ -776,11 +908,12 @@ class AllocatorCore:
         ]
         return StateReply(
             node=self.node,
-            ready=self.ready,
+            ready=self.ready and self.lost is None,
             gpus=gpus,
             allocations=self.allocation_views(),
             checkpoint=checkpoint,
             inventory_generation=self.inventory_generation,
+            lost=self.lost_refusal().message if self.lost is not None else "",
         )
 
     def snapshot(self) -> StoredState:
@@ -788,10 +921,13 @@ class AllocatorCore:
             node=self.node,
             allocations=self.ledger.snapshot(),
             grants=sorted(self._grants.values(), key=lambda g: g.key),
+            lost=self.lost or "",
         )
 
     def restore(self, state: StoredState) -> list[str]:
         """Adopt a checkpoint; returns one line per entry set aside."""
+        if state.lost:
+            self.lost = state.lost
         problems = self.ledger.restore(state.allocations)
         for grant in state.grants:
             if self.ledger.get(grant.allocation) is None:

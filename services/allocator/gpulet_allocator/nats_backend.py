@@ -75,6 +75,8 @@ REJECT_CODES: Final[dict[str, RejectCode]] = {
     "too_many_units": RejectCode.RESOURCE_EXHAUSTED,
     "insufficient_capacity": RejectCode.RESOURCE_EXHAUSTED,
     "unhealthy_device": RejectCode.FAILED_PRECONDITION,
+    # A corrupt checkpoint, not rebuilt yet: an operator must act (`allocator reset`).
+    "checkpoint_lost": RejectCode.FAILED_PRECONDITION,
 }
 UNAVAILABLE_CODES: Final = frozenset({"not_ready"})
 

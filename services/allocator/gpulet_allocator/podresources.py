@@ -8,6 +8,9 @@ lists, for every live pod and container, the device IDs it holds per resource: h
 the way :func:`gpulet_allocator.core.grant_key` hashes Allocate's IDs, those are the
 live grants. The call is bounded by a deadline; a missing socket means "no kubelet
 here" and is reported as such, not as an error.
+
+The same answer, as :func:`held_devices`, is what rebuilds a lost allocation record
+(:meth:`gpulet_allocator.core.AllocatorCore.adopt`).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import anyio
 import grpc
 import grpc.aio
 
-from gpulet_allocator.core import GrantKind, PodRef, grant_key
+from gpulet_allocator.core import GrantKind, HeldDevices, PodRef, grant_key
 from gpulet_allocator.kubelet_api.podresources.v1 import api_pb2 as pr
 from gpulet_allocator.kubelet_api.podresources.v1 import api_pb2_grpc as pr_grpc
 
@@ -58,3 +61,18 @@ def live_grants(
                 key = grant_key(kind, devices.resource_name, devices.device_ids)
                 live[key] = PodRef(pod=f"{pod.namespace}/{pod.name}", container=container.name)
     return live
+
+
+def held_devices(
+    response: pr.ListPodResourcesResponse, kind_of: Callable[[str], GrantKind | None]
+) -> list[HeldDevices]:
+    """Every container's device IDs of the resources ``kind_of`` knows."""
+    held: list[HeldDevices] = []
+    for pod in response.pod_resources:
+        for container in pod.containers:
+            ref = PodRef(pod=f"{pod.namespace}/{pod.name}", container=container.name)
+            for devices in container.devices:
+                if kind_of(devices.resource_name) is None or not devices.device_ids:
+                    continue
+                held.append(HeldDevices(ref, devices.resource_name, tuple(devices.device_ids)))
+    return held

@@ -16,6 +16,7 @@ preferred  :class:`PreferredAllocation  :class:`PreferredAllocationReply`
            Request`
 release    :class:`ReleaseRequest`      :class:`ReleaseReply`
 state      :class:`StateRequest`        :class:`StateReply`
+reset      :class:`ResetRequest`        :class:`ResetReply`
 ========== ============================ =============================================
 
 ``allocate-batch`` carries several kubelet calls in one message: the device plugin
@@ -23,6 +24,10 @@ coalesces the Allocate calls that arrive while one of its requests is in flight
 (:mod:`.nats_backend`). Each call is decided on its own, in order, exactly as if it
 had come alone; the answer lists one :class:`AllocateOutcome` per call (containers,
 or the refusal), and leaves once all of them are durable.
+
+``reset`` is the operator's: after a corrupt checkpoint the allocator refuses to
+allocate (``checkpoint_lost``) until PodResources rebuilt its record or an operator
+accepts the loss (``gpulet allocator reset --confirm``, which sends ``confirm``).
 
 All bodies are JSON, versioned by ``schema_version`` and evolved by adding fields with
 defaults only (like :mod:`gpulet_common.messages`). Each type has one codec here.
@@ -60,12 +65,14 @@ ENDPOINT_PREFERRED: Final = "preferred"
 ENDPOINT_RELEASE: Final = "release"
 ENDPOINT_STATE: Final = "state"
 ENDPOINT_ALLOCATE_BATCH: Final = "allocate-batch"
+ENDPOINT_RESET: Final = "reset"
 ENDPOINTS: Final = (
     ENDPOINT_ALLOCATE,
     ENDPOINT_PREFERRED,
     ENDPOINT_RELEASE,
     ENDPOINT_STATE,
     ENDPOINT_ALLOCATE_BATCH,
+    ENDPOINT_RESET,
 )
 # The most kubelet calls one allocate-batch may carry (the plugin sends fewer).
 MAX_BATCH_CALLS: Final = 64
@@ -85,6 +92,9 @@ SERVICE_ERROR_CODES: Final = frozenset(
         "not_ready",
         # The allocation could not be made durable; nothing was allocated.
         "checkpoint_failed",
+        # The record of allocations is lost (a corrupt checkpoint) and not rebuilt yet:
+        # nothing is allocated until an operator accepts the loss (`reset`).
+        "checkpoint_lost",
         # A bug: the service failed unexpectedly.
         "internal",
     }
@@ -97,6 +107,7 @@ _MICRO_STATUS: Final = {
     "unhealthy_device": "409",
     "not_ready": "503",
     "checkpoint_failed": "500",
+    "checkpoint_lost": "503",
     "internal": "500",
 }
 
@@ -212,6 +223,25 @@ class StateReply(_Body, frozen=True, kw_only=True):
     allocations: list[AllocationView] = []
     checkpoint: str = ""
     inventory_generation: int = 0
+    # Not empty: the record of allocations is lost and Allocate is refused (why, and
+    # what ends it).
+    lost: str = ""
+
+
+class ResetRequest(_Body, frozen=True, kw_only=True):
+    """Accept the loss of the allocation record; refused unless ``confirm``."""
+
+    confirm: bool = False
+    requested_by: str = ""
+
+
+class ResetReply(_Body, frozen=True, kw_only=True):
+    """``accepted``: a loss was accepted (False: there was none). ``detail`` says what."""
+
+    accepted: bool
+    detail: str
+    # The allocations kept (rebuilt from PodResources before the reset).
+    allocations: list[AllocationView] = []
 
 
 ALLOCATE_REQUEST = Codec(AllocateRequest)
@@ -224,6 +254,8 @@ RELEASE_REQUEST = Codec(ReleaseRequest)
 RELEASE_REPLY = Codec(ReleaseReply)
 STATE_REQUEST = Codec(StateRequest)
 STATE_REPLY = Codec(StateReply)
+RESET_REQUEST = Codec(ResetRequest)
+RESET_REPLY = Codec(ResetReply)
 
 R = TypeVar("R")
 Q = TypeVar("Q")

@@ -3,8 +3,10 @@
 Flow
 ----
 1. Load the checkpoint (:mod:`.store`) into the :class:`~.core.AllocatorCore`, so a
-   kubelet retry after our restart gets the same GPUs. A corrupt file is kept aside
-   and reported; entries that break an invariant are refused and the file rewritten.
+1. Load the checkpoint (:mod:`.store`) into the :class:`~.core.AllocatorCore`, so a
+   kubelet retry after our restart gets the same GPUs. Entries that break an invariant
+   are refused and the file rewritten. A corrupt file fails closed (see "Lost record"
+   below).
 2. Follow the node's inventory and health (:class:`~gpulet_common.nodeview.NodeView`,
    the health service's KV state): unhealthy and lost GPUs take no new allocation,
    recovered ones do again. The ledger holds the only copy of each GPU's health;
@@ -16,6 +18,22 @@ Flow
    outcome and refusals by code.
 4. Every ``release_interval_s``, ask kubelet's PodResources API which containers are
    alive and release the allocations of the others (:meth:`~.core.AllocatorCore.reconcile`).
+
+Lost record
+-----------
+A corrupt checkpoint is kept under a unique name and replaced by a marker that says
+the record is lost (:mod:`.store`); the marker survives restarts. While it stands:
+
+* ``allocate`` and ``allocate-batch`` are refused with ``checkpoint_lost``, a message
+  that says why and what ends it; ``/readyz`` answers 503 with the same text
+  (component state ``blocked``);
+* PodResources is asked every ``min(release_interval_s, 5 s)``; each answer's
+  whole-GPU containers are adopted (:meth:`~.core.AllocatorCore.adopt`). The record
+  counts as rebuilt once PodResources has answered for ``release_grace_s`` (a kubelet
+  that just restarted may list no pods for a moment) and the latest answer held
+  nothing that cannot be placed (a share: kubelet does not know its card);
+* otherwise an operator accepts the loss: ``gpulet allocator reset --confirm`` sends
+  ``reset`` (the deploy's ``operator`` NATS user may). What was adopted is kept.
 
 Concurrency
 -----------
@@ -48,9 +66,10 @@ from nats.micro.request import Request
 from nats.micro.service import EndpointStats, Service
 
 from gpulet_allocator import protocol as p
-from gpulet_allocator.core import AllocatorCore, Rejected, Undo
+from gpulet_allocator.core import AllocatorCore, HeldDevices, Rejected, Undo
 from gpulet_allocator.podresources import (
     PodResourcesUnavailable,
+    held_devices,
     list_pod_resources,
     live_grants,
 )
@@ -72,6 +91,8 @@ T = TypeVar("T")
 
 UNREADABLE_RETRY_MIN_S = 1.0
 UNREADABLE_RETRY_MAX_S = 30.0
+# While the record is lost, PodResources is asked at least this often.
+LOST_RETRY_S = 5.0
 
 # A refusal quotes the request (unknown IDs, resource names), so a hostile request
 # made it as large as itself, and it travels twice (body and header). nats-py checks
@@ -150,6 +171,8 @@ class AllocatorService:
         self._checkpoint_error: str | None = None
         self._pod_resources_log = RateLimitedLog(log, per_minute=2)
         self._pod_resources_state = ""
+        # Since when (monotonic) PodResources has answered without a failure.
+        self._pod_resources_since: float | None = None
         meter = runtime.meter
         self._requests = meter.create_counter(
             "gpulet.allocator.requests", description="Allocator requests by endpoint and outcome"
@@ -187,9 +210,14 @@ class AllocatorService:
 
         loaded = await self._load_checkpoint(started)
         problems = self.core.restore(loaded.state)
-        (log.warning if loaded.status in ("corrupt", "unreadable") else log.info)(
+        (log.warning if loaded.status in ("corrupt", "lost") else log.info)(
             "checkpoint: %s", loaded.detail
         )
+        if self.core.lost is not None:
+            log.warning(
+                "the allocation record is lost: Allocate is refused until kubelet's "
+                "PodResources rebuilds it or `gpulet allocator reset --confirm` accepts the loss"
+            )
         for problem in problems:
             log.warning("checkpoint entry set aside: %s", problem)
         self._count_held()
@@ -219,6 +247,7 @@ class AllocatorService:
                     p.ENDPOINT_PREFERRED: self._on_preferred,
                     p.ENDPOINT_RELEASE: self._on_release,
                     p.ENDPOINT_STATE: self._on_state,
+                    p.ENDPOINT_RESET: self._on_reset,
                 }
                 for endpoint, handler in handlers.items():
                     await service.add_endpoint(
@@ -255,14 +284,16 @@ class AllocatorService:
             if loaded.status != "unreadable":
                 return loaded
             self._rt.status.set(
-                self.name, "degraded", f"{loaded.detail}; not serving until it can be read"
+                self.name, "blocked", f"{loaded.detail}; not serving until it can be read"
             )
             started()
             await anyio.sleep(delay)
             delay = min(delay * 2, UNREADABLE_RETRY_MAX_S)
 
     def _update_status(self) -> None:
-        if self._checkpoint_error:
+        if self.core.lost is not None:
+            self._rt.status.set(self.name, "blocked", self.core.lost_refusal().message)
+        elif self._checkpoint_error:
             self._rt.status.set(self.name, "degraded", self._checkpoint_error)
         elif not self.core.ready:
             self._rt.status.set(
@@ -522,6 +553,46 @@ class AllocatorService:
         data = p.RELEASE_REPLY.encode(p.ReleaseReply(released=released))
         await self._answer_durably(req, p.ENDPOINT_RELEASE, data, started, None)
 
+    async def _on_reset(self, req: Request) -> None:
+        """The operator accepts the loss of the allocation record."""
+        endpoint = p.ENDPOINT_RESET
+        started = time.perf_counter()
+        value = await self._decode(req, endpoint, p.RESET_REQUEST, started)
+        if value is None:
+            return
+        if not value.confirm:
+            await self._reject(
+                req,
+                endpoint,
+                "invalid_request",
+                "a reset accepts that allocations of running pods may be unknown: send "
+                "confirm (gpulet allocator reset --confirm)",
+                started,
+            )
+            return
+        core = self.core
+        reason = core.end_loss()
+        kept = core.allocation_views()
+        if reason is None:
+            detail = f"nothing to reset: the allocation record is intact ({len(kept)} allocations)"
+            reply = p.ResetReply(accepted=False, detail=detail, allocations=kept)
+            await self._ok(req, endpoint, p.RESET_REPLY.encode(reply), started)
+            return
+        who = value.requested_by or "an operator"
+        detail = (
+            f"{who} accepted the loss of the allocation record ({reason}); "
+            f"{len(kept)} allocation(s) rebuilt from PodResources are kept; allocating again"
+        )
+        log.warning("%s", _one_line(detail))
+        self._update_status()
+
+        def undo() -> None:
+            core.mark_lost(reason)
+            self._update_status()
+
+        reply = p.ResetReply(accepted=True, detail=detail, allocations=kept)
+        await self._answer_durably(req, endpoint, p.RESET_REPLY.encode(reply), started, undo)
+
     async def _on_state(self, req: Request) -> None:
         started = time.perf_counter()
         if await self._decode(req, p.ENDPOINT_STATE, p.STATE_REQUEST, started) is None:
@@ -535,7 +606,10 @@ class AllocatorService:
         socket = Path(self._settings.pod_resources_socket)
         while True:
             await self.reconcile_once(socket)
-            await anyio.sleep(self._settings.release_interval_s)
+            interval = self._settings.release_interval_s
+            if self.core.lost is not None:
+                interval = min(interval, LOST_RETRY_S)
+            await anyio.sleep(interval)
 
     async def reconcile_once(self, socket: Path | None = None) -> int:
         """One PodResources pass; returns how many allocations it released."""
@@ -543,6 +617,7 @@ class AllocatorService:
         try:
             response = await list_pod_resources(socket, self._settings.pod_resources_timeout_s)
         except PodResourcesUnavailable as exc:
+            self._pod_resources_since = None
             state = "failing" if await anyio.Path(socket).exists() else "absent"
             if state != self._pod_resources_state:
                 if state == "absent":
@@ -554,10 +629,22 @@ class AllocatorService:
                 else:
                     self._pod_resources_log.warning("PodResources List failed: %s", exc)
             self._pod_resources_state = state
+            if self.core.lost is not None:
+                self.core.rebuild_blocker = (
+                    f"kubelet's PodResources API at {socket} cannot rebuild it ({exc})"
+                )
+                self._update_status()
             return 0
         if self._pod_resources_state != "ok":
             log.info("following PodResources at %s", socket)
             self._pod_resources_state = "ok"
+        now = anyio.current_time()
+        if self._pod_resources_since is None:
+            self._pod_resources_since = now
+        if self.core.lost is not None:
+            self._rebuild(
+                held_devices(response, self.core.kind_of), now - self._pod_resources_since
+            )
         released = self.core.reconcile(live_grants(response, self.core.kind_of))
         if released:
             self._released.add(len(released), {"reason": "pod_gone"})
@@ -569,3 +656,33 @@ class AllocatorService:
             with contextlib.suppress(CheckpointError):
                 await committer.wait(self.core.version)
         return len(released)
+
+    def _rebuild(self, held: list[HeldDevices], answering_s: float) -> None:
+        """One step of rebuilding a lost record from a PodResources answer."""
+        core = self.core
+        adoption = core.adopt(held)
+        if adoption.adopted:
+            log.warning(
+                "rebuilding the lost allocation record: adopted %d whole-GPU allocation(s) "
+                "kubelet's PodResources lists",
+                adoption.adopted,
+            )
+            self._count_held()
+        grace = self._settings.release_grace_s
+        if not adoption.complete:
+            core.rebuild_blocker = f"kubelet's PodResources cannot rebuild it: {adoption.blocker()}"
+        elif answering_s < grace:
+            core.rebuild_blocker = (
+                f"rebuilding it from kubelet's PodResources ({core.ledger.count()} allocation(s) "
+                f"so far): PodResources must answer for {grace:g} s (release_grace_s) before "
+                "its pod list is trusted"
+            )
+        else:
+            reason = core.end_loss()
+            log.warning(
+                "the lost allocation record (%s) was rebuilt from kubelet's PodResources: "
+                "%d allocation(s); allocating again",
+                reason,
+                core.ledger.count(),
+            )
+        self._update_status()

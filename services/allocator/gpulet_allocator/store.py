@@ -6,11 +6,24 @@ Design
 ledger's allocations (the engine's tagged union, as in
 :mod:`gpulet_allocator.engine.checkpoint`) plus the grants that map kubelet's
 requests to them. Both must change together, so they share one file rather than the
-engine's allocations-only checkpoint. Writing follows the engine's recipe: a temporary
-file in the same directory, fsync, rename over the checkpoint, fsync the directory.
-A crash leaves the old or the new file, never a mix. Loading never raises: a missing
-file is a first start; an unreadable or corrupt one is kept as ``<name>.corrupt`` and
-the allocator starts empty and says so.
+engine's allocations-only checkpoint. Writing follows the engine's recipe
+(:func:`gpulet_common.statefile.write_atomic`): a temporary file in the same
+directory, fsync, rename over the checkpoint, fsync the directory. A crash leaves the
+old or the new file, never a mix. Loading never raises: a missing
+file is a first start; an unreadable one is retried by the service.
+
+**A corrupt file fails closed.** Starting empty would hand out GPUs that running pods
+hold, so a file that does not decode (or a version this build cannot read) is
+
+1. kept for a post-mortem under a name never used before,
+   ``<name>.corrupt-<UTC time>-<n>`` (:func:`gpulet_common.statefile.quarantine`:
+   created exclusively, so a second corruption never overwrites the first one's
+   copy), and
+2. replaced by a checkpoint that says the record is lost (``StoredState.lost``, the
+   reason). That marker is what the allocator reads back after a restart, so the loss
+   is not forgotten by restarting; it stays until the allocator rebuilds the record
+   from kubelet's PodResources or an operator accepts the loss
+   (``gpulet allocator reset --confirm``), see :mod:`gpulet_allocator.service`.
 
 **Group commit.** An answer to kubelet may only leave once its allocation is durable,
 and an fsync costs about a millisecond, so writing once per request would queue 50
@@ -32,8 +45,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,10 +55,10 @@ import anyio.abc
 import msgspec
 
 from gpulet_allocator.core import STATE_VERSION, StoredState
+from gpulet_common.statefile import quarantine, tmp_prefix, write_atomic
 
 log = logging.getLogger("gpulet.allocator.store")
 
-CORRUPT_SUFFIX = ".corrupt"
 RETRY_MIN_S = 0.2
 RETRY_MAX_S = 5.0
 
@@ -69,7 +80,7 @@ def decode(data: bytes) -> StoredState:
     """Decode a checkpoint; ValueError for anything this build cannot read."""
     try:
         version = _header_decoder.decode(data).version
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+    except Exception as exc:  # total: any failure means "not one" (RecursionError...)
         raise ValueError(f"not an allocator checkpoint: {exc}") from exc
     if version != STATE_VERSION:
         raise ValueError(
@@ -77,50 +88,35 @@ def decode(data: bytes) -> StoredState:
         )
     try:
         return _decoder.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise ValueError(f"invalid allocator checkpoint: {exc}") from exc
+    except Exception as exc:  # total, as above
+        raise ValueError(f"invalid allocator checkpoint: {type(exc).__name__}: {exc}") from exc
 
 
 @dataclass(frozen=True, slots=True)
 class Loaded:
-    status: Literal["ok", "missing", "corrupt", "unreadable"]
+    """``lost``: a checkpoint whose marker says the record is lost (see the docstring)."""
+
+    status: Literal["ok", "missing", "corrupt", "lost", "unreadable"]
     state: StoredState
     detail: str
+    #: Where a corrupt file was kept (status "corrupt").
+    corrupt_copy: Path | None = None
 
 
 class CheckpointFile:
     def __init__(self, path: Path | str) -> None:
         self.path = Path(path)
 
-    def _tmp_prefix(self) -> str:
-        return f".{self.path.name}."
-
     def write(self, data: bytes) -> None:
         """Atomically and durably replace the file with ``data``; raises OSError."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=self._tmp_prefix(), suffix=".tmp", dir=self.path.parent)
-        try:
-            with os.fdopen(fd, "wb") as fh:
-                fh.write(data)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, self.path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
-        dir_fd = os.open(self.path.parent, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        write_atomic(self.path, data)
 
     def load(self) -> Loaded:
-        """Read the checkpoint; never raises."""
+        """Read the checkpoint; never raises. A corrupt file is quarantined (docstring)."""
         with contextlib.suppress(OSError):
             for entry in self.path.parent.iterdir():
                 # Left by a crash between mkstemp and rename; the real file is intact.
-                if entry.name.startswith(self._tmp_prefix()) and entry.name.endswith(".tmp"):
+                if entry.name.startswith(tmp_prefix(self.path)) and entry.name.endswith(".tmp"):
                     with contextlib.suppress(OSError):
                         entry.unlink()
         empty = StoredState()
@@ -133,18 +129,36 @@ class CheckpointFile:
         try:
             state = decode(data)
         except ValueError as exc:
-            copy = self.path.with_name(self.path.name + CORRUPT_SUFFIX)
-            try:
-                os.replace(self.path, copy)
-            except OSError as move_exc:
-                return Loaded("corrupt", empty, f"{exc}; could not keep a copy: {move_exc}")
-            return Loaded("corrupt", empty, f"{exc}; kept as {copy}; starting empty")
+            return self._quarantine(exc)
+        if state.lost:
+            return Loaded(
+                "lost",
+                state,
+                f"{self.path} records that the allocation record was lost ({state.lost}); "
+                f"{len(state.allocations)} allocation(s) rebuilt since",
+            )
         return Loaded(
             "ok",
             state,
             f"{len(state.allocations)} allocation(s), {len(state.grants)} grant(s) "
             f"from {self.path}",
         )
+
+    def _quarantine(self, problem: ValueError) -> Loaded:
+        try:
+            copy = quarantine(self.path)
+        except OSError as exc:
+            # The file stays where it is: the next start finds it corrupt again.
+            reason = f"{self.path} is corrupt ({problem}) and could not be copied aside: {exc}"
+            return Loaded("corrupt", StoredState(lost=reason), reason)
+        reason = f"{self.path} was corrupt ({problem}); kept as {copy.name}"
+        marker = StoredState(lost=reason)
+        try:
+            self.write(encode(marker))
+        except OSError as exc:
+            detail = f"{reason}; could not mark the loss in {self.path}: {exc}"
+            return Loaded("corrupt", marker, detail, copy)
+        return Loaded("corrupt", marker, reason, copy)
 
 
 class CheckpointError(Exception):

@@ -11,7 +11,13 @@ Flow
    one :class:`SampleBatch` on ``gpu.samples.<node>``. Ticks are drift-free; a period
    that overran is skipped rather than queued.
 4. When the GPU count changes (hot-add, removal) the inventory is rebuilt and
-   republished with a new ``generation``.
+   republished with a new ``generation``. The count is NVML's (``nvmlDeviceGetCount``),
+   compared with the count the inventory was built from, not with the GPUs it lists:
+   a lost GPU is still counted by NVML but cannot be listed, and comparing with the
+   list rebuilt and republished the inventory every period. While a GPU is left out
+   (lost), the inventory is rebuilt every ``SKIPPED_RETRY_S`` to see it come back, and
+   published only if it changed: the inventory is published on real change only
+   (plus the unsolicited ``inventory_republish_s`` and answers to requests).
 
 Every inventory and batch carries the collector's own order: ``seq`` (one counter
 for both, from 1) and ``boot_id`` (random per process). Consumers order by them,
@@ -44,6 +50,8 @@ NVML_RETRY_MIN_S = 5.0
 NVML_RETRY_MAX_S = 300.0
 # First retry of NVML after it vanished at run time; doubles up to NVML_RETRY_MAX_S.
 NVML_REINIT_MIN_S = 1.0
+# While NVML counts GPUs the inventory could not list, look again this often.
+SKIPPED_RETRY_S = 1.0
 
 
 class CollectorService:
@@ -68,6 +76,12 @@ class CollectorService:
         self._sampler: ParallelSampler | None = None
         self._next_reinit = 0.0
         self._reinit_delay = NVML_REINIT_MIN_S / 2
+        # NVML's GPU count when the inventory was built, and the GPUs it left out.
+        self._nvml_count: int | None = None
+        self._skipped: dict[int, str] = {}
+        self._next_skipped_retry = 0.0
+        #: Inventories published (every publish, requests and republishes included).
+        self.inventory_publishes = 0
 
     @property
     def inventory(self) -> Inventory:
@@ -115,25 +129,42 @@ class CollectorService:
         )
         await self._refresh_inventory("start")
 
-    async def _refresh_inventory(self, why: str) -> None:
+    async def _refresh_inventory(self, why: str, *, force: bool = True) -> None:
+        """Rebuild the inventory; publish it if ``force`` or if it changed."""
         adapter = self._adapter
         if adapter is None:
             return
-        self._generation += 1
+        generation = self._generation + 1
         try:
-            inventory = await anyio.to_thread.run_sync(
-                adapter.inventory, self._node, self._generation
+            inventory, skipped = await anyio.to_thread.run_sync(
+                adapter.inventory_report, self._node, generation
             )
         except NvmlUnavailable as exc:
-            inventory = Inventory(
-                node=self._node,
-                generation=self._generation,
-                degraded_reason=str(exc),
-                nvml_backend="none",
+            inventory, skipped = (
+                Inventory(
+                    node=self._node,
+                    generation=generation,
+                    degraded_reason=str(exc),
+                    nvml_backend="none",
+                ),
+                {},
             )
             self._rt.status.set(self.name, "degraded", str(exc))
+        else:
+            self._nvml_count = len(inventory.gpus) + len(skipped)
+        self._skipped = skipped
+        self._next_skipped_retry = time.monotonic() + SKIPPED_RETRY_S
+        if not force and _same(inventory, self._inventory):
+            return
+        self._generation = generation
         log.info(
-            "inventory generation %d (%s): %d GPUs", self._generation, why, len(inventory.gpus)
+            "inventory generation %d (%s): %d GPUs%s",
+            generation,
+            why,
+            len(inventory.gpus),
+            f", {len(skipped)} left out ({', '.join(map(str, sorted(skipped)))})"
+            if skipped
+            else "",
         )
         await self._publish_inventory(inventory)
 
@@ -162,6 +193,7 @@ class CollectorService:
         )
         self._inventory = inventory
         self._gauges.update_inventory(inventory)
+        self.inventory_publishes += 1
         await self._rt.bus.publish(subjects.inventory(self._node), inventory, codec.INVENTORY)
 
     async def _serve_inventory_requests(
@@ -219,6 +251,15 @@ class CollectorService:
             self._sample_errors.add(errors)
         self._gauges.update_samples(batch)
         await self._rt.bus.publish(subjects.samples(self._node), batch, codec.SAMPLES)
-        if count is not None and count != len(self._inventory.gpus):
-            await self._refresh_inventory("GPU count changed")
+        if count is not None and count != self._nvml_count:
+            await self._refresh_inventory("GPU count changed", force=False)
+        elif self._skipped and time.monotonic() >= self._next_skipped_retry:
+            await self._refresh_inventory("looking for GPUs left out", force=False)
         return batch
+
+
+def _same(a: Inventory, b: Inventory) -> bool:
+    """Equal but for the generation and the publication time."""
+    return msgspec.structs.replace(a, generation=0, published_at=0.0) == msgspec.structs.replace(
+        b, generation=0, published_at=0.0
+    )

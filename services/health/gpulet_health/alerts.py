@@ -75,6 +75,7 @@ ALERT_NAMES: dict[str, str] = {
     "thermal_shutdown": "GpuThermalShutdown",
     "gpu_lost": "GpuLost",
     "gpu_removed": "GpuRemoved",
+    "gpu_missing": "GpuMissing",
     "gpu_added": "GpuAdded",
     "nvml_unavailable": "GpuNvmlUnavailable",
     "buffer_overflow": "GpuHealthEventsLost",

@@ -11,7 +11,8 @@ back-off; nothing queues up.
 
 On start the service reads its node's keys back (:meth:`StateStore.load`) and the
 rule engine takes them over, so a sticky condition (a fatal XID) survives a restart
-of the agent.
+of the agent. A GPU the engine forgot (an operator cleared a GPU that is not present)
+has its key deleted.
 """
 
 from __future__ import annotations
@@ -111,14 +112,15 @@ class StateStore:
                 uuid = next(iter(self._dirty))
                 self._dirty.discard(uuid)
                 health = snapshot(uuid)
-                if health is None:
-                    continue
+                key = subjects.health_kv_key(self._node, uuid)
                 try:
                     kv = await self._bucket()
                     with anyio.fail_after(self._timeout_s):
-                        await kv.put(
-                            subjects.health_kv_key(self._node, uuid), GPU_HEALTH.encode(health)
-                        )
+                        if health is None:
+                            # A GPU the rule engine forgot (taken out of the node).
+                            await kv.delete(key)
+                        else:
+                            await kv.put(key, GPU_HEALTH.encode(health))
                     self.writes += 1
                     retry_s = _RETRY_MIN_S
                 except (nats.errors.Error, OSError, TimeoutError) as exc:

@@ -36,6 +36,13 @@ Rules (defaults in :mod:`gpulet_common.settings.health`)
   * **Lost / removed / added**: GPU_IS_LOST, the GpuUnavailable event or a sample
     that says "lost" raise ``lost``; a GPU missing from the GPU list raises
     ``removed`` (present=False). A new GPU gives ``gpu_added``.
+  * **Missing at start**: a GPU the node had before (restored from the KV bucket, or
+    from the health service's list of expected GPUs, :meth:`expect`) that the first
+    scan does not find raises ``missing`` (``gpu_missing``, critical,
+    present=False): a GPU lost or gone while the agent was down is not silently
+    dropped. It ends like ``removed``, when the GPU is listed again. An operator who
+    took a GPU out on purpose clears its ``missing``/``removed``/``lost`` condition
+    (:meth:`clear`): a GPU that is not present is then forgotten.
   * **Reset observed**: volatile ECC counters going back, pending remaps clearing, or
     a lost/removed GPU answering again mean the GPU was reset: every sticky condition
     of that GPU ends (``recovered``), and the counters take a new baseline.
@@ -76,6 +83,10 @@ from gpulet_health.dedup import Deduplicator, event_id
 from gpulet_health.state import STICKY_KINDS, Condition, GpuState
 
 log = logging.getLogger("gpulet.health.rules")
+
+# Conditions of a GPU that is not there; clearing one of them while the GPU is not
+# present forgets the GPU (it was taken out of the node on purpose).
+GONE_CONDITIONS = frozenset({"lost", "removed", "missing"})
 
 # nvmlClocksEventReasonSwThermalSlowdown | nvmlClocksEventReasonHwThermalSlowdown.
 THROTTLE_THERMAL = 0x20 | 0x40
@@ -152,6 +163,26 @@ class RuleEngine:
         """Take over the state a previous run left in the KV bucket (before any input)."""
         for health in healths:
             self.gpus[health.gpu_uuid] = GpuState.restore(health)
+
+    def expect(self, gpus: Iterable[GpuInfo]) -> int:
+        """GPUs the node had before (before the first scan); returns how many are new.
+
+        Those not restored already are taken as present, as the previous run last saw
+        them: the first scan tells whether they still are (else ``missing``).
+        """
+        added = 0
+        for info in gpus:
+            if info.uuid and info.uuid not in self.gpus:
+                self.gpus[info.uuid] = GpuState(uuid=info.uuid, index=info.index, info=info)
+                added += 1
+        return added
+
+    def expected(self) -> list[GpuInfo]:
+        """Every GPU this node is known to have (present or not), as last described."""
+        return sorted(
+            (g.info for g in self.gpus.values() if g.info is not None),
+            key=lambda i: (i.index, i.uuid),
+        )
 
     # --- building events -------------------------------------------------------------
 
@@ -369,7 +400,9 @@ class RuleEngine:
             if gpu.index != info.index or gpu.info != info:
                 gpu.index, gpu.info = info.index, info
                 self._touch(gpu, now)
-            gone = [gpu.conditions[c] for c in ("lost", "removed") if c in gpu.conditions]
+            gone = [
+                gpu.conditions[c] for c in ("lost", "removed", "missing") if c in gpu.conditions
+            ]
             if any(c.since > started for c in gone):
                 self.rescan_wanted = True
                 continue
@@ -381,10 +414,35 @@ class RuleEngine:
                 self.rescan_wanted = True
                 continue
             where = f"GPU {gpu.index}" if gpu.index is not None else "the GPU"
+            if first:
+                out += self._missing(gpu, now, where, len(gpus))
+                continue
             out += self._remove(
                 gpu, now, f"{where} is no longer in the node's GPU list (NVML count dropped)"
             )
         return out
+
+    def _missing(self, gpu: GpuState, now: float, where: str, answering: int) -> list[HealthEvent]:
+        gpu.present = False
+        info = gpu.info
+        what = f" ({info.name}, bus {info.pci_bus_id})" if info and info.pci_bus_id else ""
+        return self._raise(
+            gpu,
+            Condition(
+                condition="missing",
+                kind="gpu_missing",
+                severity="critical",
+                reason=(
+                    f"{where}{what} was on this node before but is missing at start: "
+                    f"{answering} GPU(s) answer NVML (lost, fallen off the bus or removed "
+                    "while the agent was down)"
+                ),
+                action="operator_check",
+                since=now,
+            ),
+            now,
+            repeats=False,
+        )
 
     def _remove(self, gpu: GpuState, now: float, reason: str) -> list[HealthEvent]:
         gpu.present = False
@@ -417,13 +475,16 @@ class RuleEngine:
     def _back(self, gpu: GpuState, now: float, why: str) -> list[HealthEvent]:
         """The GPU answers: end removed/lost; that it came back means it was reset."""
         out: list[HealthEvent] = []
-        was_gone = not gpu.present or "removed" in gpu.conditions or "lost" in gpu.conditions
+        was_gone = not gpu.present or any(
+            c in gpu.conditions for c in ("removed", "missing", "lost")
+        )
         if not was_gone:
             return out
         returned = not gpu.present
         gpu.present = True
         self._touch(gpu, now)
         out += self._end(gpu, "removed", now, f"the GPU is back: {why}")
+        out += self._end(gpu, "missing", now, f"the GPU is back: {why}")
         out += self._end(gpu, "lost", now, f"the GPU answers again: {why}")
         out += self._reset_observed(gpu, now, "the device came back after being lost or removed")
         if returned:
@@ -882,6 +943,20 @@ class RuleEngine:
         else:
             names = [n for n, c in gpu.conditions.items() if c.sticky or c.kind in STICKY_KINDS]
         out: list[HealthEvent] = []
+        if condition in GONE_CONDITIONS and not gpu.present:
+            # Taken out of the node on purpose: not expected here any more.
+            for name in list(gpu.conditions):
+                out += self._end(
+                    gpu,
+                    name,
+                    now,
+                    f"cleared by {by}: the GPU is not present and is forgotten (no longer "
+                    "expected on this node)",
+                    how="cleared",
+                )
+            del self.gpus[gpu.uuid]
+            self._dirty.add(gpu.uuid)  # its stored state goes too
+            return gpu, out
         for name in names:
             out += self._end(gpu, name, now, f"cleared by {by}", how="cleared")
         return gpu, out

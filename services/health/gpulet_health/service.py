@@ -25,6 +25,9 @@ One task group, all of it structured (nothing outlives the service):
 * the **kernel log** (:mod:`.kmsg`): ``NVRM: Xid`` records, a second source of XIDs
   that also gives back those logged while the agent was down. An XID that both sources
   see is reported once (the first source wins).
+* the GPUs the node is expected to have are remembered (:mod:`.known`, and in the KV
+  bucket): one that the first scan does not find raises ``gpu_missing`` and stays
+  listed, not present and unhealthy, until it is back.
 
 Without NVML the service runs *degraded* and retries, like the collector.
 """
@@ -44,6 +47,7 @@ from opentelemetry import metrics
 from gpulet_common import codec, subjects
 from gpulet_common.bus import BusError, Delivery, RequestRejected
 from gpulet_common.lifecycle import idle_disabled
+from gpulet_common.logutil import RateLimitedLog
 from gpulet_common.messages import (
     GpuHealth,
     GpuInfo,
@@ -79,6 +83,7 @@ from gpulet_health.kmsg import (
     boot_wall_time,
     pci_key,
 )
+from gpulet_health.known import KnownGpus
 from gpulet_health.kv import StateStore
 from gpulet_health.publisher import HealthPublisher
 from gpulet_health.rules import RuleEngine, UnknownCondition, UnknownGpu
@@ -116,6 +121,10 @@ class HealthService:
             max_events=self._settings.buffer.max_events,
             segment_bytes=self._settings.buffer.segment_bytes,
         )
+        self.known = KnownGpus(
+            Path(runtime.settings.state_dir) / "health" / "gpus.json", self._node
+        )
+        self._known_log = RateLimitedLog(log, per_minute=2)
         self.store = StateStore(
             runtime.bus,
             self._node,
@@ -225,6 +234,11 @@ class HealthService:
                 len(restored),
                 sum(1 for h in restored if not h.healthy),
             )
+        known = await anyio.to_thread.run_sync(self.known.load)
+        added = self.engine.expect(known.gpus)
+        (log.info if known.gpus or "does not exist" in known.detail else log.warning)(
+            "GPUs this node is expected to have: %s (%d not in the KV state)", known.detail, added
+        )
 
     async def _ensure_stream(self) -> None:
         stream = self._settings.stream
@@ -384,6 +398,17 @@ class HealthService:
             "GPU scan (%s): %d GPUs, %d answering, %d lost", why, count, len(found), len(lost)
         )
         await self._emit_watched(events, count)
+        await self._remember()
+
+    async def _remember(self) -> None:
+        """Keep the list of expected GPUs on disk up to date."""
+        gpus = self.engine.expected()
+        if not self.known.changed(gpus):
+            return
+        try:
+            await anyio.to_thread.run_sync(self.known.save, gpus)
+        except OSError as exc:
+            self._known_log.warning("cannot save the expected GPUs to %s: %s", self.known.path, exc)
 
     async def _emit_watched(self, events: list[HealthEvent], count: int | None) -> None:
         """Emit, after updating the event thread's GPU list.
@@ -698,6 +723,7 @@ class HealthService:
                 len([e for e in events if e.kind == "cleared"]),
             )
             await self._emit(events)
+            await self._remember()
             return HealthState(node=self._node, gpus=[gpu.snapshot()], updated_at=now)
 
         await self._rt.bus.serve(

@@ -5,7 +5,7 @@ Design
 A *condition* is one reason a GPU is not perfectly fine, named by a stable key:
 ``xid:79``, ``ecc_uncorrectable``, ``ecc_correctable_rate``, ``remap_pending``,
 ``remap_failure``, ``thermal``, ``thermal_slowdown``, ``thermal_shutdown``, ``lost``,
-``removed``, ``nvml``. A condition is raised once (an event), may repeat while active
+``removed``, ``missing``, ``nvml``. A condition is raised once (an event), may repeat while active
 (de-duplicated), and ends once (a ``recovered`` or ``cleared`` event).
 
 Two families:
@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import collections
 from dataclasses import dataclass, field
+
+import msgspec
 
 from gpulet_common.messages import (
     Action,
@@ -142,6 +144,10 @@ class GpuState:
         return self.present and not any(c.unhealthy for c in self.conditions.values())
 
     def snapshot(self) -> GpuHealth:
+        info = self.info
+        if info is not None and info.topology:
+            # Identity, not topology: the inventory has that, and KV values stay small.
+            info = msgspec.structs.replace(info, topology=[])
         return GpuHealth(
             gpu_uuid=self.uuid,
             gpu_index=self.index,
@@ -152,11 +158,16 @@ class GpuState:
                 for c in sorted(self.conditions.values(), key=lambda c: (c.since, c.condition))
             ],
             updated_at=self.updated_at,
+            info=info,
         )
 
     @classmethod
     def restore(cls, health: GpuHealth) -> GpuState:
-        state = cls(uuid=health.gpu_uuid, index=health.gpu_index, present=health.present)
+        # An identity that names another GPU is not this GPU's: left out.
+        info = (
+            health.info if health.info is not None and health.info.uuid == health.gpu_uuid else None
+        )
+        state = cls(uuid=health.gpu_uuid, index=health.gpu_index, present=health.present, info=info)
         for c in health.conditions:
             xid: int | None = None
             if c.kind == "xid":

@@ -13,6 +13,11 @@ feeds it from the bus. Everything here is synchronous and never blocks.
 No intent exists before the first usable inventory: an agent that has not heard from
 the collector yet must not tell the scheduler that the node has no GPUs. A degraded
 inventory (NVML unavailable, no GPUs listed) likewise leaves the last intent alone.
+
+A GPU the health service reports as not present (lost, removed, missing at start)
+stays in the intent, unhealthy, although the inventory no longer lists it: the health
+service remembers the GPUs a node is expected to have, and its state names them
+(``GpuHealth.info``, ``present: false`` in its KV entry).
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import logging
 from collections.abc import Callable
 
 from gpulet_common.logutil import RateLimitedLog
-from gpulet_common.messages import GpuHealth, Inventory
+from gpulet_common.messages import GpuHealth, GpuInfo, Inventory
 from gpulet_common.settings.reporter import ReporterSettings
 from gpulet_reporter.debounce import Debouncer
 from gpulet_reporter.desired import DesiredState, build_desired, fallback_pcie_root
@@ -50,6 +55,10 @@ class ReporterCore:
             settings.quiet_window_s, settings.max_delay_s
         )
         self._input_log = RateLimitedLog(log, per_minute=10)
+        # Every GPU an inventory or a health state described, by UUID.
+        self._identity: dict[str, GpuInfo] = {}
+        # GPUs the health service says are not present (kept in the Device).
+        self._absent: set[str] = set()
 
     def on_inventory(self, inventory: Inventory) -> None:
         if inventory.node != self.node:
@@ -65,12 +74,33 @@ class ReporterCore:
             # Keep the last good Device: a passing NVML failure is not "no GPUs".
             return
         self.inventory = inventory
+        for gpu in inventory.gpus:
+            self._identity[gpu.uuid] = gpu
         self._rebuild()
 
     def on_health(self, uuid: str, health: GpuHealth | None) -> None:
         """One GPU's state as the health service keeps it (None: it has none)."""
-        if self.health.apply(uuid, health):
+        changed = False
+        if health is not None and health.info is not None and health.info.uuid == uuid:
+            self._identity[uuid] = health.info
+        absent = health is not None and not health.present
+        if absent and uuid not in self._absent:
+            self._absent.add(uuid)
+            changed = True
+        elif not absent and uuid in self._absent:
+            # Back, or forgotten by the health service (taken out on purpose).
+            self._absent.discard(uuid)
+            changed = True
+        if self.health.apply(uuid, health) or changed:
             self._rebuild()
+
+    def absent_gpus(self) -> list[GpuInfo]:
+        """The GPUs kept in the Device although the inventory does not list them."""
+        listed = {g.uuid for g in self.inventory.gpus} if self.inventory else set()
+        return sorted(
+            (self._identity[u] for u in self._absent if u in self._identity and u not in listed),
+            key=lambda g: (g.index, g.uuid),
+        )
 
     def _rebuild(self) -> None:
         inventory = self.inventory
@@ -82,6 +112,7 @@ class ReporterCore:
                 self.health.snapshot(),
                 gfd_labels=self._settings.gfd_labels,
                 pcie_root=self._pcie_root,
+                absent=self.absent_gpus(),
             )
         except (ValueError, TypeError, OverflowError) as exc:
             # A malformed inventory that passed the decoder's checks: keep the last

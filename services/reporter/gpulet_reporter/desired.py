@@ -40,13 +40,13 @@ Choices the Koordinator types leave open, documented once here:
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any, Final
 
 import msgspec
 
-from gpulet_common.messages import Inventory
+from gpulet_common.messages import GpuInfo, Inventory
 
 JsonObj = dict[str, Any]
 
@@ -275,10 +275,19 @@ def build_desired(
     *,
     gfd_labels: bool = True,
     pcie_root: Callable[[str], str] = fallback_pcie_root,
+    absent: Sequence[GpuInfo] = (),
 ) -> DesiredState:
-    """The intent for the inventory's node given what we know about each GPU's health."""
+    """The intent for the inventory's node given what we know about each GPU's health.
+
+    ``absent``: GPUs the node is expected to have that are not in the inventory (lost,
+    missing since the agent started; the health service remembers them). They stay
+    in the Device, unhealthy: a scheduler must see that a GPU is broken, not that the
+    node has one GPU fewer.
+    """
+    listed = {g.uuid for g in inventory.gpus}
+    gone = [g for g in absent if g.uuid not in listed]
     gpus: list[DesiredGpu] = []
-    for gpu in inventory.gpus:
+    for gpu in [*inventory.gpus, *gone]:
         bus = bus_id_short(gpu.pci_bus_id) if gpu.pci_bus_id else ""
         numa = gpu.numa_node if gpu.numa_node is not None and gpu.numa_node >= 0 else 0
         gpus.append(
@@ -291,7 +300,7 @@ def build_desired(
                 if gpu.pci_bus_id
                 else "",
                 bus_id=bus,
-                condition=health.get(gpu.uuid),
+                condition=health.get(gpu.uuid) if gpu.uuid in listed else _absent(health, gpu),
             )
         )
     gpus.sort(key=lambda g: (g.minor, g.uuid))
@@ -300,6 +309,17 @@ def build_desired(
         gpus=tuple(gpus),
         device_labels=device_labels(inventory),
         node_labels=node_labels(inventory, gfd=gfd_labels),
+    )
+
+
+def _absent(health: Mapping[str, GpuCondition], gpu: GpuInfo) -> GpuCondition:
+    known = health.get(gpu.uuid)
+    if known is not None and not known.healthy:
+        return known
+    return GpuCondition(
+        healthy=False,
+        reason="GpuNotPresent",
+        message=f"GPU {gpu.index} is not in the node's GPU inventory (lost or missing)",
     )
 
 
