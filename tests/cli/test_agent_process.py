@@ -6,83 +6,15 @@ import json
 import signal
 import socket
 import subprocess
-import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from gpulet_common.embedded_nats import free_port
+from support.agent_process import GPULET, Agent
+from support.agent_process import http_get as _get
 from support.host import HIDDEN_DRIVER, without_driver
-
-GPULET = [sys.executable, "-m", "gpulet"]
-
-
-def _get(url: str) -> tuple[int, bytes]:
-    try:
-        with urllib.request.urlopen(url, timeout=1) as resp:
-            return int(resp.status), bytes(resp.read())
-    except urllib.error.HTTPError as exc:
-        return int(exc.code), bytes(exc.read())
-
-
-class Agent:
-    def __init__(self, tmp_path: Path, *extra: str) -> None:
-        self.nats_port = free_port()
-        self.http_port = free_port()
-        self.nats_url = f"nats://127.0.0.1:{self.nats_port}"
-        self.log = (tmp_path / "agent.log").open("w+b")
-        self.proc = subprocess.Popen(
-            [
-                *GPULET,
-                "run",
-                "--nvml",
-                "mock",
-                "--node",
-                "test.node",
-                "--state-dir",
-                str(tmp_path / "state"),
-                "--set",
-                f"nats.embedded_port={self.nats_port}",
-                "--metrics-port",
-                str(self.http_port),
-                *extra,
-            ],
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-        )
-
-    def wait_ready(self, timeout_s: float = 20) -> dict[str, object]:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.output()
-            try:
-                status, body = _get(f"http://127.0.0.1:{self.http_port}/readyz")
-            except OSError:
-                time.sleep(0.1)
-                continue
-            if status == 200:
-                ready: dict[str, object] = json.loads(body)
-                return ready
-            time.sleep(0.1)
-        raise AssertionError(f"agent not ready in {timeout_s}s:\n{self.output()}")
-
-    def output(self) -> str:
-        self.log.flush()
-        self.log.seek(0)
-        return self.log.read().decode(errors="replace")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        self.log.close()
 
 
 @pytest.fixture

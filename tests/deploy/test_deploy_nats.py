@@ -9,6 +9,14 @@ creates every inbox under ``nats.inbox_prefix``). A refused publish or subscribe
 twice: the server reports a permissions violation to the client, and the message never
 reaches a subscriber that would have received it.
 
+No test waits a fixed time for something to arrive or to stay away. "It arrived" is a
+condition wait; "it did not arrive" is a causal barrier (:func:`settle`): the senders'
+and then the receivers' PING/PONG round trips, after which the one server has routed
+everything sent before and the receivers have read it, and the subscriptions' queues
+drained. Across a leaf connection, a permitted marker sent after the refused messages
+over the same route plays that part (its arrival proves the earlier ones would have
+arrived first).
+
 Both variants are checked: ``auth.conf`` (production) and ``mock/auth.conf``
 (docker-compose and the mock overlay), which may only add the mock fault injection.
 """
@@ -17,7 +25,7 @@ from __future__ import annotations
 
 import re
 import shutil
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +39,7 @@ import nats.micro
 import pytest
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.micro.request import Request
 
 from gpulet_common import codec, subjects
@@ -48,11 +57,11 @@ from support.deploy import (
     password_for,
     set_passwords,
 )
+from support.waiting import wait_until
 
 pytestmark = pytest.mark.anyio
 
 NODE = "gpu-node-1.example"
-SETTLE_S = 0.3  # how long a message that must not arrive is waited for, after a flush
 
 
 @dataclass
@@ -63,16 +72,35 @@ class Conn:
     nc: NatsClient
     errors: list[str] = field(default_factory=list)
 
-    async def violations(self) -> list[str]:
-        # A PING/PONG round trip: the server handled everything sent before it, so
-        # any -ERR it had to send is in by now.
-        await self.nc.flush(timeout=2)
-        await anyio.sleep(0.02)
+    def _violations(self) -> list[str]:
         return [e for e in self.errors if "permissions violation" in e.lower()]
 
+    async def violations(self, *, at_least: int = 0) -> list[str]:
+        """The permissions violations reported so far, waiting for ``at_least`` of them.
+
+        A flush (PING/PONG) first, so the server has handled everything sent before;
+        its -ERR for a refusal may still come after the PONG (measured: about 3 in
+        100), hence the wait for an expected count.
+        """
+        await self.nc.flush(timeout=2)
+        await wait_until(
+            lambda: len(self._violations()) >= at_least,
+            what=f"{at_least} permissions violation(s) for {self.user}",
+        )
+        return self._violations()
+
     async def refused(self, subject: str) -> bool:
+        """Whether the server refused something on ``subject`` (waits up to 5 s for it)."""
+        await self.nc.flush(timeout=2)
         # nats-py lower-cases the server's error text.
-        return any(subject.lower() in v for v in await self.violations())
+        try:
+            await wait_until(
+                lambda: any(subject.lower() in v for v in self._violations()),
+                what=f"a refusal of {subject}",
+            )
+        except AssertionError:
+            return False
+        return True
 
 
 @asynccontextmanager
@@ -123,24 +151,59 @@ async def secured(
         yield server, mock
 
 
-async def listen(conn: Conn | NatsClient, subject: str) -> list[Msg]:
-    """Collect what ``subject`` receives from now on (a callback never loses one)."""
-    nc = conn.nc if isinstance(conn, Conn) else conn
-    got: list[Msg] = []
+class Heard(list[Msg]):
+    """What one subscription received so far, and the subscription (for :func:`settle`)."""
+
+    def __init__(self, nc: NatsClient) -> None:
+        super().__init__()
+        self.nc = nc
+        self.sub: Subscription | None = None
+
+    @property
+    def drained(self) -> bool:
+        return self.sub is not None and self.sub.pending_msgs == 0
+
+
+def _nc(conn: Conn | NatsClient) -> NatsClient:
+    return conn.nc if isinstance(conn, Conn) else conn
+
+
+async def listen(
+    conn: Conn | NatsClient, subject: str, *, publishers: Sequence[Conn | NatsClient] = ()
+) -> Heard:
+    """Collect what ``subject`` receives from now on (a callback never loses one).
+
+    The subscription is flushed before this returns, and then every connection in
+    ``publishers`` makes a round trip too. The first alone is not enough: measured
+    with nats-server 2.15.1 and nats-py, a message published right after another
+    connection's flushed SUB was not delivered 4 to 7 times in 100; with the
+    publisher's own PING/PONG after the subscriber's, 0 in 350.
+    """
+    heard = Heard(_nc(conn))
 
     async def collect(msg: Msg) -> None:
-        got.append(msg)
+        heard.append(msg)  # no await: done as soon as nats-py takes it off the queue
 
-    await nc.subscribe(subject, cb=collect)
-    await nc.flush(timeout=2)
-    return got
+    heard.sub = await heard.nc.subscribe(subject, cb=collect)
+    await heard.nc.flush(timeout=2)
+    for publisher in publishers:
+        await _nc(publisher).flush(timeout=2)
+    return heard
 
 
-async def settle(*senders: Conn, wait_s: float = SETTLE_S) -> None:
-    """Let what the senders published be delivered, if it is going to be at all."""
+async def settle(senders: Sequence[Conn], heard: Sequence[Heard]) -> None:
+    """Return once whatever ``senders`` published is in ``heard``, if it goes there at all.
+
+    A causal barrier on one server, no fixed wait: a sender's PONG comes after the
+    server routed all it published before (delivery is queued on the receivers'
+    connections then); a receiver's PONG comes after those deliveries on its
+    connection; a drained queue means the callbacks ran.
+    """
     for sender in senders:
         await sender.nc.flush(timeout=2)
-    await anyio.sleep(wait_s)
+    for nc in {id(h.nc): h.nc for h in heard}.values():
+        await nc.flush(timeout=2)
+    await wait_until(lambda: all(h.drained for h in heard), what="deliveries handled")
 
 
 async def request(conn: Conn, subject: str, data: bytes) -> Msg:
@@ -187,7 +250,7 @@ async def test_collector_publishes_data_and_answers_inventory_requests(
         connect(server, "operator") as operator,
         connect(server, "reporter") as reporter,
     ):
-        watch = await listen(operator, "gpu.>")
+        watch = await listen(operator, "gpu.>", publishers=[collector])
         await collector.nc.publish(subjects.samples(NODE), codec.SAMPLES.encode(_batch()))
         await collector.nc.publish(subjects.inventory(NODE), b"{}")
 
@@ -198,7 +261,8 @@ async def test_collector_publishes_data_and_answers_inventory_requests(
         await collector.nc.flush()
         reply = await request(reporter, subjects.inventory_request(NODE), b"{}")
         assert reply.data == b"inventory"
-        await settle(collector)
+        await wait_until(lambda: len(watch) >= 2, what="samples and inventory delivered")
+        await settle([collector], [watch])
         got = sorted(m.subject for m in watch)
         assert got == sorted([subjects.samples(NODE), subjects.inventory(NODE)])
         assert await collector.violations() == []
@@ -211,7 +275,7 @@ async def test_collector_cannot_publish_health_forge_replies_or_serve_allocation
     server, _ = secured
     async with connect(server, "collector") as collector, connect(server, "operator") as operator:
         watch = await listen(operator, "gpu.health.*")
-        inbox = await listen(operator, inbox_prefix("operator") + ".>")
+        inbox = await listen(operator, inbox_prefix("operator") + ".>", publishers=[collector])
         await collector.nc.publish(subjects.health(NODE), b'{"forged": true}')
         assert await collector.refused(subjects.health(NODE))
         # A reply subject nobody asked it to answer: forging a reply is refused.
@@ -222,7 +286,7 @@ async def test_collector_cannot_publish_health_forge_replies_or_serve_allocation
         assert await collector.refused("gpulet.allocator")
         await collector.nc.publish("$JS.API.STREAM.DELETE.GPU_HEALTH", b"")
         assert await collector.refused("$JS.API.STREAM.DELETE.GPU_HEALTH")
-        await settle(collector)
+        await settle([collector], [watch, inbox])
         assert watch == []
         assert inbox == []
 
@@ -233,10 +297,10 @@ async def test_only_health_publishes_health_events(
 ) -> None:
     server, _ = secured
     async with connect(server, user) as conn, connect(server, "operator") as operator:
-        watch = await listen(operator, "gpu.health.*")
+        watch = await listen(operator, "gpu.health.*", publishers=[conn])
         await conn.nc.publish(subjects.health(NODE), b"{}")
         assert await conn.refused(subjects.health(NODE))
-        await settle(conn)
+        await settle([conn], [watch])
         assert watch == []
 
 
@@ -248,7 +312,7 @@ async def test_only_the_allocator_answers_allocation_requests(
     async with connect(server, user) as conn:
         await conn.nc.subscribe("gpulet.allocator.*.>")
         await conn.nc.subscribe(subjects.allocator_endpoint(NODE, "allocate"))
-        violations = await conn.violations()
+        violations = await conn.violations(at_least=2)
         assert len([v for v in violations if "gpulet.allocator" in v]) == 2, violations
 
 
@@ -331,10 +395,11 @@ async def test_health_owns_its_stream_and_bucket_and_alerts_reads_them(
             max_bytes=1 << 20,
             duplicate_window_s=60,
         )
-        live = await listen(reporter, subjects.health(NODE))
+        live = await listen(reporter, subjects.health(NODE), publishers=[health.client])
         seq = await health.js_publish(subjects.health(NODE), _batch(), codec.SAMPLES, msg_id="e-1")
         assert seq == 1
-        await settle()
+        await wait_until(lambda: len(live) >= 1, what="the event delivered live")
+        await settle([], [live])
         assert [m.subject for m in live] == [subjects.health(NODE)]
 
         kv = await health.key_value(subjects.HEALTH_KV_BUCKET)
@@ -349,7 +414,16 @@ async def test_health_owns_its_stream_and_bucket_and_alerts_reads_them(
         sub = await js.pull_subscribe(
             "gpu.health.*", durable="gpulet-alerts", stream=subjects.HEALTH_STREAM
         )
-        msgs = await sub.fetch(1, timeout=2)
+        # A pull can come back empty on a loaded machine (its request expired before the
+        # consumer was ready): pull again, a bounded number of times.
+        msgs: list[Msg] = []
+        for _ in range(10):
+            try:
+                msgs = await sub.fetch(1, timeout=2)
+            except nats.errors.TimeoutError:
+                continue
+            if msgs:
+                break
         assert [m.subject for m in msgs] == [subjects.health(NODE)]
         await msgs[0].ack_sync(timeout=2)
         alerts_kv = await js.key_value(subjects.HEALTH_KV_BUCKET)
@@ -480,12 +554,12 @@ async def test_no_user_reads_the_replies_meant_for_another(
     server, _ = secured
     async with AsyncExitStack() as stack:
         conns = {u: await stack.enter_async_context(connect(server, u)) for u in NATS_USERS}
-        overheard: list[list[Msg]] = []
+        overheard: list[Heard] = []
         for user, conn in conns.items():
             others = [inbox_prefix(u) + ".>" for u in NATS_USERS if u != user]
             attempts = ["_INBOX.>", "_INBOX.*.>", "_INBOX.*", *others]
             overheard.extend([await listen(conn, subject) for subject in attempts])
-            violations = await conn.violations()
+            violations = await conn.violations(at_least=len(attempts))
             assert len(violations) == len(attempts), (user, violations)
             for subject in attempts:
                 quoted = f'"{subject.lower()}"'
@@ -498,13 +572,14 @@ async def test_no_user_reads_the_replies_meant_for_another(
 
         await conns["allocator"].nc.subscribe(subjects.allocator_prefix(NODE) + ".>", cb=answer)
         await conns["health"].nc.subscribe(subjects.health_state(NODE), cb=answer)
-        await settle(conns["allocator"], conns["health"], wait_s=0)
+        await conns["allocator"].nc.flush(timeout=2)
+        await conns["health"].nc.flush(timeout=2)
         plugin_reply = await request(
             conns["device-plugin"], subjects.allocator_endpoint(NODE, "allocate"), b"{}"
         )
         reporter_reply = await request(conns["reporter"], subjects.health_state(NODE), b"{}")
         assert plugin_reply.data == reporter_reply.data == b"private"
-        await settle(*conns.values())
+        await settle(list(conns.values()), overheard)
         assert [m for got in overheard for m in got] == []
 
         # A client of a service user that keeps the default prefix gets no reply: its
@@ -539,11 +614,7 @@ async def test_mock_fault_injection_only_in_the_mock_config(
             reply = await request(operator, subject, b"{}")
             assert reply.data == b'{"applied": true}'
             # Every mock process sees the fault, not just the one that answered.
-            with anyio.fail_after(2):
-                while True:
-                    if len(seen) == 2:
-                        break
-                    await anyio.sleep(0.01)
+            await wait_until(lambda: len(seen) == 2, what="both mock processes saw it")
             assert await collector.violations() == []
         else:
             assert await collector.refused(subject)
@@ -613,7 +684,7 @@ async def test_leaf_node_exports_gpu_data_and_keeps_control_traffic_local(
         connect(node, "allocator") as allocator,
     ):
         fleet_health = await fleet.nc.subscribe("gpu.health.*")
-        hub_all = await listen(hubwriter, ">")
+        hub_all = await listen(hubwriter, ">", publishers=[collector])
         await fleet.nc.flush()
         # The leaf connection and the interest across it take a moment to form.
         with anyio.fail_after(10):
@@ -625,25 +696,48 @@ async def test_leaf_node_exports_gpu_data_and_keeps_control_traffic_local(
                 except nats.errors.TimeoutError:
                     continue
         assert msg.subject == subjects.health(NODE)
-        await collector.nc.publish(subjects.samples(NODE), b"sample")
-        # Control traffic stays on the node.
+        # Control traffic stays on the node. The node forwards to the hub over one leaf
+        # connection, in order: a sample published after the control messages (each
+        # flushed, so the node has handled it) arrives after them, had they crossed.
         await plugin.nc.publish(subjects.allocator_endpoint(NODE, "allocate"), b"req")
+        await plugin.nc.flush(timeout=2)
         await reporter.nc.publish(subjects.health_state(NODE), b"req")
-        await collector.nc.flush()
-        await settle(collector, plugin, reporter, wait_s=0.5)
+        await reporter.nc.flush(timeout=2)
+        await collector.nc.publish(subjects.samples(NODE), b"sample")
+        await wait_until(
+            lambda: any(m.subject == subjects.samples(NODE) for m in hub_all),
+            timeout_s=10,
+            what="the sample on the hub",
+        )
+        await settle([], [hub_all])
         seen = {m.subject for m in hub_all}
-        assert subjects.samples(NODE) in seen
         assert not any(s.startswith(("gpulet.", "$JS", "_INBOX")) for s in seen), seen
 
         # Control traffic from the hub never reaches the node: nobody there can ask
-        # the allocator for GPUs or clear a GPU's health.
+        # the allocator for GPUs or clear a GPU's health. The markers: GPU data (which
+        # may cross from the hub) that each of those users may read, on the same node
+        # connections, sent after the control messages over the same route; once
+        # they are in, the control messages would be too.
         allocations = await listen(allocator, subjects.allocator_prefix(NODE) + ".>")
         clears = await listen(health, subjects.health_clear(NODE))
-        await anyio.sleep(0.2)  # time for the interest to cross, were it allowed to
-        for _ in range(5):
+        markers = [
+            await listen(allocator, "gpu.inventory.marker"),
+            await listen(health, "gpu.samples.marker", publishers=[hubwriter]),
+        ]
+        for _ in range(50):  # until the markers' interest has crossed the leaf
             await hubwriter.nc.publish(subjects.allocator_endpoint(NODE, "allocate"), b"req")
             await hubwriter.nc.publish(subjects.health_clear(NODE), b"req")
-        await settle(hubwriter, wait_s=0.5)
+            await hubwriter.nc.publish("gpu.inventory.marker", b"marker")
+            await hubwriter.nc.publish("gpu.samples.marker", b"marker")
+            await hubwriter.nc.flush(timeout=2)
+            try:
+                await wait_until(lambda: all(markers), timeout_s=0.2, what="markers")
+                break
+            except AssertionError:
+                continue
+        else:
+            raise AssertionError("the markers never crossed from the hub to the node")
+        await settle([], [allocations, clears, *markers])
         assert allocations == []
         assert clears == []
 

@@ -207,6 +207,54 @@ def test_nvml_slowdown_and_shutdown_thresholds() -> None:
     assert kinds(out) == [("thermal_slowdown", "thermal_slowdown", True)]
 
 
+def test_thermal_slowdown_by_temperature_says_the_temperature_reached_the_threshold() -> None:
+    [event] = engine().observe_sample(sample(0, T0, temperature_c=94))
+    assert event.reason == "GPU temperature 94 C reached the NVML slowdown threshold of 94 C"
+
+
+def test_thermal_slowdown_by_the_clock_event_bit_says_the_gpu_reports_it() -> None:
+    # A cool GPU (34 C, threshold 94 C) whose HW thermal slowdown bit is set: the
+    # temperature did not reach the threshold, and the reason must not claim it did.
+    [event] = engine().observe_sample(sample(0, T0, temperature_c=34, throttle_reasons=0x40 | 0x4))
+    assert event.condition == "thermal_slowdown"
+    assert event.reason == (
+        "the GPU reports thermal slowdown (clock-event reason HW thermal slowdown); "
+        "temperature 34 C, slowdown threshold 94 C"
+    )
+    assert "reached" not in event.reason
+    # Both bits, on a GPU without a known threshold.
+    [event] = engine().observe_sample(sample(1, T0, temperature_c=70, throttle_reasons=0x60))
+    assert event.reason == (
+        "the GPU reports thermal slowdown (clock-event reason SW thermal slowdown and "
+        "HW thermal slowdown); temperature 70 C"
+    )
+
+
+def test_remap_pending_says_what_nvml_knows_and_no_invented_count() -> None:
+    e = engine()
+    [event] = e.observe_sample(
+        sample(
+            0,
+            T0,
+            remapped_rows_pending=True,
+            remapped_rows_uncorrectable=0,
+            remapped_rows_correctable=2,
+        )
+    )
+    assert event.reason == (
+        "NVML reports a row remap pending (rows remapped so far: 0 for uncorrectable "
+        "errors, 2 for correctable ones): the GPU must be reset to apply it"
+    )
+    assert "0 row remap(s) pending" not in event.reason
+    # Without the counts, none is shown.
+    [event] = e.observe_sample(sample(1, T0, remapped_rows_pending=True))
+    assert event.reason == "NVML reports a row remap pending: the GPU must be reset to apply it"
+    [event] = engine().observe_sample(sample(1, T0, retired_pages_pending=True))
+    assert event.reason == (
+        "NVML reports a page retirement pending: the GPU must be reset to apply it"
+    )
+
+
 def test_thresholds_can_be_ignored() -> None:
     e = engine(thermal={"use_nvml_thresholds": False})
     assert e.observe_sample(sample(0, T0, temperature_c=94)) == []

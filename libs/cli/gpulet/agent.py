@@ -4,6 +4,13 @@ Start-up order: settings and logging, telemetry, the embedded nats-server (only 
 no NATS URL is configured), the bus connection, the HTTP endpoints, the mock-NVML
 control endpoint (only with the mock), then the services in :data:`RUN_ORDER`.
 Shutdown runs the same steps backwards when SIGINT/SIGTERM cancels the task group.
+
+Two components besides the services are on the status board, so ``/readyz`` tells
+when the broker is the problem: ``nats-server`` (the embedded server, supervised and
+restarted by :meth:`EmbeddedNats.supervise`; when it cannot be brought back the
+supervisor's :class:`NatsServerGaveUp` ends the task group, and ``gpulet run`` with
+it) and ``nats`` (this process's connection: not ready from a disconnection until
+nats-py has reconnected and restored the subscriptions).
 """
 
 from __future__ import annotations
@@ -17,8 +24,8 @@ import anyio
 import msgspec
 
 from gpulet.services import build
-from gpulet_common.bus import Bus
-from gpulet_common.embedded_nats import EmbeddedNats
+from gpulet_common.bus import Bus, describe_servers
+from gpulet_common.embedded_nats import EmbeddedNats, RestartPolicy
 from gpulet_common.lifecycle import Service, cancel_on_signals, run_services
 from gpulet_common.mock_control import MockControlService
 from gpulet_common.runtime import NvmlProvider, Runtime
@@ -41,6 +48,7 @@ async def run_agent(
     nvml = NvmlProvider(settings.nvml)
     try:
         async with AsyncExitStack() as stack:
+            server: EmbeddedNats | None = None
             if embedded_nats:
                 server = EmbeddedNats(
                     state_dir=Path(settings.state_dir) / "nats",
@@ -51,22 +59,28 @@ async def run_agent(
                 await server.start()
                 stack.push_async_callback(server.stop)
                 settings.nats = msgspec.structs.replace(settings.nats, url=server.url)
-                status.set("nats-server", "ready", server.url)
-            bus = await stack.enter_async_context(
-                Bus.connect(
-                    settings.nats,
-                    name=f"gpulet-{settings.node_name}",
-                    limits=settings.limits,
-                )
-            )
-            runtime = Runtime(settings=settings, bus=bus, status=status, nvml=nvml)
-            services: list[Service] = []
-            if settings.nvml.backend == "mock":
-                services.append(MockControlService(runtime))
-            services += build(service_names, runtime)
+                status.set("nats-server", "ready", server.describe())
             async with anyio.create_task_group() as tg:
                 if handle_signals:
                     await tg.start(cancel_on_signals, tg.cancel_scope)
+                # Supervised from before the first connection: the server may die while
+                # the bus is still connecting, and the bus would wait for it forever.
+                if server is not None:
+                    policy = RestartPolicy.from_settings(settings.nats)
+                    await tg.start(partial(server.supervise, policy, status))
+                bus = await stack.enter_async_context(
+                    Bus.connect(
+                        settings.nats,
+                        name=f"gpulet-{settings.node_name}",
+                        limits=settings.limits,
+                    )
+                )
+                await tg.start(report_connection, bus, status)
+                runtime = Runtime(settings=settings, bus=bus, status=status, nvml=nvml)
+                services: list[Service] = []
+                if settings.nvml.backend == "mock":
+                    services.append(MockControlService(runtime))
+                services += build(service_names, runtime)
                 if settings.telemetry.http_port:
                     await tg.start(
                         serve_http,
@@ -80,3 +94,23 @@ async def run_agent(
         with anyio.CancelScope(shield=True):
             await anyio.to_thread.run_sync(nvml.close)
         log.info("stopped")
+
+
+async def report_connection(
+    bus: Bus,
+    status: StatusBoard,
+    *,
+    task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
+) -> None:
+    """Keep the ``nats`` component in step with this process's connection."""
+    task_status.started()
+    while True:
+        # No await between the check and the wait: a change cannot slip in between.
+        if bus.is_connected:
+            connected = bus.client.connected_url
+            url = describe_servers(connected.geturl() if connected else "")
+            status.set("nats", "ready", f"connected to {url}")
+            await bus.wait_disconnected()
+        else:
+            status.set("nats", "starting", "connection to NATS lost; reconnecting")
+            await bus.wait_reconnected()

@@ -4,22 +4,40 @@
 unless ``--nats`` is given); ``gpulet <service>`` starts one service, the way each
 sidecar container of the DaemonSet does. The tools (``watch``, ``schema``, ``mock``,
 ``config``) talk to a running agent over NATS or print what they know.
+
+Errors
+------
+:func:`main` is the one place where exceptions become exit codes. A
+:class:`~gpulet_common.errors.GpuletError` (whatever raised it, however many task
+groups it crossed) is printed as one line, ``gpulet: <what is wrong>``, and exits with
+its code: 2 for a :class:`~gpulet_common.errors.UsageError` (a flag, a setting, a
+config file, a state directory, a busy port, a missing mock scenario), 1 for a failure
+gpulet can explain (the embedded nats-server could not be brought back). argparse's own
+errors are one line and exit 2 too. Before a service starts, :func:`preflight` checks
+what would otherwise fail deep inside it (state directory, mock scenario, ports), so a
+mistake is reported before the first log line. Anything else is a bug and keeps its
+traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import json
+import os
+import socket
 import sys
 from collections.abc import Sequence
 from importlib import import_module
-from typing import Any
+from pathlib import Path
+from typing import Any, NoReturn
 
 import anyio
 
 from gpulet import services, tools
 from gpulet_common import config
 from gpulet_common.config import ConfigError
+from gpulet_common.errors import explained, one_line
 from gpulet_common.logutil import setup_logging
 from gpulet_common.settings import Settings
 
@@ -64,7 +82,12 @@ def _flag_overrides(args: argparse.Namespace) -> dict[str, Any]:
         flat["telemetry.log_level"] = args.log_level
     nvml = getattr(args, "nvml", None)
     if nvml:
-        backend, _, scenario = nvml.partition(":")
+        from gpulet_common.nvml.loader import parse_nvml_flag
+
+        try:
+            backend, scenario = parse_nvml_flag(nvml)
+        except ValueError as exc:
+            raise ConfigError("--nvml", str(exc).removeprefix(f"--nvml {nvml!r}: ")) from None
         flat["nvml.backend"] = backend
         if scenario:
             flat["nvml.scenario"] = scenario
@@ -77,16 +100,70 @@ def load_settings(args: argparse.Namespace) -> Settings:
     return config.load(getattr(args, "config", None), overrides=_flag_overrides(args))
 
 
+def _check_state_dir(state_dir: str) -> None:
+    path = Path(state_dir)
+    if path.exists() and not path.is_dir():
+        raise ConfigError("state_dir", f"{path} is not a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError("state_dir", f"cannot create {path}: {exc.strerror or exc}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError("state_dir", f"{path} is not writable")
+
+
+def _check_listen(host_setting: str, port_setting: str, host: str, port: int) -> None:
+    """That ``host:port`` can be listened on now (the server binds it moments later)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (OSError, UnicodeError) as exc:
+        raise ConfigError(host_setting, f"cannot listen on {host!r}: {exc}") from None
+    family, kind, proto, _name, address = infos[0]
+    with socket.socket(family, kind, proto) as sock:
+        # What servers set (nats-server, anyio): a port in TIME_WAIT is free to them.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(address)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise ConfigError(
+                    port_setting, f"{host}:{port} is already in use by another process"
+                ) from None
+            raise ConfigError(
+                host_setting, f"cannot listen on {host}:{port}: {exc.strerror or exc}"
+            ) from None
+
+
+def preflight(settings: Settings, *, embedded_nats: bool) -> None:
+    """Raise a :class:`UsageError` for what would stop the services from starting."""
+    _check_state_dir(settings.state_dir)
+    if settings.nvml.backend == "mock":
+        from gpulet_common.mock_nvml.scenario import load_scenario
+
+        load_scenario(settings.nvml.scenario)  # a ScenarioError is a usage error
+    nats = settings.nats
+    if embedded_nats:
+        _check_listen(
+            "nats.embedded_host", "nats.embedded_port", nats.embedded_host, nats.embedded_port
+        )
+    telemetry = settings.telemetry
+    if telemetry.http_port:
+        _check_listen(
+            "telemetry.http_host", "telemetry.http_port", telemetry.http_host, telemetry.http_port
+        )
+
+
 def _run_services(args: argparse.Namespace, names: list[str], *, sidecar: bool) -> int:
     from gpulet.agent import run_agent
     from gpulet_common.telemetry import Telemetry
 
     settings = load_settings(args)
-    setup_logging(settings.telemetry.log_level, settings.telemetry.log_format)
     embedded = not settings.nats.url
     if embedded and sidecar:
         settings.nats.url = DEFAULT_SIDECAR_NATS
         embedded = False
+    preflight(settings, embedded_nats=embedded)
+    setup_logging(settings.telemetry.log_level, settings.telemetry.log_format)
     telemetry = Telemetry.install(settings.telemetry, "gpulet-" + "-".join(names))
     try:
         anyio.run(lambda: run_agent(settings, names, embedded_nats=embedded))
@@ -101,6 +178,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     names = list(services.RUN_ORDER)
     if args.only:
         names = [n.strip() for n in args.only.split(",") if n.strip()]
+        if not names:
+            raise ConfigError("--only", "names no service")
         unknown = sorted(set(names) - set(services.REGISTRY))
         if unknown:
             raise ConfigError(
@@ -126,10 +205,15 @@ def _cmd_config_reference(_args: argparse.Namespace) -> int:
     return 0
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, with a mistake reported as one line (and exit 2) instead of the usage."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {one_line(message)} (see `{self.prog} --help`)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="gpulet", description="GPU node agent for Kubernetes, over NATS."
-    )
+    parser = OneLineParser(prog="gpulet", description="GPU node agent for Kubernetes, over NATS.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     run = sub.add_parser("run", help="run every service in one process")
@@ -168,7 +252,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         code = args.func(args)
-    except ConfigError as exc:
-        print(f"gpulet: {exc}", file=sys.stderr)
-        code = 2
+    except Exception as exc:
+        error = explained(exc)
+        if error is None:
+            raise
+        print(f"gpulet: {one_line(str(error))}", file=sys.stderr)
+        code = error.exit_code
     sys.exit(code)

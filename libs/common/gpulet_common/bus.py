@@ -209,6 +209,7 @@ class Bus:
         # (see wait_reconnected); found by tests/faults/test_nats_outage.py.
         self.reconnects = 0
         self._reconnect_event = anyio.Event()
+        self._disconnect_event = anyio.Event()
 
     # -- connection --------------------------------------------------------------
 
@@ -240,6 +241,8 @@ class Bus:
         async def on_disconnect() -> None:
             if holder and holder[0]._closing:
                 return
+            if holder:
+                holder[0]._disconnected()
             log.warning("nats: disconnected from %s", describe_servers(settings.url))
 
         async def on_reconnect() -> None:
@@ -318,7 +321,13 @@ class Bus:
             ):
                 await nc.drain()
             if not nc.is_closed:
-                with anyio.CancelScope(shield=True), anyio.move_on_after(0.5):
+                # A connection that is down (its server gone for good) fails to flush
+                # on close; that must not replace whatever ended the service.
+                with (
+                    anyio.CancelScope(shield=True),
+                    anyio.move_on_after(0.5),
+                    suppress(nats.errors.Error, OSError, TimeoutError),
+                ):
                     await nc.close()
 
     @property
@@ -338,6 +347,14 @@ class Bus:
     async def wait_reconnected(self) -> None:
         """Return at the next reconnection to NATS (its subscriptions are back then)."""
         await self._reconnect_event.wait()
+
+    def _disconnected(self) -> None:
+        event, self._disconnect_event = self._disconnect_event, anyio.Event()
+        event.set()
+
+    async def wait_disconnected(self) -> None:
+        """Return at the next loss of the connection (nats-py is reconnecting then)."""
+        await self._disconnect_event.wait()
 
     async def flush(self, timeout_s: float = 2.0) -> None:
         await self._nc.flush(timeout=timeout_s)  # type: ignore[arg-type]

@@ -28,13 +28,16 @@ from typing import Any
 
 import msgspec
 
+from gpulet_common.errors import UsageError
 from gpulet_common.settings import Settings
 
 ENV_PREFIX = "GPULET_"
 _PATH_IN_ERROR = re.compile(r" - at `\$\.?([^`]*)`$")
 
 
-class ConfigError(ValueError):
+class ConfigError(UsageError, ValueError):
+    """An invalid setting: the CLI prints it as one line and exits 2."""
+
     def __init__(self, setting: str, problem: str) -> None:
         setting = setting.strip() or "(empty)"
         super().__init__(f"invalid setting {setting!r}: {problem}")

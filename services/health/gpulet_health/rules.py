@@ -26,10 +26,14 @@ Rules (defaults in :mod:`gpulet_common.settings.health`)
     warning ``ecc_correctable_rate``, cleared when the rate falls to half of it.
   * **Row remapping**: pending (or retired pages pending, on older GPUs) raises
     ``remap_pending`` (critical, reset the GPU); a failed remap raises
-    ``remap_failure`` (fatal, hardware inspection). Both follow NVML's flags.
+    ``remap_failure`` (fatal, hardware inspection). Both follow NVML's flags; NVML
+    does not say how many rows are pending, so the reason gives no such count (only
+    the rows remapped so far, named as that).
   * **Thermal**: above ``threshold_c`` the GPU is unhealthy (``thermal``); at the
     GPU's NVML slowdown threshold, or throttled for temperature, a warning
-    (``thermal_slowdown``); at its shutdown threshold unhealthy
+    (``thermal_slowdown``; the reason says which: the GPU's SW/HW thermal slowdown
+    clock-event bit, or the temperature against the threshold); at its shutdown
+    threshold unhealthy
     (``thermal_shutdown``). Each clears only after ``recover_samples`` consecutive
     samples below its threshold minus ``hysteresis_c``, so a temperature oscillating
     around a threshold gives one raise, not a stream of raise/recover pairs.
@@ -88,8 +92,10 @@ log = logging.getLogger("gpulet.health.rules")
 # present forgets the GPU (it was taken out of the node on purpose).
 GONE_CONDITIONS = frozenset({"lost", "removed", "missing"})
 
-# nvmlClocksEventReasonSwThermalSlowdown | nvmlClocksEventReasonHwThermalSlowdown.
-THROTTLE_THERMAL = 0x20 | 0x40
+# nvmlClocksEventReasonSwThermalSlowdown and nvmlClocksEventReasonHwThermalSlowdown,
+# named as the messages name them.
+THERMAL_CLOCK_EVENT_REASONS = {0x20: "SW thermal slowdown", 0x40: "HW thermal slowdown"}
+THROTTLE_THERMAL = sum(THERMAL_CLOCK_EVENT_REASONS)
 
 EndKind = Literal["recovered", "cleared"]
 
@@ -762,11 +768,21 @@ class RuleEngine:
             pending = any(bool(f) for f in flags)
             active = "remap_pending" in gpu.conditions
             if pending and not active:
-                what = (
-                    f"{sample.remapped_rows_uncorrectable or 0} row remap(s) pending"
-                    if sample.remapped_rows_pending
-                    else "page retirement pending"
-                )
+                # NVML says only *that* a remap is pending, not how many rows; the
+                # counts it has are of rows remapped so far, shown as such when known.
+                if sample.remapped_rows_pending:
+                    what = "NVML reports a row remap pending"
+                    unc, corr = (
+                        sample.remapped_rows_uncorrectable,
+                        sample.remapped_rows_correctable,
+                    )
+                    if unc is not None and corr is not None:
+                        what += (
+                            f" (rows remapped so far: {unc} for uncorrectable errors, "
+                            f"{corr} for correctable ones)"
+                        )
+                else:
+                    what = "NVML reports a page retirement pending"
                 out += self._raise(
                     gpu,
                     Condition(
@@ -839,14 +855,25 @@ class RuleEngine:
         slowdown = info.temp_slowdown_c if info is not None else None
         if slowdown is not None or throttled or "thermal_slowdown" in gpu.conditions:
             hot = (slowdown is not None and temp >= slowdown) or throttled
-            if slowdown is not None:
+            if throttled:
+                # Raised by the GPU's own clock-event bit: say so, and give the
+                # temperature and threshold as facts beside it, not as the cause.
+                bits = sample.throttle_reasons or 0
+                names = " and ".join(
+                    name for bit, name in THERMAL_CLOCK_EVENT_REASONS.items() if bits & bit
+                )
+                reason = (
+                    f"the GPU reports thermal slowdown (clock-event reason {names}); "
+                    f"temperature {temp} C"
+                )
+                if slowdown is not None:
+                    reason += f", slowdown threshold {slowdown} C"
+            elif slowdown is not None:
                 reason = (
                     f"GPU temperature {temp} C reached the NVML slowdown threshold of {slowdown} C"
                 )
             else:
-                reason = f"GPU is throttled for temperature at {temp} C"
-            if throttled:
-                reason += f" (clock event reasons {sample.throttle_reasons:#x})"
+                reason = f"GPU temperature {temp} C"
             out += self._level(
                 gpu,
                 now,

@@ -590,7 +590,10 @@ class MockNvml:
             if kind == "remap_pending":
                 slot.remap_uncorrectable += count
                 slot.remap_pending = True
-                return True, f"{count} row remap(s) pending on {name}"
+                return (
+                    True,
+                    f"{count} row(s) remapped for uncorrectable errors on {name}, remap pending",
+                )
             slot.remap_failure = True
             return True, f"row remapping failed on {name}"
         if kind == "hang":

@@ -43,6 +43,7 @@ from typing import Any, Final, Literal
 import msgspec
 
 from gpulet_common.config import deep_merge
+from gpulet_common.errors import UsageError
 
 SCENARIO_DIR: Final = Path(__file__).with_name("scenarios")
 
@@ -105,8 +106,8 @@ VANISH_ERRORS: Final[dict[str, int]] = {
 EventName = Literal["single_bit_ecc", "double_bit_ecc", "pstate", "xid", "clock", "gpu_unavailable"]
 
 
-class ScenarioError(ValueError):
-    """A scenario that cannot be found, parsed or played."""
+class ScenarioError(UsageError, ValueError):
+    """A scenario that cannot be found, parsed or played (the CLI: one line, exit 2)."""
 
     def __init__(self, source: str, entry: str, problem: str) -> None:
         where = f"scenario {source}"

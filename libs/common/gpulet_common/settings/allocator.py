@@ -14,6 +14,7 @@ Every timeout is bounded and positive: kubelet must never wait on us indefinitel
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Literal
 
 import msgspec
@@ -22,8 +23,42 @@ Positive = Annotated[float, msgspec.Meta(gt=0)]
 PositiveSeconds = Annotated[float, msgspec.Meta(gt=0, le=86400)]
 
 
+# A Kubernetes extended resource name is `<domain>/<name>` (kubelet rejects a device
+# plugin registering anything else): the domain a DNS-1123 subdomain outside
+# kubernetes.io, the name a qualified-name segment of at most 63 characters.
+_DNS_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
+_EXTENDED_RESOURCE_NAME = re.compile(
+    rf"{_DNS_LABEL}(\.{_DNS_LABEL})*/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?"
+)
+# Kubernetes builds "requests.<name>" from an extended resource name for quotas, and
+# that must still be a DNS-1123 subdomain of at most 253 characters.
+_MAX_DOMAIN_CHARS = 253 - len("requests.")
+_MAX_NAME_CHARS = 63
+
+
+def check_extended_resource_name(name: str) -> None:
+    """ValueError unless ``name`` is a valid Kubernetes extended resource name."""
+    if not _EXTENDED_RESOURCE_NAME.fullmatch(name):
+        raise ValueError(
+            f"{name!r} is not a Kubernetes extended resource name: expected "
+            "<domain>/<name>, e.g. example.com/gpu (lower-case domain; name of letters, "
+            "digits, '-', '_', '.')"
+        )
+    domain, _, short = name.partition("/")
+    if len(domain) > _MAX_DOMAIN_CHARS:
+        raise ValueError(f"{name!r}: the domain is over {_MAX_DOMAIN_CHARS} characters")
+    if len(short) > _MAX_NAME_CHARS:
+        raise ValueError(f"{name!r}: the name after '/' is over {_MAX_NAME_CHARS} characters")
+    if domain == "kubernetes.io" or domain.endswith(".kubernetes.io"):
+        raise ValueError(f"{name!r}: the kubernetes.io domain is reserved for native resources")
+
+
 class ResourceNames(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Kubelet resource names; configurable so two plugins can coexist on a node."""
+    """Kubelet resource names; configurable so two plugins can coexist on a node.
+
+    Each must be a Kubernetes extended resource name (``vendor.example/name``), and
+    the three must differ.
+    """
 
     # Whole GPUs; device IDs are GPU UUIDs.
     gpu: str = "nvidia.com/gpu"
@@ -31,6 +66,15 @@ class ResourceNames(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     core: str = "gpulet.io/gpu-core"
     # Memory units of a share, 256 MiB each; device IDs <uuid>::mem-<n>.
     memory: str = "gpulet.io/gpu-memory"
+
+    def __post_init__(self) -> None:
+        for name in (self.gpu, self.core, self.memory):
+            check_extended_resource_name(name)
+        if len({self.gpu, self.core, self.memory}) != 3:
+            raise ValueError(
+                f"gpu, core and memory must be distinct, not {self.gpu!r}, {self.core!r}, "
+                f"{self.memory!r}"
+            )
 
 
 class PluginConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

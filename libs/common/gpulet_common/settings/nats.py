@@ -53,3 +53,12 @@ class NatsSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     embedded_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 4222
     # Whether the embedded server runs JetStream (the health stream and KV need it).
     embedded_jetstream: bool = True
+    # Restarts of a dead embedded server tried in a row before `gpulet run` gives up
+    # and exits 1 (0: exit at its first death). A restart counts as a success once the
+    # server has then run for a minute.
+    embedded_restart_attempts: Annotated[int, msgspec.Meta(ge=0, le=1000)] = 8
+    # First wait in seconds before restarting a dead embedded server; it doubles per
+    # failed attempt, with jitter.
+    embedded_restart_wait_s: PositiveFloat = 0.25
+    # Ceiling of the wait between two restarts of the embedded server, in seconds.
+    embedded_restart_max_wait_s: PositiveFloat = 5.0
