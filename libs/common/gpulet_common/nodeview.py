@@ -107,7 +107,7 @@ class NodeView:
         self.inventory_seen = anyio.Event()
         #: Set once a KV snapshot was read: the health map is the service's state.
         self.health_seen = anyio.Event()
-        #: Sessions started (1 + reconnections followed), for tests and status.
+        #: Sessions started (1 + reconnections and resyncs), for tests and status.
         self.sessions = 0
 
     # --- reads (in memory, never blocking) ------------------------------------------------
