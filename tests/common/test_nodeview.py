@@ -219,3 +219,19 @@ async def test_a_view_that_reconnects_converges_on_the_kv_state(
             )
             assert view.health(A) is None
             assert set(view.healths()) == {B}
+
+
+async def test_the_state_is_read_afresh_every_resync_interval(nats_server: EmbeddedNats) -> None:
+    async with _bus(nats_server, "writer") as writer, _bus(nats_server, "reader") as reader:
+        await health_bucket(writer)
+        await put_health(writer, NODE, gpu_health(A, healthy=False))
+        view = NodeView(reader, NODE, retry_s=0.05, resync_s=0.1)
+        changes: list[NodeChange] = []
+        view.listen(changes.append)
+        async with anyio.create_task_group() as tg:
+            await tg.start(view.run)
+            await wait_until(lambda: view.sessions >= 4, what="three fresh sessions")
+            assert view.unhealthy() == {A}
+            # Re-reading an unchanged state tells the listeners nothing.
+            assert [c for c in changes if c.gpus] == [NodeChange(gpus=frozenset({A}))]
+            tg.cancel_scope.cancel()

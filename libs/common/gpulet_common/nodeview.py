@@ -28,8 +28,10 @@ session asks the collector for its inventory (with back-off, until one arrives) 
 opens the KV watch (with back-off, until the bucket exists). Every reconnection to
 NATS ends the session and starts a new one: core NATS delivers at most once, and a
 fresh watch re-reads every key, so a view that missed changes while it was cut off
-converges on the health service's state as soon as it is back. The first snapshot of
-a session replaces the health map whole (a GPU whose key vanished meanwhile goes).
+converges on the health service's state as soon as it is back. So does every
+``resync_s`` (5 minutes), whatever else may have gone wrong with a watch. The first
+snapshot of a session replaces the health map whole (a GPU whose key vanished
+meanwhile goes).
 
 Reads are in memory and never wait (an Allocate never waits on NATS for health).
 Listeners (:meth:`NodeView.listen`) are called synchronously, on the event loop,
@@ -63,6 +65,8 @@ ASK_TIMEOUT_S = 1.0
 ASK_MAX_DELAY_S = 30.0
 # Opening the KV watch (bucket lookup and consumer creation) is given this long.
 WATCH_OPEN_TIMEOUT_S = 5.0
+# A fresh session (inventory asked, every key re-read) at least this often.
+RESYNC_S = 300.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,8 +81,17 @@ Listener = Callable[[NodeChange], None]
 
 
 class NodeView:
-    def __init__(self, bus: Bus, node: str, *, retry_s: float = 2.0, who: str = "") -> None:
+    def __init__(
+        self,
+        bus: Bus,
+        node: str,
+        *,
+        retry_s: float = 2.0,
+        who: str = "",
+        resync_s: float = RESYNC_S,
+    ) -> None:
         self._bus = bus
+        self._resync_s = resync_s
         self._node = node
         self._retry_s = retry_s
         self._who = who or "node view"
@@ -94,7 +107,7 @@ class NodeView:
         self.inventory_seen = anyio.Event()
         #: Set once a KV snapshot was read: the health map is the service's state.
         self.health_seen = anyio.Event()
-        #: Sessions started (1 + reconnections followed), for tests and status.
+        #: Sessions started (1 + reconnections and resyncs), for tests and status.
         self.sessions = 0
 
     # --- reads (in memory, never blocking) ------------------------------------------------
@@ -139,9 +152,10 @@ class NodeView:
                 session.start_soon(self._ask_inventory)
                 session.start_soon(self._watch_health)
                 # Core NATS delivered nothing while we were cut off: start afresh.
-                await self._bus.wait_reconnected()
+                with anyio.move_on_after(self._resync_s):
+                    await self._bus.wait_reconnected()
                 session.cancel_scope.cancel()
-            log.debug("%s: reconnected to NATS; reading the node's state again", self._who)
+            log.debug("%s: reading the node's state again", self._who)
 
     # --- inventory -------------------------------------------------------------------------
 

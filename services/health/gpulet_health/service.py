@@ -14,7 +14,8 @@ One task group, all of it structured (nothing outlives the service):
 * **GPU list**: a scan of NVML (handles, UUIDs, thresholds, supported events) at start,
   when the count changes, when an NVML event or a sample names an unknown GPU, when a
   GPU is lost, and when the collector publishes an inventory that differs from ours
-  (it is also asked for one at start, so start order does not matter);
+  (it is also asked for one at start, so start order does not matter; inventories too
+  are taken in the collector's order);
 * the **rule engine** (:mod:`.rules`) turns all of that into events and state;
 * the **publisher** (:mod:`.publisher`) sends events to JetStream in order, through
   the disk buffer when NATS is away;
@@ -160,6 +161,7 @@ class HealthService:
         self._xid_dedup = CrossSourceDedup(self._settings.kmsg.dedup_window_s)
         self._state_dir = Path(runtime.settings.state_dir)
         self._sample_order = SenderOrder()
+        self._inventory_order = SenderOrder()
         self._late_samples = runtime.meter.create_counter(
             "gpulet.health.samples_late",
             description="Sample batches dropped: older than the newest seen from the collector",
@@ -568,6 +570,8 @@ class HealthService:
     def _on_inventory(self, inventory: Inventory) -> None:
         if inventory.node != self._node or inventory.degraded_reason is not None:
             return
+        if not self._inventory_order.accept(inventory.boot_id, inventory.seq):
+            return  # an older one of the collector's, delivered late
         self._gpu_labels = {
             g.uuid: {
                 "gpu": str(g.index),

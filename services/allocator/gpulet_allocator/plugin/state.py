@@ -11,8 +11,9 @@ per resource and kubelet connection) share one source without per-watcher buffer
 Layers
 ------
 :class:`DeviceStateSource` is what :mod:`.server` consumes. :class:`DeviceState` is
-the in-process implementation: whoever follows the inventory and health subjects
-(the NATS wiring) calls :meth:`DeviceState.publish` / :meth:`DeviceState.set_health`.
+the in-process implementation: the plugin service, following the node's inventory and
+GPU health through a :class:`~gpulet_common.nodeview.NodeView`, calls
+:meth:`DeviceState.publish` with the whole list on every change.
 Recovery is a first-class change: a GPU marked healthy again is re-advertised, which
 the reference plugins never do (NVIDIA #234, #1014).
 """
