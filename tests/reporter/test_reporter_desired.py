@@ -16,7 +16,12 @@ from gpulet_reporter import desired as d
 from gpulet_reporter.health_view import HealthView
 from gpulet_reporter.pcie import make_resolver, sysfs_pcie_root
 from support.kube_emulator import DEFAULT_CRD_PATH, CrdSchema
-from support.reporter_harness import gpu_uuid, health_event, make_inventory
+from support.reporter_harness import (
+    gpu_uuid,
+    health_event,
+    koordlet_foreign_devices,
+    make_inventory,
+)
 
 NODE = "node-a"
 NOW = 1_700_000_000.0
@@ -246,6 +251,77 @@ def test_render_keeps_what_others_own_and_compare_ignores_server_fields() -> Non
     edited["metadata"]["labels"][d.LABEL_GPU_MODEL] = "hacked"
     assert d.device_differs(ours, edited)
     assert d.device_differs(d.render_device(desired, observed, node_uid="other", now=NOW), observed)
+
+
+def test_render_owns_only_gpu_entries_and_the_fields_it_writes() -> None:
+    """koordlet's rdma and fpga entries, an untyped entry, and fields of GPU entries we
+    do not write (labels, other resources, other conditions) survive as they were."""
+    desired = _desired(count=2)
+    observed = d.render_device(desired, None, node_uid="u", now=NOW)
+    observed["metadata"]["resourceVersion"] = "9"
+    foreign = koordlet_foreign_devices()
+    untyped = {"id": "x-1", "health": True}
+    gpu0 = observed["spec"]["devices"][0]
+    gpu0["labels"] = {"team": "ml"}
+    gpu0["resources"]["koordinator.sh/gpu-mem-bw"] = "100"
+    other_condition = {
+        "type": "Throttled",
+        "status": "False",
+        "reason": "None",
+        "message": "",
+        "lastTransitionTime": "2024-01-01T00:00:00Z",
+    }
+    gpu0["conditions"].append(other_condition)
+    gpu0["moduleID"] = 7  # stale: NVML says nothing now, so it goes
+    # koordlet order: rdma first, then our GPUs, then the fpga and an untyped entry.
+    observed["spec"]["devices"] = [foreign[0], *observed["spec"]["devices"], foreign[1], untyped]
+    before = copy.deepcopy(observed)
+
+    # An unchanged intent: nothing differs, and the body is the observed list itself
+    # except for the moduleID we can no longer vouch for.
+    body = d.render_device(desired, observed, node_uid="u", now=NOW + 60)
+    devices = body["spec"]["devices"]
+    assert [e.get("type") for e in devices] == ["rdma", "gpu", "gpu", "fpga", None]
+    assert devices[0] == before["spec"]["devices"][0]
+    assert devices[3:] == before["spec"]["devices"][3:]
+    assert msgspec.json.encode(devices[0]) == msgspec.json.encode(foreign[0])
+    assert devices[1]["labels"] == {"team": "ml"}
+    assert devices[1]["resources"]["koordinator.sh/gpu-mem-bw"] == "100"
+    assert other_condition in devices[1]["conditions"]
+    assert "moduleID" not in devices[1]
+    assert observed == before  # rendering never mutates what it was given
+
+    # A health change rewrites our fields only.
+    bad = d.GpuCondition(healthy=False, reason="Xid79", message="fell off", since=NOW)
+    body = d.render_device(_desired({gpu_uuid(NODE, 0): bad}), observed, node_uid="u", now=NOW + 60)
+    devices = body["spec"]["devices"]
+    assert devices[0] == foreign[0]
+    assert devices[3] == foreign[1]
+    assert devices[4] == untyped
+    assert devices[1]["health"] is False
+    assert devices[1]["labels"] == {"team": "ml"}
+    assert [c["type"] for c in devices[1]["conditions"]] == ["Healthy", "Throttled"]
+    assert d.device_differs(body, observed)
+
+    # A GPU that left the intent leaves the list; foreign entries stay.
+    body = d.render_device(_desired(count=1), observed, node_uid="u", now=NOW)
+    assert [e.get("type") for e in body["spec"]["devices"]] == ["rdma", "gpu", "fpga", None]
+
+    # With no GPU entry observed, ours go first and the foreign ones follow in order.
+    only_foreign = copy.deepcopy(before)
+    only_foreign["spec"]["devices"] = [foreign[1], foreign[0]]
+    body = d.render_device(desired, only_foreign, node_uid="u", now=NOW)
+    assert [e["type"] for e in body["spec"]["devices"]] == ["gpu", "gpu", "fpga", "rdma"]
+
+
+def test_an_rdma_entry_with_a_gpu_uuid_is_not_mistaken_for_ours() -> None:
+    desired = _desired(count=1)
+    impostor = {"type": "rdma", "id": gpu_uuid(NODE, 0), "health": False}
+    observed = {"metadata": {"name": NODE}, "spec": {"devices": [impostor]}}
+    devices = d.render_device(desired, observed, node_uid="u", now=NOW)["spec"]["devices"]
+    assert devices[1] == impostor
+    assert devices[0]["type"] == "gpu"
+    assert devices[0]["health"] is True
 
 
 def _node(labels: dict[str, str], managed: str | None = None) -> d.JsonObj:

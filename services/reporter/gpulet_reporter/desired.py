@@ -14,6 +14,16 @@ Two steps
    an unhealthy node's Device forever; we keep it, so an unchanged state renders to a
    byte-identical object and :func:`device_differs` says there is nothing to do.
 
+Ownership
+---------
+The Device is shared: koordlet reports RDMA NICs (``type: rdma`` with ``vfGroups``) and
+other device types into the same object. The reporter owns only the ``type: gpu``
+entries of ``spec.devices``, and in them only the fields it writes (``type``, ``id``,
+``minor``, ``moduleID``, ``health``, ``topology``, its three ``resources`` keys and the
+``Healthy`` condition). Other entries and other fields are carried over as observed;
+the writer makes this safe against concurrent writers with a resourceVersion-checked
+PUT (see :mod:`gpulet_reporter.writer`).
+
 Health we do not know yet (no health service answered, or it restarted) is carried
 over from the observed object rather than assumed healthy, so a reporter restart on a
 node with a failed GPU neither flaps the GPU to healthy nor writes at all.
@@ -67,6 +77,8 @@ GFD_MEMORY: Final = "nvidia.com/gpu.memory"
 GFD_DRIVER_PREFIX: Final = "nvidia.com/cuda.driver-version."
 GFD_RUNTIME_PREFIX: Final = "nvidia.com/cuda.runtime-version."
 
+DEVICE_TYPE_GPU: Final = "gpu"
+
 RES_CORE: Final = "koordinator.sh/gpu-core"
 RES_MEMORY: Final = "koordinator.sh/gpu-memory"
 RES_MEMORY_RATIO: Final = "koordinator.sh/gpu-memory-ratio"
@@ -109,6 +121,8 @@ class DesiredGpu(msgspec.Struct, frozen=True, kw_only=True):
     numa_node: int
     pcie_id: str
     bus_id: str
+    # NVML's module id (nvmlDeviceGetModuleId); None where the GPU or driver lacks it.
+    module_id: int | None = None
     # None: no health source has spoken about this GPU yet.
     condition: GpuCondition | None = None
 
@@ -299,16 +313,25 @@ def build_desired(
 # --- rendering against the observed object -------------------------------------------
 
 
-def _observed_devices(observed: JsonObj | None) -> dict[str, JsonObj]:
+def _observed_list(observed: JsonObj | None) -> list[Any]:
     if not observed:
-        return {}
+        return []
     spec = observed.get("spec")
     devices = spec.get("devices") if isinstance(spec, dict) else None
+    return devices if isinstance(devices, list) else []
+
+
+def is_ours(entry: Any) -> bool:
+    """Whether a ``spec.devices`` entry is one the reporter owns: ``type: gpu``."""
+    return isinstance(entry, dict) and entry.get("type") == DEVICE_TYPE_GPU
+
+
+def _observed_devices(observed: JsonObj | None) -> dict[str, JsonObj]:
+    """The observed GPU entries by id; entries of other types are not ours to read."""
     found: dict[str, JsonObj] = {}
-    if isinstance(devices, list):
-        for entry in devices:
-            if isinstance(entry, dict) and isinstance(entry.get("id"), str):
-                found[entry["id"]] = entry
+    for entry in _observed_list(observed):
+        if is_ours(entry) and isinstance(entry.get("id"), str):
+            found.setdefault(entry["id"], entry)
     return found
 
 
@@ -379,32 +402,72 @@ def _clean_condition(seen: JsonObj, healthy: bool, now: float) -> JsonObj:
     }
 
 
-def render_devices(desired: DesiredState, observed: JsonObj | None, now: float) -> list[JsonObj]:
-    """``spec.devices`` for the intent, timestamps kept from ``observed`` where valid."""
-    seen_by_id = _observed_devices(observed)
-    devices: list[JsonObj] = []
-    for gpu in desired.gpus:
-        healthy, condition = _render_condition(gpu, seen_by_id.get(gpu.uuid), now)
-        entry: JsonObj = {
-            "type": "gpu",
-            "id": gpu.uuid,
-            "minor": gpu.minor,
-            "health": healthy,
-            "resources": {
-                RES_CORE: "100",
-                RES_MEMORY: gpu.memory,
-                RES_MEMORY_RATIO: "100",
-            },
-            "conditions": [condition],
+def _render_gpu(gpu: DesiredGpu, seen: JsonObj | None, now: float) -> JsonObj:
+    """One GPU entry: the observed entry with the fields we own replaced.
+
+    Owned: ``type``, ``id``, ``minor``, ``moduleID``, ``health``, ``topology``, our three
+    keys of ``resources`` and the ``Healthy`` condition. Everything else an entry
+    carries (``labels``, other resource keys, other condition types, fields a newer
+    Koordinator adds) is kept as it was. ``moduleID`` and ``topology`` are facts about
+    the GPU we read ourselves: when we cannot read them they are removed, not kept stale.
+    """
+    healthy, condition = _render_condition(gpu, seen, now)
+    entry: JsonObj = _deep_copy_json(seen) if seen is not None else {}
+    entry["type"] = DEVICE_TYPE_GPU
+    entry["id"] = gpu.uuid
+    entry["minor"] = gpu.minor
+    if gpu.module_id is not None:
+        entry["moduleID"] = gpu.module_id
+    else:
+        entry.pop("moduleID", None)
+    entry["health"] = healthy
+    resources = entry.get("resources")
+    resources = dict(resources) if isinstance(resources, dict) else {}
+    resources.update({RES_CORE: "100", RES_MEMORY: gpu.memory, RES_MEMORY_RATIO: "100"})
+    entry["resources"] = resources
+    seen_conditions = entry.get("conditions")
+    others = [
+        c
+        for c in (seen_conditions if isinstance(seen_conditions, list) else [])
+        if not (isinstance(c, dict) and c.get("type") == CONDITION_HEALTHY)
+    ]
+    entry["conditions"] = [condition, *others]
+    if gpu.pcie_id or gpu.bus_id:
+        entry["topology"] = {
+            "socketID": -1,
+            "nodeID": gpu.numa_node,
+            "pcieID": gpu.pcie_id,
+            "busID": gpu.bus_id,
         }
-        if gpu.pcie_id or gpu.bus_id:
-            entry["topology"] = {
-                "socketID": -1,
-                "nodeID": gpu.numa_node,
-                "pcieID": gpu.pcie_id,
-                "busID": gpu.bus_id,
-            }
-        devices.append(entry)
+    else:
+        entry.pop("topology", None)
+    return entry
+
+
+def render_devices(desired: DesiredState, observed: JsonObj | None, now: float) -> list[JsonObj]:
+    """``spec.devices`` for the intent, merged into what ``observed`` holds.
+
+    We own the ``type: gpu`` entries and nothing else. Entries of any other type
+    (koordlet's ``rdma`` with ``vfGroups``, ``fpga``, or an entry without a type) are
+    copied unchanged and keep their order. Our GPU entries, in minor order, take the
+    place of the first GPU entry observed (the front of the list when there was none),
+    so the order is stable from one write to the next. A GPU entry whose id is not in
+    the intent is dropped: the intent is the whole truth about this node's GPUs.
+    Timestamps are kept from ``observed`` where the status did not change.
+    """
+    seen_by_id = _observed_devices(observed)
+    ours: list[JsonObj] = [_render_gpu(gpu, seen_by_id.get(gpu.uuid), now) for gpu in desired.gpus]
+    devices: list[JsonObj] = []
+    placed = False
+    for entry in _observed_list(observed):
+        if is_ours(entry):
+            if not placed:
+                devices.extend(ours)
+                placed = True
+            continue
+        devices.append(_deep_copy_json(entry))
+    if not placed:
+        devices[0:0] = ours
     return devices
 
 
@@ -429,7 +492,10 @@ def render_device(
     """The Device to store: ``observed`` with our parts replaced, or a new object.
 
     Everything we do not own survives: other labels and annotations, other owner
-    references, ``status`` (allocations), spec fields other than ``devices``.
+    references, ``status`` (allocations), spec fields other than ``devices``, entries of
+    ``spec.devices`` whose type is not ``gpu`` and the fields of GPU entries we do not
+    write (see :func:`render_devices`). The body keeps the observed
+    ``resourceVersion``, so the writer's PUT is a compare-and-swap.
     """
     devices = render_devices(desired, observed, now)
     if observed:
