@@ -357,12 +357,25 @@ def test_placement_on_gpu_nodes(build: tuple[str, list[dict[str, Any]]]) -> None
     pod = _one(docs, "DaemonSet", "gpulet")["spec"]["template"]["spec"]
     if name == "mock":
         assert pod["nodeSelector"] == {"gpulet.io/mock-gpus": "true"}
+        assert "affinity" not in pod
         assert "runtimeClassName" not in pod
         for service in ("collector", "health"):
             env = _env(_containers(docs)[service])
             assert env["GPULET_NVML__BACKEND"]["value"] == "mock"
     else:
-        assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+        # Found without GFD: any one of the three labels places the pod (ORed terms).
+        assert "nodeSelector" not in pod
+        terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+            "nodeSelectorTerms"
+        ]
+        assert [t["matchExpressions"] for t in terms] == [
+            [{"key": key, "operator": "In", "values": ["true"]}]
+            for key in (
+                "nvidia.com/gpu.present",
+                "feature.node.kubernetes.io/pci-10de.present",
+                "gpulet.io/gpu",
+            )
+        ]
         assert pod["runtimeClassName"] == "nvidia"
         for c in _containers(docs).values():
             assert "GPULET_NVML__BACKEND" not in _env(c)

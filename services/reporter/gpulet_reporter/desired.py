@@ -41,10 +41,13 @@ Choices the Koordinator types leave open, documented once here:
   GPUs share a root complex when we could not check.
 * ``minor`` falls back to the NVML index when NVML has no minor number (mock GPUs).
 * The model label is the NVML name without ``NVIDIA ``, spaces turned into ``-``,
-  reduced to what a label value allows; empty on a node that mixes models (as the
-  Koordinator convention says). The GFD-compatible ``nvidia.com/gpu.product`` keeps the
-  ``NVIDIA-`` prefix as current GFD does, and it and ``gpu.memory`` are left out on a
-  mixed node rather than describing only one of the models.
+  reduced to what a label value allows; left out on a node that mixes models, as
+  koordlet does.
+* ``moduleID`` is NVML's module id (``nvmlDeviceGetModuleId``; a real H100 SXM says 4),
+  left out where NVML does not support it or gives a value outside int32.
+* The GFD-compatible ``nvidia.com/gpu.product`` keeps the ``NVIDIA-`` prefix as current
+  GFD does; it, ``gpu.memory``, ``gpu.family`` and the compute capability are left out
+  on a node whose GPUs disagree on them rather than describing only some of them.
 """
 
 from __future__ import annotations
@@ -76,6 +79,19 @@ GFD_COUNT: Final = "nvidia.com/gpu.count"
 GFD_MEMORY: Final = "nvidia.com/gpu.memory"
 GFD_DRIVER_PREFIX: Final = "nvidia.com/cuda.driver-version."
 GFD_RUNTIME_PREFIX: Final = "nvidia.com/cuda.runtime-version."
+# Set by the GPU Operator (and NFD rules) on GPU nodes; what GPU DaemonSets select on.
+GFD_PRESENT: Final = "nvidia.com/gpu.present"
+GFD_FAMILY: Final = "nvidia.com/gpu.family"
+GFD_COMPUTE_MAJOR: Final = "nvidia.com/gpu.compute.major"
+GFD_COMPUTE_MINOR: Final = "nvidia.com/gpu.compute.minor"
+GFD_MACHINE: Final = "nvidia.com/gpu.machine"
+GFD_MPS_CAPABLE: Final = "nvidia.com/mps.capable"
+GFD_SHARING_STRATEGY: Final = "nvidia.com/gpu.sharing-strategy"
+GFD_REPLICAS: Final = "nvidia.com/gpu.replicas"
+# GFD's value when the machine type file cannot be read.
+MACHINE_UNKNOWN: Final = "unknown"
+# The resource GFD's sharing labels describe.
+WHOLE_GPU_RESOURCE: Final = "nvidia.com/gpu"
 
 DEVICE_TYPE_GPU: Final = "gpu"
 
@@ -125,6 +141,20 @@ class DesiredGpu(msgspec.Struct, frozen=True, kw_only=True):
     module_id: int | None = None
     # None: no health source has spoken about this GPU yet.
     condition: GpuCondition | None = None
+
+
+class NodeFacts(msgspec.Struct, frozen=True, kw_only=True):
+    """What the labels say beyond the inventory: the machine and how gpulet serves it.
+
+    ``machine``: the DMI product name (``/sys/class/dmi/id/product_name``), as GFD
+    reads it. ``serves_whole_gpus``: gpulet's device plugin serves ``nvidia.com/gpu``
+    (then the GFD sharing labels describe it: one replica, no sharing).
+    ``mps_shares``: gpulet serves fractional shares limited through CUDA MPS.
+    """
+
+    machine: str = MACHINE_UNKNOWN
+    serves_whole_gpus: bool = False
+    mps_shares: bool = False
 
 
 class DesiredState(msgspec.Struct, frozen=True, kw_only=True):
@@ -233,13 +263,45 @@ def _split_version(version: str) -> list[str]:
 # --- the intent ----------------------------------------------------------------------
 
 
-def node_labels(inventory: Inventory, *, gfd: bool = True) -> dict[str, str]:
-    """Koordinator's three labels plus (optionally) GFD-compatible ones."""
+def gpu_family(major: int, minor: int) -> str:
+    """GFD's architecture family of a CUDA compute capability (9.0 → ``hopper``)."""
+    if major == 7:
+        return "volta" if minor < 5 else "turing"
+    if major == 8:
+        return "ampere" if minor < 9 else "ada-lovelace"
+    families = {
+        1: "tesla",
+        2: "fermi",
+        3: "kepler",
+        5: "maxwell",
+        6: "pascal",
+        9: "hopper",
+        10: "blackwell",
+        12: "blackwell",
+    }
+    return families.get(major, "undefined")
+
+
+def node_labels(
+    inventory: Inventory, *, gfd: bool = True, facts: NodeFacts | None = None
+) -> dict[str, str]:
+    """Koordinator's three labels plus (optionally) GFD-compatible ones.
+
+    GFD's names and values (NVIDIA k8s-device-plugin, ``internal/lm``): product, count,
+    memory (MiB), family, compute major/minor, machine, the CUDA versions,
+    ``mps.capable``, and the sharing labels of ``nvidia.com/gpu``. What describes one
+    model (product, memory, family, compute capability) is left out on a node whose
+    GPUs disagree on it, rather than describing only some of them. ``gpu.present`` is
+    the GPU Operator's label, which GPU DaemonSets (ours included) select on.
+    """
     labels = device_labels(inventory)
     if not gfd:
         return labels
+    facts = facts or NodeFacts()
     gpus = inventory.gpus
     labels[GFD_COUNT] = str(len(gpus))
+    if gpus:
+        labels[GFD_PRESENT] = "true"
     names = {g.name for g in gpus}
     if len(names) == 1:
         product = product_label(gpus[0].name)
@@ -248,6 +310,20 @@ def node_labels(inventory: Inventory, *, gfd: bool = True) -> dict[str, str]:
         memories = {g.memory_total_bytes for g in gpus}
         if len(memories) == 1 and gpus[0].memory_total_bytes > 0:
             labels[GFD_MEMORY] = str(gpus[0].memory_total_bytes // _MIB)
+    capabilities = {g.compute_capability for g in gpus}
+    if len(capabilities) == 1:
+        capability = capabilities.pop()
+        if capability is not None and capability[0] > 0:
+            major, minor = capability
+            labels[GFD_FAMILY] = gpu_family(major, minor)
+            labels[GFD_COMPUTE_MAJOR] = str(major)
+            labels[GFD_COMPUTE_MINOR] = str(minor)
+    if gpus:
+        labels[GFD_MACHINE] = label_value(facts.machine.replace(" ", "-")) or MACHINE_UNKNOWN
+        labels[GFD_MPS_CAPABLE] = "true" if facts.mps_shares else "false"
+        if facts.serves_whole_gpus:
+            labels[GFD_SHARING_STRATEGY] = "none"
+            labels[GFD_REPLICAS] = "1"
     if inventory.driver_version:
         full = label_value(inventory.driver_version)
         parts = _split_version(inventory.driver_version)
@@ -259,15 +335,20 @@ def node_labels(inventory: Inventory, *, gfd: bool = True) -> dict[str, str]:
         labels[GFD_RUNTIME_PREFIX + "full"] = label_value(inventory.cuda_driver_version)
         for key, part in zip(("major", "minor"), parts, strict=False):
             labels[GFD_RUNTIME_PREFIX + key] = label_value(part)
-    return {k: v for k, v in labels.items() if v or k == LABEL_GPU_MODEL}
+    return {k: v for k, v in labels.items() if v}
 
 
 def device_labels(inventory: Inventory) -> dict[str, str]:
+    """Koordinator's labels; ``gpu-model`` only when every GPU is the same model
+    (koordlet leaves it out on a mixed node rather than writing it empty)."""
     labels: dict[str, str] = {}
     if not inventory.gpus:
         return labels
     models = {model_label(g.name) for g in inventory.gpus}
-    labels[LABEL_GPU_MODEL] = models.pop() if len(models) == 1 else ""
+    if len(models) == 1:
+        model = models.pop()
+        if model:
+            labels[LABEL_GPU_MODEL] = model
     labels[LABEL_GPU_VENDOR] = "nvidia"
     if inventory.driver_version:
         driver = label_value(inventory.driver_version)
@@ -282,6 +363,7 @@ def build_desired(
     *,
     gfd_labels: bool = True,
     pcie_root: Callable[[str], str] = fallback_pcie_root,
+    facts: NodeFacts | None = None,
 ) -> DesiredState:
     """The intent for the inventory's node given what we know about each GPU's health."""
     gpus: list[DesiredGpu] = []
@@ -298,6 +380,9 @@ def build_desired(
                 if gpu.pci_bus_id
                 else "",
                 bus_id=bus,
+                module_id=gpu.module_id
+                if gpu.module_id is not None and 0 <= gpu.module_id < 2**31
+                else None,
                 condition=health.get(gpu.uuid),
             )
         )
@@ -306,7 +391,7 @@ def build_desired(
         node=inventory.node,
         gpus=tuple(gpus),
         device_labels=device_labels(inventory),
-        node_labels=node_labels(inventory, gfd=gfd_labels),
+        node_labels=node_labels(inventory, gfd=gfd_labels, facts=facts),
     )
 
 
