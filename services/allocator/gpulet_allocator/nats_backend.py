@@ -75,6 +75,7 @@ REJECT_CODES: Final[dict[str, RejectCode]] = {
     "too_many_units": RejectCode.RESOURCE_EXHAUSTED,
     "insufficient_capacity": RejectCode.RESOURCE_EXHAUSTED,
     "unhealthy_device": RejectCode.FAILED_PRECONDITION,
+    "scheduler_decision": RejectCode.FAILED_PRECONDITION,
 }
 UNAVAILABLE_CODES: Final = frozenset({"not_ready"})
 
