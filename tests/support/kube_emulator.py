@@ -2070,6 +2070,8 @@ class KubeEmulator:
                     line = json.dumps({"type": item.type, "object": item.obj})
                     await response.write(line.encode() + b"\n")
             await response.write_eof()
+        except ConnectionResetError:
+            pass  # the client went away (a cancelled watch): nothing to answer
         finally:
             self._watchers.discard(queue)
         return response

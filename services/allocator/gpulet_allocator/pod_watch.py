@@ -183,6 +183,9 @@ class PodWatch:
                 _preload_content=False,
             )
             raw = await response.read()
+        # Unpreloaded answers are not checked by the client: a failed list must not
+        # empty the book.
+        _check_status(response, raw)
         doc = json.loads(raw)
         items = doc.get("items") if isinstance(doc, dict) else None
         pods = []
@@ -211,6 +214,8 @@ class PodWatch:
             _preload_content=False,
         )
         try:
+            if response.status != 200:
+                _check_status(response, await response.read())
             async for line in response.content:
                 if not line.strip():
                     continue
@@ -251,6 +256,11 @@ class PodWatch:
             else:
                 self._book.upsert(pod)
         return True
+
+
+def _check_status(response: Any, body: bytes) -> None:
+    if response.status != 200:
+        raise ApiException(status=response.status, reason=f"{response.reason}: {body[:200]!r}")
 
 
 def _describe(exc: BaseException) -> str:
