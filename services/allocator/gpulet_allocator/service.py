@@ -126,6 +126,17 @@ class _Counts:
         }
 
 
+@dataclass(slots=True)
+class _RefusalEvents:
+    """Refused scheduler decisions to the Event writer, once there is one."""
+
+    writer: EventWriter | None = None
+
+    def __call__(self, pod: PodKey, message: str) -> None:
+        if self.writer is not None:
+            self.writer.post(pod, message)
+
+
 class AllocatorService:
     name = "allocator"
 
@@ -137,6 +148,8 @@ class AllocatorService:
         handshake = self._settings.handshake
         #: Refused decisions become Events on their pod (set up in run()).
         self.events: EventWriter | None = None
+        # What the core calls on a refusal: holds only the writer, not the service.
+        self._refusals = _RefusalEvents()
         self.pod_watch: PodWatch | None = None
         self._handshake_problem = ""
         book = None
@@ -160,7 +173,7 @@ class AllocatorService:
             release_grace_s=self._settings.release_grace_s,
             profile=plugin.profile,
             book=book,
-            on_refusal=self._post_event,
+            on_refusal=self._refusals,
         )
         self.checkpoint = CheckpointFile(checkpoint_path(runtime.settings))
         self._counts = {e: _Counts() for e in p.ENDPOINTS}
@@ -291,10 +304,6 @@ class AllocatorService:
 
     # --- koord-scheduler's decisions ---------------------------------------------------
 
-    def _post_event(self, pod: PodKey, message: str) -> None:
-        if self.events is not None:
-            self.events.post(pod, message)
-
     def _on_handshake_state(self, problem: str) -> None:
         if problem != self._handshake_problem:
             self._handshake_problem = problem
@@ -322,6 +331,7 @@ class AllocatorService:
             break
         async with k8s_client.ApiClient(configuration) as api:
             self.events = EventWriter(api, self._node, settings)
+            self._refusals.writer = self.events
             self.pod_watch = PodWatch(api, book, settings, on_state=self._on_handshake_state)
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self.events.run)
