@@ -332,3 +332,30 @@ async def test_hostile_annotations_are_refused_clearly_and_crash_nothing(
         await unbound(stack, emu, "hostile")
         await stack.kubelet.allocate(GPU, [[available[0]]])
         assert len((await stack.state()).allocations) == 1
+
+
+async def test_after_an_allocator_restart_an_allocated_pod_is_not_matched_again(
+    settings: Settings, tmp_path: Path, emu: KubeEmulator
+) -> None:
+    """The book's marks live in memory, the grants in the checkpoint: a pod still
+    Pending (pulling its image) after the allocator restarts keeps its GPUs and is not
+    taken for the next pod's call."""
+    inventory = h100_inventory()
+    minor = by_minor(inventory)
+    config = handshake_settings(settings, tmp_path)
+    async with allocator_stack(config, inventory=inventory) as stack:
+        await synced(stack)
+        await bound(stack, emu, "first", gpus(1), decision(5), at="2026-01-01T00:00:00Z")
+        [hint] = await stack.kubelet.preferred(GPU, [(ids(stack, GPU), [], 1)])
+        assert hint == [minor[5]]
+        await stack.kubelet.allocate(GPU, [hint])
+        await stack.stop_allocator()
+        await stack.start_allocator()
+        await synced(stack)
+        await bound(stack, emu, "second", gpus(1), decision(2), at="2026-01-01T00:00:09Z")
+        free = [u for u in ids(stack, GPU) if u != minor[5]]
+        [hint] = await stack.kubelet.preferred(GPU, [(free, [], 1)])
+        assert hint == [minor[2]]
+        await stack.kubelet.allocate(GPU, [hint])
+        pods = {a.grants[0].pod: a.gpus for a in (await stack.state()).allocations}
+        assert pods == {"ml/first": [minor[5]], "ml/second": [minor[2]]}

@@ -54,6 +54,19 @@ this cannot tell apart is a core-only container followed directly by a
 memory-first container; :meth:`AllocatorCore.reconcile` detects it from PodResources
 and reports it.
 
+**koord-scheduler's decisions.** With a :class:`~.koordinator.PodBook` (the pod watch
+of :mod:`.pod_watch`), a call that belongs to a pod carrying the
+``scheduling.koordinator.sh/device-allocated`` annotation (the rule is in
+:mod:`.koordinator`) follows it: ``GetPreferredAllocation`` answers exactly the decided
+GPUs, ``Allocate`` of whole GPUs checks kubelet's IDs against them, and under the
+``koordinator`` profile a share (``koordinator.sh/gpu-core`` and
+``koordinator.sh/gpu-memory-ratio``, whichever kubelet asks first) is placed on the
+decided card with the decided amounts, both MPS limits in both answers. A decision
+that cannot be honoured (unknown minor, unhealthy, lost or held GPU, other IDs, an
+invalid annotation) is refused with ``scheduler_decision`` and reported to the refusal
+hook (a Kubernetes Event), never served from another card. Calls no pod's decision
+covers are decided as above. The book is only read here, in memory: no I/O.
+
 **Release.** Kubelet's PodResources API lists the device IDs each live container
 holds; hashing them gives the live grant keys (:meth:`AllocatorCore.reconcile`). An
 allocation none of whose grants has been listed for ``release_grace_s`` is released
@@ -404,7 +417,12 @@ class AllocatorCore:
     def _claim(self, resource: str, count: int, device_ids: Sequence[str] = ()) -> Claim | None:
         if self.book is None:
             return None
-        return self.book.find(resource, count, minor_of=self._minors(), device_ids=device_ids)
+        taken = {
+            (g.pod, g.container) for g in self._grants.values() if g.pod and g.resource == resource
+        }
+        return self.book.find(
+            resource, count, minor_of=self._minors(), device_ids=device_ids, taken=taken
+        )
 
     def _refuse(self, claim: Claim, message: str) -> NoReturn:
         """Refuse a decision: precise, an Event on the pod, never another card."""

@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Final
@@ -394,9 +394,14 @@ class PodBook:
         *,
         minor_of: Mapping[str, int] | None = None,
         device_ids: Iterable[str] = (),
+        taken: Collection[tuple[str, str]] = (),
     ) -> Claim | None:
         """The container a call of ``count`` devices of ``resource`` belongs to (the
-        rule in the module docstring), or None when no pod's decision covers it."""
+        rule in the module docstring), or None when no pod's decision covers it.
+
+        ``taken``: (``namespace/name``, container) pairs that already hold ``resource``
+        by the allocator's own (checkpointed) record, so that after a restart, which
+        empties the book's marks, a pod still pending is not matched twice."""
         candidates: list[tuple[WatchedPod, int, tuple[GpuEntry, ...], str]] = []
         for pod in self.pods.values():
             if not pod.pending or pod.decision is None:
@@ -405,7 +410,11 @@ class PodBook:
             for index, (_name, counts) in enumerate(pod.containers):
                 asked = counts.get(resource, 0)
                 takes = self._entries_taken(counts)
-                if asked == count and (pod.key.uid, index, resource) not in self.allocated:
+                if (
+                    asked == count
+                    and (pod.key.uid, index, resource) not in self.allocated
+                    and (str(pod.key), _name) not in taken
+                ):
                     if isinstance(pod.decision, InvalidDecision):
                         candidates.append((pod, index, (), pod.decision.problem))
                     else:
