@@ -33,7 +33,8 @@ over the watched pods of this node (:class:`PodBook`):
 1. candidates are pods bound to this node, ``Pending``, not being deleted, that carry
    the annotation with a ``gpu`` key;
 2. of their containers, those whose request (limit) of the call's resource equals the
-   call's device count and that have not yet been allocated that resource;
+   call's device count and that have not yet been allocated that resource (in this run,
+   or by the allocator's checkpointed grants, which survive a restart);
 3. for whole GPUs, a candidate whose decided GPUs are exactly kubelet's IDs wins (that
    is unambiguous); otherwise the oldest binding first: the pod's ``PodScheduled``
    condition time, then its creation time, then namespace/name.
