@@ -288,20 +288,24 @@ def test_host_access_is_limited_to_the_kubelet_directories_and_gpulets_state(
     assert pod["securityContext"]["runAsUser"] == 65532
 
 
-def test_only_the_reporter_gets_api_credentials(build: tuple[str, list[dict[str, Any]]]) -> None:
+def test_only_the_reporter_and_allocator_get_api_credentials(
+    build: tuple[str, list[dict[str, Any]]],
+) -> None:
     _, docs = build
     pod = _one(docs, "DaemonSet", "gpulet")["spec"]["template"]["spec"]
     assert pod["automountServiceAccountToken"] is False
     assert _one(docs, "ServiceAccount", "gpulet")["automountServiceAccountToken"] is False
-    token_volume = next(v for v in pod["volumes"] if v["name"] == "reporter-token")
-    sources = token_volume["projected"]["sources"]
-    assert any("serviceAccountToken" in s for s in sources)
-    for name, c in _containers(docs).items():
-        mounted = {m["name"] for m in c.get("volumeMounts", [])}
-        assert ("reporter-token" in mounted) == (name == "reporter"), name
-    reporter = _containers(docs)["reporter"]
-    mount = next(m for m in reporter["volumeMounts"] if m["name"] == "reporter-token")
-    assert mount["mountPath"] == "/var/run/secrets/kubernetes.io/serviceaccount"
+    for service in ("reporter", "allocator"):
+        volume = f"{service}-token"
+        token_volume = next(v for v in pod["volumes"] if v["name"] == volume)
+        sources = token_volume["projected"]["sources"]
+        assert any("serviceAccountToken" in s for s in sources)
+        for name, c in _containers(docs).items():
+            mounted = {m["name"] for m in c.get("volumeMounts", [])}
+            assert (volume in mounted) == (name == service), name
+        container = _containers(docs)[service]
+        mount = next(m for m in container["volumeMounts"] if m["name"] == volume)
+        assert mount["mountPath"] == "/var/run/secrets/kubernetes.io/serviceaccount"
 
 
 def test_each_container_has_its_own_nats_user_and_password(
@@ -386,12 +390,25 @@ def test_placement_on_gpu_nodes(build: tuple[str, list[dict[str, Any]]]) -> None
     pod = _one(docs, "DaemonSet", "gpulet")["spec"]["template"]["spec"]
     if name == "mock":
         assert pod["nodeSelector"] == {"gpulet.io/mock-gpus": "true"}
+        assert "affinity" not in pod
         assert "runtimeClassName" not in pod
         for service in ("collector", "health"):
             env = _env(_containers(docs)[service])
             assert env["GPULET_NVML__BACKEND"]["value"] == "mock"
     else:
-        assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+        # Found without GFD: any one of the three labels places the pod (ORed terms).
+        assert "nodeSelector" not in pod
+        terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+            "nodeSelectorTerms"
+        ]
+        assert [t["matchExpressions"] for t in terms] == [
+            [{"key": key, "operator": "In", "values": ["true"]}]
+            for key in (
+                "nvidia.com/gpu.present",
+                "feature.node.kubernetes.io/pci-10de.present",
+                "gpulet.io/gpu",
+            )
+        ]
         assert pod["runtimeClassName"] == "nvidia"
         for c in _containers(docs).values():
             assert "GPULET_NVML__BACKEND" not in _env(c)
@@ -416,30 +433,40 @@ def test_settings_file_is_valid_gpulet_configuration(
         settings = config.load(path, env=env)  # raises on an unknown or invalid setting
         assert settings.reporter.mode == "cluster"
         assert settings.allocator.plugin.resources.gpu == "nvidia.com/gpu"
+        assert settings.allocator.handshake.enabled
 
 
 # --- RBAC and the CRD ----------------------------------------------------------------
 
 
-def test_rbac_is_exactly_what_the_reporter_needs(build: tuple[str, list[dict[str, Any]]]) -> None:
+def test_rbac_is_exactly_what_the_reporter_and_allocator_need(
+    build: tuple[str, list[dict[str, Any]]],
+) -> None:
     _, docs = build
-    roles = [d for d in docs if d["kind"] in ("ClusterRole", "Role")]
-    assert [r["metadata"]["name"] for r in roles] == ["gpulet-reporter"]
-    rules = {
-        (tuple(r["apiGroups"]), tuple(r["resources"])): sorted(r["verbs"])
-        for r in roles[0]["rules"]
-    }
-    assert rules == {
+    roles = {d["metadata"]["name"]: d for d in docs if d["kind"] in ("ClusterRole", "Role")}
+    assert sorted(roles) == ["gpulet-allocator", "gpulet-reporter"]
+
+    def rules(name: str) -> dict[tuple[tuple[str, ...], tuple[str, ...]], list[str]]:
+        return {
+            (tuple(r["apiGroups"]), tuple(r["resources"])): sorted(r["verbs"])
+            for r in roles[name]["rules"]
+        }
+
+    assert rules("gpulet-reporter") == {
         (("scheduling.koordinator.sh",), ("devices",)): ["create", "get", "patch", "update"],
         (("",), ("nodes",)): ["get", "patch"],
     }
+    # The koord-scheduler handshake: this node's pods and Events on them, nothing more.
+    assert rules("gpulet-allocator") == {
+        (("",), ("pods",)): ["get", "list", "watch"],
+        (("",), ("events",)): ["create"],
+    }
     bindings = [d for d in docs if d["kind"] in ("ClusterRoleBinding", "RoleBinding")]
-    assert len(bindings) == 1
-    binding = bindings[0]
-    assert binding["roleRef"]["name"] == "gpulet-reporter"
-    assert binding["subjects"] == [
-        {"kind": "ServiceAccount", "name": "gpulet", "namespace": "gpulet-system"}
-    ]
+    assert sorted(b["roleRef"]["name"] for b in bindings) == sorted(roles)
+    for binding in bindings:
+        assert binding["subjects"] == [
+            {"kind": "ServiceAccount", "name": "gpulet", "namespace": "gpulet-system"}
+        ]
     ds = _one(docs, "DaemonSet", "gpulet")
     assert ds["spec"]["template"]["spec"]["serviceAccountName"] == "gpulet"
     namespace = _one(docs, "Namespace")

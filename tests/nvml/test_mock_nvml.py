@@ -97,6 +97,7 @@ def test_mock_return_shapes_match_pynvml() -> None:
     assert (util.gpu, util.memory) == (20, 8)
     assert mock.nvmlDeviceGetEccMode(handle) == [1, 1]
     assert mock.nvmlDeviceGetCudaComputeCapability(handle) == (9, 0)
+    assert mock.nvmlDeviceGetModuleId(handle) == 5  # GPU 4 of dgx-h100 sits in slot 5
     words = mock.nvmlDeviceGetCpuAffinityWithinScope(handle, 4, pynvml.NVML_AFFINITY_SCOPE_NODE)
     # CPUs 56-111 and 168-223 as 64-bit words.
     assert words == [0xFF << 56, (1 << 48) - 1, ((1 << 24) - 1) << 40, (1 << 32) - 1]

@@ -113,6 +113,7 @@ def test_every_gpu_info_field_of_dgx_h100(open_mock: MockFactory) -> None:
         assert len(info.serial) == 13
         assert info.board_id == int(DGX_BUSES[index][9:11], 16) << 8
         assert info.compute_capability == (9, 0)
+        assert info.module_id == index + 1  # the scenario's (mock) SXM slots
         assert info.ecc_enabled is True
         assert (info.temp_shutdown_c, info.temp_slowdown_c) == (97, 94)
         assert (info.temp_gpu_max_c, info.temp_mem_max_c) == (92, 95)
@@ -206,6 +207,7 @@ def test_t4_unsupported_fields_are_none(open_mock: MockFactory) -> None:
     assert info.memory_total_bytes == 15360 * MIB
     assert info.pci_bus_id == "00000000:00:1E.0"
     assert info.numa_node is None  # NOT_SUPPORTED
+    assert info.module_id is None  # NOT_SUPPORTED on a PCIe card
     assert info.cpu_affinity == list(range(8))
     assert info.compute_capability == (7, 5)
     assert (info.temp_shutdown_c, info.temp_slowdown_c, info.temp_gpu_max_c) == (96, 93, 85)

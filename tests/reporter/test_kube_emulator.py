@@ -30,9 +30,11 @@ from support.kube_emulator import (
     APPLY_PATCH,
     DEFAULT_CRD_PATH,
     DEVICES,
+    EVENTS,
     JSON_PATCH,
     MERGE_PATCH,
     NODES,
+    PODS,
     STRATEGIC_PATCH,
     CrdSchema,
     KubeEmulator,
@@ -783,3 +785,95 @@ def test_runs_standalone() -> None:
     finally:
         process.terminate()
         assert process.wait(timeout=5) == 0
+
+
+# --------------------------------------------------------------------------- pods, events
+
+
+async def test_pods_by_node_field_selector_list_and_watch(
+    emu: KubeEmulator, core: client.CoreV1Api
+) -> None:
+    """What the allocator's pod watch relies on: spec.nodeName selects, the list's
+    resourceVersion starts a watch that sees later changes of this node's pods only,
+    a resourceVersion older than the history is 410 Gone."""
+    emu.add_pod("a", node="gpu-1", namespace="ml")
+    emu.add_pod("b", node="gpu-2", namespace="ml")
+    listed = await core.list_pod_for_all_namespaces(field_selector="spec.nodeName=gpu-1")
+    assert [p.metadata.name for p in listed.items] == ["a"]
+    in_ns = await core.list_namespaced_pod("ml", field_selector="spec.nodeName!=gpu-1")
+    assert [p.metadata.name for p in in_ns.items] == ["b"]
+    assert (await core.list_namespaced_pod("other")).items == []
+    with pytest.raises(ApiException) as bad:
+        await core.list_pod_for_all_namespaces(field_selector="spec.schedulerName=x")
+    assert bad.value.status == 400
+    since = listed.metadata.resource_version
+
+    async def writer() -> None:
+        await asyncio.sleep(0.05)
+        emu.add_pod("c", node="gpu-2", namespace="ml")  # another node: not seen
+        emu.add_pod("d", node="gpu-1", namespace="dev")
+        emu.delete_object(PODS, "ml/a")
+
+    task = asyncio.create_task(writer())
+    seen = []
+    async with watch.Watch() as stream:
+        async for event in stream.stream(
+            core.list_pod_for_all_namespaces,
+            field_selector="spec.nodeName=gpu-1",
+            resource_version=since,
+            timeout_seconds=2,
+        ):
+            seen.append((event["type"], event["raw_object"]["metadata"]["name"]))
+            if event["type"] == "DELETED":
+                break
+    await task
+    assert seen == [("ADDED", "d"), ("DELETED", "a")]
+    pod = await core.read_namespaced_pod("d", "dev")
+    assert pod.spec.node_name == "gpu-1"
+    with pytest.raises(ApiException) as missing:
+        await core.read_namespaced_pod("d", "ml")
+    assert missing.value.status == 404
+
+
+async def test_watch_from_a_forgotten_version_is_gone() -> None:
+    async with KubeEmulator.running(history_size=2) as small:
+        for index in range(5):
+            small.add_pod(f"p{index}", node="n")
+        async with client.ApiClient(client.Configuration(host=small.url)) as api:
+            response: Any = await client.CoreV1Api(api).list_pod_for_all_namespaces(
+                watch=True, resource_version="1", timeout_seconds=1, _preload_content=False
+            )
+            line = await response.content.readline()
+            response.release()
+    event = json.loads(line)
+    assert event["type"] == "ERROR"
+    assert event["object"]["code"] == 410
+
+
+async def test_events_are_created_in_their_namespace(
+    emu: KubeEmulator, core: client.CoreV1Api
+) -> None:
+    pod = emu.add_pod("a", node="gpu-1", namespace="ml")
+    body: Any = {
+        "metadata": {"name": "a.1234", "namespace": "ml"},
+        "involvedObject": {
+            "kind": "Pod",
+            "name": "a",
+            "namespace": "ml",
+            "uid": pod["metadata"]["uid"],
+        },
+        "reason": "Test",
+        "message": "hello",
+        "type": "Warning",
+    }
+    await core.create_namespaced_event("ml", body)
+    stored = emu.get_object(EVENTS, "ml/a.1234")
+    assert stored is not None
+    assert stored["message"] == "hello"
+    assert stored["metadata"]["resourceVersion"]
+    with pytest.raises(ApiException) as clash:
+        await core.create_namespaced_event("ml", body)
+    assert clash.value.status == 409
+    with pytest.raises(ApiException) as wrong_ns:
+        await core.create_namespaced_event("dev", body)
+    assert wrong_ns.value.status == 400

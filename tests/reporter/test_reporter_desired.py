@@ -13,10 +13,11 @@ import pytest
 
 from gpulet_common.messages import ActiveCondition, GpuHealth
 from gpulet_reporter import desired as d
+from gpulet_reporter.facts import read_machine_type
 from gpulet_reporter.health_view import HealthView
 from gpulet_reporter.pcie import make_resolver, sysfs_pcie_root
 from support.kube_emulator import DEFAULT_CRD_PATH, CrdSchema
-from support.reporter_harness import gpu_uuid, make_inventory
+from support.reporter_harness import gpu_uuid, koordlet_foreign_devices, make_inventory
 
 NODE = "node-a"
 NOW = 1_700_000_000.0
@@ -50,14 +51,28 @@ def test_model_and_product_labels() -> None:
 
 
 def test_labels_of_a_uniform_node() -> None:
-    labels = d.node_labels(make_inventory(NODE))
+    inventory = make_inventory(NODE)
+    inventory = msgspec.structs.replace(
+        inventory,
+        gpus=[msgspec.structs.replace(g, compute_capability=(9, 0)) for g in inventory.gpus],
+    )
+    facts = d.NodeFacts(machine="DGXH100 ", serves_whole_gpus=True, mps_shares=True)
+    labels = d.node_labels(inventory, facts=facts)
     assert labels == {
         d.LABEL_GPU_MODEL: "H100-80GB-HBM3",
         d.LABEL_GPU_VENDOR: "nvidia",
         d.LABEL_GPU_DRIVER: "550.54.15",
+        "nvidia.com/gpu.present": "true",
         "nvidia.com/gpu.count": "8",
         "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3",
         "nvidia.com/gpu.memory": "81920",
+        "nvidia.com/gpu.family": "hopper",
+        "nvidia.com/gpu.compute.major": "9",
+        "nvidia.com/gpu.compute.minor": "0",
+        "nvidia.com/gpu.machine": "DGXH100",
+        "nvidia.com/mps.capable": "true",
+        "nvidia.com/gpu.sharing-strategy": "none",
+        "nvidia.com/gpu.replicas": "1",
         "nvidia.com/cuda.driver-version.full": "550.54.15",
         "nvidia.com/cuda.driver-version.major": "550",
         "nvidia.com/cuda.driver-version.minor": "54",
@@ -66,23 +81,82 @@ def test_labels_of_a_uniform_node() -> None:
         "nvidia.com/cuda.runtime-version.major": "12",
         "nvidia.com/cuda.runtime-version.minor": "4",
     }
-    assert set(d.node_labels(make_inventory(NODE), gfd=False)) == set(d.KOORD_LABELS)
+    assert set(d.node_labels(inventory, gfd=False)) == set(d.KOORD_LABELS)
+    # Without gpulet's plugin on nvidia.com/gpu, GFD's sharing labels are not ours to set;
+    # without MPS shares the node is not MPS-capable; an unreadable machine is "unknown".
+    plain = d.node_labels(inventory)
+    assert "nvidia.com/gpu.sharing-strategy" not in plain
+    assert "nvidia.com/gpu.replicas" not in plain
+    assert plain["nvidia.com/mps.capable"] == "false"
+    assert plain["nvidia.com/gpu.machine"] == "unknown"
+    odd = d.node_labels(inventory, facts=d.NodeFacts(machine="PowerEdge XE9680 (rev/2)"))
+    assert odd["nvidia.com/gpu.machine"] == "PowerEdge-XE9680--rev-2"
+
+
+@pytest.mark.parametrize(
+    ("capability", "family"),
+    [
+        ((9, 0), "hopper"),
+        ((8, 0), "ampere"),
+        ((8, 6), "ampere"),
+        ((8, 9), "ada-lovelace"),
+        ((7, 5), "turing"),
+        ((7, 0), "volta"),
+        ((7, 2), "volta"),
+        ((6, 1), "pascal"),
+        ((10, 0), "blackwell"),
+        ((12, 0), "blackwell"),
+        ((4, 0), "undefined"),
+    ],
+)
+def test_gpu_family_follows_gfd(capability: tuple[int, int], family: str) -> None:
+    assert d.gpu_family(*capability) == family
 
 
 def test_labels_of_a_mixed_node() -> None:
     inventory = make_inventory(NODE, 2)
-    gpus = [inventory.gpus[0], msgspec.structs.replace(inventory.gpus[1], name="NVIDIA L40S")]
-    labels = d.node_labels(msgspec.structs.replace(inventory, gpus=gpus))
-    assert labels[d.LABEL_GPU_MODEL] == ""
+    gpus = [
+        msgspec.structs.replace(inventory.gpus[0], compute_capability=(9, 0)),
+        msgspec.structs.replace(inventory.gpus[1], name="NVIDIA L40S", compute_capability=(8, 9)),
+    ]
+    mixed = msgspec.structs.replace(inventory, gpus=gpus)
+    labels = d.node_labels(mixed)
+    # koordlet leaves the model out on a mixed node; it never writes it empty.
+    assert d.LABEL_GPU_MODEL not in labels
+    assert d.LABEL_GPU_MODEL not in d.device_labels(mixed)
+    assert labels[d.LABEL_GPU_VENDOR] == "nvidia"
     assert labels["nvidia.com/gpu.count"] == "2"
-    assert "nvidia.com/gpu.product" not in labels
-    assert "nvidia.com/gpu.memory" not in labels
+    assert labels["nvidia.com/gpu.present"] == "true"
+    for key in ("product", "memory", "family", "compute.major", "compute.minor"):
+        assert f"nvidia.com/gpu.{key}" not in labels
+    # and a Device rendered for it carries no empty model label either
+    device = d.render_device(d.build_desired(mixed, {}), None, node_uid="u", now=NOW)
+    assert d.LABEL_GPU_MODEL not in device["metadata"]["labels"]
+
+
+def test_module_id_is_written_where_nvml_has_it() -> None:
+    inventory = make_inventory(NODE, 3)
+    gpus = [
+        msgspec.structs.replace(inventory.gpus[0], module_id=4),
+        inventory.gpus[1],  # NVML: NOT_SUPPORTED
+        msgspec.structs.replace(inventory.gpus[2], module_id=2**40),  # not an int32
+    ]
+    desired = d.build_desired(msgspec.structs.replace(inventory, gpus=gpus), {})
+    devices = d.render_device(desired, None, node_uid="u", now=NOW)["spec"]["devices"]
+    assert devices[0]["moduleID"] == 4
+    assert "moduleID" not in devices[1]
+    assert "moduleID" not in devices[2]
+    causes = CrdSchema.from_file(DEFAULT_CRD_PATH).validate(
+        d.render_device(desired, None, node_uid="u", now=NOW)
+    )
+    assert causes == []
 
 
 def test_no_gpus_no_device_labels() -> None:
     inventory = make_inventory(NODE, 0)
     assert d.device_labels(inventory) == {}
     assert d.node_labels(inventory)["nvidia.com/gpu.count"] == "0"
+    assert "nvidia.com/gpu.present" not in d.node_labels(inventory)
 
 
 @pytest.mark.parametrize(
@@ -248,6 +322,77 @@ def test_render_keeps_what_others_own_and_compare_ignores_server_fields() -> Non
     assert d.device_differs(d.render_device(desired, observed, node_uid="other", now=NOW), observed)
 
 
+def test_render_owns_only_gpu_entries_and_the_fields_it_writes() -> None:
+    """koordlet's rdma and fpga entries, an untyped entry, and fields of GPU entries we
+    do not write (labels, other resources, other conditions) survive as they were."""
+    desired = _desired(count=2)
+    observed = d.render_device(desired, None, node_uid="u", now=NOW)
+    observed["metadata"]["resourceVersion"] = "9"
+    foreign = koordlet_foreign_devices()
+    untyped = {"id": "x-1", "health": True}
+    gpu0 = observed["spec"]["devices"][0]
+    gpu0["labels"] = {"team": "ml"}
+    gpu0["resources"]["koordinator.sh/gpu-mem-bw"] = "100"
+    other_condition = {
+        "type": "Throttled",
+        "status": "False",
+        "reason": "None",
+        "message": "",
+        "lastTransitionTime": "2024-01-01T00:00:00Z",
+    }
+    gpu0["conditions"].append(other_condition)
+    gpu0["moduleID"] = 7  # stale: NVML says nothing now, so it goes
+    # koordlet order: rdma first, then our GPUs, then the fpga and an untyped entry.
+    observed["spec"]["devices"] = [foreign[0], *observed["spec"]["devices"], foreign[1], untyped]
+    before = copy.deepcopy(observed)
+
+    # An unchanged intent: nothing differs, and the body is the observed list itself
+    # except for the moduleID we can no longer vouch for.
+    body = d.render_device(desired, observed, node_uid="u", now=NOW + 60)
+    devices = body["spec"]["devices"]
+    assert [e.get("type") for e in devices] == ["rdma", "gpu", "gpu", "fpga", None]
+    assert devices[0] == before["spec"]["devices"][0]
+    assert devices[3:] == before["spec"]["devices"][3:]
+    assert msgspec.json.encode(devices[0]) == msgspec.json.encode(foreign[0])
+    assert devices[1]["labels"] == {"team": "ml"}
+    assert devices[1]["resources"]["koordinator.sh/gpu-mem-bw"] == "100"
+    assert other_condition in devices[1]["conditions"]
+    assert "moduleID" not in devices[1]
+    assert observed == before  # rendering never mutates what it was given
+
+    # A health change rewrites our fields only.
+    bad = d.GpuCondition(healthy=False, reason="Xid79", message="fell off", since=NOW)
+    body = d.render_device(_desired({gpu_uuid(NODE, 0): bad}), observed, node_uid="u", now=NOW + 60)
+    devices = body["spec"]["devices"]
+    assert devices[0] == foreign[0]
+    assert devices[3] == foreign[1]
+    assert devices[4] == untyped
+    assert devices[1]["health"] is False
+    assert devices[1]["labels"] == {"team": "ml"}
+    assert [c["type"] for c in devices[1]["conditions"]] == ["Healthy", "Throttled"]
+    assert d.device_differs(body, observed)
+
+    # A GPU that left the intent leaves the list; foreign entries stay.
+    body = d.render_device(_desired(count=1), observed, node_uid="u", now=NOW)
+    assert [e.get("type") for e in body["spec"]["devices"]] == ["rdma", "gpu", "fpga", None]
+
+    # With no GPU entry observed, ours go first and the foreign ones follow in order.
+    only_foreign = copy.deepcopy(before)
+    only_foreign["spec"]["devices"] = [foreign[1], foreign[0]]
+    body = d.render_device(desired, only_foreign, node_uid="u", now=NOW)
+    assert [e["type"] for e in body["spec"]["devices"]] == ["gpu", "gpu", "fpga", "rdma"]
+
+
+def test_an_rdma_entry_with_a_gpu_uuid_is_not_mistaken_for_ours() -> None:
+    desired = _desired(count=1)
+    impostor = {"type": "rdma", "id": gpu_uuid(NODE, 0), "health": False}
+    observed = {"metadata": {"name": NODE}, "spec": {"devices": [impostor]}}
+    devices = d.render_device(desired, observed, node_uid="u", now=NOW)["spec"]["devices"]
+    assert devices[1] == impostor
+    assert devices[0]["type"] == "gpu"
+    assert devices[0]["health"] is True
+
+
 def _node(labels: dict[str, str], managed: str | None = None) -> d.JsonObj:
     meta: d.JsonObj = {"name": NODE, "resourceVersion": "7", "labels": labels}
     if managed is not None:
@@ -372,3 +517,16 @@ def test_a_time_out_of_range_is_clamped_not_raised() -> None:
     device = d.render_device(desired, None, node_uid=None, now=NOW)
     [entry] = device["spec"]["devices"]
     assert entry["conditions"][0]["lastTransitionTime"] == "9999-12-31T23:59:59Z"
+
+
+def test_machine_type_is_read_like_gfd(tmp_path: Path) -> None:
+    product = tmp_path / "product_name"
+    product.write_text("DGXH100\n")
+    assert read_machine_type(product) == "DGXH100"
+    assert read_machine_type(tmp_path / "missing") == "unknown"
+    product.write_bytes(b"\xff\xfe")
+    assert read_machine_type(product) == "unknown"
+    product.write_text("x" * 5000)
+    assert read_machine_type(product) == "unknown"
+    product.write_text("  \n")
+    assert read_machine_type(product) == "unknown"

@@ -9,6 +9,8 @@ for the collector (inventories) and the health service (each GPU's state in the
 
 from __future__ import annotations
 
+import copy
+import json
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -28,6 +30,7 @@ from support.reporter_harness import (
     RunningReporter,
     fast_settings,
     gpu_uuid,
+    koordlet_foreign_devices,
     make_inventory,
     running_reporter,
     wait_until,
@@ -494,3 +497,60 @@ async def test_a_missing_node_gets_its_owner_reference_once_it_exists(
             )
             await _converged(r, emu)
             assert "node.koordinator.sh/gpu-model" in _node_labels(emu)
+
+
+async def test_foreign_device_entries_survive_100_writes_and_a_concurrent_koordlet(
+    nats_server: EmbeddedNats, emu: KubeEmulator, tmp_path: Path
+) -> None:
+    """A Device koordlet already holds (an rdma NIC with vfGroups, an fpga) keeps those
+    entries byte for byte through 100 gpulet writes (GPU 3's health flips each time).
+    Halfway, koordlet rewrites its rdma entry behind the reporter's back: the reporter's
+    next PUT carries a stale resourceVersion, gets 409, re-reads, and koordlet's change
+    survives too."""
+    foreign = koordlet_foreign_devices()
+    emu.put_object(
+        DEVICES,
+        {
+            "apiVersion": d.API_VERSION,
+            "kind": d.KIND,
+            "metadata": {"name": NODE, "labels": {"koordlet/owned": "yes"}},
+            "spec": {"devices": foreign},
+        },
+    )
+    settings = fast_settings(
+        kubeconfig=str(tmp_path / "kubeconfig"), quiet_window_s=0.005, max_delay_s=0.02
+    )
+    flipping = gpu_uuid(NODE, 3)
+
+    def foreign_entries() -> list[dict[str, Any]]:
+        return [e for e in _device(emu)["spec"]["devices"] if e.get("type") != "gpu"]
+
+    async with running_reporter(nats_server.url, tmp_path, NODE, settings) as r:
+        await _publish_inventory(r, make_inventory(NODE))
+        await wait_until(lambda: len(_health_of(emu)) == 8 + len(foreign))
+        await _converged(r, emu)
+        assert foreign_entries() == foreign
+        assert _device(emu)["metadata"]["labels"]["koordlet/owned"] == "yes"
+        writes_before = _device_writes(emu)
+        for i in range(100):
+            if i == 50:
+                # koordlet found a new VF; it writes the whole object, as it does.
+                current = _device(emu)
+                rdma = next(e for e in current["spec"]["devices"] if e["type"] == "rdma")
+                rdma["vfGroups"][1]["vfs"].append({"minor": 3, "busID": "0000:1f:00.5"})
+                foreign[0] = copy.deepcopy(rdma)
+                emu.put_object(DEVICES, current)
+            healthy = i % 2 == 1
+            await _publish_health(r, flipping, healthy=healthy, reason=f"Xid{i}")
+
+            def flipped(want: bool = healthy) -> bool:
+                return _health_of(emu).get(flipping) is want
+
+            await wait_until(flipped, within=10)
+            # Compared as JSON text: byte for byte, key order included.
+            assert json.dumps(foreign_entries()) == json.dumps(foreign), i
+        await _converged(r, emu)
+        assert _device_writes(emu) - writes_before >= 100
+        assert r.probe.value("gpulet.reporter.conflicts") >= 1
+        assert foreign_entries() == foreign
+        assert len(foreign[0]["vfGroups"][1]["vfs"]) == 2

@@ -32,6 +32,7 @@ import anyio.abc
 import msgspec
 
 from gpulet_allocator import protocol as p
+from gpulet_allocator.plugin.resources import ResourceKind, ResourceSpec, resource_specs
 from gpulet_allocator.plugin.service import DevicePluginService
 from gpulet_allocator.service import AllocatorService
 from gpulet_common import codec, subjects
@@ -97,6 +98,12 @@ def make_settings(
         nats=NatsSettings(url=nats_url, reconnect_wait_s=0.05, request_timeout_s=1.0),
         allocator=allocator_settings,
     )
+
+
+def served(settings: Settings) -> list[ResourceSpec]:
+    """The resources the plugin registers with these settings."""
+    plugin = settings.allocator.plugin
+    return resource_specs(plugin.resources, shares=plugin.shares, profile=plugin.profile)
 
 
 def dev_root_with(path: Path, gpus: int) -> Path:
@@ -258,10 +265,15 @@ class Stack:
     async def wait_listed(self, inventory: Inventory) -> None:
         """Until kubelet has the device lists of ``inventory`` for every resource."""
         n = len(inventory.gpus)
-        await self.kubelet.wait_devices(GPU, lambda d: len(d) == n, timeout_s=5)
-        if self.settings.allocator.plugin.shares:
-            await self.kubelet.wait_devices(CORE, lambda d: len(d) == 100 * n, timeout_s=5)
-            await self.kubelet.wait_devices(MEM, lambda d: len(d) > 0 or n == 0, timeout_s=5)
+        for spec in served(self.settings):
+            if spec.kind is ResourceKind.WHOLE:
+                await self.kubelet.wait_devices(spec.name, lambda d: len(d) == n, timeout_s=5)
+            elif spec.kind is ResourceKind.MEMORY:
+                await self.kubelet.wait_devices(
+                    spec.name, lambda d: len(d) > 0 or n == 0, timeout_s=5
+                )
+            else:
+                await self.kubelet.wait_devices(spec.name, lambda d: len(d) == 100 * n, timeout_s=5)
 
     async def wait_allocator_ready(self) -> None:
         await self.wait_for(
@@ -301,8 +313,8 @@ async def allocator_stack(
                     await stack.wait_allocator_ready()
             if start_plugin:
                 await stack.start_plugin()
-                for resource in RESOURCES if settings.allocator.plugin.shares else (GPU,):
-                    await kubelet.wait_registered(resource, timeout_s=5)
+                for spec in served(settings):
+                    await kubelet.wait_registered(spec.name, timeout_s=5)
                 if inventory is not None:
                     await stack.wait_listed(inventory)
             yield stack

@@ -23,6 +23,12 @@ Layers, bottom up:
 - ``KubeEmulator``: the aiohttp application, the routes and the start/stop API, plus a
   kubeconfig writer and a standalone ``python -m support.kube_emulator`` entry point.
 
+Resources: Devices and Nodes (cluster-scoped), and namespaced Pods and Events (for the
+allocator's pod watch and the Events it posts; stored as ``<namespace>/<name>``, listed
+and watched across namespaces or in one, field selectors ``metadata.name``,
+``metadata.namespace``, ``spec.nodeName`` and ``status.phase``). Pods and Events have
+no schema here, so their validation beyond object metadata is not modelled.
+
 Deliberate differences from a real API server (each documented where it lives): no
 TLS, no managedFields, strategic merge patch replaces lists instead of merging them by
 key, server-side apply tracks one applied configuration per manager and never reports
@@ -58,6 +64,8 @@ JsonObj = dict[str, Any]
 
 DEVICES: Final = "devices"
 NODES: Final = "nodes"
+PODS: Final = "pods"
+EVENTS: Final = "events"
 DEVICE_GROUP: Final = "scheduling.koordinator.sh"
 DEVICE_VERSION: Final = "v1alpha1"
 DEFAULT_CRD_PATH: Final = (
@@ -1015,6 +1023,11 @@ class _Resource:
     version: str
     schema: CrdSchema | None
     custom: bool
+    # Namespaced objects are stored under "<namespace>/<name>".
+    namespaced: bool = False
+
+    def key(self, namespace: str | None, name: str) -> str:
+        return f"{namespace}/{name}" if self.namespaced else name
 
     @property
     def api_version(self) -> str:
@@ -1123,6 +1136,13 @@ class KubeEmulator:
                 custom=True,
             ),
             NODES: _Resource(NODES, "Node", "NodeList", "", "v1", None, custom=False),
+            # Pods and Events, namespaced: enough of them for the allocator's pod watch
+            # (list/watch with field selectors) and the Events it posts. No schema:
+            # the real server's validation of these types is not modelled.
+            PODS: _Resource(PODS, "Pod", "PodList", "", "v1", None, custom=False, namespaced=True),
+            EVENTS: _Resource(
+                EVENTS, "Event", "EventList", "", "v1", None, custom=False, namespaced=True
+            ),
         }
         self._objects: dict[str, dict[str, JsonObj]] = {p: {} for p in self._resources}
         self._applied: dict[tuple[str, str], dict[str, Any]] = {}
@@ -1213,8 +1233,43 @@ class KubeEmulator:
             node["metadata"]["annotations"] = dict(annotations)
         return self.put_object(NODES, node)
 
+    def add_pod(
+        self,
+        name: str,
+        *,
+        node: str,
+        namespace: str = "default",
+        containers: list[JsonObj] | None = None,
+        annotations: Mapping[str, str] | None = None,
+        phase: str = "Pending",
+        scheduled_at: str | None = None,
+        uid: str | None = None,
+    ) -> JsonObj:
+        """Seed (or replace) a Pod bound to ``node``, as the scheduler's binding leaves
+        it: ``spec.nodeName`` set and a ``PodScheduled`` condition stamped."""
+        stamp = scheduled_at or _now_rfc3339()
+        pod: JsonObj = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": name, "namespace": namespace, "uid": uid or str(uuid.uuid4())},
+            "spec": {
+                "nodeName": node,
+                "containers": containers or [{"name": "main", "image": "busybox"}],
+            },
+            "status": {
+                "phase": phase,
+                "conditions": [
+                    {"type": "PodScheduled", "status": "True", "lastTransitionTime": stamp}
+                ],
+            },
+        }
+        if annotations:
+            pod["metadata"]["annotations"] = dict(annotations)
+        return self.put_object(PODS, pod)
+
     def get_object(self, plural: str, name: str) -> JsonObj | None:
-        """A copy of the stored object, or None; no HTTP, nothing logged or counted."""
+        """A copy of the stored object, or None; no HTTP, nothing logged or counted.
+        Namespaced objects are named ``<namespace>/<name>``."""
         obj = self._objects[plural].get(name)
         return copy.deepcopy(obj) if obj is not None else None
 
@@ -1230,7 +1285,9 @@ class KubeEmulator:
         obj.setdefault("apiVersion", res.api_version)
         obj.setdefault("kind", res.kind)
         meta = obj.setdefault("metadata", {})
-        old = self._objects[plural].get(meta["name"])
+        if res.namespaced:
+            meta.setdefault("namespace", "default")
+        old = self._objects[plural].get(res.key(meta.get("namespace"), meta["name"]))
         if old is not None:
             for key in _SYSTEM_META_FIELDS:
                 if key in old["metadata"]:
@@ -1307,7 +1364,8 @@ class KubeEmulator:
 
     def _commit(self, res: _Resource, obj: JsonObj, event: str) -> None:
         obj["metadata"]["resourceVersion"] = str(self._next_rv())
-        self._objects[res.plural][obj["metadata"]["name"]] = obj
+        meta = obj["metadata"]
+        self._objects[res.plural][res.key(meta.get("namespace"), meta["name"])] = obj
         self._publish(res, event, obj)
         self._schedule_gc()
 
@@ -1452,22 +1510,36 @@ class KubeEmulator:
         )
 
     _ROUTE = re.compile(
-        r"^/(?:api/(?P<core>v1)|apis/(?P<group>[^/]+)/(?P<version>[^/]+))/(?P<plural>[^/]+)(?:/(?P<name>[^/]+))?/?$"
+        r"^/(?:api/(?P<core>v1)|apis/(?P<group>[^/]+)/(?P<version>[^/]+))"
+        r"/(?:namespaces/(?P<ns>[^/]+)/)?(?P<plural>[^/]+)(?:/(?P<name>[^/]+))?/?$"
     )
 
     def _route_resource(self, path: str) -> tuple[_Resource | None, str | None]:
+        """The resource and the stored key (``ns/name`` for namespaced objects)."""
+        res, name, namespace = self._route(path)
+        if res is None or name is None:
+            return res, None
+        return res, res.key(namespace, name)
+
+    def _route(self, path: str) -> tuple[_Resource | None, str | None, str | None]:
         match = self._ROUTE.match(path)
         if match is None:
-            return None, None
+            return None, None, None
         res = self._resources.get(match["plural"])
         if res is None:
-            return None, None
+            return None, None, None
         if match["core"]:
             if res.group:
-                return None, None
+                return None, None, None
         elif (match["group"], match["version"]) != (res.group, res.version):
-            return None, None
-        return res, match["name"]
+            return None, None, None
+        namespace = match["ns"]
+        if namespace is not None and not res.namespaced:
+            return None, None, None
+        if res.namespaced and namespace is None and match["name"] is not None:
+            # A namespaced object has no cluster-wide URL (only its list does).
+            return None, None, None
+        return res, match["name"], namespace
 
     async def _dispatch(self, request: web.Request) -> web.StreamResponse:
         discovery = self._discovery(request.path)
@@ -1484,16 +1556,33 @@ class KubeEmulator:
             raise ApiError(
                 404, "NotFound", "the server could not find the requested resource", details={}
             )
+        namespace = self._route(request.path)[2]
         query = request.query
         method = request.method
         if name is None and method == "GET" and query.get("watch", "").lower() in ("true", "1"):
-            return await self._watch(request, res)
+            return await self._watch(request, res, namespace)
         dry_run = query.get("dryRun") == "All"
         if name is None:
             if method == "GET":
-                outcome = self._list(res, query)
+                outcome = self._list(res, query, namespace)
             elif method == "POST":
-                outcome = self._create(res, await self._json_body(request), query, dry_run)
+                if res.namespaced and namespace is None:
+                    raise ApiError(
+                        405,
+                        "MethodNotAllowed",
+                        "the server does not allow this method on the requested resource",
+                    )
+                body = await self._json_body(request)
+                if res.namespaced and isinstance(body, dict):
+                    meta = body.setdefault("metadata", {})
+                    if isinstance(meta, dict):
+                        if meta.get("namespace", namespace) != namespace:
+                            raise _bad_request(
+                                "the namespace of the provided object does not match the "
+                                "namespace sent on the request"
+                            )
+                        meta["namespace"] = namespace
+                outcome = self._create(res, body, query, dry_run)
             else:
                 raise ApiError(
                     405,
@@ -1556,7 +1645,23 @@ class KubeEmulator:
                         "kind": "Node",
                         "verbs": verbs,
                         "shortNames": ["no"],
-                    }
+                    },
+                    {
+                        "name": PODS,
+                        "singularName": "pod",
+                        "namespaced": True,
+                        "kind": "Pod",
+                        "verbs": verbs,
+                        "shortNames": ["po"],
+                    },
+                    {
+                        "name": EVENTS,
+                        "singularName": "event",
+                        "namespaced": True,
+                        "kind": "Event",
+                        "verbs": verbs,
+                        "shortNames": ["ev"],
+                    },
                 ],
             }
         if path == f"/apis/{devices.api_version}":
@@ -1600,9 +1705,15 @@ class KubeEmulator:
 
     # ------------------------------------------------------------------ verbs
 
-    def _list(self, res: _Resource, query: Mapping[str, str]) -> _Outcome:
+    def _list(
+        self, res: _Resource, query: Mapping[str, str], namespace: str | None = None
+    ) -> _Outcome:
         matches = _selector(query.get("labelSelector", ""), query.get("fieldSelector", ""))
-        names = sorted(n for n, o in self._objects[res.plural].items() if matches(o))
+        names = sorted(
+            n
+            for n, o in self._objects[res.plural].items()
+            if matches(o) and (namespace is None or o["metadata"].get("namespace") == namespace)
+        )
         start = query.get("continue", "")
         if start:
             try:
@@ -1663,8 +1774,9 @@ class KubeEmulator:
         unknown = [f"metadata.{k}" for k in list(meta) if k not in _OBJECT_META_FIELDS]
         for key in unknown:
             del meta[key.removeprefix("metadata.")]
-        # Cluster-scoped: a namespace in the body is silently cleared.
-        meta.pop("namespace", None)
+        if not res.namespaced:
+            # Cluster-scoped: a namespace in the body is silently cleared.
+            meta.pop("namespace", None)
         for key in ("labels", "annotations", "ownerReferences", "finalizers"):
             if meta.get(key) is None:
                 meta.pop(key, None)
@@ -1708,7 +1820,7 @@ class KubeEmulator:
         ):
             meta.pop(key, None)
         headers = self._normalize(res, obj, query)
-        name = meta["name"]
+        name = res.key(meta.get("namespace"), meta["name"])
         if name in self._objects[res.plural]:
             raise ApiError(
                 409,
@@ -1740,12 +1852,15 @@ class KubeEmulator:
     ) -> _Outcome:
         obj = copy.deepcopy(self._check_type_meta(res, body))
         meta: JsonObj = obj.setdefault("metadata", {})
-        if meta.get("name", name) != name:
+        namespace, _, short = name.rpartition("/") if res.namespaced else ("", "", name)
+        if meta.get("name", short) != short:
             raise _bad_request(
                 f"the name of the object ({meta.get('name')}) does not match the name on "
-                f"the URL ({name})"
+                f"the URL ({short})"
             )
-        meta["name"] = name
+        meta["name"] = short
+        if res.namespaced:
+            meta["namespace"] = namespace
         current = self._objects[res.plural].get(name)
         if current is None:
             raise res.not_found(name)
@@ -1901,10 +2016,17 @@ class KubeEmulator:
         }
         return _Outcome(200, body)
 
-    async def _watch(self, request: web.Request, res: _Resource) -> web.StreamResponse:
+    async def _watch(
+        self, request: web.Request, res: _Resource, namespace: str | None = None
+    ) -> web.StreamResponse:
         """A chunked stream of JSON events, one per line, until timeoutSeconds or stop()."""
         query = request.query
-        matches = _selector(query.get("labelSelector", ""), query.get("fieldSelector", ""))
+        selected = _selector(query.get("labelSelector", ""), query.get("fieldSelector", ""))
+
+        def matches(obj: JsonObj) -> bool:
+            in_namespace = namespace is None or obj["metadata"].get("namespace") == namespace
+            return in_namespace and selected(obj)
+
         timeout = min(
             float(query.get("timeoutSeconds", self.max_watch_seconds)), self.max_watch_seconds
         )
@@ -1948,6 +2070,8 @@ class KubeEmulator:
                     line = json.dumps({"type": item.type, "object": item.obj})
                     await response.write(line.encode() + b"\n")
             await response.write_eof()
+        except ConnectionResetError:
+            pass  # the client went away (a cancelled watch): nothing to answer
         finally:
             self._watchers.discard(queue)
         return response
@@ -1987,14 +2111,26 @@ def _selector(labels: str, fields: str) -> Callable[[JsonObj], bool]:
         match = re.fullmatch(r"\s*([A-Za-z.]+)\s*(==|=|!=)\s*([^,]*)\s*", term)
         if match is None:
             raise _bad_request(f"invalid field selector: {term!r}")
-        if match[1] != "metadata.name":
+        if match[1] not in _FIELDS:
             raise _bad_request(f"field label not supported: {match[1]}")
-        checks.append(_name_check(match[3], equal=match[2] != "!="))
+        checks.append(_field_check(match[1], match[3], equal=match[2] != "!="))
     return lambda obj: all(check(obj) for check in checks)
 
 
-def _name_check(wanted: str, *, equal: bool) -> Callable[[JsonObj], bool]:
-    return lambda obj: (obj["metadata"]["name"] == wanted) == equal
+# The field selectors the real server accepts for the kinds served here (every kind
+# takes metadata.name and metadata.namespace; pods add spec.nodeName and status.phase).
+_FIELDS: Final = frozenset({"metadata.name", "metadata.namespace", "spec.nodeName", "status.phase"})
+
+
+def _field_check(path: str, wanted: str, *, equal: bool) -> Callable[[JsonObj], bool]:
+    section, _, key = path.partition(".")
+
+    def check(obj: JsonObj) -> bool:
+        part = obj.get(section)
+        value = part.get(key, "") if isinstance(part, dict) else ""
+        return (str(value) == wanted) == equal
+
+    return check
 
 
 def _label_check(match: re.Match[str]) -> Callable[[JsonObj], bool]:

@@ -208,3 +208,42 @@ async def wait_until(
     with anyio.fail_after(within):
         while not predicate():  # noqa: ASYNC110
             await anyio.sleep(interval)
+
+
+def koordlet_foreign_devices() -> list[dict[str, Any]]:
+    """``spec.devices`` entries koordlet reports beside the GPUs: an RDMA NIC with two
+    virtual-function groups and an FPGA, shaped as koordlet's ``states_device_linux.go``
+    writes them (key order included)."""
+    return [
+        {
+            "type": "rdma",
+            "id": "0000:1f:00.0",
+            "minor": 0,
+            "health": True,
+            "resources": {"koordinator.sh/rdma": "100"},
+            "topology": {
+                "socketID": 0,
+                "nodeID": 0,
+                "pcieID": "pci0000:1d",
+                "busID": "0000:1f:00.0",
+            },
+            "labels": {"type": "PF", "vendor": "15b3"},
+            "vfGroups": [
+                {
+                    "labels": {"type": "general"},
+                    "vfs": [
+                        {"minor": 0, "busID": "0000:1f:00.2"},
+                        {"minor": 1, "busID": "0000:1f:00.3"},
+                    ],
+                },
+                {"labels": {"type": "storage"}, "vfs": [{"minor": 2, "busID": "0000:1f:00.4"}]},
+            ],
+        },
+        {
+            "type": "fpga",
+            "id": "fpga-0000:af:00.0",
+            "minor": 0,
+            "health": True,
+            "resources": {"koordinator.sh/fpga": "100"},
+        },
+    ]

@@ -74,6 +74,8 @@ class GpuInfo(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=True):
     temp_mem_max_c: Celsius | None = None
     # Which NVML event types the GPU accepts (bit mask), for the health service.
     supported_events: NonNegative | None = None
+    # Physical module (SXM slot) id, nvmlDeviceGetModuleId; absent when unsupported.
+    module_id: NonNegative | None = None
 
 
 class Inventory(_Message, frozen=True, kw_only=True):

@@ -54,6 +54,19 @@ this cannot tell apart is a core-only container followed directly by a
 memory-first container; :meth:`AllocatorCore.reconcile` detects it from PodResources
 and reports it.
 
+**koord-scheduler's decisions.** With a :class:`~.koordinator.PodBook` (the pod watch
+of :mod:`.pod_watch`), a call that belongs to a pod carrying the
+``scheduling.koordinator.sh/device-allocated`` annotation (the rule is in
+:mod:`.koordinator`) follows it: ``GetPreferredAllocation`` answers exactly the decided
+GPUs, ``Allocate`` of whole GPUs checks kubelet's IDs against them, and under the
+``koordinator`` profile a share (``koordinator.sh/gpu-core`` and
+``koordinator.sh/gpu-memory-ratio``, whichever kubelet asks first) is placed on the
+decided card with the decided amounts, both MPS limits in both answers. A decision
+that cannot be honoured (unknown minor, unhealthy, lost or held GPU, other IDs, an
+invalid annotation) is refused with ``scheduler_decision`` and reported to the refusal
+hook (a Kubernetes Event), never served from another card. Calls no pod's decision
+covers are decided as above. The book is only read here, in memory: no I/O.
+
 **Release.** Kubelet's PodResources API lists the device IDs each live container
 holds; hashing them gives the live grant keys (:meth:`AllocatorCore.reconcile`). An
 allocation none of whose grants has been listed for ``release_grace_s`` is released
@@ -78,12 +91,13 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Final, Literal
+from typing import Final, Literal, NoReturn
 
 import msgspec
 
 from gpulet_allocator.engine import (
     AllocationError,
+    DeviceState,
     Ledger,
     Owner,
     ShareAllocation,
@@ -91,8 +105,9 @@ from gpulet_allocator.engine import (
     classify_cores,
 )
 from gpulet_allocator.engine.shares import memory_units as memory_units_of
+from gpulet_allocator.koordinator import Claim, GpuEntry, PodBook, PodKey, memory_mib
 from gpulet_allocator.plugin.backend import ContainerAllocation, Mount, PreferredRequest
-from gpulet_allocator.plugin.resources import ResourceKind, parse_device_id
+from gpulet_allocator.plugin.resources import ResourceKind, parse_device_id, resource_specs
 from gpulet_allocator.protocol import (
     AllocationView,
     GpuView,
@@ -111,7 +126,8 @@ ALLOCATION_ANNOTATION: Final = "gpulet.io/allocation"
 ALLOCATION_ENV: Final = "GPULET_ALLOCATION_ID"
 STATE_VERSION: Final = 1
 
-GrantKind = Literal["whole", "core", "memory"]
+GrantKind = Literal["whole", "core", "memory", "ratio"]
+RefusalHook = Callable[[PodKey, str], None]
 Allocation = WholeAllocation | ShareAllocation
 Undo = Callable[[], None]
 
@@ -134,9 +150,13 @@ class Grant(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     units: int
     allocation: str
     created_at: float
-    # Learnt from PodResources: "namespace/name" and the container name.
+    # Learnt from PodResources (or the pod watch): "namespace/name" and the container.
     pod: str = ""
     container: str = ""
+    # Shares placed by koord-scheduler's decision: the MPS limits it accounted (the
+    # ledger's memory is in 256 MiB units, the limit is the annotated MiB).
+    mps_cores: int = 0
+    mps_memory_mib: int = 0
 
 
 class StoredState(msgspec.Struct, frozen=True, kw_only=True):
@@ -243,16 +263,27 @@ class AllocatorCore:
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
         health_of: Callable[[str], bool] = lambda _uuid: True,
+        profile: str = "gpulet",
+        book: PodBook | None = None,
+        on_refusal: RefusalHook | None = None,
     ) -> None:
         self.node = node
         # Where each GPU's health is read (the service's NodeView): the ledger holds
         # the only copy here, taken from it when a GPU arrives and on every change.
         self._health_of = health_of
         self.ledger = Ledger()
-        self._kinds: dict[str, GrantKind] = {names.gpu: "whole"}
-        if shares:
-            self._kinds[names.core] = "core"
-            self._kinds[names.memory] = "memory"
+        self._kinds: dict[str, GrantKind] = {
+            spec.name: spec.kind.value
+            for spec in resource_specs(names, shares=shares, profile=profile)
+        }
+        #: This node's watched pods (koord-scheduler's decisions); None: no handshake.
+        self.book = book
+        # Koordinator's share resources: placed only where the scheduler decided.
+        self._koordinator = profile == "koordinator"
+        self._on_refusal = on_refusal or (lambda _pod, _message: None)
+        #: Calls that followed a koord-scheduler decision, and refusals of one.
+        self.decisions_followed = 0
+        self.decisions_refused = 0
         self._mps = mps or MpsSettings()
         self._cdi = cdi or CdiSettings()
         self._join_window_s = join_window_s
@@ -376,9 +407,24 @@ class AllocatorCore:
         now = self._clock()
         if kind == "whole":
             uuids = [parse_device_id(i).gpu_uuid for i in ids]
+            claim = self._claim(resource, len(ids), uuids)
+            if claim is not None:
+                decided = self._decided_whole(claim)
+                if sorted(decided) != sorted(uuids):
+                    self._refuse(
+                        claim,
+                        f"kubelet allocated {self._describe(uuids)} but koord-scheduler "
+                        f"decided {self._describe(decided)} for {claim.pod}",
+                    )
             self.ledger.allocate_whole(Owner(pod_uid=key), devices=uuids)
             self._open = None
-            return self._new_grant(key, resource, kind, len(ids), key, undo, own=True)
+            answer = self._new_grant(
+                key, resource, kind, len(ids), key, undo, own=True, claim=claim
+            )
+            self._mark(claim, key, undo)
+            return answer
+        if kind in ("core", "ratio") and self._koordinator:
+            return self._allocate_decided_share(resource, kind, ids, key, undo)
         if kind == "core":
             request = classify_cores(len(ids))
             if request.kind == "whole":
@@ -418,6 +464,171 @@ class AllocatorCore:
         self._place_half(key, cores, units, least=(1, units), asked=f"{units} memory units")
         self._open = _OpenHalf(allocation=key, kind="memory", at=now)
         return self._new_grant(key, resource, kind, units, key, undo, own=True)
+
+    # --- koord-scheduler's decisions (gpulet_allocator.koordinator) ---------------------
+
+    def _minor_of(self, info: GpuInfo) -> int:
+        # The reporter writes the NVML index where NVML has no minor; so do we.
+        return info.minor if info.minor is not None else info.index
+
+    def _minors(self) -> dict[str, int]:
+        return {uuid: self._minor_of(g) for uuid, g in self._gpus.items()}
+
+    def _claim(self, resource: str, count: int, device_ids: Sequence[str] = ()) -> Claim | None:
+        if self.book is None:
+            return None
+        taken = {
+            (g.pod, g.container) for g in self._grants.values() if g.pod and g.resource == resource
+        }
+        return self.book.find(
+            resource, count, minor_of=self._minors(), device_ids=device_ids, taken=taken
+        )
+
+    def _refuse(self, claim: Claim, message: str) -> NoReturn:
+        """Refuse a decision: precise, an Event on the pod, never another card."""
+        self.decisions_refused += 1
+        who = f"{claim.pod} container {claim.container!r}"
+        text = f"cannot follow koord-scheduler for {who}: {message}"
+        self._on_refusal(claim.pod, text)
+        raise Rejected("scheduler_decision", text)
+
+    def _describe(self, uuids: Iterable[str]) -> str:
+        minors = self._minors()
+        parts = [f"minor {minors[u]} ({u})" if u in minors else u for u in sorted(uuids, key=str)]
+        return ", ".join(parts) or "no GPU"
+
+    def _decided_uuid(self, claim: Claim, entry: GpuEntry) -> str:
+        by_minor = {m: u for u, m in self._minors().items()}
+        uuid = by_minor.get(entry.minor)
+        if uuid is None:
+            have = ", ".join(str(m) for m in sorted(by_minor)) or "none"
+            self._refuse(claim, f"GPU minor {entry.minor} is not on this node (its minors: {have})")
+            raise AssertionError("unreachable")
+        return uuid
+
+    def _check_usable(self, claim: Claim, uuid: str, *, whole: bool) -> DeviceState:
+        state = self.ledger.device(uuid)
+        name = self._describe([uuid])
+        if not state.present:
+            self._refuse(claim, f"GPU {name} is lost (no longer in the inventory)")
+        if not state.healthy:
+            self._refuse(claim, f"GPU {name} is unhealthy")
+        if whole and state.whole_owner is not None:
+            self._refuse(
+                claim, f"GPU {name} is already held by allocation {state.whole_owner.pod_uid}"
+            )
+        if whole and state.shares:
+            holders = ", ".join(sh.owner.pod_uid for sh in state.shares)
+            self._refuse(claim, f"GPU {name} already holds shares ({holders})")
+        if not whole and state.whole_owner is not None:
+            self._refuse(
+                claim, f"GPU {name} is held whole by allocation {state.whole_owner.pod_uid}"
+            )
+        return state
+
+    def _decided_whole(self, claim: Claim) -> list[str]:
+        """The UUIDs koord-scheduler decided for a whole-GPU claim, checked usable."""
+        if claim.problem:
+            self._refuse(claim, claim.problem)
+        uuids = [self._decided_uuid(claim, e) for e in claim.gpus]
+        for uuid in uuids:
+            self._check_usable(claim, uuid, whole=True)
+        return uuids
+
+    def _mark(self, claim: Claim | None, allocation: str, undo: list[Undo]) -> None:
+        if claim is None or self.book is None:
+            return
+        book = self.book
+        book.mark(claim, allocation)
+        self.decisions_followed += 1
+        undo.append(lambda: book.unmark(claim))
+
+    def _allocate_decided_share(
+        self, resource: str, kind: GrantKind, ids: list[str], key: str, undo: list[Undo]
+    ) -> ContainerAllocation:
+        """A Koordinator share: card and amounts from the annotation, never guessed.
+
+        The container's first share call (gpu-core or gpu-memory-ratio, in whichever
+        order kubelet asks) places the allocation; the other joins it. Both answers
+        carry both MPS limits, as decided.
+        """
+        claim = self._claim(resource, len(ids))
+        if claim is None:
+            raise Rejected(
+                "scheduler_decision",
+                f"no pending pod on this node carries koord-scheduler's decision for a "
+                f"container asking {len(ids)} {resource}: under the koordinator profile "
+                f"shares are placed by koord-scheduler (is the pod scheduled by it, and "
+                f"is the pod watch running?)",
+            )
+        if claim.problem:
+            self._refuse(claim, claim.problem)
+        if not claim.gpus:
+            self._refuse(claim, "the annotation decides no GPU for this container")
+        assert self.book is not None
+        for other in claim.share_resources:
+            existing = self.book.allocation_of(claim, other)
+            if existing is not None and self.ledger.get(existing) is not None:
+                grant = self._new_grant(
+                    key,
+                    resource,
+                    kind,
+                    len(ids),
+                    existing,
+                    undo,
+                    claim=claim,
+                    limits=self._decided_limits(claim),
+                )
+                self._mark(claim, existing, undo)
+                return grant
+        uuids = [self._decided_uuid(claim, e) for e in claim.gpus]
+        whole = all(e.whole for e in claim.gpus)
+        if whole:
+            for uuid in uuids:
+                self._check_usable(claim, uuid, whole=True)
+            self.ledger.allocate_whole(Owner(pod_uid=key), devices=uuids)
+        else:
+            if len(claim.gpus) != 1:
+                self._refuse(
+                    claim, f"a share spans {len(claim.gpus)} GPUs; gpulet places a share on one"
+                )
+            entry, uuid = claim.gpus[0], uuids[0]
+            state = self._check_usable(claim, uuid, whole=False)
+            info = self._gpus[uuid]
+            units = max(1, entry.memory_of(info.memory_total_bytes) // (MEMORY_UNIT_MIB * 2**20))
+            if entry.core > state.cores_free or units > state.memory_free:
+                self._refuse(
+                    claim,
+                    f"GPU {self._describe([uuid])} has {state.cores_free} core units and "
+                    f"{state.memory_free} memory units free, the decision needs "
+                    f"{entry.core} and {units}",
+                )
+            try:
+                self.ledger.allocate_share(Owner(pod_uid=key), entry.core, units, device=uuid)
+            except AllocationError as exc:
+                self._refuse(claim, f"GPU {self._describe([uuid])}: {exc.message}")
+        grant = self._new_grant(
+            key,
+            resource,
+            kind,
+            len(ids),
+            key,
+            undo,
+            own=True,
+            claim=claim,
+            limits=self._decided_limits(claim),
+        )
+        self._mark(claim, key, undo)
+        return grant
+
+    def _decided_limits(self, claim: Claim) -> tuple[int, int]:
+        """(cores, memory MiB) of a one-card share decision; (0, 0) for whole cards."""
+        if len(claim.gpus) != 1 or claim.gpus[0].whole:
+            return 0, 0
+        entry = claim.gpus[0]
+        uuid = {m: u for u, m in self._minors().items()}.get(entry.minor)
+        card = self._gpus[uuid].memory_total_bytes if uuid in self._gpus else 0
+        return entry.core, memory_mib(entry, card)
 
     def _check_ids(self, resource: str, kind: GrantKind, ids: list[str], n: int) -> None:
         if not ids:
@@ -465,7 +676,7 @@ class AllocatorCore:
         return True
 
     def _unit_exists(self, uuid: str, kind: GrantKind, unit: int) -> bool:
-        if kind == "core":
+        if kind in ("core", "ratio"):
             return unit < CORES_PER_GPU
         info = self._gpus.get(uuid)
         # A lost GPU's size is unknown; kubelet no longer lists its units anyway.
@@ -574,6 +785,8 @@ class AllocatorCore:
         undo: list[Undo],
         *,
         own: bool = False,
+        claim: Claim | None = None,
+        limits: tuple[int, int] = (0, 0),
     ) -> ContainerAllocation:
         grant = Grant(
             key=key,
@@ -582,6 +795,10 @@ class AllocatorCore:
             units=units,
             allocation=allocation,
             created_at=self._wall(),
+            pod=str(claim.pod) if claim is not None else "",
+            container=claim.container if claim is not None else "",
+            mps_cores=limits[0],
+            mps_memory_mib=limits[1],
         )
         self._grants[key] = grant
         self.version += 1
@@ -604,7 +821,11 @@ class AllocatorCore:
         envs = {"NVIDIA_VISIBLE_DEVICES": ",".join(gpus), ALLOCATION_ENV: grant.allocation}
         mounts: list[Mount] = []
         if isinstance(alloc, ShareAllocation) and self._mps.enabled:
-            if grant.kind == "core":
+            if grant.mps_cores:
+                # A share koord-scheduler decided: both limits, as it accounted them.
+                envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(grant.mps_cores)
+                envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = f"0={grant.mps_memory_mib}M"
+            elif grant.kind == "core":
                 envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(alloc.cores)
             elif grant.kind == "memory":
                 # One visible device, so it is ordinal 0 inside the container.
@@ -641,7 +862,29 @@ class AllocatorCore:
             return [self._preferred_share(r) for r in requests]
         if not self.ready:
             raise Rejected("not_ready", "the allocator has no GPU inventory yet")
-        return [self._preferred_one(r) for r in requests]
+        return [self._preferred_decided(resource, r) or self._preferred_one(r) for r in requests]
+
+    def _preferred_decided(self, resource: str, request: PreferredRequest) -> list[str] | None:
+        """Exactly the GPUs koord-scheduler decided, or None when no pod's decision
+        covers the call (then gpulet chooses). Nothing is marked: the Allocate that
+        follows does it."""
+        claim = self._claim(resource, request.size)
+        if claim is None:
+            return None
+        decided = self._decided_whole(claim)
+        offered = set(request.available)
+        missing = [u for u in decided if u not in offered]
+        if missing:
+            self._refuse(claim, f"kubelet does not offer {self._describe(missing)}")
+        extra = [u for u in request.must_include if u not in decided]
+        if extra:
+            self._refuse(
+                claim,
+                f"kubelet must include {self._describe(extra)}, "
+                "which koord-scheduler did not decide",
+            )
+        self.decisions_followed += 1
+        return decided
 
     @staticmethod
     def _preferred_share(request: PreferredRequest) -> list[str]:

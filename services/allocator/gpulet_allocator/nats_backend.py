@@ -77,6 +77,7 @@ REJECT_CODES: Final[dict[str, RejectCode]] = {
     "unhealthy_device": RejectCode.FAILED_PRECONDITION,
     # A corrupt checkpoint, not rebuilt yet: an operator must act (`allocator reset`).
     "checkpoint_lost": RejectCode.FAILED_PRECONDITION,
+    "scheduler_decision": RejectCode.FAILED_PRECONDITION,
 }
 UNAVAILABLE_CODES: Final = frozenset({"not_ready"})
 

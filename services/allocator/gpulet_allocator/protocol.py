@@ -88,6 +88,10 @@ SERVICE_ERROR_CODES: Final = frozenset(
         "malformed_request",
         # The resource name is not one this node serves.
         "unknown_resource",
+        # koord-scheduler's decision for the pod cannot be honoured (unhealthy, held or
+        # unknown GPU, kubelet's IDs differ, the annotation is malformed); the pod gets
+        # a Kubernetes Event saying why. Never answered with another card instead.
+        "scheduler_decision",
         # No inventory yet (collector not heard from): nothing can be decided.
         "not_ready",
         # The allocation could not be made durable; nothing was allocated.
@@ -105,6 +109,7 @@ _MICRO_STATUS: Final = {
     "insufficient_capacity": "409",
     "too_many_units": "409",
     "unhealthy_device": "409",
+    "scheduler_decision": "409",
     "not_ready": "503",
     "checkpoint_failed": "500",
     "checkpoint_lost": "503",
@@ -180,7 +185,7 @@ class GrantView(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
 
     key: str
     resource: str
-    kind: Literal["whole", "core", "memory"]
+    kind: Literal["whole", "core", "memory", "ratio"]
     units: int
     created_at: float
     pod: str = ""

@@ -18,6 +18,10 @@ Flow
    outcome and refusals by code.
 4. Every ``release_interval_s``, ask kubelet's PodResources API which containers are
    alive and release the allocations of the others (:meth:`~.core.AllocatorCore.reconcile`).
+5. With ``allocator.handshake.enabled``, watch this node's pods
+   (:mod:`.pod_watch`) into the core's :class:`~.koordinator.PodBook`, so calls that
+   belong to a pod koord-scheduler decided for follow that decision, and refused
+   decisions become Kubernetes Events on the pod (docs/koordinator.md).
 
 Lost record
 -----------
@@ -62,11 +66,14 @@ import anyio.abc
 import msgspec
 import nats.errors
 import nats.micro
+from kubernetes_asyncio import client as k8s_client
 from nats.micro.request import Request
 from nats.micro.service import EndpointStats, Service
 
 from gpulet_allocator import protocol as p
 from gpulet_allocator.core import AllocatorCore, HeldDevices, Rejected, Undo
+from gpulet_allocator.koordinator import RES_GPU_CORE, RES_GPU_MEMORY_RATIO, PodBook, PodKey
+from gpulet_allocator.pod_watch import EventWriter, KubeUnavailable, PodWatch, kube_configuration
 from gpulet_allocator.podresources import (
     PodResourcesUnavailable,
     held_devices,
@@ -142,6 +149,17 @@ class _Counts:
         }
 
 
+@dataclass(slots=True)
+class _RefusalEvents:
+    """Refused scheduler decisions to the Event writer, once there is one."""
+
+    writer: EventWriter | None = None
+
+    def __call__(self, pod: PodKey, message: str) -> None:
+        if self.writer is not None:
+            self.writer.post(pod, message)
+
+
 class AllocatorService:
     name = "allocator"
 
@@ -154,6 +172,24 @@ class AllocatorService:
             runtime.bus, self._node, retry_s=self._settings.request_retry_s, who="allocator"
         )
         self.view.listen(self._on_view)
+        handshake = self._settings.handshake
+        #: Refused decisions become Events on their pod (set up in run()).
+        self.events: EventWriter | None = None
+        # What the core calls on a refusal: holds only the writer, not the service.
+        self._refusals = _RefusalEvents()
+        self.pod_watch: PodWatch | None = None
+        self._handshake_problem = ""
+        book = None
+        if handshake.enabled:
+            koordinator = plugin.profile == "koordinator"
+            book = PodBook(
+                self._node,
+                whole_resource=plugin.resources.gpu,
+                core_resource=RES_GPU_CORE if koordinator else plugin.resources.core,
+                share_resources=(RES_GPU_CORE, RES_GPU_MEMORY_RATIO)
+                if koordinator
+                else (plugin.resources.core, plugin.resources.memory),
+            )
         self.core = AllocatorCore(
             node=self._node,
             names=plugin.resources,
@@ -163,6 +199,9 @@ class AllocatorService:
             join_window_s=self._settings.share_join_window_s,
             release_grace_s=self._settings.release_grace_s,
             health_of=self.view.healthy,
+            profile=plugin.profile,
+            book=book,
+            on_refusal=self._refusals,
         )
         self.checkpoint = CheckpointFile(checkpoint_path(runtime.settings))
         self._counts = {e: _Counts() for e in p.ENDPOINTS}
@@ -259,6 +298,8 @@ class AllocatorService:
                 # Endpoints are only reachable once the server has the subscriptions.
                 await self._rt.bus.flush()
                 tg.start_soon(self._release_loop)
+                if self.core.book is not None:
+                    tg.start_soon(self._handshake)
                 self._update_status()
                 started()
                 await anyio.sleep_forever()
@@ -290,10 +331,50 @@ class AllocatorService:
             await anyio.sleep(delay)
             delay = min(delay * 2, UNREADABLE_RETRY_MAX_S)
 
+    # --- koord-scheduler's decisions ---------------------------------------------------
+
+    def _on_handshake_state(self, problem: str) -> None:
+        if problem != self._handshake_problem:
+            self._handshake_problem = problem
+            self._update_status()
+
+    async def _handshake(self) -> None:
+        """The pod watch and the Event writer; failures degrade, never end, the service.
+
+        Until the watch has listed, and while the API server is away, the book holds
+        what it last knew and calls it cannot match are decided by gpulet as before.
+        """
+        settings = self._settings.handshake
+        book = self.core.book
+        assert book is not None
+        delay = UNREADABLE_RETRY_MIN_S
+        while True:
+            try:
+                configuration = await kube_configuration(settings)
+            except KubeUnavailable as exc:
+                self._on_handshake_state(f"no pod watch: {exc}")
+                log.warning("koord-scheduler handshake: %s; again in %.0fs", exc, delay)
+                await anyio.sleep(delay)
+                delay = min(delay * 2, UNREADABLE_RETRY_MAX_S)
+                continue
+            break
+        async with k8s_client.ApiClient(configuration) as api:
+            self.events = EventWriter(api, self._node, settings)
+            self._refusals.writer = self.events
+            self.pod_watch = PodWatch(api, book, settings, on_state=self._on_handshake_state)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self.events.run)
+                await tg.start(self.pod_watch.run)
+                log.info("following koord-scheduler's decisions on the pods of %s", self._node)
+
     def _update_status(self) -> None:
         if self.core.lost is not None:
             self._rt.status.set(self.name, "blocked", self.core.lost_refusal().message)
-        elif self._checkpoint_error:
+            return
+        if self._handshake_problem and not self._checkpoint_error and self.core.ready:
+            self._rt.status.set(self.name, "degraded", self._handshake_problem)
+            return
+        if self._checkpoint_error:
             self._rt.status.set(self.name, "degraded", self._checkpoint_error)
         elif not self.core.ready:
             self._rt.status.set(

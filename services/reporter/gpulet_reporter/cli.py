@@ -30,6 +30,7 @@ from gpulet_common.nvml.errors import NvmlUnavailable
 from gpulet_common.runtime import NvmlProvider
 from gpulet_common.settings import Settings
 from gpulet_reporter.desired import build_desired, render_device
+from gpulet_reporter.facts import node_facts, read_machine_type
 from gpulet_reporter.health_view import HealthView
 from gpulet_reporter.pcie import make_resolver
 
@@ -99,6 +100,7 @@ async def preview(settings: Settings, *, timeout_s: float = 2.0) -> dict[str, An
         view.snapshot(),
         gfd_labels=settings.reporter.gfd_labels,
         pcie_root=make_resolver(),
+        facts=node_facts(settings, read_machine_type()),
     )
     device = render_device(desired, None, node_uid=None, now=time.time())
     labels = dict(desired.node_labels) if settings.reporter.node_labels else {}

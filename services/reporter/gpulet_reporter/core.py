@@ -29,7 +29,7 @@ from gpulet_common.logutil import RateLimitedLog
 from gpulet_common.messages import GpuHealth, GpuInfo, Inventory
 from gpulet_common.settings.reporter import ReporterSettings
 from gpulet_reporter.debounce import Debouncer
-from gpulet_reporter.desired import DesiredState, build_desired, fallback_pcie_root
+from gpulet_reporter.desired import DesiredState, NodeFacts, build_desired, fallback_pcie_root
 from gpulet_reporter.health_view import HealthView
 
 log = logging.getLogger("gpulet.reporter")
@@ -43,8 +43,10 @@ class ReporterCore:
         *,
         pcie_root: Callable[[str], str] = fallback_pcie_root,
         on_degraded: Callable[[str], None] | None = None,
+        facts: NodeFacts | None = None,
     ) -> None:
         self.node = node
+        self._facts = facts or NodeFacts()
         self._settings = settings
         self._pcie_root = pcie_root
         self._on_degraded = on_degraded or (lambda _detail: None)
@@ -113,6 +115,7 @@ class ReporterCore:
                 gfd_labels=self._settings.gfd_labels,
                 pcie_root=self._pcie_root,
                 absent=self.absent_gpus(),
+                facts=self._facts,
             )
         except (ValueError, TypeError, OverflowError) as exc:
             # A malformed inventory that passed the decoder's checks: keep the last

@@ -14,6 +14,16 @@ Two steps
    an unhealthy node's Device forever; we keep it, so an unchanged state renders to a
    byte-identical object and :func:`device_differs` says there is nothing to do.
 
+Ownership
+---------
+The Device is shared: koordlet reports RDMA NICs (``type: rdma`` with ``vfGroups``) and
+other device types into the same object. The reporter owns only the ``type: gpu``
+entries of ``spec.devices``, and in them only the fields it writes (``type``, ``id``,
+``minor``, ``moduleID``, ``health``, ``topology``, its three ``resources`` keys and the
+``Healthy`` condition). Other entries and other fields are carried over as observed;
+the writer makes this safe against concurrent writers with a resourceVersion-checked
+PUT (see :mod:`gpulet_reporter.writer`).
+
 Health we do not know yet (no health service answered, or it restarted) is carried
 over from the observed object rather than assumed healthy, so a reporter restart on a
 node with a failed GPU neither flaps the GPU to healthy nor writes at all.
@@ -31,10 +41,13 @@ Choices the Koordinator types leave open, documented once here:
   GPUs share a root complex when we could not check.
 * ``minor`` falls back to the NVML index when NVML has no minor number (mock GPUs).
 * The model label is the NVML name without ``NVIDIA ``, spaces turned into ``-``,
-  reduced to what a label value allows; empty on a node that mixes models (as the
-  Koordinator convention says). The GFD-compatible ``nvidia.com/gpu.product`` keeps the
-  ``NVIDIA-`` prefix as current GFD does, and it and ``gpu.memory`` are left out on a
-  mixed node rather than describing only one of the models.
+  reduced to what a label value allows; left out on a node that mixes models, as
+  koordlet does.
+* ``moduleID`` is NVML's module id (``nvmlDeviceGetModuleId``; a real H100 SXM says 4),
+  left out where NVML does not support it or gives a value outside int32.
+* The GFD-compatible ``nvidia.com/gpu.product`` keeps the ``NVIDIA-`` prefix as current
+  GFD does; it, ``gpu.memory``, ``gpu.family`` and the compute capability are left out
+  on a node whose GPUs disagree on them rather than describing only some of them.
 """
 
 from __future__ import annotations
@@ -66,6 +79,21 @@ GFD_COUNT: Final = "nvidia.com/gpu.count"
 GFD_MEMORY: Final = "nvidia.com/gpu.memory"
 GFD_DRIVER_PREFIX: Final = "nvidia.com/cuda.driver-version."
 GFD_RUNTIME_PREFIX: Final = "nvidia.com/cuda.runtime-version."
+# Set by the GPU Operator (and NFD rules) on GPU nodes; what GPU DaemonSets select on.
+GFD_PRESENT: Final = "nvidia.com/gpu.present"
+GFD_FAMILY: Final = "nvidia.com/gpu.family"
+GFD_COMPUTE_MAJOR: Final = "nvidia.com/gpu.compute.major"
+GFD_COMPUTE_MINOR: Final = "nvidia.com/gpu.compute.minor"
+GFD_MACHINE: Final = "nvidia.com/gpu.machine"
+GFD_MPS_CAPABLE: Final = "nvidia.com/mps.capable"
+GFD_SHARING_STRATEGY: Final = "nvidia.com/gpu.sharing-strategy"
+GFD_REPLICAS: Final = "nvidia.com/gpu.replicas"
+# GFD's value when the machine type file cannot be read.
+MACHINE_UNKNOWN: Final = "unknown"
+# The resource GFD's sharing labels describe.
+WHOLE_GPU_RESOURCE: Final = "nvidia.com/gpu"
+
+DEVICE_TYPE_GPU: Final = "gpu"
 
 RES_CORE: Final = "koordinator.sh/gpu-core"
 RES_MEMORY: Final = "koordinator.sh/gpu-memory"
@@ -109,8 +137,24 @@ class DesiredGpu(msgspec.Struct, frozen=True, kw_only=True):
     numa_node: int
     pcie_id: str
     bus_id: str
+    # NVML's module id (nvmlDeviceGetModuleId); None where the GPU or driver lacks it.
+    module_id: int | None = None
     # None: no health source has spoken about this GPU yet.
     condition: GpuCondition | None = None
+
+
+class NodeFacts(msgspec.Struct, frozen=True, kw_only=True):
+    """What the labels say beyond the inventory: the machine and how gpulet serves it.
+
+    ``machine``: the DMI product name (``/sys/class/dmi/id/product_name``), as GFD
+    reads it. ``serves_whole_gpus``: gpulet's device plugin serves ``nvidia.com/gpu``
+    (then the GFD sharing labels describe it: one replica, no sharing).
+    ``mps_shares``: gpulet serves fractional shares limited through CUDA MPS.
+    """
+
+    machine: str = MACHINE_UNKNOWN
+    serves_whole_gpus: bool = False
+    mps_shares: bool = False
 
 
 class DesiredState(msgspec.Struct, frozen=True, kw_only=True):
@@ -226,13 +270,45 @@ def _split_version(version: str) -> list[str]:
 # --- the intent ----------------------------------------------------------------------
 
 
-def node_labels(inventory: Inventory, *, gfd: bool = True) -> dict[str, str]:
-    """Koordinator's three labels plus (optionally) GFD-compatible ones."""
+def gpu_family(major: int, minor: int) -> str:
+    """GFD's architecture family of a CUDA compute capability (9.0 → ``hopper``)."""
+    if major == 7:
+        return "volta" if minor < 5 else "turing"
+    if major == 8:
+        return "ampere" if minor < 9 else "ada-lovelace"
+    families = {
+        1: "tesla",
+        2: "fermi",
+        3: "kepler",
+        5: "maxwell",
+        6: "pascal",
+        9: "hopper",
+        10: "blackwell",
+        12: "blackwell",
+    }
+    return families.get(major, "undefined")
+
+
+def node_labels(
+    inventory: Inventory, *, gfd: bool = True, facts: NodeFacts | None = None
+) -> dict[str, str]:
+    """Koordinator's three labels plus (optionally) GFD-compatible ones.
+
+    GFD's names and values (NVIDIA k8s-device-plugin, ``internal/lm``): product, count,
+    memory (MiB), family, compute major/minor, machine, the CUDA versions,
+    ``mps.capable``, and the sharing labels of ``nvidia.com/gpu``. What describes one
+    model (product, memory, family, compute capability) is left out on a node whose
+    GPUs disagree on it, rather than describing only some of them. ``gpu.present`` is
+    the GPU Operator's label, which GPU DaemonSets (ours included) select on.
+    """
     labels = device_labels(inventory)
     if not gfd:
         return labels
+    facts = facts or NodeFacts()
     gpus = inventory.gpus
     labels[GFD_COUNT] = str(len(gpus))
+    if gpus:
+        labels[GFD_PRESENT] = "true"
     names = {g.name for g in gpus}
     if len(names) == 1:
         product = product_label(gpus[0].name)
@@ -241,6 +317,20 @@ def node_labels(inventory: Inventory, *, gfd: bool = True) -> dict[str, str]:
         memories = {g.memory_total_bytes for g in gpus}
         if len(memories) == 1 and gpus[0].memory_total_bytes > 0:
             labels[GFD_MEMORY] = str(gpus[0].memory_total_bytes // _MIB)
+    capabilities = {g.compute_capability for g in gpus}
+    if len(capabilities) == 1:
+        capability = capabilities.pop()
+        if capability is not None and capability[0] > 0:
+            major, minor = capability
+            labels[GFD_FAMILY] = gpu_family(major, minor)
+            labels[GFD_COMPUTE_MAJOR] = str(major)
+            labels[GFD_COMPUTE_MINOR] = str(minor)
+    if gpus:
+        labels[GFD_MACHINE] = label_value(facts.machine.replace(" ", "-")) or MACHINE_UNKNOWN
+        labels[GFD_MPS_CAPABLE] = "true" if facts.mps_shares else "false"
+        if facts.serves_whole_gpus:
+            labels[GFD_SHARING_STRATEGY] = "none"
+            labels[GFD_REPLICAS] = "1"
     if inventory.driver_version:
         full = label_value(inventory.driver_version)
         parts = _split_version(inventory.driver_version)
@@ -252,15 +342,20 @@ def node_labels(inventory: Inventory, *, gfd: bool = True) -> dict[str, str]:
         labels[GFD_RUNTIME_PREFIX + "full"] = label_value(inventory.cuda_driver_version)
         for key, part in zip(("major", "minor"), parts, strict=False):
             labels[GFD_RUNTIME_PREFIX + key] = label_value(part)
-    return {k: v for k, v in labels.items() if v or k == LABEL_GPU_MODEL}
+    return {k: v for k, v in labels.items() if v}
 
 
 def device_labels(inventory: Inventory) -> dict[str, str]:
+    """Koordinator's labels; ``gpu-model`` only when every GPU is the same model
+    (koordlet leaves it out on a mixed node rather than writing it empty)."""
     labels: dict[str, str] = {}
     if not inventory.gpus:
         return labels
     models = {model_label(g.name) for g in inventory.gpus}
-    labels[LABEL_GPU_MODEL] = models.pop() if len(models) == 1 else ""
+    if len(models) == 1:
+        model = models.pop()
+        if model:
+            labels[LABEL_GPU_MODEL] = model
     labels[LABEL_GPU_VENDOR] = "nvidia"
     if inventory.driver_version:
         driver = label_value(inventory.driver_version)
@@ -276,6 +371,7 @@ def build_desired(
     gfd_labels: bool = True,
     pcie_root: Callable[[str], str] = fallback_pcie_root,
     absent: Sequence[GpuInfo] = (),
+    facts: NodeFacts | None = None,
 ) -> DesiredState:
     """The intent for the inventory's node given what we know about each GPU's health.
 
@@ -300,6 +396,9 @@ def build_desired(
                 if gpu.pci_bus_id
                 else "",
                 bus_id=bus,
+                module_id=gpu.module_id
+                if gpu.module_id is not None and 0 <= gpu.module_id < 2**31
+                else None,
                 condition=health.get(gpu.uuid) if gpu.uuid in listed else _absent(health, gpu),
             )
         )
@@ -308,7 +407,7 @@ def build_desired(
         node=inventory.node,
         gpus=tuple(gpus),
         device_labels=device_labels(inventory),
-        node_labels=node_labels(inventory, gfd=gfd_labels),
+        node_labels=node_labels(inventory, gfd=gfd_labels, facts=facts),
     )
 
 
@@ -326,16 +425,25 @@ def _absent(health: Mapping[str, GpuCondition], gpu: GpuInfo) -> GpuCondition:
 # --- rendering against the observed object -------------------------------------------
 
 
-def _observed_devices(observed: JsonObj | None) -> dict[str, JsonObj]:
+def _observed_list(observed: JsonObj | None) -> list[Any]:
     if not observed:
-        return {}
+        return []
     spec = observed.get("spec")
     devices = spec.get("devices") if isinstance(spec, dict) else None
+    return devices if isinstance(devices, list) else []
+
+
+def is_ours(entry: Any) -> bool:
+    """Whether a ``spec.devices`` entry is one the reporter owns: ``type: gpu``."""
+    return isinstance(entry, dict) and entry.get("type") == DEVICE_TYPE_GPU
+
+
+def _observed_devices(observed: JsonObj | None) -> dict[str, JsonObj]:
+    """The observed GPU entries by id; entries of other types are not ours to read."""
     found: dict[str, JsonObj] = {}
-    if isinstance(devices, list):
-        for entry in devices:
-            if isinstance(entry, dict) and isinstance(entry.get("id"), str):
-                found[entry["id"]] = entry
+    for entry in _observed_list(observed):
+        if is_ours(entry) and isinstance(entry.get("id"), str):
+            found.setdefault(entry["id"], entry)
     return found
 
 
@@ -406,32 +514,72 @@ def _clean_condition(seen: JsonObj, healthy: bool, now: float) -> JsonObj:
     }
 
 
-def render_devices(desired: DesiredState, observed: JsonObj | None, now: float) -> list[JsonObj]:
-    """``spec.devices`` for the intent, timestamps kept from ``observed`` where valid."""
-    seen_by_id = _observed_devices(observed)
-    devices: list[JsonObj] = []
-    for gpu in desired.gpus:
-        healthy, condition = _render_condition(gpu, seen_by_id.get(gpu.uuid), now)
-        entry: JsonObj = {
-            "type": "gpu",
-            "id": gpu.uuid,
-            "minor": gpu.minor,
-            "health": healthy,
-            "resources": {
-                RES_CORE: "100",
-                RES_MEMORY: gpu.memory,
-                RES_MEMORY_RATIO: "100",
-            },
-            "conditions": [condition],
+def _render_gpu(gpu: DesiredGpu, seen: JsonObj | None, now: float) -> JsonObj:
+    """One GPU entry: the observed entry with the fields we own replaced.
+
+    Owned: ``type``, ``id``, ``minor``, ``moduleID``, ``health``, ``topology``, our three
+    keys of ``resources`` and the ``Healthy`` condition. Everything else an entry
+    carries (``labels``, other resource keys, other condition types, fields a newer
+    Koordinator adds) is kept as it was. ``moduleID`` and ``topology`` are facts about
+    the GPU we read ourselves: when we cannot read them they are removed, not kept stale.
+    """
+    healthy, condition = _render_condition(gpu, seen, now)
+    entry: JsonObj = _deep_copy_json(seen) if seen is not None else {}
+    entry["type"] = DEVICE_TYPE_GPU
+    entry["id"] = gpu.uuid
+    entry["minor"] = gpu.minor
+    if gpu.module_id is not None:
+        entry["moduleID"] = gpu.module_id
+    else:
+        entry.pop("moduleID", None)
+    entry["health"] = healthy
+    resources = entry.get("resources")
+    resources = dict(resources) if isinstance(resources, dict) else {}
+    resources.update({RES_CORE: "100", RES_MEMORY: gpu.memory, RES_MEMORY_RATIO: "100"})
+    entry["resources"] = resources
+    seen_conditions = entry.get("conditions")
+    others = [
+        c
+        for c in (seen_conditions if isinstance(seen_conditions, list) else [])
+        if not (isinstance(c, dict) and c.get("type") == CONDITION_HEALTHY)
+    ]
+    entry["conditions"] = [condition, *others]
+    if gpu.pcie_id or gpu.bus_id:
+        entry["topology"] = {
+            "socketID": -1,
+            "nodeID": gpu.numa_node,
+            "pcieID": gpu.pcie_id,
+            "busID": gpu.bus_id,
         }
-        if gpu.pcie_id or gpu.bus_id:
-            entry["topology"] = {
-                "socketID": -1,
-                "nodeID": gpu.numa_node,
-                "pcieID": gpu.pcie_id,
-                "busID": gpu.bus_id,
-            }
-        devices.append(entry)
+    else:
+        entry.pop("topology", None)
+    return entry
+
+
+def render_devices(desired: DesiredState, observed: JsonObj | None, now: float) -> list[JsonObj]:
+    """``spec.devices`` for the intent, merged into what ``observed`` holds.
+
+    We own the ``type: gpu`` entries and nothing else. Entries of any other type
+    (koordlet's ``rdma`` with ``vfGroups``, ``fpga``, or an entry without a type) are
+    copied unchanged and keep their order. Our GPU entries, in minor order, take the
+    place of the first GPU entry observed (the front of the list when there was none),
+    so the order is stable from one write to the next. A GPU entry whose id is not in
+    the intent is dropped: the intent is the whole truth about this node's GPUs.
+    Timestamps are kept from ``observed`` where the status did not change.
+    """
+    seen_by_id = _observed_devices(observed)
+    ours: list[JsonObj] = [_render_gpu(gpu, seen_by_id.get(gpu.uuid), now) for gpu in desired.gpus]
+    devices: list[JsonObj] = []
+    placed = False
+    for entry in _observed_list(observed):
+        if is_ours(entry):
+            if not placed:
+                devices.extend(ours)
+                placed = True
+            continue
+        devices.append(_deep_copy_json(entry))
+    if not placed:
+        devices[0:0] = ours
     return devices
 
 
@@ -456,7 +604,10 @@ def render_device(
     """The Device to store: ``observed`` with our parts replaced, or a new object.
 
     Everything we do not own survives: other labels and annotations, other owner
-    references, ``status`` (allocations), spec fields other than ``devices``.
+    references, ``status`` (allocations), spec fields other than ``devices``, entries of
+    ``spec.devices`` whose type is not ``gpu`` and the fields of GPU entries we do not
+    write (see :func:`render_devices`). The body keeps the observed
+    ``resourceVersion``, so the writer's PUT is a compare-and-swap.
     """
     devices = render_devices(desired, observed, now)
     if observed:

@@ -34,6 +34,7 @@ from gpulet_common.runtime import Runtime
 from gpulet_reporter.core import ReporterCore
 from gpulet_reporter.debounce import Debouncer
 from gpulet_reporter.desired import DesiredState
+from gpulet_reporter.facts import DMI_PRODUCT_NAME, node_facts, read_machine_type
 from gpulet_reporter.health_view import HealthView
 from gpulet_reporter.kube import SERVICE_ACCOUNT_DIR, KubeConfigError, KubeTarget, load_target
 from gpulet_reporter.metrics import ReporterMetrics
@@ -56,6 +57,7 @@ class ReporterService:
         env: dict[str, str] | None = None,
         sa_dir: Path = SERVICE_ACCOUNT_DIR,
         sysfs_pci_devices: Path | None = None,
+        machine_type_file: Path = DMI_PRODUCT_NAME,
     ) -> None:
         self._rt = runtime
         self._settings = runtime.settings.reporter
@@ -70,6 +72,7 @@ class ReporterService:
             if sysfs_pci_devices is not None
             else make_resolver(),
             on_degraded=lambda detail: runtime.status.set(self.name, "degraded", detail),
+            facts=node_facts(runtime.settings, read_machine_type(machine_type_file)),
         )
         self.view = NodeView(
             runtime.bus, self._node, retry_s=self._settings.request_retry_s, who="reporter"

@@ -11,7 +11,8 @@ Layers
     costs no request at all, which is how steady state makes zero writes;
   - the Device is created when missing, otherwise replaced (PUT) with the observed
     ``resourceVersion``; the body is the observed object with only our parts swapped,
-    so others' labels, owners and ``status.allocations`` survive;
+    so others' labels, owners, ``status.allocations`` and ``spec.devices`` entries of
+    other types (koordlet's ``rdma``, ``fpga``) survive;
   - node labels go out as a JSON merge patch of only our keys, carrying the Node's
     ``resourceVersion`` (see :func:`~gpulet_reporter.desired.node_label_patch`);
   - 409 (a concurrent writer, or a stale cache) re-reads and tries again at once, a
@@ -23,6 +24,19 @@ Layers
   only ever calls :meth:`Debouncer.submit`, so a slow or failing API server never
   blocks NATS. Every ``reconcile_interval_s`` (jittered ±10 % so a fleet does not
   read in lock-step) it forgets the observed objects, re-reads them and corrects drift.
+
+Why read-modify-write and not a patch or server-side apply
+----------------------------------------------------------
+``spec.devices`` is shared with koordlet and is an *atomic* list in Koordinator's CRD
+(no ``x-kubernetes-list-type: map``), so every way of writing part of it writes all of
+it: a JSON merge patch replaces the whole list, and a server-side-apply field manager
+would own the whole list and take it from koordlet (or conflict with it on every
+write). We cannot give the list map keys either: the CRD must stay Koordinator's. So
+the one safe write is read-modify-write under optimistic concurrency: render our GPU
+entries into the *observed* list and PUT it with the observed ``resourceVersion``. If
+anyone wrote in between, the server answers 409 Conflict and nothing of theirs is lost;
+we re-read and render again. A stale cache therefore costs one extra round trip, never
+another agent's entries.
 
 Requests are bounded by ``api_timeout_s``; nothing here waits without a limit.
 """

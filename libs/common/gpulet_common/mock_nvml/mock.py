@@ -738,6 +738,12 @@ class MockNvml:
         board_id = self._enter(handle)[0].spec.board_id
         return board_id if board_id is not None else 0
 
+    def nvmlDeviceGetModuleId(self, handle: Any) -> int:
+        module_id = self._enter(handle)[0].spec.module_id
+        if module_id is None:
+            raise _err(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return module_id
+
     def nvmlDeviceGetPciInfo(self, handle: Any) -> MockPciInfo:
         spec = self._enter(handle)[0].spec
         return MockPciInfo(spec.bus_id, spec.pci_device_id)

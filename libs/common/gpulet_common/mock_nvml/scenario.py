@@ -140,6 +140,8 @@ class GpuSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
     minor: int | None = None
     serial: str = ""
     board_id: int | None = None
+    # None: nvmlDeviceGetModuleId answers NOT_SUPPORTED (PCIe cards, old drivers).
+    module_id: int | None = None
     # None: nvmlDeviceGetNumaNodeId answers NOT_SUPPORTED.
     numa_node: int | None = None
     # CPU ids, as a list or a cpulist string ("0-55,112-167").
@@ -629,7 +631,7 @@ def _check_timeline(scenario: Scenario, count: int, source: str) -> None:
 def hot_add_spec(template: GpuSpec, overrides: dict[str, Any] | None) -> GpuSpec:
     """A new GPU: a copy of ``template`` without its identity, with ``overrides``."""
     tree = msgspec.to_builtins(template)
-    for key in ("uuid", "bus_id", "minor", "serial", "board_id"):
+    for key in ("uuid", "bus_id", "minor", "serial", "board_id", "module_id"):
         tree.pop(key, None)
     tree.update(overrides or {})
     try:

@@ -275,6 +275,7 @@ class NvmlAdapter:
         self._f_serial = bind("nvmlDeviceGetSerial")
         self._f_board_id = bind("nvmlDeviceGetBoardId")
         self._f_compute_cap = bind("nvmlDeviceGetCudaComputeCapability")
+        self._f_module_id = bind("nvmlDeviceGetModuleId")
         self._f_ecc_mode = bind("nvmlDeviceGetEccMode")
         self._f_threshold = bind("nvmlDeviceGetTemperatureThreshold")
         self._f_supported_events = bind("nvmlDeviceGetSupportedEventTypes")
@@ -519,6 +520,7 @@ class NvmlAdapter:
         serial = opt(gpu, self._f_serial)
         board_id = opt(gpu, self._f_board_id)
         capability = opt(gpu, self._f_compute_cap)
+        module_id = opt(gpu, self._f_module_id)
         ecc_mode = opt(gpu, self._f_ecc_mode)
         supported_events = opt(gpu, self._f_supported_events)
         threshold = self._f_threshold
@@ -549,6 +551,7 @@ class NvmlAdapter:
             temp_gpu_max_c=int(gpu_max) if gpu_max is not None else None,
             temp_mem_max_c=int(mem_max) if mem_max is not None else None,
             supported_events=int(supported_events) if supported_events is not None else None,
+            module_id=int(module_id) if module_id is not None else None,
         )
 
     def _cpu_affinity(self, gpu: _Gpu) -> list[int]:

@@ -90,6 +90,10 @@ class PluginConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     resources: ResourceNames = ResourceNames()
     # Serve gpulet.io/gpu-core and gpulet.io/gpu-memory next to whole GPUs.
     shares: bool = True
+    # Which share resources: "gpulet" (resources.core / resources.memory) or
+    # "koordinator": koordinator.sh/gpu-core and koordinator.sh/gpu-memory-ratio, placed
+    # where koord-scheduler's device-allocated annotation says (needs handshake.enabled).
+    profile: Literal["gpulet", "koordinator"] = "gpulet"
     # Deadline of one backend call (Allocate / GetPreferredAllocation), NATS included.
     backend_timeout_s: Positive = 5.0
     # If the backend cannot answer GetPreferredAllocation, answer with a simple local
@@ -137,6 +141,24 @@ class CdiSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     device_name: Literal["uuid", "index"] = "uuid"
 
 
+class HandshakeSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Following koord-scheduler's device decisions (docs/koordinator.md)."""
+
+    # Watch this node's pods and honour their scheduling.koordinator.sh/device-allocated
+    # annotation in Allocate and GetPreferredAllocation.
+    enabled: bool = False
+    # Kubeconfig outside a cluster; empty: in-cluster, else $KUBECONFIG, else ~/.kube/config.
+    kubeconfig: str = ""
+    # Context of that kubeconfig; empty: its current context.
+    kube_context: str = ""
+    # Post a Kubernetes Event on a pod whose decision is refused.
+    events: bool = True
+    # Deadline of one API request (list, event create).
+    api_timeout_s: PositiveSeconds = 10.0
+    # A watch is reopened (from the last resourceVersion) after this long.
+    watch_timeout_s: PositiveSeconds = 300.0
+
+
 class AllocatorSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # Run the allocator and the device plugin (false: both start idle).
     enabled: bool = True
@@ -167,3 +189,5 @@ class AllocatorSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     cdi: CdiSettings = CdiSettings()
     # The kubelet device plugin (`gpulet device-plugin`).
     plugin: PluginConfig = PluginConfig()
+    # koord-scheduler's device decisions.
+    handshake: HandshakeSettings = HandshakeSettings()

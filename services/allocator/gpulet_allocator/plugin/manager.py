@@ -99,7 +99,9 @@ class DevicePluginManager:
         calls = metrics or PluginMetrics()
         self.servers = [
             ResourceServer(spec, source, backend, config, nodes, calls)
-            for spec in resource_specs(config.resources, shares=config.shares)
+            for spec in resource_specs(
+                config.resources, shares=config.shares, profile=config.profile
+            )
         ]
         self.kubelet_socket = Path(config.plugin_dir) / config.kubelet_socket
         self._state = {

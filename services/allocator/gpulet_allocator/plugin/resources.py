@@ -12,6 +12,13 @@ per physical GPU, the way time-slicing replicas are in NVIDIA's plugin:
 - ``gpulet.io/gpu-memory``: one device per :data:`MEMORY_UNIT_BYTES` of GPU memory,
   ID ``<uuid>::mem-<n>``.
 
+Under the ``koordinator`` profile (``allocator.plugin.profile``) the shares are
+Koordinator's: ``koordinator.sh/gpu-core`` (100 devices per GPU, like gpulet's core
+units) and ``koordinator.sh/gpu-memory-ratio`` (100 devices per GPU, percent of its
+memory, ID ``<uuid>::ratio-<n>``). ``koordinator.sh/gpu-memory`` is counted in bytes,
+which no device plugin can serve (kubelet would need one device per byte); the
+amount comes from koord-scheduler's annotation instead (docs/koordinator.md).
+
 Every device carries its GPU's health and NUMA node, so a GPU turning unhealthy
 withdraws all of its shares too (NVIDIA #1929 is about replicas that did not).
 
@@ -30,6 +37,7 @@ from typing import Final
 
 import msgspec
 
+from gpulet_allocator.koordinator import RES_GPU_CORE, RES_GPU_MEMORY_RATIO
 from gpulet_common.messages import GpuInfo
 from gpulet_common.settings.allocator import ResourceNames as ResourceNames  # settings
 
@@ -41,6 +49,8 @@ UNHEALTHY: Final = "Unhealthy"
 
 _CORE_TAG: Final = "core"
 _MEM_TAG: Final = "mem"
+_RATIO_TAG: Final = "ratio"
+RATIO_UNITS_PER_GPU: Final = 100
 _SEPARATOR: Final = "::"
 
 
@@ -48,6 +58,7 @@ class ResourceKind(enum.StrEnum):
     WHOLE = "whole"
     CORE = "core"
     MEMORY = "memory"
+    RATIO = "ratio"
 
 
 class ResourceSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -91,10 +102,16 @@ class ParsedDeviceId(msgspec.Struct, frozen=True, kw_only=True):
     unit: int | None = None
 
 
-def resource_specs(names: ResourceNames, *, shares: bool = True) -> list[ResourceSpec]:
-    """The resources to serve: whole GPUs always, core/memory shares unless disabled."""
+def resource_specs(
+    names: ResourceNames, *, shares: bool = True, profile: str = "gpulet"
+) -> list[ResourceSpec]:
+    """The resources to serve: whole GPUs always, shares unless disabled (gpulet's
+    core/memory, or Koordinator's core/memory-ratio under the koordinator profile)."""
     specs = [ResourceSpec(name=names.gpu, kind=ResourceKind.WHOLE, preferred_allocation=True)]
-    if shares:
+    if shares and profile == "koordinator":
+        specs.append(ResourceSpec(name=RES_GPU_CORE, kind=ResourceKind.CORE))
+        specs.append(ResourceSpec(name=RES_GPU_MEMORY_RATIO, kind=ResourceKind.RATIO))
+    elif shares:
         specs.append(ResourceSpec(name=names.core, kind=ResourceKind.CORE))
         specs.append(ResourceSpec(name=names.memory, kind=ResourceKind.MEMORY))
     if len({s.name for s in specs}) != len(specs):
@@ -109,6 +126,10 @@ def core_device_id(gpu_uuid: str, unit: int) -> str:
 
 def memory_device_id(gpu_uuid: str, unit: int) -> str:
     return f"{gpu_uuid}{_SEPARATOR}{_MEM_TAG}-{unit}"
+
+
+def ratio_device_id(gpu_uuid: str, unit: int) -> str:
+    return f"{gpu_uuid}{_SEPARATOR}{_RATIO_TAG}-{unit}"
 
 
 def memory_units(memory_total_bytes: int) -> int:
@@ -130,6 +151,8 @@ def parse_device_id(device_id: str) -> ParsedDeviceId:
         return ParsedDeviceId(gpu_uuid=uuid, kind=ResourceKind.CORE, unit=int(number))
     if tag == _MEM_TAG:
         return ParsedDeviceId(gpu_uuid=uuid, kind=ResourceKind.MEMORY, unit=int(number))
+    if tag == _RATIO_TAG:
+        return ParsedDeviceId(gpu_uuid=uuid, kind=ResourceKind.RATIO, unit=int(number))
     raise ValueError(f"malformed device id {device_id!r}")
 
 
@@ -141,6 +164,8 @@ def build_devices(kind: ResourceKind, gpus: Iterable[PluginGpu]) -> list[PluginD
             ids = [gpu.uuid]
         elif kind is ResourceKind.CORE:
             ids = [core_device_id(gpu.uuid, n) for n in range(CORE_UNITS_PER_GPU)]
+        elif kind is ResourceKind.RATIO:
+            ids = [ratio_device_id(gpu.uuid, n) for n in range(RATIO_UNITS_PER_GPU)]
         else:
             ids = [
                 memory_device_id(gpu.uuid, n) for n in range(memory_units(gpu.memory_total_bytes))
