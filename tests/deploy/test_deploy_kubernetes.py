@@ -241,8 +241,10 @@ def test_host_access_is_limited_to_the_kubelet_directories_and_gpulets_state(
         "device-plugins": "/var/lib/kubelet/device-plugins",
         "pod-resources": "/var/lib/kubelet/pod-resources",
         "state": "/var/lib/gpulet",
+        "kmsg": "/dev/kmsg",
     }
     assert host_paths["state"]["type"] == "DirectoryOrCreate"
+    assert host_paths["kmsg"]["type"] == "CharDevice"
     assert not [v["name"] for v in pod["volumes"] if "emptyDir" in v]
     mounts = {
         name: {(m["name"], m.get("subPath", "")): m for m in c.get("volumeMounts", [])}
@@ -250,9 +252,14 @@ def test_host_access_is_limited_to_the_kubelet_directories_and_gpulets_state(
     }
     users = {
         vol: sorted(n for n, m in mounts.items() if any(v == vol for v, _ in m))
-        for vol in ("device-plugins", "pod-resources")
+        for vol in ("device-plugins", "pod-resources", "kmsg")
     }
-    assert users == {"device-plugins": ["device-plugin"], "pod-resources": ["allocator"]}
+    assert users == {
+        "device-plugins": ["device-plugin"],
+        "pod-resources": ["allocator"],
+        "kmsg": ["health"],
+    }
+    assert mounts["health"]["kmsg", ""]["readOnly"] is True
     assert mounts["allocator"]["pod-resources", ""]["readOnly"] is True
     assert (
         mounts["device-plugin"]["device-plugins", ""]["mountPath"]
