@@ -25,10 +25,14 @@ SCHEMA_VERSION = 1
 
 # Wire-level ranges, checked by msgspec while decoding (cross-field facts -- node,
 # unique UUIDs, clock skew -- are checked by gpulet_common.validate).
+# A producer keeps its values inside them (gpulet_common.nvml.adapter does): one value
+# out of range makes every consumer refuse the whole message.
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
-Percent = Annotated[int, msgspec.Meta(ge=0, le=100)]
+PERCENT_RANGE = (0, 100)
+Percent = Annotated[int, msgspec.Meta(ge=PERCENT_RANGE[0], le=PERCENT_RANGE[1])]
 # Degrees Celsius as NVML reports them (unsigned), with room for any sensor.
-Celsius = Annotated[int, msgspec.Meta(ge=-273, le=1000)]
+CELSIUS_RANGE = (-273, 1000)
+Celsius = Annotated[int, msgspec.Meta(ge=CELSIUS_RANGE[0], le=CELSIUS_RANGE[1])]
 NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0)]
 
 

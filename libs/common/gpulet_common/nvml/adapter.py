@@ -65,7 +65,14 @@ from typing import Any, Final, Literal
 
 import msgspec
 
-from gpulet_common.messages import GpuInfo, GpuSample, Inventory, PeerLink
+from gpulet_common.messages import (
+    CELSIUS_RANGE,
+    PERCENT_RANGE,
+    GpuInfo,
+    GpuSample,
+    Inventory,
+    PeerLink,
+)
 from gpulet_common.nvml.errors import (
     NVML_ERROR_FUNCTION_NOT_FOUND,
     NVML_ERROR_GPU_IS_LOST,
@@ -181,6 +188,15 @@ class _Gpu:
         self.unsupported = unsupported
         # First unexpected (non-fatal) field error of the current sample.
         self.error: str | None = None
+
+
+def _within(value: Any, bounds: tuple[int, int]) -> int | None:
+    """An NVML reading inside the wire range of its field, else None (as unsupported):
+    consumers refuse a whole message over one value out of range."""
+    if value is None:
+        return None
+    number = int(value)
+    return number if bounds[0] <= number <= bounds[1] else None
 
 
 def _text(value: Any) -> str:
@@ -546,10 +562,10 @@ class NvmlAdapter:
             ecc_enabled=(
                 int(ecc_mode[0]) == self._c_feature_enabled if ecc_mode is not None else None
             ),
-            temp_shutdown_c=int(shutdown) if shutdown is not None else None,
-            temp_slowdown_c=int(slowdown) if slowdown is not None else None,
-            temp_gpu_max_c=int(gpu_max) if gpu_max is not None else None,
-            temp_mem_max_c=int(mem_max) if mem_max is not None else None,
+            temp_shutdown_c=_within(shutdown, CELSIUS_RANGE),
+            temp_slowdown_c=_within(slowdown, CELSIUS_RANGE),
+            temp_gpu_max_c=_within(gpu_max, CELSIUS_RANGE),
+            temp_mem_max_c=_within(mem_max, CELSIUS_RANGE),
             supported_events=int(supported_events) if supported_events is not None else None,
             module_id=int(module_id) if module_id is not None else None,
         )
@@ -724,11 +740,15 @@ class NvmlAdapter:
             uuid=gpu.uuid,
             index=index,
             timestamp=time.time(),
-            gpu_util_pct=utilization.gpu if utilization is not None else None,
-            mem_util_pct=utilization.memory if utilization is not None else None,
+            gpu_util_pct=(
+                _within(utilization.gpu, PERCENT_RANGE) if utilization is not None else None
+            ),
+            mem_util_pct=(
+                _within(utilization.memory, PERCENT_RANGE) if utilization is not None else None
+            ),
             memory_used_bytes=memory.used if memory is not None else None,
             memory_free_bytes=memory.free if memory is not None else None,
-            temperature_c=temperature,
+            temperature_c=_within(temperature, CELSIUS_RANGE),
             power_mw=power,
             sm_clock_mhz=sm_clock,
             mem_clock_mhz=mem_clock,
