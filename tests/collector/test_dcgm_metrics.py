@@ -6,7 +6,6 @@ read from the same function that serves ``/metrics``.
 
 from __future__ import annotations
 
-import re
 import time
 from pathlib import Path
 
@@ -20,30 +19,13 @@ from gpulet_common.embedded_nats import EmbeddedNats
 from gpulet_common.messages import HealthEvent
 from gpulet_common.telemetry import render_metrics
 from support.agent import agent_settings, mock_adapter, runtime_for
+from support.exposition import parse
 from support.waiting import wait_until
 
 pytestmark = pytest.mark.anyio
 
-_SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)\{(.*)\} (\S+)$")
-_LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
 DCGM_LABELS = {"gpu", "UUID", "pci_bus_id", "device", "modelName", "Hostname"}
 DCGM_LABELS |= {"DCGM_FI_DRIVER_VERSION"}
-
-
-def parse(text: str) -> tuple[dict[str, str], list[tuple[str, dict[str, str], float]]]:
-    """(TYPE of each family, samples) of the DCGM_FI_* lines of an exposition."""
-    types: dict[str, str] = {}
-    samples: list[tuple[str, dict[str, str], float]] = []
-    for line in text.splitlines():
-        if line.startswith("# TYPE DCGM_"):
-            _, _, name, kind = line.split(" ")
-            types[name] = kind
-        elif line.startswith("DCGM_"):
-            match = _SAMPLE.match(line)
-            assert match is not None, line
-            labels = dict(_LABEL.findall(match.group(2)))
-            samples.append((match.group(1), labels, float(match.group(3))))
-    return types, samples
 
 
 def values(samples: list[tuple[str, dict[str, str], float]], name: str) -> dict[str, float]:

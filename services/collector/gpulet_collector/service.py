@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 
 import anyio
 import anyio.abc
@@ -32,6 +33,7 @@ import msgspec
 
 from gpulet_collector.dcgm import DcgmExporter
 from gpulet_collector.gauges import GpuGauges
+from gpulet_collector.pods import PodAttribution
 from gpulet_collector.sampler import NVML_UNAVAILABLE, ParallelSampler
 from gpulet_common import codec, subjects
 from gpulet_common.bus import Delivery
@@ -106,6 +108,14 @@ class CollectorService:
                 await self._adopt(handle.adapter)
                 task_status.started()
             self._rt.status.set(self.name, "ready", f"{len(self._inventory.gpus)} GPUs")
+            if self._settings.dcgm_metrics and self._settings.pod_labels:
+                attribution = PodAttribution(
+                    Path(self._settings.pod_resources_socket),
+                    self._settings.pod_resources_poll_s,
+                    lambda: {g.uuid for g in self._inventory.gpus},
+                    self.dcgm.update_holders,
+                )
+                await tg.start(attribution.run)
             await self._sample_forever()
 
     async def _wait_for_nvml(self) -> NvmlAdapter:

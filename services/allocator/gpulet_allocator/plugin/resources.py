@@ -31,6 +31,7 @@ from typing import Final
 import msgspec
 
 from gpulet_common.messages import GpuInfo
+from gpulet_common.podresources import SHARE_SEPARATOR
 from gpulet_common.settings.allocator import ResourceNames as ResourceNames  # settings
 
 CORE_UNITS_PER_GPU: Final = 100
@@ -41,7 +42,7 @@ UNHEALTHY: Final = "Unhealthy"
 
 _CORE_TAG: Final = "core"
 _MEM_TAG: Final = "mem"
-_SEPARATOR: Final = "::"
+_SEPARATOR: Final = SHARE_SEPARATOR
 
 
 class ResourceKind(enum.StrEnum):
