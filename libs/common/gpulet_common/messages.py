@@ -117,7 +117,8 @@ class GpuSample(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=True):
     # --- slow fields (issue 15): read every ``collector.slow_period_s``, not every period,
     # because on a real GPU each read costs milliseconds (one nvmlDeviceGetFieldValues
     # batch, GPM). Between two slow reads a sample repeats the last values;
-    # ``slow_fields_at`` says when they were read.
+    # ``slow_fields_at`` says when they were read. ecc_aggregate_* above are read on
+    # this cadence too.
     slow_fields_at: float | None = None
     memory_temperature_c: int | None = None
     # Energy since the driver loaded, in millijoules (a counter).

@@ -57,7 +57,8 @@ The slow path
 -------------
 ``sample(index, slow=True)`` also reads the fields that cost milliseconds on every
 call of a real GPU (``nvmlDeviceGetFieldValues``: energy, PCIe replays, NVLink
-counters, memory temperature; and GPM activity on Hopper and later). The collector
+counters, memory temperature; and GPM activity on Hopper and later), and the
+aggregate (lifetime) ECC counts, which nothing needs within seconds. The collector
 asks for them every ``collector.slow_period_s``; in between, samples repeat the last
 values, and ``slow_fields_at`` tells their age. A field id the GPU answers
 NOT_SUPPORTED for is dropped from later batches.
@@ -778,8 +779,6 @@ class NvmlAdapter:
         volatile, aggregate = self._c_volatile, self._c_aggregate
         ecc_vol_corr = read(gpu, _U_ECC_VOL_CORR, ecc, corrected, volatile)
         ecc_vol_uncorr = read(gpu, _U_ECC_VOL_UNCORR, ecc, uncorrected, volatile)
-        ecc_agg_corr = read(gpu, _U_ECC_AGG_CORR, ecc, corrected, aggregate)
-        ecc_agg_uncorr = read(gpu, _U_ECC_AGG_UNCORR, ecc, uncorrected, aggregate)
         remapped = read(gpu, _U_REMAP, self._f_remapped_rows)
         retired = read(gpu, _U_RETIRED, self._f_retired_pending)
         reasons = read(gpu, _U_EVENT_REASONS, self._f_event_reasons)
@@ -787,7 +786,7 @@ class NvmlAdapter:
             # Drivers before 535 only have the older name of the same call.
             reasons = read(gpu, _U_THROTTLE_REASONS, self._f_throttle_reasons)
         if slow:
-            self._read_slow(gpu)
+            self._read_slow(gpu, aggregate)
         error = gpu.error
         if error is not None:
             self._forget(gpu)
@@ -805,8 +804,6 @@ class NvmlAdapter:
             mem_clock_mhz=mem_clock,
             ecc_volatile_corrected=ecc_vol_corr,
             ecc_volatile_uncorrected=ecc_vol_uncorr,
-            ecc_aggregate_corrected=ecc_agg_corr,
-            ecc_aggregate_uncorrected=ecc_agg_uncorr,
             remapped_rows_correctable=remapped[0] if remapped is not None else None,
             remapped_rows_uncorrectable=remapped[1] if remapped is not None else None,
             remapped_rows_pending=bool(remapped[2]) if remapped is not None else None,
@@ -819,9 +816,19 @@ class NvmlAdapter:
 
     # --- slow fields -----------------------------------------------------------------
 
-    def _read_slow(self, gpu: _Gpu) -> None:
+    def _read_slow(self, gpu: _Gpu, aggregate: int) -> None:
         """Read the slow fields into ``gpu.slow`` (errors as in :meth:`_read`)."""
         values: dict[str, Any] = {}
+        # Aggregate ECC counts are the persistent (lifetime) ones: nothing acts on
+        # them within seconds, and two calls per GPU per period are not free.
+        ecc = self._f_total_ecc
+        for field, bit, kind in (
+            ("ecc_aggregate_corrected", _U_ECC_AGG_CORR, self._c_corrected),
+            ("ecc_aggregate_uncorrected", _U_ECC_AGG_UNCORR, self._c_uncorrected),
+        ):
+            value = self._read(gpu, bit, ecc, kind, aggregate)
+            if value is not None:
+                values[field] = value
         values.update(self._read_field_values(gpu))
         values.update(self._read_gpm(gpu))
         values["slow_fields_at"] = time.time()

@@ -19,10 +19,11 @@ class CollectorSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     # learns the GPUs without asking. 0 disables; changes are always published at once.
     inventory_republish_s: Annotated[float, msgspec.Meta(ge=0)] = 30.0
     # Seconds between two reads of the slow fields (energy, PCIe replays, NVLink
-    # counters, memory temperature, GPM activity): one nvmlDeviceGetFieldValues batch
-    # costs ~5 ms of CPU per GPU on a real H100 every time, so it is not read every
-    # period. Samples in between repeat the last values (see slow_fields_at).
-    slow_period_s: Annotated[float, msgspec.Meta(ge=0.01, le=3600)] = 10.0
+    # counters, memory temperature, GPM activity, aggregate ECC): one
+    # nvmlDeviceGetFieldValues batch costs ~5 ms of CPU per GPU on a real H100 every
+    # time, so it is not read every period (30 s is dcgm-exporter's default interval).
+    # Samples in between repeat the last values (see slow_fields_at).
+    slow_period_s: Annotated[float, msgspec.Meta(ge=0.01, le=3600)] = 30.0
     # Export dcgm-exporter's DCGM_FI_* metrics on /metrics beside the gpulet_* ones.
     dcgm_metrics: bool = True
     # Add pod/namespace/container labels to the DCGM_FI_* metrics of GPUs that a
