@@ -100,7 +100,12 @@ class PodAttribution:
         if problem is None:
             log.info("pod labels from kubelet's PodResources at %s", self._socket)
         else:
-            log.warning("no pod labels on GPU metrics: PodResources List failed: %s", problem)
+            log.warning(
+                "no pod labels on GPU metrics: PodResources List failed: %s (mount kubelet's "
+                "pod-resources directory, deploy/kustomize/components/pod-labels, or set "
+                "collector.pod_labels=false)",
+                problem,
+            )
         self._problem = problem
 
     async def run(
