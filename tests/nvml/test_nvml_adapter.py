@@ -680,3 +680,27 @@ def test_sample_overhead_is_small() -> None:
             adapter.sample(0)
         best = min(best, (time.perf_counter() - start) / rounds)
     assert best < 100e-6, f"{best * 1e6:.1f} us per sample"
+
+
+def test_a_failed_gpm_measurement_starts_over_without_failing_the_sample(
+    open_mock: MockFactory,
+) -> None:
+    _, mock = open_mock("dgx-h100")
+    failures = [pynvml.NVML_ERROR_UNKNOWN]
+
+    def metrics_get(request: Any) -> Any:
+        if failures:
+            raise pynvml.NVMLError(failures.pop())
+        return mock.nvmlGpmMetricsGet(request)
+
+    wrapped = Wrapped(mock, nvmlGpmMetricsGet=metrics_get)
+    adapter = NvmlAdapter(wrapped, backend="mock")
+    adapter.init()
+    adapter.sample(0, slow=True)  # GPM's first sample
+    failed = adapter.sample(0, slow=True)
+    assert failed.error is None
+    assert failed.tensor_active is None
+    assert failed.energy_mj is not None  # the rest of the slow fields are there
+    adapter.sample(0, slow=True)  # starts over
+    assert adapter.sample(0, slow=True).tensor_active == 0.12
+    assert wrapped.calls["nvmlGpmQueryDeviceSupport"] == 2

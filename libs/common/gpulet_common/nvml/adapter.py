@@ -360,6 +360,7 @@ class NvmlAdapter:
         self._f_gpm_alloc = bind("nvmlGpmSampleAlloc")
         self._f_gpm_get = bind("nvmlGpmSampleGet")
         self._f_gpm_metrics = bind("nvmlGpmMetricsGet")
+        self._f_gpm_free = bind("nvmlGpmSampleFree")
         self._gpm_request_type = getattr(nvml_module, "c_nvmlGpmMetricsGet_t", None)
 
         const = self._const
@@ -453,18 +454,39 @@ class NvmlAdapter:
         except OSError as exc:  # a broken library file rather than a missing one
             raise NvmlUnavailable(f"loading the NVML library failed: {exc}") from exc
         self.invalidate()
+        with self._lock:
+            # GPM buffers of a previous initialisation are not valid any more.
+            self._gpm_by_uuid.clear()
         self._initialized = True
 
     def shutdown(self) -> None:
         """Release NVML. Errors are logged, never raised: this runs on the way out."""
         self._initialized = False
         self.invalidate()
+        self._free_gpm_samples()
         if self._f_shutdown is None:
             return
         try:
             self._f_shutdown()
         except self._error_type as exc:
             log.debug("nvmlShutdown failed: %s", exc)
+
+    def _free_gpm_samples(self) -> None:
+        """Give back the GPM sample buffers (NVML allocates them; two per GPU)."""
+        with self._lock:
+            states = list(self._gpm_by_uuid.values())
+            self._gpm_by_uuid.clear()
+        free = self._f_gpm_free
+        if free is None:
+            return
+        for state in states:
+            for sample in (state.previous, state.spare):
+                if sample is None:
+                    continue
+                try:
+                    free(sample)
+                except self._error_type as exc:
+                    log.debug("nvmlGpmSampleFree failed: %s", exc)
 
     def invalidate(self, index: int | None = None) -> None:
         """Forget cached handles (of one GPU, or all), e.g. after the GPU count changed."""
@@ -905,7 +927,19 @@ class NvmlAdapter:
             metrics_get(request)
             state.previous, state.spare = current, state.previous
         except self._error_type as exc:
-            self._field_failed(gpu, _U_GPM, get, exc)
+            code = self._code(exc)
+            if code in _FIELD_UNSUPPORTED or code in (
+                NVML_ERROR_GPU_IS_LOST,
+                NVML_ERROR_RESET_REQUIRED,
+                *_UNAVAILABLE_AFTER_INIT,
+            ):
+                self._field_failed(gpu, _U_GPM, get, exc)
+            else:
+                # GPM is an extra: a failed measurement starts over at the next slow
+                # read rather than marking the GPU's sample as failed.
+                log.debug("GPU %d: GPM measurement failed, starting over: %s", gpu.index, exc)
+                with self._lock:
+                    self._gpm_by_uuid.pop(gpu.uuid, None)
             return {}
         out: dict[str, Any] = {}
         for i, (field, _) in enumerate(self._gpm_metrics):
