@@ -471,8 +471,8 @@ async def test_cancellation_also_removes_sockets(plugin_dir: Path, dev_root: Pat
 
 @pytest.mark.anyio
 async def test_fake_pod_resources_lister(plugin_dir: Path) -> None:
-    from gpulet_allocator.kubelet_api.podresources.v1 import api_pb2 as pr
-    from gpulet_allocator.kubelet_api.podresources.v1 import api_pb2_grpc as pr_grpc
+    from gpulet_common.kubelet_api.podresources.v1 import api_pb2 as pr
+    from gpulet_common.kubelet_api.podresources.v1 import api_pb2_grpc as pr_grpc
 
     pods = [FakePod(name="train", containers=[FakeContainer(name="main", devices={GPU: [UUID0]})])]
     sock = plugin_dir / "pod-resources.sock"

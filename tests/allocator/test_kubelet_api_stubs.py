@@ -13,21 +13,36 @@ import pytest
 from google.protobuf import descriptor_pb2
 
 from gpulet_allocator.kubelet_api.deviceplugin.v1beta1 import api_pb2 as dp
-from gpulet_allocator.kubelet_api.podresources.v1 import api_pb2 as pr
+from gpulet_common.kubelet_api.podresources.v1 import api_pb2 as pr
 
 ROOT = Path(__file__).resolve().parents[2]
-INCLUDE_ROOT = ROOT / "services" / "allocator"
-API_DIR = INCLUDE_ROOT / "gpulet_allocator" / "kubelet_api"
+# (include root, kubelet_api package) of each generated tree, as in scripts/gen-protos.
+TREES = (
+    (ROOT / "services" / "allocator", Path("gpulet_allocator") / "kubelet_api"),
+    (ROOT / "libs" / "common", Path("gpulet_common") / "kubelet_api"),
+)
 STUB_SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py", "_pb2_grpc.pyi")
 
 
-def committed_stubs() -> list[Path]:
-    return sorted(p for p in API_DIR.rglob("*_pb2*") if p.name.endswith(STUB_SUFFIXES))
+def committed_stubs() -> dict[Path, Path]:
+    """Path relative to its include root -> the committed file."""
+    return {
+        p.relative_to(root): p
+        for root, api in TREES
+        for p in (root / api).rglob("*_pb2*")
+        if p.name.endswith(STUB_SUFFIXES)
+    }
 
 
 def generated_with() -> dict[str, str]:
-    lines = (API_DIR / "GENERATED_WITH").read_text().splitlines()
-    return dict(line.split(" ", 1) for line in lines if line.strip())
+    recorded: dict[str, str] = {}
+    for root, api in TREES:
+        lines = (root / api / "GENERATED_WITH").read_text().splitlines()
+        for line in lines:
+            if line.strip():
+                name, _, installed = line.partition(" ")
+                recorded[name] = installed
+    return recorded
 
 
 def test_wire_names_are_kubelets() -> None:
@@ -57,9 +72,9 @@ def test_committed_stubs_are_current(tmp_path: Path) -> None:
         check=False,
     )
     assert result.returncode == 0, result.stderr
-    assert (tmp_path / API_DIR.relative_to(INCLUDE_ROOT) / "GENERATED_WITH").exists()
+    assert all((tmp_path / api / "GENERATED_WITH").exists() for _, api in TREES)
     committed = committed_stubs()
-    assert {p.relative_to(INCLUDE_ROOT) for p in committed} == {
+    assert set(committed) == {
         p.relative_to(tmp_path) for p in tmp_path.rglob("*_pb2*") if p.name.endswith(STUB_SUFFIXES)
     }
 
@@ -76,9 +91,7 @@ def test_committed_stubs_are_current(tmp_path: Path) -> None:
     if installed != recorded:
         pytest.skip(f"stubs made by {recorded}, installed generators are {installed}")
     stale = [
-        str(p.relative_to(INCLUDE_ROOT))
-        for p in committed
-        if p.read_bytes() != (tmp_path / p.relative_to(INCLUDE_ROOT)).read_bytes()
+        str(rel) for rel, p in committed.items() if p.read_bytes() != (tmp_path / rel).read_bytes()
     ]
     assert not stale, f"stale stubs, run scripts/gen-protos: {stale}"
 

@@ -237,7 +237,7 @@ def test_faults_demo_timeline(open_mock: MockFactory, clock: ManualClock) -> Non
     with pytest.raises(Exception, match="lost"):
         adapter.sample(0)
     at(40)
-    reset = adapter.sample(3)
+    reset = adapter.sample(3, slow=True)
     assert (reset.ecc_volatile_uncorrected, reset.ecc_aggregate_uncorrected) == (0, 1)
 
     at(45)  # the hot-added GPU, and GPU 0 is back
@@ -315,7 +315,7 @@ def test_live_injection_of_every_fault_kind(open_mock: MockFactory, fault: str) 
         assert event is not None
         assert (event.gpu_index, event.event_data) == (2, 74)
     elif fault == "ecc_sbe":
-        assert adapter.sample(2).ecc_aggregate_corrected == 4
+        assert adapter.sample(2, slow=True).ecc_aggregate_corrected == 4
     elif fault == "ecc_dbe":
         assert adapter.sample(2).ecc_volatile_uncorrected == 1
     elif fault == "temperature":

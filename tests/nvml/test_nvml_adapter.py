@@ -177,7 +177,7 @@ def test_nvlink_pairs_and_numa_topologies(open_mock: MockFactory) -> None:
 def test_every_sample_field_of_dgx_h100(open_mock: MockFactory) -> None:
     adapter, _ = open_mock("dgx-h100")
     before = time.time()
-    sample = adapter.sample(3)
+    sample = adapter.sample(3, slow=True)
     assert sample.uuid == adapter.uuid_of(3)
     assert sample.index == 3
     assert before <= sample.timestamp <= time.time()
@@ -195,6 +195,33 @@ def test_every_sample_field_of_dgx_h100(open_mock: MockFactory) -> None:
     assert sample.retired_pages_pending is None  # H100 remaps rows, no page retirement
     assert sample.throttle_reasons == 0
     assert sample.error is None
+    # The slow fields: one nvmlDeviceGetFieldValues batch (GPM needs a second read).
+    assert sample.slow_fields_at is not None
+    assert before <= sample.slow_fields_at <= time.time()
+    assert sample.memory_temperature_c == 38
+    assert sample.energy_mj is not None
+    assert sample.energy_mj >= 3_600_000_000
+    assert sample.pcie_replay_count == 0
+    assert sample.nvlink_crc_flit_errors == sample.nvlink_crc_data_errors == 0
+    assert sample.nvlink_replay_errors == sample.nvlink_recovery_errors == 0
+    assert sample.nvlink_bandwidth_total is not None
+    assert sample.tensor_active is None
+    again = adapter.sample(3, slow=True)
+    assert (again.gr_engine_active, again.tensor_active, again.dram_active) == (0.2, 0.12, 0.08)
+
+
+def test_fast_samples_repeat_the_last_slow_fields(open_mock: MockFactory) -> None:
+    adapter, _ = open_mock("dgx-h100")
+    assert adapter.sample(0).slow_fields_at is None  # never read yet
+    slow = adapter.sample(0, slow=True)
+    fast = adapter.sample(0)
+    assert fast.slow_fields_at == slow.slow_fields_at
+    assert (fast.energy_mj, fast.ecc_aggregate_corrected) == (slow.energy_mj, 0)
+    assert fast.timestamp > slow.timestamp
+    later = adapter.sample(0, slow=True)
+    assert later.slow_fields_at is not None
+    assert slow.slow_fields_at is not None
+    assert later.slow_fields_at > slow.slow_fields_at
 
 
 def test_t4_unsupported_fields_are_none(open_mock: MockFactory) -> None:
@@ -225,6 +252,31 @@ def test_t4_unsupported_fields_are_none(open_mock: MockFactory) -> None:
     assert sample.throttle_reasons == 1
     assert (sample.temperature_c, sample.power_mw, sample.sm_clock_mhz) == (29, 9500, 300)
     assert sample.error is None
+
+
+def test_slow_fields_a_gpu_lacks_are_not_asked_again(open_mock: MockFactory) -> None:
+    _, mock = open_mock("t4")
+    asked: list[list[int]] = []
+
+    def field_values(handle: Any, field_ids: list[int]) -> Any:
+        asked.append(list(field_ids))
+        return mock.nvmlDeviceGetFieldValues(handle, field_ids)
+
+    wrapped = Wrapped(mock, nvmlDeviceGetFieldValues=field_values)
+    adapter = NvmlAdapter(wrapped, backend="mock")
+    adapter.init()
+    first = adapter.sample(0, slow=True)
+    adapter.sample(0, slow=True)
+    # A T4 has no NVLink and no memory temperature sensor; Turing has no GPM.
+    assert (first.energy_mj is not None, first.pcie_replay_count) == (True, 0)
+    assert first.nvlink_crc_flit_errors is None
+    assert first.memory_temperature_c is None
+    assert len(asked[0]) == 8
+    assert sorted(asked[1]) == sorted(
+        [pynvml.NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION, pynvml.NVML_FI_DEV_PCIE_REPLAY_COUNTER]
+    )
+    assert wrapped.calls["nvmlGpmQueryDeviceSupport"] == 1
+    assert "nvmlGpmSampleGet" not in wrapped.calls
 
 
 def test_unsupported_fields_are_not_asked_again(open_mock: MockFactory) -> None:
@@ -530,7 +582,7 @@ def test_ecc_events(open_mock: MockFactory) -> None:
         assert event.gpu_index == 1
         types.append(event.event_type)
     assert types == [EVENT_SINGLE_BIT_ECC, EVENT_DOUBLE_BIT_ECC]
-    sample = adapter.sample(1)
+    sample = adapter.sample(1, slow=True)
     assert (sample.ecc_volatile_corrected, sample.ecc_volatile_uncorrected) == (2, 1)
     assert (sample.ecc_aggregate_corrected, sample.ecc_aggregate_uncorrected) == (2, 1)
 
@@ -630,3 +682,27 @@ def test_sample_overhead_is_small() -> None:
             adapter.sample(0)
         best = min(best, (time.perf_counter() - start) / rounds)
     assert best < 100e-6, f"{best * 1e6:.1f} us per sample"
+
+
+def test_a_failed_gpm_measurement_starts_over_without_failing_the_sample(
+    open_mock: MockFactory,
+) -> None:
+    _, mock = open_mock("dgx-h100")
+    failures = [pynvml.NVML_ERROR_UNKNOWN]
+
+    def metrics_get(request: Any) -> Any:
+        if failures:
+            raise pynvml.NVMLError(failures.pop())
+        return mock.nvmlGpmMetricsGet(request)
+
+    wrapped = Wrapped(mock, nvmlGpmMetricsGet=metrics_get)
+    adapter = NvmlAdapter(wrapped, backend="mock")
+    adapter.init()
+    adapter.sample(0, slow=True)  # GPM's first sample
+    failed = adapter.sample(0, slow=True)
+    assert failed.error is None
+    assert failed.tensor_active is None
+    assert failed.energy_mj is not None  # the rest of the slow fields are there
+    adapter.sample(0, slow=True)  # starts over
+    assert adapter.sample(0, slow=True).tensor_active == 0.12
+    assert wrapped.calls["nvmlGpmQueryDeviceSupport"] == 2

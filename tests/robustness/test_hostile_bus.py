@@ -394,10 +394,10 @@ async def test_no_payload_on_any_subject_kills_misleads_or_stalls_the_agent(
 
         # Publications: (subject, payloads, consumers in `gpulet run`).
         published = [
-            # Nobody in `gpulet run` subscribes to health events any more: the reporter,
-            # allocator and plugin read the gpu_health KV bucket (NodeView). The events
-            # still must not kill, mislead or stall anything; `gpulet alerts` is below.
-            (subjects.health(NODE), health_event_payloads(uuids[0]), 0),
+            # The reporter, allocator and plugin read the gpu_health KV bucket (NodeView),
+            # not events; the collector follows them for DCGM_FI_DEV_XID_ERRORS.
+            # `gpulet alerts` is below.
+            (subjects.health(NODE), health_event_payloads(uuids[0]), 1),
             (subjects.inventory(NODE), inventory_payloads(inventory), 4),
             (subjects.samples(NODE), samples_payloads(uuids), 1),
         ]

@@ -30,6 +30,9 @@ def agent_settings(
             "nats.reconnect_max_wait_s=0.25",
             "nvml.backend=mock",
             "telemetry.http_port=0",
+            # Never the host's kubelet: a socket path that does not exist unless a test
+            # serves a fake PodResources there.
+            f"collector.pod_resources_socket={state_dir / 'pod-resources.sock'}",
             *(overrides or []),
         ]
     )

@@ -39,8 +39,8 @@ from anyio.abc import TaskGroup
 
 from gpulet_allocator.kubelet_api.deviceplugin.v1beta1 import api_pb2 as dp
 from gpulet_allocator.kubelet_api.deviceplugin.v1beta1 import api_pb2_grpc as dp_grpc
-from gpulet_allocator.kubelet_api.podresources.v1 import api_pb2 as pr
-from gpulet_allocator.kubelet_api.podresources.v1 import api_pb2_grpc as pr_grpc
+from gpulet_common.kubelet_api.podresources.v1 import api_pb2 as pr
+from gpulet_common.kubelet_api.podresources.v1 import api_pb2_grpc as pr_grpc
 
 Context = grpc.aio.ServicerContext[Any, Any]
 KUBELET_SOCKET = "kubelet.sock"

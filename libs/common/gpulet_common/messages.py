@@ -131,6 +131,27 @@ class GpuSample(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=True):
     throttle_reasons: NonNegative | None = None
     # Set when the GPU could not be read this period: "lost", "timeout", "error: ...".
     error: str | None = None
+    # --- slow fields (issue 15): read every ``collector.slow_period_s``, not every period,
+    # because on a real GPU each read costs milliseconds (one nvmlDeviceGetFieldValues
+    # batch, GPM). Between two slow reads a sample repeats the last values;
+    # ``slow_fields_at`` says when they were read. ecc_aggregate_* above are read on
+    # this cadence too.
+    slow_fields_at: float | None = None
+    memory_temperature_c: int | None = None
+    # Energy since the driver loaded, in millijoules (a counter).
+    energy_mj: int | None = None
+    pcie_replay_count: int | None = None
+    # NVLink error counters, summed over the GPU's links (counters).
+    nvlink_crc_flit_errors: int | None = None
+    nvlink_crc_data_errors: int | None = None
+    nvlink_replay_errors: int | None = None
+    nvlink_recovery_errors: int | None = None
+    # NVLink bandwidth counter set 0, all links (a counter, in the counter's units).
+    nvlink_bandwidth_total: int | None = None
+    # GPM (Hopper and later): activity ratios 0..1 over the last slow period.
+    gr_engine_active: float | None = None
+    tensor_active: float | None = None
+    dram_active: float | None = None
 
 
 class SampleBatch(_Message, frozen=True, kw_only=True):

@@ -1,6 +1,8 @@
 """OpenTelemetry set-up and the HTTP endpoints ``/metrics``, ``/healthz`` and ``/readyz``.
 
-Metrics are recorded through the OpenTelemetry API only. The process-wide
+Metrics are recorded through the OpenTelemetry API, except those that must keep a
+foreign exact name (dcgm-exporter's ``DCGM_FI_*``): their text is appended through
+:func:`add_exposition`. The process-wide
 :class:`Telemetry` installs a MeterProvider whose Prometheus reader feeds the
 ``prometheus_client`` registry that ``/metrics`` renders, and an OTLP/HTTP exporter
 when an endpoint is configured. Components receive a ``Meter`` rather than reaching for
@@ -24,6 +26,7 @@ import contextlib
 import json
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -153,10 +156,37 @@ class Telemetry:
         self.meter_provider.shutdown()
 
 
+# Extra exposition text appended to /metrics by components that must name their
+# metrics exactly (the collector's dcgm-exporter names, which neither OpenTelemetry's
+# exporter nor prometheus_client's counters would leave unchanged).
+_expositions: list[Callable[[], bytes]] = []
+_expositions_lock = threading.Lock()
+
+
+def add_exposition(render: Callable[[], bytes]) -> None:
+    """Append ``render()``'s Prometheus text to every /metrics answer."""
+    with _expositions_lock:
+        _expositions.append(render)
+
+
+def remove_exposition(render: Callable[[], bytes]) -> None:
+    with _expositions_lock:
+        if render in _expositions:
+            _expositions.remove(render)
+
+
 def render_metrics() -> bytes:
     from prometheus_client import REGISTRY, generate_latest
 
-    return generate_latest(REGISTRY)
+    with _expositions_lock:
+        extra = list(_expositions)
+    body = generate_latest(REGISTRY)
+    for render in extra:
+        try:
+            body += render()
+        except Exception:  # one broken renderer must not take /metrics down
+            log.exception("a metrics exposition failed")
+    return body
 
 
 _REASONS = {200: "OK", 404: "Not Found", 405: "Method Not Allowed", 503: "Service Unavailable"}

@@ -6,8 +6,9 @@ Kubelet never tells a device plugin that a pod went away. Its PodResources API
 (``v1.PodResourcesLister/List`` on ``/var/lib/kubelet/pod-resources/kubelet.sock``)
 lists, for every live pod and container, the device IDs it holds per resource: hashed
 the way :func:`gpulet_allocator.core.grant_key` hashes Allocate's IDs, those are the
-live grants. The call is bounded by a deadline; a missing socket means "no kubelet
-here" and is reported as such, not as an error.
+live grants. The call itself (:func:`gpulet_common.podresources.list_pod_resources`,
+bounded by a deadline; a missing socket means "no kubelet here") is shared with the
+collector, which labels GPU metrics with the pods holding them.
 
 The same answer, as :func:`held_devices`, is what rebuilds a lost allocation record
 (:meth:`gpulet_allocator.core.AllocatorCore.adopt`).
@@ -16,35 +17,12 @@ The same answer, as :func:`held_devices`, is what rebuilds a lost allocation rec
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
-
-import anyio
-import grpc
-import grpc.aio
 
 from gpulet_allocator.core import GrantKind, HeldDevices, PodRef, grant_key
-from gpulet_allocator.kubelet_api.podresources.v1 import api_pb2 as pr
-from gpulet_allocator.kubelet_api.podresources.v1 import api_pb2_grpc as pr_grpc
+from gpulet_common.kubelet_api.podresources.v1 import api_pb2 as pr
+from gpulet_common.podresources import PodResourcesUnavailable, list_pod_resources
 
-
-class PodResourcesUnavailable(Exception):
-    pass
-
-
-async def list_pod_resources(socket: Path, timeout_s: float) -> pr.ListPodResourcesResponse:
-    """One ``List`` call; raises PodResourcesUnavailable (socket missing, RPC failed)."""
-    if not await anyio.Path(socket).exists():
-        raise PodResourcesUnavailable(f"{socket} does not exist")
-    try:
-        # The outer deadline also covers connecting and closing the channel.
-        with anyio.fail_after(timeout_s + 1.0):
-            async with grpc.aio.insecure_channel(f"unix://{socket}") as channel:
-                stub = pr_grpc.PodResourcesListerStub(channel)
-                return await stub.List(pr.ListPodResourcesRequest(), timeout=timeout_s)
-    except grpc.aio.AioRpcError as exc:
-        raise PodResourcesUnavailable(f"{exc.code().name}: {exc.details()}") from exc
-    except (TimeoutError, OSError) as exc:
-        raise PodResourcesUnavailable(f"{type(exc).__name__}: {exc}") from exc
+__all__ = ["PodResourcesUnavailable", "held_devices", "list_pod_resources", "live_grants"]
 
 
 def live_grants(

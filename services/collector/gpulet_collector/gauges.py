@@ -2,8 +2,9 @@
 
 Observable gauges are evaluated at scrape time from the latest :class:`SampleBatch`,
 so exporting costs nothing between scrapes. Labels follow dcgm-exporter (``gpu``,
-``UUID``, ``pci_bus_id``, ``modelName``, ``Hostname``) so existing dashboards need
-only a metric-name change.
+``UUID``, ``pci_bus_id``, ``modelName``, ``Hostname``). dcgm-exporter's own metric
+names (``DCGM_FI_*``), for dashboards that need no change at all, are served by
+:mod:`.dcgm`.
 """
 
 from __future__ import annotations

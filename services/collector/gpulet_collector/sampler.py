@@ -34,7 +34,7 @@ NVML_UNAVAILABLE = "nvml_unavailable"
 class ParallelSampler:
     def __init__(
         self,
-        read: Callable[[int], GpuSample],
+        read: Callable[[int, bool], GpuSample],
         *,
         count: Callable[[], int] | None = None,
         call_timeout_s: float,
@@ -71,8 +71,12 @@ class ParallelSampler:
         except NvmlCallError as exc:
             return GpuSample(uuid=uuid, index=index, timestamp=time.time(), error=f"error: {exc}")
 
-    def sample_blocking(self, gpus: list[tuple[int, str]]) -> tuple[int | None, list[GpuSample]]:
+    def sample_blocking(
+        self, gpus: list[tuple[int, str]], slow: bool = False
+    ) -> tuple[int | None, list[GpuSample]]:
         """Read every ``(index, uuid)`` from a worker thread; ordered as given.
+
+        ``slow`` asks the reads for the slow fields too (``read(index, slow)``).
 
         Also returns NVML's current GPU count (None when it could not be read in time),
         read alongside the samples so that hot-add and removal cost no extra hop.
@@ -81,7 +85,9 @@ class ParallelSampler:
             stuck = {i for i, f in self._stuck.items() if not f.done()}
             self._stuck = {i: f for i, f in self._stuck.items() if i in stuck}
         futures = {
-            index: self._pool.submit(self._read, index) for index, _ in gpus if index not in stuck
+            index: self._pool.submit(self._read, index, slow)
+            for index, _ in gpus
+            if index not in stuck
         }
         counted = self._pool.submit(self._count) if self._count is not None else None
         waiting: list[concurrent.futures.Future[Any]] = [*futures.values()]
@@ -99,8 +105,12 @@ class ParallelSampler:
             for index, uuid in gpus
         ]
 
-    async def sample(self, gpus: list[tuple[int, str]]) -> tuple[int | None, list[GpuSample]]:
-        return await anyio.to_thread.run_sync(self.sample_blocking, gpus, abandon_on_cancel=True)
+    async def sample(
+        self, gpus: list[tuple[int, str]], slow: bool = False
+    ) -> tuple[int | None, list[GpuSample]]:
+        return await anyio.to_thread.run_sync(
+            self.sample_blocking, gpus, slow, abandon_on_cancel=True
+        )
 
     def close(self) -> None:
         # Stuck NVML calls cannot be interrupted; don't wait for them.

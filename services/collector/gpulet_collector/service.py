@@ -18,6 +18,13 @@ Flow
    (lost), the inventory is rebuilt every ``SKIPPED_RETRY_S`` to see it come back, and
    published only if it changed: the inventory is published on real change only
    (plus the unsolicited ``inventory_republish_s`` and answers to requests).
+5. Every ``slow_period_s`` a period also reads the slow fields (energy, PCIe
+   replays, NVLink counters, GPM activity: milliseconds per GPU on real NVML); other
+   periods repeat their last values.
+6. With ``dcgm_metrics`` (default) ``/metrics`` also serves dcgm-exporter's
+   ``DCGM_FI_*`` metrics (:mod:`.dcgm`); the last XID of each GPU comes from the
+   health events on ``gpu.health.<node>``, and with ``pod_labels`` the GPUs a
+   container holds carry its pod, namespace and container (:mod:`.pods`).
 
 Every inventory and batch carries the collector's own order: ``seq`` (one counter
 for both, from 1) and ``boot_id`` (random per process). Consumers order by them,
@@ -30,19 +37,23 @@ import itertools
 import logging
 import secrets
 import time
+from pathlib import Path
 
 import anyio
 import anyio.abc
 import msgspec
 
+from gpulet_collector.dcgm import DcgmExporter
 from gpulet_collector.gauges import GpuGauges
+from gpulet_collector.pods import PodAttribution
 from gpulet_collector.sampler import NVML_UNAVAILABLE, ParallelSampler
 from gpulet_common import codec, subjects
 from gpulet_common.bus import Delivery
-from gpulet_common.messages import Inventory, InventoryRequest, SampleBatch
+from gpulet_common.messages import GpuSample, HealthEvent, Inventory, InventoryRequest, SampleBatch
 from gpulet_common.nvml.adapter import NvmlAdapter
 from gpulet_common.nvml.errors import NvmlUnavailable
-from gpulet_common.runtime import Runtime
+from gpulet_common.runtime import NvmlHandle, Runtime
+from gpulet_common.telemetry import add_exposition, remove_exposition
 
 log = logging.getLogger("gpulet.collector")
 
@@ -67,6 +78,8 @@ class CollectorService:
         self._inventory = Inventory(node=self._node, nvml_backend="none")
         self._adapter: NvmlAdapter | None = None
         self._gauges = GpuGauges(runtime.meter)
+        self.dcgm = DcgmExporter(self._node)
+        self._next_slow = 0.0
         self._sample_count = runtime.meter.create_counter(
             "gpulet.collector.samples", description="GPU samples taken"
         )
@@ -91,8 +104,18 @@ class CollectorService:
         self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
     ) -> None:
         handle = await self._rt.nvml.get()
+        if self._settings.dcgm_metrics:
+            add_exposition(self.dcgm.render)
+        try:
+            await self._run(handle, task_status)
+        finally:
+            remove_exposition(self.dcgm.render)
+
+    async def _run(self, handle: NvmlHandle, task_status: anyio.abc.TaskStatus[None]) -> None:
         async with anyio.create_task_group() as tg:
             await tg.start(self._serve_inventory_requests)
+            if self._settings.dcgm_metrics:
+                await tg.start(self._follow_xids)
             if handle.adapter is None:
                 reason = handle.reason or "NVML unavailable"
                 self._rt.status.set(self.name, "degraded", reason)
@@ -107,6 +130,14 @@ class CollectorService:
                 await self._adopt(handle.adapter)
                 task_status.started()
             self._rt.status.set(self.name, "ready", f"{len(self._inventory.gpus)} GPUs")
+            if self._settings.dcgm_metrics and self._settings.pod_labels:
+                attribution = PodAttribution(
+                    Path(self._settings.pod_resources_socket),
+                    self._settings.pod_resources_poll_s,
+                    lambda: {g.uuid for g in self._inventory.gpus},
+                    self.dcgm.update_holders,
+                )
+                await tg.start(attribution.run)
             await self._sample_forever()
 
     async def _wait_for_nvml(self) -> NvmlAdapter:
@@ -121,8 +152,12 @@ class CollectorService:
 
     async def _adopt(self, adapter: NvmlAdapter) -> None:
         self._adapter = adapter
+
+        def read(index: int, slow: bool) -> GpuSample:
+            return adapter.sample(index, slow=slow)
+
         self._sampler = ParallelSampler(
-            adapter.sample,
+            read,
             count=adapter.device_count,
             call_timeout_s=self._rt.settings.nvml.call_timeout_s,
             worker_threads=self._settings.worker_threads,
@@ -194,6 +229,7 @@ class CollectorService:
         self._inventory = inventory
         self._gauges.update_inventory(inventory)
         self.inventory_publishes += 1
+        self.dcgm.update_inventory(inventory)
         await self._rt.bus.publish(subjects.inventory(self._node), inventory, codec.INVENTORY)
 
     async def _serve_inventory_requests(
@@ -229,12 +265,19 @@ class CollectorService:
                 next_tick += skipped * period
             await anyio.sleep(next_tick - now)
 
-    async def sample_once(self) -> SampleBatch | None:
+    async def sample_once(self, slow: bool | None = None) -> SampleBatch | None:
+        """One period; ``slow`` (default: when ``slow_period_s`` has passed) reads the
+        slow fields too."""
         adapter, sampler = self._adapter, self._sampler
         if adapter is None or sampler is None:
             return None
+        if slow is None:
+            now = time.monotonic()
+            slow = now >= self._next_slow
+            if slow:
+                self._next_slow = now + self._settings.slow_period_s
         gpus = [(g.index, g.uuid) for g in self._inventory.gpus]
-        count, samples = await sampler.sample(gpus)
+        count, samples = await sampler.sample(gpus, slow)
         batch = SampleBatch(
             node=self._node,
             timestamp=time.time(),
@@ -250,6 +293,7 @@ class CollectorService:
         if errors:
             self._sample_errors.add(errors)
         self._gauges.update_samples(batch)
+        self.dcgm.update_samples(batch)
         await self._rt.bus.publish(subjects.samples(self._node), batch, codec.SAMPLES)
         if count is not None and count != self._nvml_count:
             await self._refresh_inventory("GPU count changed", force=False)
@@ -257,9 +301,29 @@ class CollectorService:
             await self._refresh_inventory("looking for GPUs left out", force=False)
         return batch
 
+    async def _follow_xids(
+        self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Keep each GPU's last XID (DCGM_FI_DEV_XID_ERRORS) from the health events."""
+        async with self._rt.bus.subscribe(
+            subjects.health(self._node), codec.HEALTH_EVENT, node=self._node
+        ) as events:
+            task_status.started()
+            async for delivery in events:
+                self._note_xid(delivery.value)
+
+    def _note_xid(self, event: HealthEvent) -> None:
+        if event.kind != "xid" or event.xid is None or event.node != self._node:
+            return
+        # Only GPUs of our inventory: an event naming another GPU is not believed.
+        if any(g.uuid == event.gpu_uuid for g in self._inventory.gpus):
+            self.dcgm.record_xid(event.gpu_uuid, event.xid)
+
 
 def _same(a: Inventory, b: Inventory) -> bool:
-    """Equal but for the generation and the publication time."""
-    return msgspec.structs.replace(a, generation=0, published_at=0.0) == msgspec.structs.replace(
-        b, generation=0, published_at=0.0
-    )
+    """Equal but for the generation, the publication time and the sender's order."""
+
+    def plain(inventory: Inventory) -> Inventory:
+        return msgspec.structs.replace(inventory, generation=0, published_at=0.0, seq=0, boot_id="")
+
+    return plain(a) == plain(b)

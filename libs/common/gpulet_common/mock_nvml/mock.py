@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 import pynvml
 
+from gpulet_common.mock_nvml.latency import LatencyProfile
 from gpulet_common.mock_nvml.scenario import (
     EVENT_TYPES,
     FAULT_KINDS,
@@ -87,6 +88,10 @@ _EVENT_QUEUE_LEN: Final = 1024
 # Safety bound on wake-ups inside one nvmlEventSetWait_v2 (the deadline ends it first).
 _MAX_WAIT_ROUNDS: Final = 100_000
 _NVSWITCH_COUNT: Final = 4
+# Room for metrics in one GPM request (pynvml's array is larger; the adapter asks 3).
+_GPM_METRIC_SLOTS: Final = 16
+# Energy counter at mock start (mJ): the GPU has been up a while.
+_ENERGY_AT_START_MJ: Final = 3_600_000_000
 
 # Everything of pynvml that is not a function: constants and NVMLError classes.
 _CONSTANTS: Final[dict[str, Any]] = {
@@ -200,6 +205,77 @@ class MockEventData:
         self.computeInstanceId = 0xFFFFFFFF
 
 
+class MockValue:
+    """Like ``c_nvmlValue_t``: a union, every member readable."""
+
+    __slots__ = ("dVal", "siVal", "sllVal", "uiVal", "ulVal", "ullVal", "usVal")
+
+    def __init__(self, value: int) -> None:
+        self.dVal = float(value)
+        self.uiVal = self.ulVal = self.ullVal = self.sllVal = self.siVal = self.usVal = value
+
+
+class MockFieldValue:
+    """Like ``c_nvmlFieldValue_t``: one answer of ``nvmlDeviceGetFieldValues``."""
+
+    __slots__ = (
+        "fieldId",
+        "latencyUsec",
+        "nvmlReturn",
+        "scopeId",
+        "timestamp",
+        "value",
+        "valueType",
+    )
+
+    def __init__(self, field_id: int, code: int, value: int, timestamp_us: int) -> None:
+        self.fieldId = field_id
+        self.scopeId = 0
+        self.timestamp = timestamp_us
+        self.latencyUsec = 0
+        self.nvmlReturn = code
+        self.valueType = pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG
+        self.value = MockValue(value)
+
+
+class MockGpmSample:
+    """What ``nvmlGpmSampleAlloc`` returns; ``nvmlGpmSampleGet`` fills it."""
+
+    __slots__ = ("at", "gpu_slot")
+
+    def __init__(self) -> None:
+        self.gpu_slot: int | None = None
+        self.at = 0.0
+
+
+class MockGpmMetric:
+    __slots__ = ("metricId", "nvmlReturn", "value")
+
+    def __init__(self) -> None:
+        self.metricId = 0
+        self.nvmlReturn = 0
+        self.value = 0.0
+
+
+class MockGpmMetricsGet:
+    """Like ``c_nvmlGpmMetricsGet_t`` (the request and answer of ``nvmlGpmMetricsGet``)."""
+
+    def __init__(self) -> None:
+        self.version = 0
+        self.numMetrics = 0
+        self.sample1: Any = None
+        self.sample2: Any = None
+        self.metrics = [MockGpmMetric() for _ in range(_GPM_METRIC_SLOTS)]
+
+
+class MockGpmSupport:
+    __slots__ = ("isSupportedDevice", "version")
+
+    def __init__(self, supported: bool) -> None:
+        self.version = 1
+        self.isSupportedDevice = int(supported)
+
+
 # --- per-GPU state ----------------------------------------------------------------
 
 
@@ -262,6 +338,10 @@ class _Slot:
         self.ramp: _Ramp | None = None
         self.links: list[_Link] = []
         self.xids: list[int] = []
+        # Slow-field counters (nvmlDeviceGetFieldValues): PCIe replays and the NVLink
+        # error totals (CRC flit, CRC data, replay, recovery).
+        self.pcie_replays = 0
+        self.nvlink_errors = [0, 0, 0, 0]
         # String seeds hash deterministically (unlike hash() of a str).
         self.rng = random.Random(f"{seed}:{slot}:jitter")
 
@@ -287,8 +367,17 @@ class MockNvml:
         *,
         clock: Callable[[], float] | None = None,
         jitter: bool | None = None,
+        latency: str | None = None,
     ) -> None:
         self._scenario = scenario if isinstance(scenario, Scenario) else load_scenario(scenario)
+        # Per-call latency (mock_nvml/latency.py): the scenario's unless given.
+        self.latency = LatencyProfile(
+            latency or self._scenario.system.latency_profile, self._scenario.seed
+        )
+        if self.latency.active:
+            for name in dir(type(self)):
+                if name.startswith("nvml") and callable(getattr(type(self), name)):
+                    setattr(self, name, self.latency.wrap(name, getattr(self, name)))
         self._clock = clock or time.monotonic
         self._t0 = self._clock()
         self._jitter = self._scenario.jitter if jitter is None else jitter
@@ -907,6 +996,104 @@ class MockNvml:
         if not slot.spec.retired_pages:
             raise _err(pynvml.NVML_ERROR_NOT_SUPPORTED)
         return _ENABLED if slot.retired_pending else _DISABLED
+
+    # --- slow fields: field values, energy, PCIe replays, GPM -------------------------
+
+    def _energy_mj(self, slot: _Slot, now: float) -> int:
+        return _ENERGY_AT_START_MJ + round(slot.spec.power_w * 1000 * now)
+
+    def _field(self, slot: _Slot, now: float, field_id: int) -> int | None:
+        """One field's value, or None when this GPU does not support it."""
+        spec = slot.spec
+        nvlink = bool(slot.links)
+        if field_id == pynvml.NVML_FI_DEV_MEMORY_TEMP:
+            return spec.memory_temperature_c
+        if field_id == pynvml.NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION:
+            return self._energy_mj(slot, now)
+        if field_id == pynvml.NVML_FI_DEV_PCIE_REPLAY_COUNTER:
+            return slot.pcie_replays
+        nvlink_errors = {
+            pynvml.NVML_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL: 0,
+            pynvml.NVML_FI_DEV_NVLINK_CRC_DATA_ERROR_COUNT_TOTAL: 1,
+            pynvml.NVML_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL: 2,
+            pynvml.NVML_FI_DEV_NVLINK_RECOVERY_ERROR_COUNT_TOTAL: 3,
+        }
+        if field_id in nvlink_errors:
+            return slot.nvlink_errors[nvlink_errors[field_id]] if nvlink else None
+        if field_id == pynvml.NVML_FI_DEV_NVLINK_BANDWIDTH_C0_TOTAL:
+            # A made-up but monotonic traffic: 1 MiB/s per link per utilisation percent.
+            return round(len(slot.links) * spec.gpu_util_pct * 1024 * now) if nvlink else None
+        return None
+
+    def nvmlDeviceGetFieldValues(self, handle: Any, fieldIds: list[Any]) -> list[MockFieldValue]:
+        slot, now = self._enter(handle)
+        stamp = int(time.time() * 1e6)
+        values = []
+        for entry in fieldIds:
+            field_id = entry[0] if isinstance(entry, tuple) else int(entry)
+            value = self._field(slot, now, field_id)
+            code = pynvml.NVML_SUCCESS if value is not None else pynvml.NVML_ERROR_NOT_SUPPORTED
+            values.append(MockFieldValue(field_id, code, value or 0, stamp))
+        return values
+
+    def nvmlDeviceGetTotalEnergyConsumption(self, handle: Any) -> int:
+        slot, now = self._enter(handle)
+        return self._energy_mj(slot, now)
+
+    def nvmlDeviceGetPcieReplayCounter(self, handle: Any) -> int:
+        return self._enter(handle)[0].pcie_replays
+
+    c_nvmlGpmMetricsGet_t = MockGpmMetricsGet
+
+    def _gpm_supported(self, slot: _Slot) -> bool:
+        return slot.spec.compute_capability >= (9, 0)
+
+    def nvmlGpmQueryDeviceSupport(self, device: Any) -> MockGpmSupport:
+        slot, _ = self._enter(device)
+        return MockGpmSupport(self._gpm_supported(slot))
+
+    def nvmlGpmSampleAlloc(self) -> MockGpmSample:
+        self._system()
+        return MockGpmSample()
+
+    def nvmlGpmSampleFree(self, gpmSample: Any) -> None:
+        if not isinstance(gpmSample, MockGpmSample):
+            raise _err(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+
+    def nvmlGpmSampleGet(self, device: Any, gpmSample: Any) -> MockGpmSample:
+        slot, now = self._enter(device)
+        if not isinstance(gpmSample, MockGpmSample):
+            raise _err(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        if not self._gpm_supported(slot):
+            raise _err(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        gpmSample.gpu_slot, gpmSample.at = slot.slot, now
+        return gpmSample
+
+    def nvmlGpmMetricsGet(self, metricsGet: Any) -> Any:
+        self._system()
+        first, second = metricsGet.sample1, metricsGet.sample2
+        if (
+            not isinstance(first, MockGpmSample)
+            or not isinstance(second, MockGpmSample)
+            or first.gpu_slot is None
+            or first.gpu_slot != second.gpu_slot
+            or not 0 < metricsGet.numMetrics <= len(metricsGet.metrics)
+        ):
+            raise _err(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        spec = self._slots[first.gpu_slot].spec
+        # Activity is constant in the mock, so any interval gives the baseline.
+        percent = {
+            pynvml.NVML_GPM_METRIC_GRAPHICS_UTIL: spec.gpu_util_pct,
+            pynvml.NVML_GPM_METRIC_ANY_TENSOR_UTIL: spec.tensor_util_pct,
+            pynvml.NVML_GPM_METRIC_DRAM_BW_UTIL: spec.mem_util_pct,
+        }
+        for metric in metricsGet.metrics[: metricsGet.numMetrics]:
+            value = percent.get(metric.metricId)
+            metric.nvmlReturn = (
+                pynvml.NVML_SUCCESS if value is not None else pynvml.NVML_ERROR_NOT_SUPPORTED
+            )
+            metric.value = float(value or 0)
+        return metricsGet
 
     # --- events ----------------------------------------------------------------------
 

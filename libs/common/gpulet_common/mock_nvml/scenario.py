@@ -127,6 +127,10 @@ class SystemSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     # False plays a driver older than 535: nvmlDeviceGetCurrentClocksEventReasons is
     # missing (FUNCTION_NOT_FOUND) and only the ...ThrottleReasons call works.
     clocks_event_reasons: bool = True
+    # Per-call NVML latency the mock spends (see mock_nvml/latency.py): "none", or
+    # "h100" for the cost of each call measured on a real H100. The setting
+    # nvml.mock_latency overrides it.
+    latency_profile: Literal["none", "h100"] = "none"
 
 
 class GpuSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -170,6 +174,12 @@ class GpuSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
     sm_clock_mhz: int = 1980
     mem_clock_mhz: int = 2619
     throttle_reasons: int = 0
+    # Memory temperature (nvmlDeviceGetFieldValues NVML_FI_DEV_MEMORY_TEMP); None: not
+    # supported.
+    memory_temperature_c: int | None = None
+    # Tensor-pipe activity in percent, answered by GPM (compute capability 9.0 and
+    # later; older GPUs answer GPM as unsupported).
+    tensor_util_pct: int = 0
 
     @property
     def memory_total_bytes(self) -> int:

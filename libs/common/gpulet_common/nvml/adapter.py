@@ -52,6 +52,16 @@ The hot path
 :meth:`NvmlAdapter.sample` is called for every GPU every period. It does one dict
 lookup for the cached state, one bit test per field before calling NVML, builds one
 ``GpuSample`` and never logs for unsupported fields.
+
+The slow path
+-------------
+``sample(index, slow=True)`` also reads the fields that cost milliseconds on every
+call of a real GPU (``nvmlDeviceGetFieldValues``: energy, PCIe replays, NVLink
+counters, memory temperature; and GPM activity on Hopper and later), and the
+aggregate (lifetime) ECC counts, which nothing needs within seconds. The collector
+asks for them every ``collector.slow_period_s``; in between, samples repeat the last
+values, and ``slow_fields_at`` tells their age. A field id the GPU answers
+NOT_SUPPORTED for is dropped from later batches.
 """
 
 from __future__ import annotations
@@ -146,6 +156,32 @@ _U_REMAP: Final = 1 << 10
 _U_RETIRED: Final = 1 << 11
 _U_EVENT_REASONS: Final = 1 << 12
 _U_THROTTLE_REASONS: Final = 1 << 13
+_U_FIELD_VALUES: Final = 1 << 14
+_U_GPM: Final = 1 << 15
+
+# The slow fields: one nvmlDeviceGetFieldValues batch per GPU, read every
+# ``collector.slow_period_s`` (it costs ~5 ms on a real H100 every time, see
+# docs/metrics.md). (GpuSample field, pynvml constant, its value in nvml.h.)
+SLOW_FIELD_IDS: Final[tuple[tuple[str, str, int], ...]] = (
+    ("memory_temperature_c", "NVML_FI_DEV_MEMORY_TEMP", 82),
+    ("energy_mj", "NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION", 83),
+    ("pcie_replay_count", "NVML_FI_DEV_PCIE_REPLAY_COUNTER", 94),
+    ("nvlink_crc_flit_errors", "NVML_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL", 38),
+    ("nvlink_crc_data_errors", "NVML_FI_DEV_NVLINK_CRC_DATA_ERROR_COUNT_TOTAL", 45),
+    ("nvlink_replay_errors", "NVML_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL", 52),
+    ("nvlink_recovery_errors", "NVML_FI_DEV_NVLINK_RECOVERY_ERROR_COUNT_TOTAL", 59),
+    ("nvlink_bandwidth_total", "NVML_FI_DEV_NVLINK_BANDWIDTH_C0_TOTAL", 66),
+)
+# GPM metrics (Hopper and later), percentages turned into 0..1 ratios:
+# (GpuSample field, pynvml constant, its value in nvml_gpm.h).
+GPM_METRIC_IDS: Final[tuple[tuple[str, str, int], ...]] = (
+    ("gr_engine_active", "NVML_GPM_METRIC_GRAPHICS_UTIL", 1),
+    ("tensor_active", "NVML_GPM_METRIC_ANY_TENSOR_UTIL", 5),
+    ("dram_active", "NVML_GPM_METRIC_DRAM_BW_UTIL", 10),
+)
+# nvmlValueType_t -> the member of the value union that holds it.
+_VALUE_MEMBERS: Final = {0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5: "siVal"}
+_VALUE_MEMBERS_MORE: Final = {6: "usVal"}
 
 
 class SystemInfo(msgspec.Struct, frozen=True, kw_only=True):
@@ -179,15 +215,30 @@ class NvmlEvent(msgspec.Struct, frozen=True, kw_only=True):
 class _Gpu:
     """What the adapter remembers about one GPU between calls."""
 
-    __slots__ = ("error", "handle", "index", "unsupported", "uuid")
+    __slots__ = ("error", "handle", "index", "slow", "unsupported", "uuid")
 
-    def __init__(self, index: int, handle: Any, uuid: str, unsupported: int) -> None:
+    def __init__(
+        self, index: int, handle: Any, uuid: str, unsupported: int, slow: dict[str, Any]
+    ) -> None:
         self.index = index
         self.handle = handle
         self.uuid = uuid
         self.unsupported = unsupported
         # First unexpected (non-fatal) field error of the current sample.
         self.error: str | None = None
+        # The last slow fields read (GpuSample field -> value), "slow_fields_at" included;
+        # shared with the adapter's per-UUID memory so a handle re-fetch keeps them.
+        self.slow = slow
+
+
+class _GpmState:
+    """Two GPM sample buffers of one GPU, alternated: metrics need two samples."""
+
+    __slots__ = ("previous", "spare")
+
+    def __init__(self) -> None:
+        self.previous: Any = None
+        self.spare: Any = None
 
 
 def _within(value: Any, bounds: tuple[int, int]) -> int | None:
@@ -230,6 +281,16 @@ def normalize_bus_id(bus_id: str) -> str:
     return bus
 
 
+def _field_value(answer: Any) -> float | None:
+    """The number in one ``nvmlFieldValue_t`` (its union read by ``valueType``)."""
+    kind = int(getattr(answer, "valueType", -1))
+    member = _VALUE_MEMBERS.get(kind) or _VALUE_MEMBERS_MORE.get(kind)
+    if member is None:
+        return None
+    value = getattr(answer.value, member, None)
+    return float(value) if isinstance(value, int | float) else None
+
+
 def _handle_key(handle: Any) -> Any:
     """A hashable identity of a device handle, equal for two handles of one GPU.
 
@@ -269,6 +330,10 @@ class NvmlAdapter:
         self._lock = threading.Lock()
         self._gpus: dict[int, _Gpu] = {}
         self._unsupported_by_uuid: dict[str, int] = {}
+        self._slow_by_uuid: dict[str, dict[str, Any]] = {}
+        self._gpm_by_uuid: dict[str, _GpmState] = {}
+        # Field ids a GPU answered NOT_SUPPORTED for, per UUID: never asked again.
+        self._fields_unsupported: dict[str, frozenset[int]] = {}
         self._event_devices: dict[Any, tuple[int, str]] = {}
         self._initialized = False
 
@@ -312,6 +377,13 @@ class NvmlAdapter:
         self._f_register_events = bind("nvmlDeviceRegisterEvents")
         self._f_event_wait = bind("nvmlEventSetWait_v2") or bind("nvmlEventSetWait")
         self._f_event_set_free = bind("nvmlEventSetFree")
+        self._f_field_values = bind("nvmlDeviceGetFieldValues")
+        self._f_gpm_support = bind("nvmlGpmQueryDeviceSupport")
+        self._f_gpm_alloc = bind("nvmlGpmSampleAlloc")
+        self._f_gpm_get = bind("nvmlGpmSampleGet")
+        self._f_gpm_metrics = bind("nvmlGpmMetricsGet")
+        self._f_gpm_free = bind("nvmlGpmSampleFree")
+        self._gpm_request_type = getattr(nvml_module, "c_nvmlGpmMetricsGet_t", None)
 
         const = self._const
         self._c_temperature_gpu = const("NVML_TEMPERATURE_GPU", 0)
@@ -329,6 +401,9 @@ class NvmlAdapter:
         self._c_nvlink_switch = const("NVML_NVLINK_DEVICE_TYPE_SWITCH", 2)
         self._c_affinity_scope_node = const("NVML_AFFINITY_SCOPE_NODE", 0)
         self._c_feature_enabled = const("NVML_FEATURE_ENABLED", 1)
+        self._c_gpm_version = const("NVML_GPM_METRICS_GET_VERSION", 1)
+        self._slow_fields = [(field, const(name, value)) for field, name, value in SLOW_FIELD_IDS]
+        self._gpm_metrics = [(field, const(name, value)) for field, name, value in GPM_METRIC_IDS]
 
     # --- binding and error translation -----------------------------------------------
 
@@ -401,18 +476,39 @@ class NvmlAdapter:
         except OSError as exc:  # a broken library file rather than a missing one
             raise NvmlUnavailable(f"loading the NVML library failed: {exc}") from exc
         self.invalidate()
+        with self._lock:
+            # GPM buffers of a previous initialisation are not valid any more.
+            self._gpm_by_uuid.clear()
         self._initialized = True
 
     def shutdown(self) -> None:
         """Release NVML. Errors are logged, never raised: this runs on the way out."""
         self._initialized = False
         self.invalidate()
+        self._free_gpm_samples()
         if self._f_shutdown is None:
             return
         try:
             self._f_shutdown()
         except self._error_type as exc:
             log.debug("nvmlShutdown failed: %s", exc)
+
+    def _free_gpm_samples(self) -> None:
+        """Give back the GPM sample buffers (NVML allocates them; two per GPU)."""
+        with self._lock:
+            states = list(self._gpm_by_uuid.values())
+            self._gpm_by_uuid.clear()
+        free = self._f_gpm_free
+        if free is None:
+            return
+        for state in states:
+            for sample in (state.previous, state.spare):
+                if sample is None:
+                    continue
+                try:
+                    free(sample)
+                except self._error_type as exc:
+                    log.debug("nvmlGpmSampleFree failed: %s", exc)
 
     def invalidate(self, index: int | None = None) -> None:
         """Forget cached handles (of one GPU, or all), e.g. after the GPU count changed."""
@@ -434,8 +530,9 @@ class NvmlAdapter:
             uuid = _text(self._f_uuid(handle))
         except self._error_type as exc:
             raise self._translate(exc, function, index) from exc
-        gpu = _Gpu(index, handle, uuid, self._unsupported_by_uuid.get(uuid, 0))
         with self._lock:
+            slow = self._slow_by_uuid.setdefault(uuid, {})
+            gpu = _Gpu(index, handle, uuid, self._unsupported_by_uuid.get(uuid, 0), slow)
             self._gpus[index] = gpu
         return gpu
 
@@ -703,9 +800,12 @@ class NvmlAdapter:
 
     # --- samples -------------------------------------------------------------------
 
-    def sample(self, index: int) -> GpuSample:
+    def sample(self, index: int, *, slow: bool = False) -> GpuSample:
         """One reading of one GPU.
 
+        With ``slow`` the expensive fields (:data:`SLOW_FIELD_IDS` in one
+        ``nvmlDeviceGetFieldValues`` call, and GPM) are read too; without it the sample
+        repeats their last values, with ``slow_fields_at`` saying when those were read.
         Unsupported fields are None (and never asked again). An unexpected error on one
         field leaves it None, sets ``error`` and drops the cached handle. Raises
         :class:`GpuLostError` for a lost GPU, :class:`GpuResetRequired` when it needs a
@@ -725,14 +825,14 @@ class NvmlAdapter:
         volatile, aggregate = self._c_volatile, self._c_aggregate
         ecc_vol_corr = read(gpu, _U_ECC_VOL_CORR, ecc, corrected, volatile)
         ecc_vol_uncorr = read(gpu, _U_ECC_VOL_UNCORR, ecc, uncorrected, volatile)
-        ecc_agg_corr = read(gpu, _U_ECC_AGG_CORR, ecc, corrected, aggregate)
-        ecc_agg_uncorr = read(gpu, _U_ECC_AGG_UNCORR, ecc, uncorrected, aggregate)
         remapped = read(gpu, _U_REMAP, self._f_remapped_rows)
         retired = read(gpu, _U_RETIRED, self._f_retired_pending)
         reasons = read(gpu, _U_EVENT_REASONS, self._f_event_reasons)
         if reasons is None and gpu.unsupported & _U_EVENT_REASONS:
             # Drivers before 535 only have the older name of the same call.
             reasons = read(gpu, _U_THROTTLE_REASONS, self._f_throttle_reasons)
+        if slow:
+            self._read_slow(gpu, aggregate)
         error = gpu.error
         if error is not None:
             self._forget(gpu)
@@ -754,8 +854,6 @@ class NvmlAdapter:
             mem_clock_mhz=mem_clock,
             ecc_volatile_corrected=ecc_vol_corr,
             ecc_volatile_uncorrected=ecc_vol_uncorr,
-            ecc_aggregate_corrected=ecc_agg_corr,
-            ecc_aggregate_uncorrected=ecc_agg_uncorr,
             remapped_rows_correctable=remapped[0] if remapped is not None else None,
             remapped_rows_uncorrectable=remapped[1] if remapped is not None else None,
             remapped_rows_pending=bool(remapped[2]) if remapped is not None else None,
@@ -763,7 +861,120 @@ class NvmlAdapter:
             retired_pages_pending=bool(retired) if retired is not None else None,
             throttle_reasons=reasons,
             error=error,
+            **gpu.slow,
         )
+
+    # --- slow fields -----------------------------------------------------------------
+
+    def _read_slow(self, gpu: _Gpu, aggregate: int) -> None:
+        """Read the slow fields into ``gpu.slow`` (errors as in :meth:`_read`)."""
+        values: dict[str, Any] = {}
+        # Aggregate ECC counts are the persistent (lifetime) ones: nothing acts on
+        # them within seconds, and two calls per GPU per period are not free.
+        ecc = self._f_total_ecc
+        for field, bit, kind in (
+            ("ecc_aggregate_corrected", _U_ECC_AGG_CORR, self._c_corrected),
+            ("ecc_aggregate_uncorrected", _U_ECC_AGG_UNCORR, self._c_uncorrected),
+        ):
+            value = self._read(gpu, bit, ecc, kind, aggregate)
+            if value is not None:
+                values[field] = value
+        values.update(self._read_field_values(gpu))
+        values.update(self._read_gpm(gpu))
+        values["slow_fields_at"] = time.time()
+        with self._lock:
+            gpu.slow.clear()
+            gpu.slow.update(values)
+
+    def _read_field_values(self, gpu: _Gpu) -> dict[str, Any]:
+        fn = self._f_field_values
+        if fn is None or gpu.unsupported & _U_FIELD_VALUES:
+            return {}
+        skip = self._fields_unsupported.get(gpu.uuid, frozenset())
+        wanted = [(field, fid) for field, fid in self._slow_fields if fid not in skip]
+        if not wanted:
+            return {}
+        try:
+            answers = fn(gpu.handle, [fid for _, fid in wanted])
+        except self._error_type as exc:
+            self._field_failed(gpu, _U_FIELD_VALUES, fn, exc)
+            return {}
+        out: dict[str, Any] = {}
+        unsupported: set[int] = set()
+        for (field, fid), answer in zip(wanted, answers, strict=False):
+            code = int(getattr(answer, "nvmlReturn", NVML_ERROR_UNKNOWN))
+            if code != 0:
+                if code in _FIELD_UNSUPPORTED:
+                    unsupported.add(fid)
+                elif code == NVML_ERROR_GPU_IS_LOST:
+                    self._forget(gpu)
+                    raise GpuLostError(gpu.index, gpu.uuid, "nvmlDeviceGetFieldValues")
+                continue
+            value = _field_value(answer)
+            if value is not None:
+                out[field] = round(value)
+        if unsupported:
+            with self._lock:
+                self._fields_unsupported[gpu.uuid] = skip | unsupported
+        return out
+
+    def _read_gpm(self, gpu: _Gpu) -> dict[str, Any]:
+        """GPM activity since the previous slow read (nothing on the first one)."""
+        support, alloc, get = self._f_gpm_support, self._f_gpm_alloc, self._f_gpm_get
+        metrics_get, request_type = self._f_gpm_metrics, self._gpm_request_type
+        if (
+            support is None
+            or alloc is None
+            or get is None
+            or metrics_get is None
+            or request_type is None
+            or gpu.unsupported & _U_GPM
+        ):
+            return {}
+        try:
+            state = self._gpm_by_uuid.get(gpu.uuid)
+            if state is None:
+                if not int(support(gpu.handle).isSupportedDevice):
+                    self._mark_unsupported(gpu, _U_GPM)
+                    return {}
+                state = _GpmState()
+                state.previous, state.spare = alloc(), alloc()
+                with self._lock:
+                    self._gpm_by_uuid[gpu.uuid] = state
+                get(gpu.handle, state.previous)
+                return {}
+            current = state.spare
+            get(gpu.handle, current)
+            request = request_type()
+            request.version = self._c_gpm_version
+            request.numMetrics = len(self._gpm_metrics)
+            request.sample1 = state.previous
+            request.sample2 = current
+            for i, (_, metric_id) in enumerate(self._gpm_metrics):
+                request.metrics[i].metricId = metric_id
+            metrics_get(request)
+            state.previous, state.spare = current, state.previous
+        except self._error_type as exc:
+            code = self._code(exc)
+            if code in _FIELD_UNSUPPORTED or code in (
+                NVML_ERROR_GPU_IS_LOST,
+                NVML_ERROR_RESET_REQUIRED,
+                *_UNAVAILABLE_AFTER_INIT,
+            ):
+                self._field_failed(gpu, _U_GPM, get, exc)
+            else:
+                # GPM is an extra: a failed measurement starts over at the next slow
+                # read rather than marking the GPU's sample as failed.
+                log.debug("GPU %d: GPM measurement failed, starting over: %s", gpu.index, exc)
+                with self._lock:
+                    self._gpm_by_uuid.pop(gpu.uuid, None)
+            return {}
+        out: dict[str, Any] = {}
+        for i, (field, _) in enumerate(self._gpm_metrics):
+            metric = request.metrics[i]
+            if int(metric.nvmlReturn) == 0:
+                out[field] = min(max(float(metric.value) / 100.0, 0.0), 1.0)
+        return out
 
     def uuid_of(self, index: int) -> str:
         """The UUID of the GPU at ``index`` (cached)."""

@@ -54,15 +54,19 @@ def parse_nvml_flag(value: str) -> tuple[Literal["auto", "nvml", "mock"], str | 
     raise ValueError(f"--nvml {value!r}: expected auto, nvml or mock[:scenario]")
 
 
-def open_mock(scenario: str) -> NvmlAdapter:
+def open_mock(scenario: str, latency: str | None = None) -> NvmlAdapter:
     """An initialised adapter over a fresh mock NVML playing ``scenario``.
+
+    ``latency`` names a per-call latency profile (``none``, ``h100``); None or
+    ``scenario`` keeps the scenario's own.
 
     Raises :class:`gpulet_common.mock_nvml.ScenarioError` for a bad scenario: that is
     a configuration error to fix, not a reason to run degraded.
     """
     from gpulet_common.mock_nvml import MockNvml
 
-    adapter = NvmlAdapter(MockNvml(scenario), backend="mock")
+    profile = None if latency in (None, "scenario") else latency
+    adapter = NvmlAdapter(MockNvml(scenario, latency=profile), backend="mock")
     adapter.init()
     return adapter
 
@@ -70,7 +74,7 @@ def open_mock(scenario: str) -> NvmlAdapter:
 def open_nvml(settings: NvmlSettings) -> tuple[NvmlAdapter | None, str | None]:
     """(adapter, None) when NVML works, (None, reason) when the service must run degraded."""
     if settings.backend == "mock":
-        return open_mock(settings.scenario), None
+        return open_mock(settings.scenario, settings.mock_latency), None
     try:
         pynvml = importlib.import_module("pynvml")
     except ImportError as exc:

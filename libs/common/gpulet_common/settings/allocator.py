@@ -19,6 +19,8 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from gpulet_common.settings.collector import POD_RESOURCES_SOCKET
+
 Positive = Annotated[float, msgspec.Meta(gt=0)]
 PositiveSeconds = Annotated[float, msgspec.Meta(gt=0, le=86400)]
 
@@ -169,7 +171,7 @@ class AllocatorSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     request_timeout_s: PositiveSeconds = 2.0
     # Kubelet's PodResources API; allocations of pods it no longer lists are released.
     # A missing socket (no kubelet, a laptop) is skipped quietly.
-    pod_resources_socket: str = "/var/lib/kubelet/pod-resources/kubelet.sock"
+    pod_resources_socket: str = POD_RESOURCES_SOCKET
     # How often PodResources is asked.
     release_interval_s: PositiveSeconds = 30.0
     # An allocation is released once no pod has listed it for this long (covers a

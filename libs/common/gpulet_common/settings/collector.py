@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Final
 
 import msgspec
+
+# kubelet's PodResources socket (the collector's pod labels, the allocator's release).
+POD_RESOURCES_SOCKET: Final = "/var/lib/kubelet/pod-resources/kubelet.sock"
 
 
 class CollectorSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -15,3 +18,18 @@ class CollectorSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     # Seconds between unsolicited inventory republishes, so a consumer that starts late
     # learns the GPUs without asking. 0 disables; changes are always published at once.
     inventory_republish_s: Annotated[float, msgspec.Meta(ge=0)] = 30.0
+    # Seconds between two reads of the slow fields (energy, PCIe replays, NVLink
+    # counters, memory temperature, GPM activity, aggregate ECC): one
+    # nvmlDeviceGetFieldValues batch costs ~5 ms of CPU per GPU on a real H100 every
+    # time, so it is not read every period (30 s is dcgm-exporter's default interval).
+    # Samples in between repeat the last values (see slow_fields_at).
+    slow_period_s: Annotated[float, msgspec.Meta(ge=0.01, le=3600)] = 30.0
+    # Export dcgm-exporter's DCGM_FI_* metrics on /metrics beside the gpulet_* ones.
+    dcgm_metrics: bool = True
+    # Add pod/namespace/container labels to the DCGM_FI_* metrics of GPUs that a
+    # container holds, from kubelet's PodResources List (as dcgm-exporter does).
+    pod_labels: bool = True
+    # kubelet's PodResources socket; absent socket: no pod labels, and said so once.
+    pod_resources_socket: str = POD_RESOURCES_SOCKET
+    # Seconds between two PodResources List calls (labels follow allocations this fast).
+    pod_resources_poll_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 10.0

@@ -19,3 +19,8 @@ class NvmlSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     library: Annotated[str, msgspec.Meta(min_length=1)] = "libnvidia-ml.so.1"
     # A single NVML call taking longer than this marks the GPU as hung for the period.
     call_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 0.5
+    # Mock only: per-call NVML latency. "scenario": the scenario's [system]
+    # latency_profile; "none": answer at once; "h100": spend (as CPU, like the driver)
+    # what each call cost on a real H100 (first read of a field 1.5-3.6 ms, then
+    # 0.01-0.09 ms; thresholds, ECC mode, energy, field values dear every time).
+    mock_latency: Literal["scenario", "none", "h100"] = "scenario"

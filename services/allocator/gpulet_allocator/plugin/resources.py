@@ -39,6 +39,7 @@ import msgspec
 
 from gpulet_allocator.koordinator import RES_GPU_CORE, RES_GPU_MEMORY_RATIO
 from gpulet_common.messages import GpuInfo
+from gpulet_common.podresources import SHARE_SEPARATOR
 from gpulet_common.settings.allocator import ResourceNames as ResourceNames  # settings
 
 CORE_UNITS_PER_GPU: Final = 100
@@ -51,7 +52,7 @@ _CORE_TAG: Final = "core"
 _MEM_TAG: Final = "mem"
 _RATIO_TAG: Final = "ratio"
 RATIO_UNITS_PER_GPU: Final = 100
-_SEPARATOR: Final = "::"
+_SEPARATOR: Final = SHARE_SEPARATOR
 
 
 class ResourceKind(enum.StrEnum):

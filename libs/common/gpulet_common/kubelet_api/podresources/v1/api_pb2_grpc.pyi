@@ -14,7 +14,7 @@ To regenerate api.pb.go run `hack/update-codegen.sh protobindings`
 """
 
 from collections import abc as _abc
-from gpulet_allocator.kubelet_api.podresources.v1 import api_pb2 as _api_pb2
+from gpulet_common.kubelet_api.podresources.v1 import api_pb2 as _api_pb2
 from grpc import aio as _aio
 import abc as _abc_1
 import grpc as _grpc
