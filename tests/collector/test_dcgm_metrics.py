@@ -158,3 +158,15 @@ async def test_fields_a_gpu_lacks_are_left_out(nats_server: EmbeddedNats, tmp_pa
     assert "DCGM_FI_DEV_RETIRED_PENDING" in types
     assert "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION" in types
     assert not {n for n in types if "NVLINK" in n or "REMAP" in n or "_PROF_" in n}
+
+
+def test_docs_map_every_exported_name_to_its_type() -> None:
+    """docs/metrics.md lists every DCGM_FI_* name gpulet exports, with its type."""
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "metrics.md").read_text()
+    rows = {
+        cells[1].strip("` "): cells[2].strip()
+        for line in docs.splitlines()
+        if line.startswith(("| `DCGM_FI_DEV_", "| `DCGM_FI_PROF_"))
+        for cells in [line.split("|")]
+    }
+    assert rows == {f.name: f.kind for f in (*FIELDS, XID_FIELD)}

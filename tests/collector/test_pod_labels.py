@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
 
 from gpulet_allocator.plugin.resources import core_device_id, memory_device_id
-from gpulet_collector.pods import holders_of
+from gpulet_collector.pods import PodAttribution, holders_of
 from gpulet_collector.service import CollectorService
 from gpulet_common.embedded_nats import EmbeddedNats
 from gpulet_common.kubelet_api.podresources.v1 import api_pb2 as pr
@@ -166,3 +167,33 @@ def test_device_ids_of_gpus_the_node_lacks_are_ignored() -> None:
     holders = holders_of(response, {"GPU-a", "GPU-b"})
     assert list(holders) == ["GPU-a"]
     assert [(h.namespace, h.pod, h.container) for h in holders["GPU-a"]] == [("n", "p", "c")]
+
+
+async def test_an_unreadable_or_missing_kubelet_never_ends_the_attribution(
+    tmp_path: Path,
+) -> None:
+    socket = tmp_path / "pod-resources.sock"
+    updates: list[dict[str, Any]] = []
+    broken = [True]
+
+    def gpus() -> set[str]:
+        if broken[0]:
+            raise ValueError("inventory in flux")
+        return {"GPU-a"}
+
+    attribution = PodAttribution(socket, 0.05, gpus, updates.append)
+    await attribution.refresh()  # no socket: no kubelet, nobody holds anything
+    assert updates == [{}]
+    (tmp_path / "device-plugins").mkdir()
+    pod = FakePod(name="p", containers=[FakeContainer("c", {"nvidia.com/gpu": ["GPU-a"]})])
+    async with running_fake_kubelet(
+        tmp_path / "device-plugins", pod_resources_socket=socket, pods=[pod]
+    ):
+        await attribution.refresh()  # an answer that cannot be used: logged, kept
+        assert updates == [{}]
+        broken[0] = False
+        await attribution.refresh()
+    assert [{u: [h.pod for h in hs] for u, hs in update.items()} for update in updates] == [
+        {},
+        {"GPU-a": ["p"]},
+    ]

@@ -12,7 +12,8 @@ DCGM exporter. Labels therefore follow allocations within one poll, with no rest
 
 Hostile input: kubelet's answer is checked against what the collector knows. A device
 ID naming a GPU that is not in the inventory is ignored; a pod listed twice is kept
-once. A failed or missing socket keeps the last known holders only while kubelet says
+once; an answer that cannot be read keeps the last holders and is logged, never ends
+the collector. A failed or missing socket keeps the last known holders only while kubelet says
 nothing new -- on a missing socket (no kubelet) they are dropped, since nobody can
 hold a GPU through a kubelet that is not there -- and the state change is logged once.
 
@@ -86,13 +87,17 @@ class PodAttribution:
         """One List call and update (never raises for kubelet's failures)."""
         try:
             response = await list_pod_resources(self._socket, LIST_TIMEOUT_S)
+            holders = holders_of(response, frozenset(self._gpus()))
         except PodResourcesUnavailable as exc:
             self._report(str(exc))
             if not await anyio.Path(self._socket).exists():
                 self._update({})
             return
+        except Exception as exc:  # whatever kubelet answered, the collector lives on
+            self._report(f"unexpected answer: {type(exc).__name__}: {exc}")
+            return
         self._report(None)
-        self._update(holders_of(response, frozenset(self._gpus())))
+        self._update(holders)
 
     def _report(self, problem: str | None) -> None:
         if problem == self._problem:
