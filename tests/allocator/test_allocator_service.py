@@ -287,6 +287,9 @@ async def test_a_hung_allocator_times_out(settings: Settings) -> None:
         # Something listens on the subject but never answers.
         subject = f"gpulet.allocator.{NODE.replace('.', '_')}.allocate"
         sub = await stack.bus.client.subscribe(subject)
+        # The server knows the subscription before the plugin asks: without this the
+        # request could find no responder yet ("no allocator is listening").
+        await stack.bus.client.flush()
         try:
             started = anyio.current_time()
             error = await rpc_error(stack.kubelet.allocate(GPU, [gpus[:1]]))
