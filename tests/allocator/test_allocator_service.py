@@ -20,6 +20,7 @@ import pytest
 from gpulet_allocator import protocol as p
 from gpulet_allocator.engine import reference
 from gpulet_allocator.kubelet_api.deviceplugin.v1beta1 import api_pb2 as dp
+from gpulet_common import subjects
 from gpulet_common.bus import RemoteError
 from gpulet_common.messages import Inventory
 from gpulet_common.nvml.loader import open_mock
@@ -32,6 +33,7 @@ from support.allocator_stack import (
     allocator_stack,
     ids,
 )
+from support.health_kv import gpu_health, health_bucket, put_health
 
 pytestmark = pytest.mark.anyio
 
@@ -195,6 +197,39 @@ async def test_unhealthy_gpu_is_excluded_and_comes_back(settings: Settings) -> N
         )
         response = await stack.kubelet.allocate(GPU, [[sick]])
         assert response.container_responses[0].envs["NVIDIA_VISIBLE_DEVICES"] == sick
+
+
+async def test_a_gpu_that_is_not_present_stays_listed_unhealthy(settings: Settings) -> None:
+    inventory = mock_inventory("nvlink-pairs-8gpu")
+    gone = inventory.gpus[3]
+    async with allocator_stack(settings, inventory=inventory) as stack:
+        await stack.kubelet.wait_devices(GPU, lambda d: len(d) == 8)
+        # The collector's inventory leaves GPU 3 out (it is lost)...
+        await stack.publish_inventory(
+            msgspec.structs.replace(
+                inventory, generation=2, gpus=[g for g in inventory.gpus if g is not gone]
+            )
+        )
+        await stack.kubelet.wait_devices(GPU, lambda d: len(d) == 7)
+        # ...and the health service says it is missing, naming it (GpuHealth.info).
+        missing = msgspec.structs.replace(
+            gpu_health(gone.uuid, healthy=False, kind="gpu_missing", condition="missing"),
+            present=False,
+            info=gone,
+        )
+        await put_health(stack.bus, stack.node, missing)
+
+        def listed_unhealthy(devices: list[dp.Device]) -> bool:
+            return len(devices) == 8 and any(
+                gone.uuid == d.ID and d.health == "Unhealthy" for d in devices
+            )
+
+        await stack.kubelet.wait_devices(GPU, listed_unhealthy)
+        # Forgotten by the health service (its key deleted): it leaves kubelet's list.
+        kv = await health_bucket(stack.bus)
+        await kv.delete(subjects.health_kv_key(stack.node, gone.uuid))
+        devices = await stack.kubelet.wait_devices(GPU, lambda d: len(d) == 7)
+        assert gone.uuid not in {d.ID for d in devices}
 
 
 # --- refusals ----------------------------------------------------------------------------

@@ -163,5 +163,17 @@ class DevicePluginService:
             else:
                 self._have_inventory = True
                 self._gpus = list(inventory.gpus)
-        if self.state.publish(plugin_gpus_from_inventory(self._gpus, self.view.unhealthy())):
+        gpus = self._gpus
+        if self._have_inventory:
+            # A GPU the health service reports not present (lost, or missing since the
+            # agent started) stays in kubelet's list as Unhealthy: kubelet then keeps
+            # counting it in the node's capacity and the operator sees a broken GPU,
+            # not one GPU fewer.
+            listed = {g.uuid for g in gpus}
+            gpus = gpus + [
+                h.info
+                for u, h in sorted(self.view.healths().items())
+                if not h.present and h.info is not None and h.info.uuid == u and u not in listed
+            ]
+        if self.state.publish(plugin_gpus_from_inventory(gpus, self.view.unhealthy())):
             log.debug("device list version %d", self.state.snapshot().version)
