@@ -455,10 +455,18 @@ class AlertsConsumer:
         sinks: Sequence[Sink],
         *,
         meter: metrics.Meter | None = None,
+        stream: str = subjects.HEALTH_STREAM,
+        max_deliver: int = -1,
+        max_ack_pending: int | None = None,
     ) -> None:
         self._bus = bus
         self._settings = settings
         self._sinks = list(sinks)
+        # The node's GPU_HEALTH by default; the hub's GPU_FLEET for `gpulet alerts
+        # --hub` (gpulet_health.fleet_alerts), with bounded redelivery.
+        self._stream = stream
+        self._max_deliver = max_deliver
+        self._max_ack_pending = max_ack_pending
         meter = meter or metrics.get_meter("gpulet.alerts")
         self._delivered = meter.create_counter(
             "gpulet.alerts.delivered", description="Health events delivered to a sink"
@@ -520,21 +528,23 @@ class AlertsConsumer:
             deliver_policy=DeliverPolicy.ALL if s.start_at == "all" else DeliverPolicy.NEW,
             ack_policy=AckPolicy.EXPLICIT,
             ack_wait=s.ack_wait_s,
-            max_deliver=-1,
+            max_deliver=self._max_deliver,
             filter_subject=s.subject,
         )
+        if self._max_ack_pending is not None:
+            config.max_ack_pending = self._max_ack_pending
         delay = s.retry_initial_s
         while True:
             try:
                 return await self._bus.jetstream.pull_subscribe(
-                    s.subject, durable=s.durable, stream=subjects.HEALTH_STREAM, config=config
+                    s.subject, durable=s.durable, stream=self._stream, config=config
                 )
             except (nats.errors.Error, OSError, TimeoutError) as exc:
                 # Typically the stream does not exist yet: no health service ran.
                 log.warning(
                     "cannot consume %s from stream %s yet (%s); retrying in %.1fs",
                     s.subject,
-                    subjects.HEALTH_STREAM,
+                    self._stream,
                     exc,
                     delay,
                 )

@@ -11,6 +11,7 @@ import msgspec
 
 from gpulet_common.settings.allocator import AllocatorSettings
 from gpulet_common.settings.collector import CollectorSettings
+from gpulet_common.settings.fleet import FleetSettings
 from gpulet_common.settings.health import HealthSettings
 from gpulet_common.settings.nats import NatsSettings
 from gpulet_common.settings.nvml import NvmlSettings
@@ -31,11 +32,13 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     health: HealthSettings = msgspec.field(default_factory=HealthSettings)
     reporter: ReporterSettings = msgspec.field(default_factory=ReporterSettings)
     allocator: AllocatorSettings = msgspec.field(default_factory=AllocatorSettings)
+    fleet: FleetSettings = msgspec.field(default_factory=FleetSettings)
 
 
 __all__ = [
     "AllocatorSettings",
     "CollectorSettings",
+    "FleetSettings",
     "HealthSettings",
     "NatsSettings",
     "NvmlSettings",
