@@ -49,7 +49,7 @@ async def stream_ids(hub: Hub) -> list[str]:
         ids = []
         for seq in range(info.state.first_seq, info.state.last_seq + 1):
             msg = await admin.jetstream.get_msg(subjects.FLEET_STREAM, seq, direct=False)
-            ids.append(codec.HEALTH_EVENT.decode(msg.data).event_id)
+            ids.append(codec.HEALTH_EVENT.decode(msg.data or b"").event_id)
         return ids
 
 
