@@ -124,7 +124,8 @@ async def start_idle_leaves(
 
 
 async def consume(hub: Hub, latencies: list[float], want: int, limit_s: float) -> None:
-    async with Bus.connect(hub.nats_settings("admin"), max_initial_attempts=5) as bus:
+    # As `gpulet alerts --hub`: the alerts user, a durable pull consumer, explicit acks.
+    async with Bus.connect(hub.nats_settings("alerts"), max_initial_attempts=5) as bus:
         sub = await bus.jetstream.pull_subscribe(
             subjects.FLEET_STREAM_SUBJECTS[0],
             durable="bench",
