@@ -141,7 +141,7 @@ async def consume(hub: Hub, latencies: list[float], want: int, limit_s: float) -
             while len(latencies) < want:
                 try:
                     msgs = await sub.fetch(256, timeout=0.5)
-                except nats.errors.TimeoutError:
+                except (nats.errors.TimeoutError, TimeoutError):
                     continue
                 now = time.time()
                 for msg in msgs:

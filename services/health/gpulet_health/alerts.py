@@ -608,7 +608,9 @@ class AlertsConsumer:
                 messages: list[Msg] = await subscription.fetch(
                     _FETCH_BATCH, timeout=_FETCH_TIMEOUT_S
                 )
-            except nats.errors.TimeoutError:
+            except (nats.errors.TimeoutError, TimeoutError):
+                # nats-py raises either when a fetch ends empty; the builtin one is an
+                # OSError, which must not count as a failed fetch (warning + back-off).
                 continue
             except (nats.errors.Error, OSError) as exc:
                 log.warning("fetching health events failed: %s", exc)

@@ -104,7 +104,8 @@ class FleetRelay:
                 messages: list[Msg] = await subscription.fetch(
                     _FETCH_BATCH, timeout=_FETCH_TIMEOUT_S
                 )
-            except nats.errors.TimeoutError:
+            except (nats.errors.TimeoutError, TimeoutError):
+                # nats-py raises either, depending on where the wait ended.
                 continue
             except (nats.errors.Error, OSError) as exc:
                 self._fail_log.warning("reading the node's health stream failed: %s", exc)
