@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _util import percentile, rss_mb, table
 
 from gpulet_common import codec, subjects
-from gpulet_common.bus import Bus
+from gpulet_common.bus import Bus, fetch_ready
 from gpulet_common.embedded_nats import EmbeddedNats
 from gpulet_common.settings.fleet import FleetSettings
 from support.deploy import NATS_USERS, password_for, password_variable
@@ -140,7 +140,7 @@ async def consume(hub: Hub, latencies: list[float], want: int, limit_s: float) -
         with anyio.move_on_after(limit_s):
             while len(latencies) < want:
                 try:
-                    msgs = await sub.fetch(256, timeout=0.5)
+                    msgs = await fetch_ready(sub, 256, 0.5)
                 except (nats.errors.TimeoutError, TimeoutError):
                     continue
                 now = time.time()

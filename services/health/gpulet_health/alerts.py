@@ -57,7 +57,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from opentelemetry import metrics
 
 from gpulet_common import subjects
-from gpulet_common.bus import Bus
+from gpulet_common.bus import Bus, fetch_ready
 from gpulet_common.codec import HEALTH_EVENT
 from gpulet_common.messages import GpuHealth, HealthEvent
 from gpulet_common.settings.health import AlertSettings
@@ -605,8 +605,10 @@ class AlertsConsumer:
     async def _consume(self, subscription: Any) -> None:
         while True:
             try:
-                messages: list[Msg] = await subscription.fetch(
-                    _FETCH_BATCH, timeout=_FETCH_TIMEOUT_S
+                # Not fetch(batch): it holds a message back until the batch is full
+                # or the timeout passed (up to 1 s of latency per alert).
+                messages: list[Msg] = await fetch_ready(
+                    subscription, _FETCH_BATCH, _FETCH_TIMEOUT_S
                 )
             except (nats.errors.TimeoutError, TimeoutError):
                 # nats-py raises either when a fetch ends empty; the builtin one is an

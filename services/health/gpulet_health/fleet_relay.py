@@ -46,7 +46,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from opentelemetry import metrics
 
 from gpulet_common import subjects
-from gpulet_common.bus import Bus
+from gpulet_common.bus import Bus, fetch_ready
 from gpulet_common.codec import HEALTH_EVENT
 from gpulet_common.logutil import RateLimitedLog
 from gpulet_common.settings.fleet import FleetSettings
@@ -101,9 +101,7 @@ class FleetRelay:
         task_status.started()
         while True:
             try:
-                messages: list[Msg] = await subscription.fetch(
-                    _FETCH_BATCH, timeout=_FETCH_TIMEOUT_S
-                )
+                messages = await fetch_ready(subscription, _FETCH_BATCH, _FETCH_TIMEOUT_S)
             except (nats.errors.TimeoutError, TimeoutError):
                 # nats-py raises either, depending on where the wait ended.
                 continue
