@@ -612,5 +612,6 @@ async def fetch_ready(
     return first + more
 
 
-# How long the second, "what is already there" fetch of fetch_ready may take.
-_READY_WAIT_S = 0.05
+# How long the second, "what is already there" fetch of fetch_ready may take; what
+# arrives later stays queued in the subscription and is taken by the next fetch.
+_READY_WAIT_S = 0.01
