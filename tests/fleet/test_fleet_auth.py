@@ -244,3 +244,32 @@ async def test_a_node_status_lands_under_its_own_key_only(hub: Hub, tmp_path: Pa
             await anyio.sleep(0.1)
         assert [v.node for v in views] == [N1]
         assert views[0].status == own
+
+
+async def test_no_hub_user_can_feed_the_fleet_stream_or_the_fleet_view(hub: Hub) -> None:
+    """Only nodes (through their leaf) write events and statuses; alerts, viewer and
+    admin (JetStream management only) are refused by the server."""
+    for role in ("alerts", "viewer", "admin"):
+        errors: list[str] = []
+
+        async def on_error(exc: Exception, errors: list[str] = errors) -> None:
+            errors.append(str(exc).lower())
+
+        nc = await nats.connect(
+            hub.url,
+            user_credentials=str(hub.creds(role)),  # type: ignore[arg-type]
+            inbox_prefix=f"_INBOX.{role}",
+            error_cb=on_error,
+            allow_reconnect=False,
+            connect_timeout=2,
+        )
+        try:
+            for subject in (subjects.fleet_events(N1), subjects.fleet_status(N1)):
+                await nc.publish(subject, b"forged")
+            await nc.flush(timeout=2)
+            await wait_until(
+                lambda errors=errors: len(errors) >= 2, timeout_s=5, what=f"{role} refusals"
+            )
+        finally:
+            await nc.close()
+        assert all("permissions violation for publish" in e for e in errors), (role, errors)

@@ -21,8 +21,10 @@ running hub, ``$SYS.REQ.CLAIMS.UPDATE``) and ``GPULET`` (JetStream enabled), whe
 every gpulet user lives:
 
 * ``node`` (one per node, LEAFNODE connections only): may publish ``gpu.*.<node>``
-  and put its own key ``$KV.gpulet_fleet.<node>``; may subscribe to nothing, so the
-  hub sends nothing back down its leaf connection.
+  only (its data, ``gpu.events.<node>`` for its relay, ``gpu.fleet.<node>`` for its
+  status, which the account maps onto the fleet bucket's key ``<node>``); may receive
+  only ``$LDS.>`` (the leaf protocol's loop detection) and its relay's acks on
+  ``_INBOX.fleet.<node>.>``, so the hub sends nothing else down its leaf connection.
 * ``alerts``: the durable consumer of the fleet stream (``gpulet alerts --hub``).
 * ``viewer``: reads the fleet KV bucket and ``gpu.>`` (``gpulet fleet status``,
   ``gpulet watch``).
@@ -107,10 +109,6 @@ def user_permissions(role: Role, node: str = "") -> jwt.UserNats:
                     f"$JS.API.CONSUMER.INFO.{stream}.*",
                     f"$JS.API.CONSUMER.MSG.NEXT.{stream}.*",
                     f"$JS.ACK.{stream}.>",
-                    f"$JS.API.STREAM.INFO.{kv_stream}",
-                    f"$JS.API.DIRECT.GET.{kv_stream}",
-                    f"$JS.API.DIRECT.GET.{kv_stream}.>",
-                    f"$JS.API.STREAM.MSG.GET.{kv_stream}",
                 ]
             ),
             sub=jwt.Permission(allow=[inbox]),
@@ -137,7 +135,7 @@ def user_permissions(role: Role, node: str = "") -> jwt.UserNats:
         )
     if role == "admin":
         return jwt.UserNats(
-            pub=jwt.Permission(allow=["$JS.API.>", "$KV.>"]),
+            pub=jwt.Permission(allow=["$JS.API.>"]),
             sub=jwt.Permission(allow=[inbox]),
         )
     # sys: in the system account, for $SYS.REQ.CLAIMS.UPDATE and server monitoring.
