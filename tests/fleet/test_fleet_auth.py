@@ -26,6 +26,7 @@ from gpulet_common import codec, subjects
 from gpulet_common.bus import Bus
 from gpulet_common.embedded_nats import EmbeddedNats
 from gpulet_common.fleet import hub as fleet_hub
+from gpulet_common.fleet.identity import Role
 from gpulet_common.messages import NodeStatus
 from support.deploy import inbox_prefix, password_for, set_passwords
 from support.fleet import Hub, leaf_config, running_hub, running_leaves
@@ -250,26 +251,30 @@ async def test_no_hub_user_can_feed_the_fleet_stream_or_the_fleet_view(hub: Hub)
     """Only nodes (through their leaf) write events and statuses; alerts, viewer and
     admin (JetStream management only) are refused by the server."""
     for role in ("alerts", "viewer", "admin"):
-        errors: list[str] = []
-
-        async def on_error(exc: Exception, errors: list[str] = errors) -> None:
-            errors.append(str(exc).lower())
-
-        nc = await nats.connect(
-            hub.url,
-            user_credentials=str(hub.creds(role)),  # type: ignore[arg-type]
-            inbox_prefix=f"_INBOX.{role}",
-            error_cb=on_error,
-            allow_reconnect=False,
-            connect_timeout=2,
-        )
-        try:
-            for subject in (subjects.fleet_events(N1), subjects.fleet_status(N1)):
-                await nc.publish(subject, b"forged")
-            await nc.flush(timeout=2)
-            await wait_until(
-                lambda errors=errors: len(errors) >= 2, timeout_s=5, what=f"{role} refusals"
-            )
-        finally:
-            await nc.close()
+        errors = await _refusals(hub, role)
+        assert len(errors) == 2, (role, errors)
         assert all("permissions violation for publish" in e for e in errors), (role, errors)
+
+
+async def _refusals(hub: Hub, role: Role) -> list[str]:
+    errors: list[str] = []
+
+    async def on_error(exc: Exception) -> None:
+        errors.append(str(exc).lower())
+
+    nc = await nats.connect(
+        hub.url,
+        user_credentials=str(hub.creds(role)),
+        inbox_prefix=f"_INBOX.{role}",
+        error_cb=on_error,
+        allow_reconnect=False,
+        connect_timeout=2,
+    )
+    try:
+        for subject in (subjects.fleet_events(N1), subjects.fleet_status(N1)):
+            await nc.publish(subject, b"forged")
+        await nc.flush(timeout=2)
+        await wait_until(lambda: len(errors) >= 2, timeout_s=5, what=f"{role} refusals")
+    finally:
+        await nc.close()
+    return errors
