@@ -20,7 +20,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import msgspec
@@ -28,20 +28,20 @@ import msgspec
 from gpulet_common.bus import Bus, BusError
 from gpulet_common.cli_support import AddFlags, LoadSettings, bind, tool_nats
 from gpulet_common.fleet import hub
-from gpulet_common.fleet.identity import (
-    FLEET_ACCOUNT,
-    ROLES,
-    IdentityError,
-    IdentityStore,
-    Role,
-)
+from gpulet_common.fleet.roles import FLEET_ACCOUNT, ROLES, Role
 from gpulet_common.settings import Settings
 from gpulet_common.settings.nats import NatsSettings
+
+if TYPE_CHECKING:
+    from gpulet_common.fleet.identity import IdentityStore
 
 DEFAULT_STORE = "gpulet-fleet"
 
 
 def _store(args: argparse.Namespace) -> IdentityStore:
+    # Imported here: it needs nkeys (the `fleet` extra); the hub commands do not.
+    from gpulet_common.fleet.identity import IdentityStore
+
     return IdentityStore(Path(args.store))
 
 
@@ -49,8 +49,6 @@ def _role(args: argparse.Namespace) -> tuple[Role, str]:
     if args.node:
         return "node", args.node
     role: Role = args.role
-    if role == "node":
-        raise IdentityError("give --node NAME for a node's credential")
     return role, ""
 
 
@@ -216,6 +214,11 @@ def _cmd_status(args: argparse.Namespace, load: LoadSettings) -> int:
 
 def _guard(command: Any) -> Any:
     def run(args: argparse.Namespace, load: LoadSettings) -> int:
+        try:
+            from gpulet_common.fleet.identity import IdentityError
+        except ModuleNotFoundError as exc:
+            print(f"gpulet fleet: {exc}: install gpulet[fleet]", file=sys.stderr)
+            return 2
         try:
             code: int = command(args, load)
         except IdentityError as exc:

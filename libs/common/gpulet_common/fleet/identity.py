@@ -43,19 +43,15 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 import msgspec
 import nkeys
 
 from gpulet_common import subjects
 from gpulet_common.fleet import jwt
+from gpulet_common.fleet.roles import FLEET_ACCOUNT, ROLES, SYSTEM_ACCOUNT, Role
 
-Role = Literal["node", "alerts", "viewer", "admin", "sys"]
-ROLES: tuple[Role, ...] = ("node", "alerts", "viewer", "admin", "sys")
-
-SYSTEM_ACCOUNT = "SYS"
-FLEET_ACCOUNT = "GPULET"
+__all__ = ["FLEET_ACCOUNT", "ROLES", "SYSTEM_ACCOUNT", "Credential", "IdentityStore", "Role"]
 
 
 class IdentityError(Exception):
