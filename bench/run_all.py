@@ -26,6 +26,11 @@ BENCHES: list[tuple[str, list[str], list[str]]] = [
         ["--nodes", "1000", "--duration", "60"],
         ["--nodes", "100", "--duration", "10"],
     ),
+    (
+        "fleet.py",
+        ["--leaves", "300", "--active", "10", "--events", "3000", "--rate", "300"],
+        ["--leaves", "20", "--active", "10", "--events", "500", "--rate", "28"],
+    ),
 ]
 
 

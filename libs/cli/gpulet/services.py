@@ -30,6 +30,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "gpulet_health.cli",
     "gpulet_reporter.cli",
     "gpulet_allocator.cli",
+    "gpulet.fleet",
 )
 
 

@@ -53,6 +53,20 @@ SUBJECTS: tuple[SubjectSpec, ...] = (
         "GPU's state from the gpu_health KV bucket instead (ordered by KV revision).",
     ),
     SubjectSpec(
+        "gpu.events.<node>",
+        codec.HEALTH_EVENT,
+        "health (fleet relay)",
+        "The node's health events relayed to the hub's GPU_FLEET stream, each acked by "
+        "it (at least once, de-duplicated by event_id; docs/fleet.md).",
+    ),
+    SubjectSpec(
+        "gpu.fleet.<node>",
+        codec.NODE_STATUS,
+        "health",
+        "The node's summary (unhealthy GPUs) for the fleet view; on the hub it is "
+        "key <node> of the gpulet_fleet KV bucket (docs/fleet.md).",
+    ),
+    SubjectSpec(
         "gpulet.inventory.request.<node>",
         codec.INVENTORY_REQUEST,
         "(any client)",

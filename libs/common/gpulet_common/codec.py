@@ -236,3 +236,4 @@ MOCK_INJECT_REPLY = Codec(m.MockInjectReply)
 ACK = Codec(m.Ack)
 # Value of each key of the gpu_health KV bucket (written by the health service).
 GPU_HEALTH = Codec(m.GpuHealth, limit="health_state")
+NODE_STATUS = Codec(m.NodeStatus, limit="request")

@@ -310,3 +310,24 @@ class MockInjectReply(_Message, frozen=True, kw_only=True):
 class Ack(_Message, frozen=True, kw_only=True):
     ok: bool = True
     detail: str = ""
+
+
+# --- fleet (docs/fleet.md) -------------------------------------------------------------
+
+
+class NodeStatus(_Message, frozen=True, kw_only=True):
+    """A node's summary for the hub's fleet view (``gpu.fleet.<node>``, stored as key
+    ``<node>`` of the hub's ``gpulet_fleet`` KV bucket).
+
+    Sent when the set of unhealthy GPUs changes (at most once per
+    ``fleet.status_min_interval_s``) and at least every ``fleet.status_heartbeat_s``.
+    ``seq`` counts up within one ``boot_id`` (one run of the health service): a reader
+    orders by them, never by ``published_at`` (the node's clock, informative only).
+    """
+
+    node: str
+    boot_id: str
+    seq: int
+    gpus: int = 0
+    unhealthy: list[GpuHealth] = []
+    published_at: float = 0.0

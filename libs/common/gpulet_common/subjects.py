@@ -126,3 +126,33 @@ HEALTH_KV_BUCKET: Final = "gpu_health"
 
 def health_kv_key(node: str, gpu_uuid: str) -> str:
     return f"{token(node)}.{token(gpu_uuid)}"
+
+
+# Fleet (docs/fleet.md): on the hub, the replicated stream of every node's health
+# events and the KV bucket where each node keeps its status under its own key. Each
+# node's relay hands its events to the stream on gpu.events.<node> (and gets the
+# stream's ack on its own inbox prefix); it publishes its status on gpu.fleet.<node>,
+# which the hub's account maps to the bucket's key <node> (a leaf connection between
+# JetStream domains never carries $KV.>).
+FLEET_STREAM: Final = "GPU_FLEET"
+FLEET_STREAM_SUBJECTS: Final = ("gpu.events.*",)
+FLEET_KV_BUCKET: Final = "gpulet_fleet"
+
+
+def fleet_kv_key(node: str) -> str:
+    return token(node)
+
+
+def fleet_events(node: str) -> str:
+    """Where a node's relay hands its health events to the hub's fleet stream."""
+    return f"gpu.events.{token(node)}"
+
+
+def fleet_relay_inbox(node: str) -> str:
+    """The inbox prefix of a node's relay: the hub's acks reach the node on it."""
+    return f"_INBOX.fleet.{token(node)}"
+
+
+def fleet_status(node: str) -> str:
+    """Where a node publishes its status; ``"*"`` gives the wildcard."""
+    return f"gpu.fleet.{node if node == '*' else token(node)}"

@@ -57,7 +57,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from opentelemetry import metrics
 
 from gpulet_common import subjects
-from gpulet_common.bus import Bus
+from gpulet_common.bus import Bus, fetch_ready
 from gpulet_common.codec import GPU_HEALTH, HEALTH_EVENT
 from gpulet_common.messages import GpuHealth, HealthEvent
 from gpulet_common.settings.health import AlertSettings
@@ -457,10 +457,18 @@ class AlertsConsumer:
         sinks: Sequence[Sink],
         *,
         meter: metrics.Meter | None = None,
+        stream: str = subjects.HEALTH_STREAM,
+        max_deliver: int = -1,
+        max_ack_pending: int | None = None,
     ) -> None:
         self._bus = bus
         self._settings = settings
         self._sinks = list(sinks)
+        # The node's GPU_HEALTH by default; the hub's GPU_FLEET for `gpulet alerts
+        # --hub` (gpulet_health.fleet_alerts), with bounded redelivery.
+        self._stream = stream
+        self._max_deliver = max_deliver
+        self._max_ack_pending = max_ack_pending
         meter = meter or metrics.get_meter("gpulet.alerts")
         self._delivered = meter.create_counter(
             "gpulet.alerts.delivered", description="Health events delivered to a sink"
@@ -522,21 +530,23 @@ class AlertsConsumer:
             deliver_policy=DeliverPolicy.ALL if s.start_at == "all" else DeliverPolicy.NEW,
             ack_policy=AckPolicy.EXPLICIT,
             ack_wait=s.ack_wait_s,
-            max_deliver=-1,
+            max_deliver=self._max_deliver,
             filter_subject=s.subject,
         )
+        if self._max_ack_pending is not None:
+            config.max_ack_pending = self._max_ack_pending
         delay = s.retry_initial_s
         while True:
             try:
                 return await self._bus.jetstream.pull_subscribe(
-                    s.subject, durable=s.durable, stream=subjects.HEALTH_STREAM, config=config
+                    s.subject, durable=s.durable, stream=self._stream, config=config
                 )
             except (nats.errors.Error, OSError, TimeoutError) as exc:
                 # Typically the stream does not exist yet: no health service ran.
                 log.warning(
                     "cannot consume %s from stream %s yet (%s); retrying in %.1fs",
                     s.subject,
-                    subjects.HEALTH_STREAM,
+                    self._stream,
                     exc,
                     delay,
                 )
@@ -601,10 +611,14 @@ class AlertsConsumer:
     async def _consume(self, subscription: Any) -> None:
         while True:
             try:
-                messages: list[Msg] = await subscription.fetch(
-                    _FETCH_BATCH, timeout=_FETCH_TIMEOUT_S
+                # Not fetch(batch): it holds a message back until the batch is full
+                # or the timeout passed (up to 1 s of latency per alert).
+                messages: list[Msg] = await fetch_ready(
+                    subscription, _FETCH_BATCH, _FETCH_TIMEOUT_S
                 )
-            except nats.errors.TimeoutError:
+            except (nats.errors.TimeoutError, TimeoutError):
+                # nats-py raises either when a fetch ends empty; the builtin one is an
+                # OSError, which must not count as a failed fetch (warning + back-off).
                 continue
             except (nats.errors.Error, OSError) as exc:
                 log.warning("fetching health events failed: %s", exc)

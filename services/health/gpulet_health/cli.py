@@ -119,11 +119,16 @@ def _cmd_clear(args: argparse.Namespace, load: LoadSettings) -> int:
     )
 
 
-async def run_alerts(settings: Settings) -> None:
+async def run_alerts(settings: Settings, *, hub: bool = False) -> None:
     async with Bus.connect(
         tool_nats(settings), name="gpulet-alerts", limits=settings.limits
     ) as bus:
-        consumer = AlertsConsumer.from_settings(bus, settings.health.alerts)
+        if hub:
+            from gpulet_health.fleet_alerts import hub_consumer
+
+            consumer = hub_consumer(bus, settings)
+        else:
+            consumer = AlertsConsumer.from_settings(bus, settings.health.alerts)
         await consumer.run()
 
 
@@ -155,7 +160,7 @@ def _cmd_alerts(args: argparse.Namespace, load: LoadSettings) -> int:
         )
         return 2
     try:
-        anyio.run(run_alerts, settings)
+        anyio.run(lambda: run_alerts(settings, hub=bool(getattr(args, "hub", False))))
     except KeyboardInterrupt:
         return 0
     except BusError as exc:
@@ -243,6 +248,13 @@ def add_commands(sub: Any, add_flags: AddFlags, load: LoadSettings) -> None:
         "--replay-all",
         action="store_true",
         help="a new durable starts at the oldest event in the stream instead of new ones",
+    )
+    alerts.add_argument(
+        "--hub",
+        action="store_true",
+        help="consume the hub's fleet stream GPU_FLEET (every node; replicas share one "
+        "durable consumer, see docs/fleet.md); connect with --nats HUB and "
+        "--set nats.creds_file=FILE",
     )
     add_flags(alerts)
     alerts.set_defaults(func=bind(_cmd_alerts, load))

@@ -75,6 +75,8 @@ from gpulet_health.events_source import (
     Registered,
     SourceItem,
 )
+from gpulet_health.fleet_relay import run_relay
+from gpulet_health.fleet_status import FleetStatusPublisher
 from gpulet_health.kmsg import (
     CrossSourceDedup,
     Cursor,
@@ -139,6 +141,13 @@ class HealthService:
             publish_timeout_s=self._settings.stream.publish_timeout_s,
             ensure_stream=self._ensure_stream,
             meter=runtime.meter,
+        )
+        # The node's summary for the hub's fleet view (docs/fleet.md).
+        self.fleet_status = FleetStatusPublisher(
+            runtime.bus,
+            self._node,
+            lambda: self.engine.state(time.time(), None),
+            runtime.settings.fleet,
         )
         self._events_send: MemoryObjectSendStream[HealthEvent]
         self._events_recv: MemoryObjectReceiveStream[HealthEvent]
@@ -215,6 +224,16 @@ class HealthService:
                     tg.start_soon(self._wait_for_nvml, tg)
                 tg.start_soon(self._ask_collector)
                 tg.start_soon(self._kmsg_loop)
+                if self._rt.settings.fleet.status_enabled:
+                    await tg.start(self.fleet_status.run)
+                if self._rt.settings.fleet.relay_enabled:
+                    tg.start_soon(
+                        run_relay,
+                        self._rt.settings.nats,
+                        self._node,
+                        self._rt.settings.fleet,
+                        self._rt.meter,
+                    )
                 task_status.started()
         finally:
             with anyio.CancelScope(shield=True):

@@ -11,6 +11,7 @@ import msgspec
 
 from gpulet_common.settings.allocator import AllocatorSettings
 from gpulet_common.settings.collector import CollectorSettings
+from gpulet_common.settings.fleet import FleetSettings
 from gpulet_common.settings.health import HealthSettings
 from gpulet_common.settings.limits import LimitsSettings
 from gpulet_common.settings.nats import NatsSettings
@@ -33,11 +34,13 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     reporter: ReporterSettings = msgspec.field(default_factory=ReporterSettings)
     allocator: AllocatorSettings = msgspec.field(default_factory=AllocatorSettings)
     limits: LimitsSettings = msgspec.field(default_factory=LimitsSettings)
+    fleet: FleetSettings = msgspec.field(default_factory=FleetSettings)
 
 
 __all__ = [
     "AllocatorSettings",
     "CollectorSettings",
+    "FleetSettings",
     "HealthSettings",
     "LimitsSettings",
     "NatsSettings",

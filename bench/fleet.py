@@ -1,0 +1,268 @@
+"""Fleet scale on one machine: how many leaf nodes a hub holds and what they cost it.
+
+Method
+------
+Everything is real and on 127.0.0.1: a hub of 3 nats-servers in one JetStream cluster
+(``deploy/nats/fleet/hub.conf``, operator mode, the R3 stream ``GPU_FLEET``), and leaf
+nats-servers that each log in with their own credential (``gpulet fleet creds``):
+
+* ``--leaves`` **idle leaves**: a nats-server with only the leaf remote (no JetStream,
+  no local users), the cheapest real leaf connection; they measure the hub's memory
+  per leaf connection (the hub's RSS, summed over its 3 servers, after minus before,
+  divided by the leaves) and the node-side RSS of a bare leaf server;
+* ``--active`` **active nodes**: the full node path of ``deploy/nats/fleet-leaf.conf``
+  (node.conf, auth.conf, JetStream), the health service's HealthPublisher into the
+  node's GPU_HEALTH and the fleet relay to the hub (acked, de-duplicated). The events
+  are the rule engine's events for an XID (no NVML or rule engine: they are not what is
+  measured here, see bench/health_latency.py for that part);
+* a pull consumer on ``GPU_FLEET`` (what ``gpulet alerts --hub`` is), acking each event.
+
+``--events`` events are injected at ``--rate`` per second, spread over the active nodes.
+**Fault-to-hub-consumer latency**: from the moment an event is handed to the node's
+publisher (its ``observed_at``) to the moment the hub consumer fetched it: node stream,
+relay, leaf connection, R3 commit on the hub, delivery. **Hub CPU per 1,000 events**:
+the hub servers' CPU time (utime+stime from /proc, all 3 servers) during the storm,
+minus their idle CPU rate over the same time with the same leaves connected, per 1,000
+events. Everything shares this machine's cores (2 here, with other work), so the
+latency and CPU figures include contention; the memory figures do not depend on it.
+
+Run: ``python bench/fleet.py [--leaves 200] [--active 10] [--events 3000] [--rate 300]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from contextlib import AsyncExitStack
+from pathlib import Path
+
+import anyio
+import nats.errors
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _util import percentile, rss_mb, table
+
+from gpulet_common import codec, subjects
+from gpulet_common.bus import Bus, fetch_ready
+from gpulet_common.embedded_nats import EmbeddedNats
+from gpulet_common.settings.fleet import FleetSettings
+from support.deploy import NATS_USERS, password_for, password_variable
+from support.fleet import (
+    FleetNode,
+    Hub,
+    fault_event,
+    running_hub,
+    running_leaves,
+    running_node,
+)
+
+FLEET = FleetSettings(replicas=3, relay_retry_initial_s=0.05, relay_retry_max_s=0.5)
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def hub_pids(hub: Hub) -> list[int]:
+    return [s.server.pid for s in hub.servers if s.server is not None and s.server.pid]
+
+
+def hub_rss(hub: Hub) -> float:
+    return sum(rss_mb(pid) for pid in hub_pids(hub))
+
+
+def hub_cpu(hub: Hub) -> float:
+    return sum(cpu_s(pid) for pid in hub_pids(hub))
+
+
+async def start_idle_leaves(
+    stack: AsyncExitStack, hub: Hub, root: Path, count: int, limit_s: float
+) -> list[EmbeddedNats]:
+    urls = ", ".join(f'"nats-leaf://127.0.0.1:{s.leaf_port}"' for s in hub.servers)
+    leaves: list[EmbeddedNats] = []
+    deadline = time.monotonic() + limit_s
+    for i in range(count):
+        if time.monotonic() > deadline:
+            print(f"# stopped at {i} idle leaves: --start-limit {limit_s:g}s reached")
+            break
+        node = f"idle-{i:05d}"
+        directory = root / node
+        directory.mkdir(parents=True)
+        creds = hub.creds("node", node)
+        (directory / "leaf.conf").write_text(
+            "leafnodes { remotes = [ { urls: [" + urls + f'], credentials: "{creds}" }} ] }}\n'
+        )
+        try:
+            server = await stack.enter_async_context(
+                EmbeddedNats.running(
+                    state_dir=directory, config_file=directory / "leaf.conf", jetstream=False
+                )
+            )
+        except (RuntimeError, OSError, TimeoutError) as exc:
+            print(f"# stopped at {i} idle leaves: {exc}")
+            break
+        leaves.append(server)
+    # Connected: each leaf logs its connection to the hub.
+    for _ in range(600):
+        connected = sum(
+            "Leafnode connection created" in (s.state_dir / "nats-server.log").read_text()
+            for s in leaves
+        )
+        if connected == len(leaves):
+            break
+        await anyio.sleep(0.1)
+    return leaves
+
+
+async def consume(hub: Hub, latencies: list[float], want: int, limit_s: float) -> None:
+    # As `gpulet alerts --hub`: the alerts user, a durable pull consumer, explicit acks.
+    async with Bus.connect(hub.nats_settings("alerts"), max_initial_attempts=5) as bus:
+        sub = await bus.jetstream.pull_subscribe(
+            subjects.FLEET_STREAM_SUBJECTS[0],
+            durable="bench",
+            stream=subjects.FLEET_STREAM,
+            config=ConsumerConfig(
+                durable_name="bench",
+                deliver_policy=DeliverPolicy.NEW,
+                ack_policy=AckPolicy.EXPLICIT,
+                max_ack_pending=10000,
+            ),
+        )
+        with anyio.move_on_after(limit_s):
+            while len(latencies) < want:
+                try:
+                    msgs = await fetch_ready(sub, 256, 0.5)
+                except (nats.errors.TimeoutError, TimeoutError):
+                    continue
+                now = time.time()
+                for msg in msgs:
+                    event = codec.HEALTH_EVENT.decode(msg.data)
+                    latencies.append(now - event.observed_at)
+                    await msg.ack()
+
+
+async def run(args: argparse.Namespace) -> int:
+    for user in NATS_USERS:
+        os.environ[password_variable(user)] = password_for(user)
+    root = Path(tempfile.mkdtemp(prefix="gpulet-fleet-bench-"))
+    rows: list[list[object]] = []
+    async with (
+        running_hub(root / "hub", servers=3, settings=FLEET) as hub,
+        AsyncExitStack() as stack,
+    ):
+        await anyio.sleep(1.0)
+        rss_before = hub_rss(hub)
+        t0 = time.monotonic()
+        idle = await start_idle_leaves(stack, hub, root / "idle", args.leaves, args.start_limit)
+        start_s = time.monotonic() - t0
+        await anyio.sleep(3.0)
+        rss_after = hub_rss(hub)
+        leaf_rss = sum(rss_mb(s.pid) for s in idle if s.pid) / max(1, len(idle))
+
+        names = [f"active-{i:03d}" for i in range(args.active)]
+        leaves = await stack.enter_async_context(running_leaves(root / "active", hub, names))
+        async with anyio.create_task_group() as tg:
+
+            async def node_task(
+                leaf: object, *, task_status: anyio.abc.TaskStatus[FleetNode]
+            ) -> None:
+                async with running_node(root / "active", leaf, FLEET) as node:  # type: ignore[arg-type]
+                    task_status.started(node)
+                    await anyio.sleep_forever()
+
+            nodes: list[FleetNode] = [await tg.start(node_task, leaves[n]) for n in names]
+            active_rss = sum(rss_mb(leaves[n].server.pid) for n in names) / len(names)
+            latencies: list[float] = []
+            # Warm-up: one event per node, so every relay and route is up.
+            consumer_done = anyio.Event()
+
+            async def consumer() -> None:
+                await consume(hub, latencies, args.events + len(nodes), args.limit)
+                consumer_done.set()
+
+            tg.start_soon(consumer)
+            await anyio.sleep(1.0)
+            now = time.time()
+            for node in nodes:
+                await node.inject([fault_event(node.node, 10**6, now=now)])
+            for _ in range(300):
+                if len(latencies) >= len(nodes):
+                    break
+                await anyio.sleep(0.1)
+            latencies.clear()
+
+            # Idle CPU rate of the hub with everything connected.
+            c0, w0 = hub_cpu(hub), time.monotonic()
+            await anyio.sleep(args.idle)
+            idle_rate = (hub_cpu(hub) - c0) / (time.monotonic() - w0)
+
+            c1, w1 = hub_cpu(hub), time.monotonic()
+            interval = len(nodes) / args.rate
+            for i in range(args.events // len(nodes)):
+                now = time.time()
+                for node in nodes:
+                    await node.inject([fault_event(node.node, i, now=now)])
+                await anyio.sleep(interval)
+            want = (args.events // len(nodes)) * len(nodes)
+            for _ in range(int(args.limit / 0.05)):  # bounded: at most --limit seconds
+                if len(latencies) >= want:
+                    break
+                await anyio.sleep(0.05)
+            storm_s = time.monotonic() - w1
+            storm_cpu = hub_cpu(hub) - c1
+            tg.cancel_scope.cancel()
+
+    got = len(latencies)
+    net_cpu = max(0.0, storm_cpu - idle_rate * storm_s)
+    leaves_total = len(idle) + args.active
+    rows = [
+        ["leaf nodes connected (idle + active)", f"{len(idle)} + {args.active} = {leaves_total}"],
+        ["time to start the idle leaves", f"{start_s:.1f} s"],
+        [
+            "hub RSS (3 servers) before / after idle leaves",
+            f"{rss_before:.0f} / {rss_after:.0f} MiB",
+        ],
+        [
+            "hub memory per leaf connection",
+            f"{(rss_after - rss_before) * 1024 / max(1, len(idle)):.0f} KiB",
+        ],
+        ["RSS of a bare leaf nats-server (node side)", f"{leaf_rss:.1f} MiB"],
+        ["RSS of a full node nats-server (JetStream, auth)", f"{active_rss:.1f} MiB"],
+        ["events delivered / injected", f"{got} / {want} at {args.rate:g}/s"],
+        ["fault-to-hub-consumer latency p50", f"{percentile(latencies, 50) * 1000:.1f} ms"],
+        ["fault-to-hub-consumer latency p99", f"{percentile(latencies, 99) * 1000:.1f} ms"],
+        ["hub idle CPU (all leaves connected)", f"{idle_rate * 100:.1f} % of a core"],
+        ["hub CPU during the storm", f"{storm_cpu:.2f} s over {storm_s:.1f} s"],
+        ["hub CPU per 1,000 events (net of idle)", f"{net_cpu / max(1, got) * 1000:.3f} s"],
+    ]
+    print(
+        table("gpulet fleet: one machine, 3 hub servers, real leaf nodes", ["what", "value"], rows)
+    )
+    return 0 if got == want else 1
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--leaves", type=int, default=200, help="idle leaf nodes to start")
+    parser.add_argument("--active", type=int, default=10, help="nodes with the full event path")
+    parser.add_argument("--events", type=int, default=3000, help="events to inject")
+    parser.add_argument("--rate", type=float, default=300.0, help="events per second")
+    parser.add_argument("--idle", type=float, default=5.0, help="seconds of idle CPU measurement")
+    parser.add_argument("--limit", type=float, default=120.0, help="most seconds to wait")
+    parser.add_argument(
+        "--start-limit", type=float, default=300.0, help="most seconds to start idle leaves"
+    )
+    sys.exit(anyio.run(run, parser.parse_args()))
+
+
+if __name__ == "__main__":
+    main()
