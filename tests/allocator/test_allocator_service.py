@@ -287,6 +287,7 @@ async def test_a_hung_allocator_times_out(settings: Settings) -> None:
         # Something listens on the subject but never answers.
         subject = f"gpulet.allocator.{NODE.replace('.', '_')}.allocate"
         sub = await stack.bus.client.subscribe(subject)
+        await stack.bus.flush()
         try:
             started = anyio.current_time()
             error = await rpc_error(stack.kubelet.allocate(GPU, [gpus[:1]]))
