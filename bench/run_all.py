@@ -19,6 +19,7 @@ BENCHES: list[tuple[str, list[str], list[str]]] = [
     ("collector_cost.py", [], ["--periods", "500", "--steady", "5", "--messages", "5000"]),
     ("health_latency.py", [], ["--faults", "50"]),
     ("allocation_quality.py", [], []),
+    ("nats_restart.py", ["--rounds", "10"], ["--rounds", "3"]),
     ("allocate_roundtrip.py", [], ["--quick"]),
     (
         "reporter_fleet.py",
