@@ -20,6 +20,7 @@ BENCHES: list[tuple[str, list[str], list[str]]] = [
     ("health_latency.py", [], ["--faults", "50"]),
     ("allocation_quality.py", [], []),
     ("inventory_scale.py", [], ["--repeat", "3"]),
+    ("nats_restart.py", ["--rounds", "10"], ["--rounds", "3"]),
     ("allocate_roundtrip.py", [], ["--quick"]),
     (
         "reporter_fleet.py",

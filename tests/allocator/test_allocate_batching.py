@@ -205,6 +205,7 @@ async def test_plugin_sends_calls_alone_to_an_allocator_without_batches(
         subject = subjects.allocator_endpoint(NODE, p.ENDPOINT_ALLOCATE)
         sub = await allocator.client.subscribe(subject, cb=answer)
         await allocator.flush()
+        await plugin.flush()  # the requester's own round trip after the SUB's (see Bus.subscribe)
         backend = NatsAllocationBackend(plugin.client, NODE, timeout_s=2.0)
         results: dict[int, list[ContainerAllocation]] = {}
 
@@ -266,6 +267,7 @@ async def test_batched_refusals_reach_each_caller_with_their_code(
             ),
         ]
         await allocator.flush()
+        await plugin.flush()  # the requester's own round trip after the SUB's (see Bus.subscribe)
         backend = NatsAllocationBackend(plugin.client, NODE, timeout_s=2.0)
         # The first call is the one request out, and is held; the rest queue up.
         held = 1
@@ -319,6 +321,7 @@ async def test_a_stopping_plugin_fails_queued_calls_at_once(nats_server: Embedde
             for e in (p.ENDPOINT_ALLOCATE, p.ENDPOINT_ALLOCATE_BATCH)
         ]
         await allocator.flush()
+        await plugin.flush()  # the requester's own round trip after the SUB's (see Bus.subscribe)
         backend = NatsAllocationBackend(plugin.client, NODE, timeout_s=30.0)
         failures: list[Exception] = []
 

@@ -77,6 +77,14 @@ def test_busy_metrics_port(tmp_path: Path, busy_port: int) -> None:
     assert "already in use" in line
 
 
+def test_metrics_port_is_the_nats_port(tmp_path: Path) -> None:
+    port = free_port()
+    line = _fails_in_one_line(
+        _run(tmp_path, "--set", f"nats.embedded_port={port}", "--metrics-port", str(port))
+    )
+    assert f"'telemetry.http_port': {port} is nats.embedded_port as well" in line
+
+
 def test_state_dir_is_a_file(tmp_path: Path) -> None:
     a_file = tmp_path / "a-file"
     a_file.write_text("")

@@ -220,11 +220,18 @@ async def test_nats_sigkill_mid_storm_loses_no_event_and_the_device_converges(
         with anyio.fail_after(15):
             while h.service.buffer.pending:  # noqa: ASYNC110
                 await anyio.sleep(0.02)
-        await anyio.sleep(0.5)  # the storm ended seconds ago: nothing is in flight
-        produced = int(h.probe.value("gpulet.health.events"))
+        # ...and in the stream: every event produced so far is there (a condition, not
+        # a pause; bounded, and if it never holds the assertions below say what is
+        # missing).
+        with anyio.move_on_after(15):
+            while True:
+                produced = int(h.probe.value("gpulet.health.events"))
+                events = await read_stream(nats_server.url)
+                if not h.service.buffer.pending and len({e.event_id for e in events}) >= produced:
+                    break
+                await anyio.sleep(0.05)
         buffered = int(h.probe.value("gpulet.health.events_buffered"))
         dropped = int(h.probe.value("gpulet.health.events_dropped"))
-        events = await read_stream(nats_server.url)
         writes = r.service.metrics.writes_total - writes_before
         requests = emulator.stats.requests - requests_before
         retries = r.probe.value("gpulet.reporter.retries")

@@ -21,6 +21,7 @@ from gpulet_common.telemetry import StatusBoard
 from gpulet_health.service import HealthService
 from support.agent import agent_settings
 from support.health_harness import HealthNode, health_node
+from support.waiting import wait_until
 
 pytestmark = pytest.mark.anyio
 
@@ -39,8 +40,22 @@ def on(h: HealthNode, slot: int, kind: str, condition: str | None = None):  # ty
 
 
 async def samples_pass(h: HealthNode, n: int = 4) -> None:
-    """Let the collector publish (and the service consume) about ``n`` more samples."""
-    await anyio.sleep(n * h.settings.collector.sample_period_s + 0.05)
+    """Wait until the service has taken in ``n`` more sample batches.
+
+    A condition on the runtime bus's count of decoded batches, not a pause: on a
+    busy machine a pause lets fewer samples through than it promises. The count
+    rises as a batch is decoded, before the service handles it, hence one more.
+    """
+
+    def received() -> float:
+        return h.probe.value("gpulet.bus.messages_received", type="SampleBatch")
+
+    target = received() + n + 1
+    await wait_until(
+        lambda: received() >= target,
+        timeout_s=5 + 20 * n * h.settings.collector.sample_period_s,
+        what=f"{n} more sample batches taken in",
+    )
 
 
 async def test_xid_fatal_sticky_app_xid_reported_and_supported_events_only(

@@ -32,6 +32,8 @@ class Agent:
     def __init__(self, tmp_path: Path, *extra: str, node: str = "test.node") -> None:
         self.nats_port = free_port()
         self.http_port = free_port()
+        while self.http_port == self.nats_port:  # two calls may get the same free port
+            self.http_port = free_port()
         self.nats_url = f"nats://127.0.0.1:{self.nats_port}"
         self.node = node
         self.state_dir = tmp_path / "state"

@@ -147,6 +147,10 @@ def preflight(settings: Settings, *, embedded_nats: bool) -> None:
             "nats.embedded_host", "nats.embedded_port", nats.embedded_host, nats.embedded_port
         )
     telemetry = settings.telemetry
+    if embedded_nats and telemetry.http_port and telemetry.http_port == nats.embedded_port:
+        raise ConfigError(
+            "telemetry.http_port", f"{telemetry.http_port} is nats.embedded_port as well"
+        )
     if telemetry.http_port:
         _check_listen(
             "telemetry.http_host", "telemetry.http_port", telemetry.http_host, telemetry.http_port
