@@ -82,7 +82,6 @@ from _util import percentile, table
 
 from gpulet_allocator import protocol as p
 from gpulet_allocator.core import AllocatorCore
-from gpulet_allocator.engine import reference
 from gpulet_allocator.koordinator import Decision, GpuEntry, PodBook, PodKey, WatchedPod
 from gpulet_allocator.kubelet_api.deviceplugin.v1beta1 import api_pb2 as dp
 from gpulet_allocator.store import CheckpointFile, Committer, encode
@@ -91,6 +90,7 @@ from gpulet_common.bus import Bus, BusError, Delivery
 from gpulet_common.embedded_nats import EmbeddedNats
 from gpulet_common.messages import Inventory, InventoryRequest
 from gpulet_common.settings.allocator import ResourceNames
+from support import reference
 from support.allocator_stack import CORE, GPU, MEM, dev_root_with, make_settings
 from support.fake_kubelet import FakeKubelet, running_fake_kubelet
 

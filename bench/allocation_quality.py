@@ -2,7 +2,7 @@
 
 Design
 ------
-For every reference topology (:mod:`gpulet_allocator.engine.reference`) this prints:
+For every reference topology (`tests/support/reference.py`) this prints:
 
 1. **Single requests on an empty box**, sizes 1..N: our pick, its internal score
    (go-gpuallocator's pair-score sum) and worst tier, against the best score and tier
@@ -35,11 +35,15 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from functools import cache
+from pathlib import Path
 
 from gpulet_allocator.engine.ledger import Ledger, Owner
-from gpulet_allocator.engine.reference import REFERENCE_TOPOLOGIES
 from gpulet_allocator.engine.topology import TIER_NAMES, Topology
 from gpulet_allocator.engine.whole import select_whole
+
+# The reference topologies are the tests' oracle (tests/support/reference.py).
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from support.reference import REFERENCE_TOPOLOGIES
 
 # Sequences worth checking per topology (request sizes, in order).
 SEQUENCES: dict[str, list[tuple[int, ...]]] = {

@@ -18,7 +18,6 @@ import pytest
 from nats.aio.msg import Msg
 
 from gpulet_allocator import protocol as p
-from gpulet_allocator.engine import reference
 from gpulet_allocator.kubelet_api.deviceplugin.v1beta1 import api_pb2 as dp
 from gpulet_allocator.nats_backend import NatsAllocationBackend
 from gpulet_allocator.plugin.backend import (
@@ -33,6 +32,7 @@ from gpulet_common.embedded_nats import EmbeddedNats
 from gpulet_common.messages import ErrorReply
 from gpulet_common.settings import Settings
 from gpulet_common.settings.nats import NatsSettings
+from support import reference
 from support.allocator_stack import (
     CORE,
     GPU,

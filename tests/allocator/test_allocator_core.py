@@ -10,12 +10,12 @@ import msgspec
 import pytest
 
 from gpulet_allocator.core import AllocatorCore, PodRef, Rejected, grant_key
-from gpulet_allocator.engine import reference
 from gpulet_allocator.plugin.backend import PreferredRequest
 from gpulet_allocator.protocol import ReleaseRequest
 from gpulet_allocator.store import CheckpointError, CheckpointFile, Committer, encode
 from gpulet_common.messages import Inventory
 from gpulet_common.settings.allocator import ResourceNames
+from support import reference
 
 GPU, CORE, MEM = "nvidia.com/gpu", "gpulet.io/gpu-core", "gpulet.io/gpu-memory"
 GIB = 1024**3

@@ -29,7 +29,6 @@ import pytest
 
 from gpulet_allocator import protocol as p
 from gpulet_allocator.cli import format_state
-from gpulet_allocator.engine import reference
 from gpulet_allocator.service import checkpoint_path
 from gpulet_allocator.store import CheckpointFile
 from gpulet_common.bus import RemoteError
@@ -37,6 +36,7 @@ from gpulet_common.embedded_nats import EmbeddedNats
 from gpulet_common.settings import Settings
 from gpulet_common.statefile import CORRUPT_SUFFIX
 from gpulet_common.telemetry import serve_http
+from support import reference
 from support.allocator_stack import (
     CORE,
     GPU,

@@ -11,12 +11,12 @@ import pytest
 
 from gpulet_allocator import protocol as p
 from gpulet_allocator.cli import format_state
-from gpulet_allocator.engine import reference
 from gpulet_allocator.plugin.service import DevicePluginService
 from gpulet_allocator.service import AllocatorService
 from gpulet_common.bus import RemoteError
 from gpulet_common.embedded_nats import EmbeddedNats
 from gpulet_common.settings import Settings
+from support import reference
 from support.agent import runtime_for
 from support.allocator_stack import (
     CORE,

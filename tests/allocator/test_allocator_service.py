@@ -18,13 +18,13 @@ import msgspec
 import pytest
 
 from gpulet_allocator import protocol as p
-from gpulet_allocator.engine import reference
 from gpulet_allocator.kubelet_api.deviceplugin.v1beta1 import api_pb2 as dp
 from gpulet_common import subjects
 from gpulet_common.bus import RemoteError
 from gpulet_common.messages import Inventory
 from gpulet_common.nvml.loader import open_mock
 from gpulet_common.settings import Settings
+from support import reference
 from support.allocator_stack import (
     CORE,
     GPU,

@@ -7,10 +7,10 @@ import grpc.aio
 import msgspec
 import pytest
 
-from gpulet_allocator.engine import reference
 from gpulet_common.messages import Inventory
 from gpulet_common.settings import Settings
 from gpulet_common.settings.allocator import CdiSettings, MpsSettings
+from support import reference
 from support.allocator_stack import (
     CORE,
     GPU,

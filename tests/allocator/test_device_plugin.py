@@ -256,7 +256,8 @@ async def test_list_and_watch_initial_lists(plugin_dir: Path, dev_root: Path) ->
 @pytest.mark.anyio
 async def test_list_and_watch_follows_health_both_ways(plugin_dir: Path, dev_root: Path) -> None:
     async with environment(plugin_dir, dev_root) as env:
-        env.state.set_health(UUID0, False)
+        sick = [msgspec.structs.replace(gpus()[0], healthy=False), gpus()[1]]
+        env.state.publish(sick)
         whole = await env.kubelet.wait_devices(GPU, lambda ds: health(ds)[UUID0] == "Unhealthy")
         assert health(whole)[UUID1] == "Healthy"
         core = await env.kubelet.wait_devices(
@@ -268,7 +269,7 @@ async def test_list_and_watch_follows_health_both_ways(plugin_dir: Path, dev_roo
 
         # Recovery is advertised too; the reference plugins never do that.
         updates = env.kubelet.endpoint(GPU).updates
-        env.state.set_health(UUID0, True)
+        env.state.publish(gpus())
         whole = await env.kubelet.wait_devices(GPU, lambda ds: health(ds)[UUID0] == "Healthy")
         assert env.kubelet.endpoint(GPU).updates == updates + 1
 
@@ -415,7 +416,7 @@ async def test_kubelet_restart_leads_to_reregistration(plugin_dir: Path, dev_roo
             assert socket_mode(plugin_dir / reg.endpoint) == 0o600
         assert len(env.kubelet.registrations) == 6
         # The new kubelet gets the full list, and allocation works again.
-        env.state.set_health(UUID1, False)
+        env.state.publish([gpus()[0], msgspec.structs.replace(gpus()[1], healthy=False)])
         await env.kubelet.wait_devices(GPU, lambda ds: health(ds)[UUID1] == "Unhealthy")
         response = await env.kubelet.allocate(GPU, [[UUID0]])
         assert dict(response.container_responses[0].envs) == {"NVIDIA_VISIBLE_DEVICES": UUID0}

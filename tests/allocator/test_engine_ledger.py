@@ -13,13 +13,13 @@ from gpulet_allocator.engine.ledger import (
     ShareAllocation,
     WholeAllocation,
 )
-from gpulet_allocator.engine.reference import (
+from gpulet_common.messages import Inventory
+from support.reference import (
     GIB,
     inventory_from_matrix,
     nvlink_pairs_8,
     pix_phb_7,
 )
-from gpulet_common.messages import Inventory
 
 
 def owner(pod: str, container: str = "main") -> Owner:

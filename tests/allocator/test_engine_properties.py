@@ -5,12 +5,13 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpulet_allocator.engine.checkpoint import decode, encode
+from gpulet_allocator import store
+from gpulet_allocator.core import StoredState
 from gpulet_allocator.engine.errors import ERROR_CODES, AllocationError
 from gpulet_allocator.engine.ledger import Allocation, Ledger, Owner, WholeAllocation
-from gpulet_allocator.engine.reference import GIB, inventory_from_matrix
 from gpulet_allocator.engine.shares import CORES_PER_GPU
 from gpulet_common.messages import Inventory
+from support.reference import GIB, inventory_from_matrix
 
 Op = tuple[str, int, int, int]
 
@@ -110,7 +111,8 @@ def test_random_sequences_never_over_allocate(inv: Inventory, sequence: list[Op]
             for uuid, ok in health.items():
                 if uuid in ledger.topology:
                     ledger.set_health(uuid, ok)
-            assert ledger.restore(decode(encode(before)).allocations) == []
+            stored = store.decode(store.encode(StoredState(allocations=before)))
+            assert ledger.restore(stored.allocations) == []
             assert ledger.snapshot() == before
             check_invariants(ledger)
             continue

@@ -6,12 +6,6 @@ import time
 
 import pytest
 
-from gpulet_allocator.engine.reference import (
-    dgx1_cube_mesh_8,
-    inventory_from_matrix,
-    nvlink_pairs_8,
-    pix_phb_7,
-)
 from gpulet_allocator.engine.topology import (
     LEAF_LEVEL,
     LEVEL_HOSTBRIDGE,
@@ -27,6 +21,12 @@ from gpulet_allocator.engine.topology import (
     pair_tier,
 )
 from gpulet_common.messages import GpuInfo, PeerLink
+from support.reference import (
+    dgx1_cube_mesh_8,
+    inventory_from_matrix,
+    nvlink_pairs_8,
+    pix_phb_7,
+)
 
 
 def test_pair_scores_follow_go_gpuallocator() -> None:

@@ -12,7 +12,9 @@ from hypothesis import strategies as st
 
 from gpulet_allocator.engine import whole
 from gpulet_allocator.engine.errors import AllocationError
-from gpulet_allocator.engine.reference import (
+from gpulet_allocator.engine.topology import Topology
+from gpulet_allocator.engine.whole import evaluate, fragment_order, select_whole
+from support.reference import (
     dgx1_cube_mesh_8,
     dgx_nv18_8,
     inventory_from_matrix,
@@ -21,8 +23,6 @@ from gpulet_allocator.engine.reference import (
     nvswitch_16,
     pix_phb_7,
 )
-from gpulet_allocator.engine.topology import Topology
-from gpulet_allocator.engine.whole import evaluate, fragment_order, select_whole
 
 PIX7 = Topology.from_inventory(pix_phb_7())
 NVPAIRS = Topology.from_inventory(nvlink_pairs_8())

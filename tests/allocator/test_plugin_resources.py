@@ -6,6 +6,7 @@ from pathlib import Path
 
 import anyio
 import grpc
+import msgspec
 import pytest
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import HistogramDataPoint, InMemoryMetricReader
@@ -145,7 +146,7 @@ def test_fallback_preference_keeps_one_numa_node() -> None:
 async def test_device_state_is_level_triggered() -> None:
     state = DeviceState([gpu()])
     first = state.snapshot()
-    assert not state.set_health(UUID, True)
+    assert not state.publish([gpu()])  # the same list: no change
     seen: list[int] = []
 
     async def watcher() -> None:
@@ -155,8 +156,8 @@ async def test_device_state_is_level_triggered() -> None:
     async with anyio.create_task_group() as tg:
         tg.start_soon(watcher)
         await anyio.sleep(0.01)
-        assert state.set_health(UUID, False)
-        assert state.set_health(UUID, True)
+        assert state.publish([msgspec.structs.replace(gpu(), healthy=False)])
+        assert state.publish([gpu()])
     # The watcher sees the latest state, not a queue of every intermediate one.
     assert seen == [2]
     with anyio.fail_after(1):

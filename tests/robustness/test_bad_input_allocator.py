@@ -75,7 +75,7 @@ from nats.micro.request import Request
 
 from gpulet_allocator import protocol as p
 from gpulet_allocator.core import CORES_PER_GPU, AllocatorCore, Rejected, StoredState, Undo
-from gpulet_allocator.engine import ERROR_CODES, ShareAllocation, WholeAllocation, reference
+from gpulet_allocator.engine import ERROR_CODES, ShareAllocation, WholeAllocation
 from gpulet_allocator.engine.shares import memory_units
 from gpulet_allocator.plugin.backend import ContainerAllocation, PreferredRequest
 from gpulet_allocator.service import MAX_ERROR_MESSAGE_CHARS, AllocatorService, _bounded
@@ -88,6 +88,7 @@ from gpulet_common.messages import ErrorReply, Inventory
 from gpulet_common.settings import Settings
 from gpulet_common.settings.allocator import ResourceNames
 from robustness.strategies import bases, mutants
+from support import reference
 from support.agent import runtime_for
 from support.allocator_stack import NODE, make_settings
 from support.health_kv import gpu_health, health_bucket, put_health

@@ -216,9 +216,6 @@ class Codec(Generic[T]):
     def name(self) -> str:
         return self.type.__name__
 
-    def json_schema(self) -> dict[str, Any]:
-        return msgspec.json.schema(self.type)
-
     def __repr__(self) -> str:
         return f"Codec({self.type.__name__})"
 

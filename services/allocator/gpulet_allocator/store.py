@@ -3,10 +3,9 @@
 Design
 ------
 **File.** One JSON document, :class:`~gpulet_allocator.core.StoredState`: the
-ledger's allocations (the engine's tagged union, as in
-:mod:`gpulet_allocator.engine.checkpoint`) plus the grants that map kubelet's
-requests to them. Both must change together, so they share one file rather than the
-engine's allocations-only checkpoint. Writing follows the engine's recipe
+ledger's allocations (the engine's tagged union, ``"type": "whole"`` /
+``"share"``) plus the grants that map kubelet's requests to them. Both must change
+together, so they share one file. Writing is atomic and durable
 (:func:`gpulet_common.statefile.write_atomic`): a temporary file in the same
 directory, fsync, rename over the checkpoint, fsync the directory. A crash leaves the
 old or the new file, never a mix. Loading never raises: a missing

@@ -81,12 +81,6 @@ class Deduplicator:
         window = self._windows.pop(key, None)
         return self._summary(window) if window is not None else []
 
-    def close_gpu(self, uuid: str) -> list[HealthEvent]:
-        out: list[HealthEvent] = []
-        for key in [k for k in self._windows if k[0] == uuid]:
-            out += self.close(key)
-        return out
-
     def tick(self, now: float) -> list[HealthEvent]:
         """Summaries of the windows that ended by ``now``."""
         out: list[HealthEvent] = []

@@ -124,10 +124,6 @@ class RuleEngine:
 
     # --- queries -------------------------------------------------------------------
 
-    @property
-    def dedup_suppressed(self) -> int:
-        return self._dedup.suppressed_total
-
     def take_dirty(self) -> set[str]:
         dirty, self._dirty = self._dirty, set()
         return dirty

@@ -1,4 +1,4 @@
-"""The allocator's allocation engine: pure placement logic and its checkpoint.
+"""The allocator's allocation engine: pure placement logic.
 
 Design
 ------
@@ -10,21 +10,13 @@ Layers, bottom up (each only imports those below it):
 * :mod:`.whole` -- which whole GPUs a request gets (topology- and
   fragmentation-aware); :mod:`.shares` -- gpu-manager units and best-fit packing.
 * :mod:`.ledger` -- the allocation state, its invariants and idempotency.
-* :mod:`.checkpoint` -- the atomic on-disk copy of the ledger (the only I/O).
 
-:mod:`.reference` holds the reference machine topologies used by tests and benches.
-Nothing here knows about gRPC, NATS or asyncio; the plugin and service layers call in.
+The on-disk copy of the ledger is the service's (:mod:`gpulet_allocator.store`); the
+reference machine topologies used by tests and benches are the tests' oracle
+(``tests/support/reference.py``). Nothing here knows about gRPC, NATS or asyncio;
+the plugin and service layers call in.
 """
 
-from .checkpoint import (
-    CHECKPOINT_VERSION,
-    Checkpoint,
-    CheckpointStore,
-    LoadResult,
-    Recovery,
-    load_checkpoint,
-    save_checkpoint,
-)
 from .errors import ERROR_CODES, AllocationError, ErrorCode
 from .ledger import (
     Allocation,
@@ -39,21 +31,16 @@ from .topology import Topology, TopologyTree, TreeNode, pair_score
 from .whole import Selection, SetKey, fragment_order, preferred_allocation, select_whole
 
 __all__ = [
-    "CHECKPOINT_VERSION",
     "CORES_PER_GPU",
     "ERROR_CODES",
     "MEMORY_UNIT_BYTES",
     "Allocation",
     "AllocationError",
     "CardFree",
-    "Checkpoint",
-    "CheckpointStore",
     "DeviceState",
     "ErrorCode",
     "Ledger",
-    "LoadResult",
     "Owner",
-    "Recovery",
     "Selection",
     "SetKey",
     "ShareAllocation",
@@ -63,10 +50,8 @@ __all__ = [
     "WholeAllocation",
     "classify_cores",
     "fragment_order",
-    "load_checkpoint",
     "pair_score",
     "pick_share",
     "preferred_allocation",
-    "save_checkpoint",
     "select_whole",
 ]

@@ -402,7 +402,7 @@ class Ledger:
     # --- persistence ---------------------------------------------------------------
 
     def snapshot(self) -> list[Allocation]:
-        """Every allocation, for :mod:`.checkpoint`."""
+        """Every allocation, for the checkpoint (:mod:`gpulet_allocator.store`)."""
         return self.allocations()
 
     def restore(self, allocations: Iterable[Allocation]) -> list[str]:

@@ -45,7 +45,7 @@ class DeviceStateSource(Protocol):
 
 
 class DeviceState:
-    """In-memory :class:`DeviceStateSource` fed by :meth:`publish` and :meth:`set_health`.
+    """In-memory :class:`DeviceStateSource` fed by :meth:`publish` (the whole list).
 
     Must be used from the event loop thread (publishers and watchers alike).
     """
@@ -77,11 +77,3 @@ class DeviceState:
             changed, self._changed = self._changed, None
             changed.set()
         return True
-
-    def set_health(self, gpu_uuid: str, healthy: bool) -> bool:
-        """Mark one GPU (un)healthy; returns whether anything changed."""
-        gpus = [
-            msgspec.structs.replace(g, healthy=healthy) if g.uuid == gpu_uuid else g
-            for g in self._snapshot.gpus
-        ]
-        return self.publish(gpus)

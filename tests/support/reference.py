@@ -19,15 +19,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from gpulet_common.messages import GpuInfo, Inventory, PeerLink
-
-from .topology import (
+from gpulet_allocator.engine.topology import (
     LEVEL_HOSTBRIDGE,
     LEVEL_MULTIPLE,
     LEVEL_NODE,
     LEVEL_SINGLE,
     LEVEL_SYSTEM,
 )
+from gpulet_common.messages import GpuInfo, Inventory, PeerLink
 
 GIB = 1024**3
 
