@@ -11,7 +11,7 @@ payload as the collector publishes it, through each consumer's own code, in proc
   consumer's node and the clock: size and nesting bounds, msgspec, the claim checks.
 * **allocator**: :meth:`AllocatorCore.update_inventory` (the ledger and the topology
   the selection uses) plus the device plugin's GPU list
-  (:func:`plugin_gpus_from_inventory` into a :class:`DeviceState`).
+  (:func:`plugin_gpus_from_inventory` into a :class:`DeviceList`).
 * **reporter**: :meth:`ReporterCore.on_inventory`, which renders the Device intent.
 * **health**: the GPU labels and the comparison the health service does.
 
@@ -39,7 +39,7 @@ from _util import table
 
 from gpulet_allocator.core import AllocatorCore
 from gpulet_allocator.plugin.resources import plugin_gpus_from_inventory
-from gpulet_allocator.plugin.state import DeviceState
+from gpulet_allocator.plugin.state import DeviceList
 from gpulet_common import codec, subjects
 from gpulet_common.codec import MalformedMessage
 from gpulet_common.messages import GpuInfo, Inventory, PeerLink
@@ -131,7 +131,7 @@ def measure(n: int, settings: Settings, repeat: int) -> tuple[int, float, float,
         # A fresh allocator each time: the first inventory builds everything.
         core = AllocatorCore(node=NODE, names=plugin.resources, shares=plugin.shares)
         core.update_inventory(decoded)
-        DeviceState().publish(plugin_gpus_from_inventory(decoded.gpus, ()))
+        DeviceList().publish(plugin_gpus_from_inventory(decoded.gpus, ()))
 
     def reporter() -> None:
         ReporterCore(NODE, settings.reporter).on_inventory(decoded)

@@ -23,9 +23,9 @@ from gpulet_allocator.plugin import (
     AllocationRejected,
     AllocatorUnavailable,
     ContainerAllocation,
+    DeviceList,
     DevicePluginManager,
     DeviceSpec,
-    DeviceState,
     Mount,
     PluginConfig,
     PluginGpu,
@@ -126,7 +126,7 @@ def make_config(plugin_dir: Path, dev_root: Path, **overrides: object) -> Plugin
 
 @contextlib.asynccontextmanager
 async def running_plugin(
-    config: PluginConfig, state: DeviceState, backend: FakeBackend
+    config: PluginConfig, state: DeviceList, backend: FakeBackend
 ) -> AsyncIterator[DevicePluginManager]:
     manager = DevicePluginManager(config, state, backend)
     async with anyio.create_task_group() as tg:
@@ -141,7 +141,7 @@ class Env:
         self,
         kubelet: FakeKubelet,
         manager: DevicePluginManager,
-        state: DeviceState,
+        state: DeviceList,
         backend: FakeBackend,
     ) -> None:
         self.kubelet = kubelet
@@ -152,7 +152,7 @@ class Env:
 
 @contextlib.asynccontextmanager
 async def environment(plugin_dir: Path, dev_root: Path, **overrides: object) -> AsyncIterator[Env]:
-    state = DeviceState(gpus())
+    state = DeviceList(gpus())
     backend = FakeBackend()
     async with (
         running_fake_kubelet(plugin_dir) as kubelet,
@@ -211,7 +211,7 @@ async def test_registers_every_resource_on_a_private_socket(
 @pytest.mark.anyio
 async def test_start_waits_until_kubelet_appears(plugin_dir: Path, dev_root: Path) -> None:
     manager = DevicePluginManager(
-        make_config(plugin_dir, dev_root), DeviceState(gpus()), FakeBackend()
+        make_config(plugin_dir, dev_root), DeviceList(gpus()), FakeBackend()
     )
     async with anyio.create_task_group() as tg:
         registered = anyio.Event()
@@ -439,7 +439,7 @@ async def test_deleted_plugin_socket_is_recreated(plugin_dir: Path, dev_root: Pa
 
 @pytest.mark.anyio
 async def test_shutdown_ends_streams_and_removes_sockets(plugin_dir: Path, dev_root: Path) -> None:
-    state = DeviceState(gpus())
+    state = DeviceList(gpus())
     async with running_fake_kubelet(plugin_dir) as kubelet:
         async with running_plugin(
             make_config(plugin_dir, dev_root), state, FakeBackend()
@@ -457,7 +457,7 @@ async def test_shutdown_ends_streams_and_removes_sockets(plugin_dir: Path, dev_r
 @pytest.mark.anyio
 async def test_cancellation_also_removes_sockets(plugin_dir: Path, dev_root: Path) -> None:
     manager = DevicePluginManager(
-        make_config(plugin_dir, dev_root), DeviceState(gpus()), FakeBackend()
+        make_config(plugin_dir, dev_root), DeviceList(gpus()), FakeBackend()
     )
     async with running_fake_kubelet(plugin_dir):
         async with anyio.create_task_group() as tg:

@@ -14,9 +14,9 @@ from opentelemetry.sdk.metrics.export import HistogramDataPoint, InMemoryMetricR
 from gpulet_allocator.plugin import (
     CORE_UNITS_PER_GPU,
     MEMORY_UNIT_BYTES,
+    DeviceList,
     DeviceNodes,
     DeviceSpec,
-    DeviceState,
     PluginGpu,
     ResourceKind,
     ResourceNames,
@@ -144,7 +144,7 @@ def test_fallback_preference_keeps_one_numa_node() -> None:
 
 @pytest.mark.anyio
 async def test_device_state_is_level_triggered() -> None:
-    state = DeviceState([gpu()])
+    state = DeviceList([gpu()])
     first = state.snapshot()
     assert not state.publish([gpu()])  # the same list: no change
     seen: list[int] = []

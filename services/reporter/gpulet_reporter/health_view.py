@@ -54,7 +54,7 @@ def reason_for(*, xid: int | None, condition: str, kind: str, text: str, healthy
 
 
 @dataclass(slots=True)
-class _Gpu:
+class _GpuView:
     healthy: bool
     since: float
     # True once this view saw the GPU go from unhealthy to healthy.
@@ -63,7 +63,7 @@ class _Gpu:
 
 class HealthView:
     def __init__(self) -> None:
-        self._gpus: dict[str, _Gpu] = {}
+        self._gpus: dict[str, _GpuView] = {}
         self._conditions: dict[str, GpuCondition] = {}
 
     def snapshot(self) -> Mapping[str, GpuCondition]:
@@ -83,7 +83,7 @@ class HealthView:
         if gpu is None:
             unhealthy_since = [c.since for c in _unhealthy(health.conditions) if c.since]
             since = min(unhealthy_since) if not healthy and unhealthy_since else health.updated_at
-            gpu = self._gpus[uuid] = _Gpu(healthy=healthy, since=since)
+            gpu = self._gpus[uuid] = _GpuView(healthy=healthy, since=since)
         elif gpu.healthy != healthy:
             gpu.healthy, gpu.since, gpu.recovered = healthy, health.updated_at, healthy
         condition = _condition(gpu, health)
@@ -97,7 +97,7 @@ def _unhealthy(conditions: list[ActiveCondition]) -> list[ActiveCondition]:
     return [c for c in conditions if c.severity in _UNHEALTHY_SEVERITIES]
 
 
-def _condition(gpu: _Gpu, health: GpuHealth) -> GpuCondition:
+def _condition(gpu: _GpuView, health: GpuHealth) -> GpuCondition:
     if gpu.healthy:
         if gpu.recovered:
             return GpuCondition(healthy=True, reason="Recovered", since=gpu.since)

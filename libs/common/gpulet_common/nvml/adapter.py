@@ -26,7 +26,7 @@ Layers inside the adapter
    ``FUNCTION_NOT_FOUND`` / ``NO_PERMISSION`` on a single field) give ``None``;
    ``GPU_IS_LOST`` gives :class:`GpuLostError`; the codes that mean "NVML is gone"
    give :class:`NvmlUnavailable`; the rest give :class:`NvmlCallError`.
-3. *Per-GPU state* (:class:`_Gpu`): the cached handle and UUID, and a bit mask of the
+3. *Per-GPU state* (:class:`_GpuHandle`): the cached handle and UUID, and a bit mask of the
    fields NVML said it does not support, so that the sampling hot path never calls
    them again. The mask is kept by UUID, so it survives a handle re-fetch.
 4. *Public operations*: inventory (with pairwise topology), samples, events.
@@ -141,7 +141,7 @@ _UNAVAILABLE_AFTER_INIT: Final = frozenset(UNAVAILABLE_REASONS) - {
 # Room for 4096 CPUs in the affinity bit mask (64-bit words): NVML fills what exists.
 _CPU_SET_WORDS: Final = 64
 
-# Bits of _Gpu.unsupported, one per sampled NVML call.
+# Bits of _GpuHandle.unsupported, one per sampled NVML call.
 _U_UTIL: Final = 1 << 0
 _U_MEM: Final = 1 << 1
 _U_TEMP: Final = 1 << 2
@@ -212,7 +212,7 @@ class NvmlEvent(msgspec.Struct, frozen=True, kw_only=True):
         return self.event_data if self.event_type == EVENT_XID else None
 
 
-class _Gpu:
+class _GpuHandle:
     """What the adapter remembers about one GPU between calls."""
 
     __slots__ = ("error", "handle", "index", "slow", "unsupported", "uuid")
@@ -328,7 +328,7 @@ class NvmlAdapter:
         self.backend: Backend = backend
         self._error_type: type[BaseException] = nvml_module.NVMLError
         self._lock = threading.Lock()
-        self._gpus: dict[int, _Gpu] = {}
+        self._gpus: dict[int, _GpuHandle] = {}
         self._unsupported_by_uuid: dict[str, int] = {}
         self._slow_by_uuid: dict[str, dict[str, Any]] = {}
         self._gpm_by_uuid: dict[str, _GpmState] = {}
@@ -520,7 +520,7 @@ class NvmlAdapter:
 
     # --- per-GPU state -------------------------------------------------------------
 
-    def _load(self, index: int) -> _Gpu:
+    def _load(self, index: int) -> _GpuHandle:
         if self._f_handle_by_index is None or self._f_uuid is None:
             raise _missing("nvmlDeviceGetHandleByIndex")
         function = "nvmlDeviceGetHandleByIndex"
@@ -532,22 +532,22 @@ class NvmlAdapter:
             raise self._translate(exc, function, index) from exc
         with self._lock:
             slow = self._slow_by_uuid.setdefault(uuid, {})
-            gpu = _Gpu(index, handle, uuid, self._unsupported_by_uuid.get(uuid, 0), slow)
+            gpu = _GpuHandle(index, handle, uuid, self._unsupported_by_uuid.get(uuid, 0), slow)
             self._gpus[index] = gpu
         return gpu
 
-    def _forget(self, gpu: _Gpu) -> None:
+    def _forget(self, gpu: _GpuHandle) -> None:
         with self._lock:
             if self._gpus.get(gpu.index) is gpu:
                 del self._gpus[gpu.index]
 
-    def _mark_unsupported(self, gpu: _Gpu, bit: int) -> None:
+    def _mark_unsupported(self, gpu: _GpuHandle, bit: int) -> None:
         with self._lock:
             gpu.unsupported |= bit
             self._unsupported_by_uuid[gpu.uuid] = gpu.unsupported
 
     def _field_failed(
-        self, gpu: _Gpu, bit: int, fn: Callable[..., Any], exc: BaseException
+        self, gpu: _GpuHandle, bit: int, fn: Callable[..., Any], exc: BaseException
     ) -> None:
         code = self._code(exc)
         if code in _FIELD_UNSUPPORTED:
@@ -562,7 +562,7 @@ class NvmlAdapter:
         if gpu.error is None:
             gpu.error = f"error: {name}: {exc} (NVML code {code})"
 
-    def _read(self, gpu: _Gpu, bit: int, fn: Callable[..., Any] | None, *args: Any) -> Any:
+    def _read(self, gpu: _GpuHandle, bit: int, fn: Callable[..., Any] | None, *args: Any) -> Any:
         """One field: its value, or None when unsupported or failed (see _field_failed)."""
         if fn is None or gpu.unsupported & bit:
             return None
@@ -572,7 +572,7 @@ class NvmlAdapter:
             self._field_failed(gpu, bit, fn, exc)
             return None
 
-    def _opt(self, gpu: _Gpu, fn: Callable[..., Any] | None, *args: Any) -> Any:
+    def _opt(self, gpu: _GpuHandle, fn: Callable[..., Any] | None, *args: Any) -> Any:
         """An inventory field: like _read but not cached, and other errors are logged."""
         if fn is None:
             return None
@@ -623,7 +623,7 @@ class NvmlAdapter:
         gpu = self._gpus.get(index) or self._load(index)
         return self._gpu_info(gpu)
 
-    def _gpu_info(self, gpu: _Gpu) -> GpuInfo:
+    def _gpu_info(self, gpu: _GpuHandle) -> GpuInfo:
         opt = self._opt
         name = opt(gpu, self._f_name)
         memory = opt(gpu, self._f_memory)
@@ -667,13 +667,13 @@ class NvmlAdapter:
             module_id=int(module_id) if module_id is not None else None,
         )
 
-    def _cpu_affinity(self, gpu: _Gpu) -> list[int]:
+    def _cpu_affinity(self, gpu: _GpuHandle) -> list[int]:
         words = self._opt(gpu, self._f_affinity_scope, _CPU_SET_WORDS, self._c_affinity_scope_node)
         if words is None:
             words = self._opt(gpu, self._f_affinity, _CPU_SET_WORDS)
         return _affinity_cpus(words) if words is not None else []
 
-    def _nvlinks(self, gpu: _Gpu) -> tuple[dict[str, int], int]:
+    def _nvlinks(self, gpu: _GpuHandle) -> tuple[dict[str, int], int]:
         """Active NVLinks of one GPU: links per peer bus id, and links into NVSwitches.
 
         On NVSwitch systems (DGX/HGX) a GPU's links end at switches, never at a peer,
@@ -718,7 +718,7 @@ class NvmlAdapter:
                 direct[bus] = direct.get(bus, 0) + 1
         return direct, switch_links
 
-    def _common_ancestor(self, a: _Gpu, b: _Gpu) -> int | None:
+    def _common_ancestor(self, a: _GpuHandle, b: _GpuHandle) -> int | None:
         fn = self._f_common_ancestor
         if fn is None:
             return None
@@ -743,7 +743,7 @@ class NvmlAdapter:
         count = self.device_count()
         self.invalidate()
         skipped: dict[int, str] = {}
-        found: list[tuple[_Gpu, GpuInfo]] = []
+        found: list[tuple[_GpuHandle, GpuInfo]] = []
         for index in range(count):
             try:
                 gpu = self._load(index)
@@ -866,7 +866,7 @@ class NvmlAdapter:
 
     # --- slow fields -----------------------------------------------------------------
 
-    def _read_slow(self, gpu: _Gpu, aggregate: int) -> None:
+    def _read_slow(self, gpu: _GpuHandle, aggregate: int) -> None:
         """Read the slow fields into ``gpu.slow`` (errors as in :meth:`_read`)."""
         values: dict[str, Any] = {}
         # Aggregate ECC counts are the persistent (lifetime) ones: nothing acts on
@@ -886,7 +886,7 @@ class NvmlAdapter:
             gpu.slow.clear()
             gpu.slow.update(values)
 
-    def _read_field_values(self, gpu: _Gpu) -> dict[str, Any]:
+    def _read_field_values(self, gpu: _GpuHandle) -> dict[str, Any]:
         fn = self._f_field_values
         if fn is None or gpu.unsupported & _U_FIELD_VALUES:
             return {}
@@ -918,7 +918,7 @@ class NvmlAdapter:
                 self._fields_unsupported[gpu.uuid] = skip | unsupported
         return out
 
-    def _read_gpm(self, gpu: _Gpu) -> dict[str, Any]:
+    def _read_gpm(self, gpu: _GpuHandle) -> dict[str, Any]:
         """GPM activity since the previous slow read (nothing on the first one)."""
         support, alloc, get = self._f_gpm_support, self._f_gpm_alloc, self._f_gpm_get
         metrics_get, request_type = self._f_gpm_metrics, self._gpm_request_type
@@ -993,7 +993,7 @@ class NvmlAdapter:
         except self._error_type as exc:
             log.debug("nvmlEventSetFree failed: %s", exc)
 
-    def _register(self, gpu: _Gpu, mask: int, event_set: Any) -> bool:
+    def _register(self, gpu: _GpuHandle, mask: int, event_set: Any) -> bool:
         fn = self._f_register_events
         if fn is None:
             return False

@@ -126,7 +126,7 @@ class DeviceState:
 
 
 @dataclass
-class _Gpu:
+class _LedgerGpu:
     uuid: str
     index: int
     memory_units: int
@@ -160,7 +160,7 @@ class Ledger:
     """Allocation state of one node. See the module docstring for the rules."""
 
     def __init__(self, gpus: Inventory | Iterable[GpuInfo] = ()) -> None:
-        self._gpus: dict[str, _Gpu] = {}
+        self._gpus: dict[str, _LedgerGpu] = {}
         self._allocs: dict[RequestKey, Allocation] = {}
         self._topology = Topology.from_gpus(())
         self.update_inventory(gpus)
@@ -187,7 +187,9 @@ class Ledger:
             state = self._gpus.get(info.uuid)
             units = units_of_bytes(info.memory_total_bytes)
             if state is None:
-                self._gpus[info.uuid] = _Gpu(uuid=info.uuid, index=info.index, memory_units=units)
+                self._gpus[info.uuid] = _LedgerGpu(
+                    uuid=info.uuid, index=info.index, memory_units=units
+                )
             else:
                 state.present, state.index, state.memory_units = True, info.index, units
         self._topology = Topology.from_gpus(infos)
@@ -448,16 +450,16 @@ class Ledger:
 
     # --- internals -----------------------------------------------------------------
 
-    def _ordered(self) -> list[_Gpu]:
+    def _ordered(self) -> list[_LedgerGpu]:
         return sorted(self._gpus.values(), key=lambda g: (not g.present, g.index, g.uuid))
 
-    def _placeholder(self, uuid: str) -> _Gpu:
+    def _placeholder(self, uuid: str) -> _LedgerGpu:
         g = self._gpus.get(uuid)
         if g is None:
-            g = self._gpus[uuid] = _Gpu(uuid=uuid, index=-1, memory_units=0, present=False)
+            g = self._gpus[uuid] = _LedgerGpu(uuid=uuid, index=-1, memory_units=0, present=False)
         return g
 
-    def _known(self, uuid: str) -> _Gpu:
+    def _known(self, uuid: str) -> _LedgerGpu:
         g = self._gpus.get(uuid)
         if g is None:
             raise AllocationError("unknown_device", f"unknown GPU ID: {uuid}")
@@ -491,7 +493,7 @@ class Ledger:
                     f"{uuid} holds {len(g.shares)} share(s) and is not offered whole",
                 )
 
-    def _card(self, g: _Gpu) -> CardFree:
+    def _card(self, g: _LedgerGpu) -> CardFree:
         return CardFree(
             uuid=g.uuid,
             index=g.index,

@@ -7,7 +7,7 @@ tested and replaced alone:
 
 - :mod:`.resources`: the resource model (whole GPUs, core shares, memory shares) and
   device IDs; pure data.
-- :mod:`.state`: where GPU inventory and health come from (:class:`DeviceStateSource`).
+- :mod:`.state`: where GPU inventory and health come from (:class:`DeviceListSource`).
 - :mod:`.backend`: the allocation decisions, delegated (:class:`AllocationBackend`,
   later forwarded over NATS to the allocator service) and their typed failures.
 - :mod:`.devnodes`: device specs for device files that exist.
@@ -45,8 +45,8 @@ from gpulet_allocator.plugin.resources import (
     plugin_gpus_from_inventory,
     resource_specs,
 )
-from gpulet_allocator.plugin.server import DevicePluginService, ResourceServer, socket_name
-from gpulet_allocator.plugin.state import DeviceSnapshot, DeviceState, DeviceStateSource
+from gpulet_allocator.plugin.server import KubeletServicer, ResourceServer, socket_name
+from gpulet_allocator.plugin.state import DeviceList, DeviceListSource, DeviceSnapshot
 
 __all__ = [
     "CORE_UNITS_PER_GPU",
@@ -55,13 +55,13 @@ __all__ = [
     "AllocationRejected",
     "AllocatorUnavailable",
     "ContainerAllocation",
+    "DeviceList",
+    "DeviceListSource",
     "DeviceNodes",
     "DevicePluginManager",
-    "DevicePluginService",
     "DeviceSnapshot",
     "DeviceSpec",
-    "DeviceState",
-    "DeviceStateSource",
+    "KubeletServicer",
     "Mount",
     "PluginConfig",
     "PluginDevice",

@@ -42,7 +42,7 @@ from gpulet_allocator.plugin.devnodes import DeviceNodes
 from gpulet_allocator.plugin.metrics import PluginMetrics
 from gpulet_allocator.plugin.resources import resource_specs
 from gpulet_allocator.plugin.server import ResourceServer
-from gpulet_allocator.plugin.state import DeviceStateSource
+from gpulet_allocator.plugin.state import DeviceListSource
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ class DevicePluginManager:
     def __init__(
         self,
         config: PluginConfig,
-        source: DeviceStateSource,
+        source: DeviceListSource,
         backend: AllocationBackend,
         *,
         device_nodes: DeviceNodes | None = None,

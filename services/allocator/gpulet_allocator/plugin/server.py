@@ -6,7 +6,7 @@ Kubelet talks to one plugin endpoint per resource, so each resource gets its own
 grpc.aio server on its own unix socket (``gpulet-<resource>.sock``, mode 0600:
 whoever can connect can ask for GPUs). The service itself stays thin:
 
-- ``ListAndWatch`` follows a :class:`~.state.DeviceStateSource` and sends the full
+- ``ListAndWatch`` follows a :class:`~.state.DeviceListSource` and sends the full
   list first and then after every change of that resource's list; it returns (status
   OK) as soon as the server stops instead of being cut off by the grace timeout.
 - ``Allocate`` and ``GetPreferredAllocation`` are delegated to an
@@ -19,7 +19,7 @@ whoever can connect can ask for GPUs). The service itself stays thin:
 
 Layers
 ------
-:class:`DevicePluginService` is the servicer (protocol translation only),
+:class:`KubeletServicer` is the servicer (protocol translation only),
 :class:`ResourceServer` owns the gRPC server and socket file of one resource.
 Registration with kubelet and restarts are :mod:`.manager`'s business.
 """
@@ -59,7 +59,7 @@ from gpulet_allocator.plugin.resources import (
     ResourceSpec,
     build_devices,
 )
-from gpulet_allocator.plugin.state import DeviceSnapshot, DeviceStateSource
+from gpulet_allocator.plugin.state import DeviceListSource, DeviceSnapshot
 
 log = logging.getLogger(__name__)
 
@@ -110,13 +110,13 @@ class _RpcFailure(Exception):
         self.fallback_ok = fallback_ok
 
 
-class DevicePluginService(pb_grpc.DevicePluginServicer):
+class KubeletServicer(pb_grpc.DevicePluginServicer):
     """``v1beta1.DevicePlugin`` for one resource."""
 
     def __init__(
         self,
         spec: ResourceSpec,
-        source: DeviceStateSource,
+        source: DeviceListSource,
         backend: AllocationBackend,
         config: PluginConfig,
         nodes: DeviceNodes,
@@ -376,7 +376,7 @@ class ResourceServer:
     def __init__(
         self,
         spec: ResourceSpec,
-        source: DeviceStateSource,
+        source: DeviceListSource,
         backend: AllocationBackend,
         config: PluginConfig,
         nodes: DeviceNodes,
@@ -414,7 +414,7 @@ class ResourceServer:
         self._stopping = anyio.Event()
         server = grpc.aio.server()
         pb_grpc.add_DevicePluginServicer_to_server(
-            DevicePluginService(
+            KubeletServicer(
                 self.spec,
                 self._source,
                 self._backend,

@@ -3,7 +3,7 @@
 Flow
 ----
 1. Follow the node's inventory and health (:class:`~gpulet_common.nodeview.NodeView`,
-   the health service's KV state) into a :class:`~.state.DeviceState`: every
+   the health service's KV state) into a :class:`~.state.DeviceList`: every
    ``ListAndWatch`` stream then sends the new list when a GPU turns unhealthy *and*
    when it recovers.
 2. Wait for kubelet's device-plugin directory. Where there is none (``gpulet run`` on
@@ -28,7 +28,7 @@ from gpulet_allocator.nats_backend import NatsAllocationBackend
 from gpulet_allocator.plugin.manager import DevicePluginManager
 from gpulet_allocator.plugin.metrics import PluginMetrics
 from gpulet_allocator.plugin.resources import plugin_gpus_from_inventory
-from gpulet_allocator.plugin.state import DeviceState
+from gpulet_allocator.plugin.state import DeviceList
 from gpulet_common.lifecycle import idle_disabled
 from gpulet_common.messages import GpuInfo
 from gpulet_common.nodeview import NodeChange, NodeView
@@ -50,7 +50,7 @@ class DevicePluginService:
         self._rt = runtime
         self._settings = runtime.settings.allocator
         self._config = self._settings.plugin
-        self.state = DeviceState()
+        self.state = DeviceList()
         self._gpus: list[GpuInfo] = []
         self._have_inventory = False
         self.view = NodeView(

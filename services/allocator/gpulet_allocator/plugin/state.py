@@ -10,10 +10,10 @@ per resource and kubelet connection) share one source without per-watcher buffer
 
 Layers
 ------
-:class:`DeviceStateSource` is what :mod:`.server` consumes. :class:`DeviceState` is
+:class:`DeviceListSource` is what :mod:`.server` consumes. :class:`DeviceList` is
 the in-process implementation: the plugin service, following the node's inventory and
 GPU health through a :class:`~gpulet_common.nodeview.NodeView`, calls
-:meth:`DeviceState.publish` with the whole list on every change.
+:meth:`DeviceList.publish` with the whole list on every change.
 Recovery is a first-class change: a GPU marked healthy again is re-advertised, which
 the reference plugins never do (NVIDIA #234, #1014).
 """
@@ -34,7 +34,7 @@ class DeviceSnapshot(msgspec.Struct, frozen=True, kw_only=True):
     gpus: tuple[PluginGpu, ...]
 
 
-class DeviceStateSource(Protocol):
+class DeviceListSource(Protocol):
     def snapshot(self) -> DeviceSnapshot:
         """The current GPUs; never blocks."""
         ...
@@ -44,8 +44,8 @@ class DeviceStateSource(Protocol):
         ...
 
 
-class DeviceState:
-    """In-memory :class:`DeviceStateSource` fed by :meth:`publish` (the whole list).
+class DeviceList:
+    """In-memory :class:`DeviceListSource` fed by :meth:`publish` (the whole list).
 
     Must be used from the event loop thread (publishers and watchers alike).
     """
