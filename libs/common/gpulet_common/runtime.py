@@ -6,6 +6,7 @@ GPU node) serves them all. In sidecar mode each process builds its own.
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass, field
 
@@ -18,6 +19,13 @@ from gpulet_common.nvml.loader import open_nvml
 from gpulet_common.settings import Settings
 from gpulet_common.settings.nvml import NvmlSettings
 from gpulet_common.telemetry import StatusBoard
+
+log = logging.getLogger("gpulet.nvml")
+
+# Opening NVML again while a service runs degraded without it: first after this long,
+# doubling up to the maximum (s).
+NVML_RETRY_MIN_S = 5.0
+NVML_RETRY_MAX_S = 300.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +58,21 @@ class NvmlProvider:
             if self._handle is None or (retry and self._handle.adapter is None):
                 self._handle = await anyio.to_thread.run_sync(self._open)
             return self._handle
+
+    async def wait_available(self) -> NvmlAdapter:
+        """Retry opening NVML with back-off until it works (a driver that loads later).
+
+        The one retry loop of every service that runs degraded without NVML: first after
+        ``NVML_RETRY_MIN_S``, doubling up to ``NVML_RETRY_MAX_S``.
+        """
+        delay = NVML_RETRY_MIN_S
+        while True:
+            await anyio.sleep(delay)
+            handle = await self.get(retry=True)
+            if handle.adapter is not None:
+                log.info("NVML became available (%s)", handle.backend)
+                return handle.adapter
+            delay = min(delay * 2, NVML_RETRY_MAX_S)
 
     def _open(self) -> NvmlHandle:
         with self._thread_lock:

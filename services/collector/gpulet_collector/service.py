@@ -52,13 +52,11 @@ from gpulet_common.bus import Delivery
 from gpulet_common.messages import GpuSample, HealthEvent, Inventory, InventoryRequest, SampleBatch
 from gpulet_common.nvml.adapter import NvmlAdapter
 from gpulet_common.nvml.errors import NvmlUnavailable
-from gpulet_common.runtime import NvmlHandle, Runtime
+from gpulet_common.runtime import NVML_RETRY_MAX_S, NvmlHandle, Runtime
 from gpulet_common.telemetry import add_exposition, remove_exposition
 
 log = logging.getLogger("gpulet.collector")
 
-NVML_RETRY_MIN_S = 5.0
-NVML_RETRY_MAX_S = 300.0
 # First retry of NVML after it vanished at run time; doubles up to NVML_RETRY_MAX_S.
 NVML_REINIT_MIN_S = 1.0
 # While NVML counts GPUs the inventory could not list, look again this often.
@@ -123,7 +121,7 @@ class CollectorService:
                     Inventory(node=self._node, degraded_reason=reason, nvml_backend="none")
                 )
                 task_status.started()
-                adapter = await self._wait_for_nvml()
+                adapter = await self._rt.nvml.wait_available()
                 await self._adopt(adapter)
             else:
                 # Started means the first inventory is out: consumers can rely on it.
@@ -139,16 +137,6 @@ class CollectorService:
                 )
                 await tg.start(attribution.run)
             await self._sample_forever()
-
-    async def _wait_for_nvml(self) -> NvmlAdapter:
-        delay = NVML_RETRY_MIN_S
-        while True:
-            await anyio.sleep(delay)
-            handle = await self._rt.nvml.get(retry=True)
-            if handle.adapter is not None:
-                log.info("NVML became available (%s)", handle.backend)
-                return handle.adapter
-            delay = min(delay * 2, NVML_RETRY_MAX_S)
 
     async def _adopt(self, adapter: NvmlAdapter) -> None:
         self._adapter = adapter

@@ -93,8 +93,6 @@ from gpulet_health.rules import RuleEngine, UnknownCondition, UnknownGpu
 
 log = logging.getLogger("gpulet.health")
 
-NVML_RETRY_MIN_S = 5.0
-NVML_RETRY_MAX_S = 300.0
 # Events between the rule engine and the publisher. A full queue makes the producers
 # wait (backpressure), it never drops.
 EVENT_QUEUE = 4096
@@ -285,17 +283,10 @@ class HealthService:
         await tg.start(self._source.run, send)
 
     async def _wait_for_nvml(self, tg: anyio.abc.TaskGroup) -> None:
-        delay = NVML_RETRY_MIN_S
-        while True:
-            await anyio.sleep(delay)
-            handle = await self._rt.nvml.get(retry=True)
-            if handle.adapter is not None:
-                log.info("NVML became available (%s)", handle.backend)
-                await self._emit(self.engine.observe_nvml_available(time.time()))
-                await self._adopt(tg, handle.adapter)
-                self._update_status()
-                return
-            delay = min(delay * 2, NVML_RETRY_MAX_S)
+        adapter = await self._rt.nvml.wait_available()
+        await self._emit(self.engine.observe_nvml_available(time.time()))
+        await self._adopt(tg, adapter)
+        self._update_status()
 
     def _update_status(self) -> None:
         if self._nvml_down:
