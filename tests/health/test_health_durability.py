@@ -15,6 +15,7 @@ from gpulet_common.embedded_nats import EmbeddedNats
 from gpulet_common.messages import HealthEvent, HealthStateRequest
 from gpulet_common.settings.nats import NatsSettings
 from gpulet_health.buffer import DiskBuffer
+from gpulet_health.kv import StateStore
 from support.health_harness import health_node, until
 
 pytestmark = pytest.mark.anyio
@@ -170,3 +171,28 @@ async def test_events_queued_at_shutdown_are_kept_and_published_next_start(
     assert len(codes) == produced
     assert codes == sorted(codes)  # in order
     assert len(set(codes)) == produced  # once each
+
+
+async def test_an_unreadable_previous_state_is_retried_then_said(tmp_path: Path) -> None:
+    """Starting without the previous state would forget a fatal XID: the service keeps
+    trying to read it, and says so when it could not (here: no JetStream at all)."""
+    async with (
+        EmbeddedNats.running(state_dir=tmp_path / "nats", port=0, jetstream=False) as no_jetstream,
+        health_node(
+            no_jetstream.url,
+            tmp_path,
+            overrides=["health.stream.restore_timeout_s=0.5"],
+            subscriber=False,
+        ) as h,
+    ):
+        store = StateStore(h.runtime.bus, h.node, history=1, timeout_s=0.2)
+        started = anyio.current_time()
+        assert await store.load(within_s=0.3) is None
+        assert anyio.current_time() - started >= 0.1  # it retried before giving up
+        await until(
+            lambda: (s := h.runtime.status.get("health")) is not None and s.state == "degraded",
+            within=10,
+        )
+        status = h.runtime.status.get("health")
+        assert status is not None
+        assert "previous health state" in status.detail

@@ -57,37 +57,52 @@ class StateStore:
                 )
         return self._kv
 
-    async def load(self) -> list[GpuHealth]:
-        """This node's GPUs as a previous run left them; [] when unknown or unreadable."""
+    async def load(self, *, within_s: float = 0.0) -> list[GpuHealth] | None:
+        """This node's GPUs as a previous run left them ([] when there are none).
+
+        A bucket that cannot be read yet (JetStream still recovering after a restart,
+        NATS busy) is retried with back-off for ``within_s``; None when it stayed
+        unreadable: the caller then knows it starts without the previous state.
+        """
+        deadline = anyio.current_time() + within_s
+        retry_s = _RETRY_MIN_S
+        while True:
+            try:
+                return await self._load_once()
+            except (nats.errors.Error, OSError, TimeoutError) as exc:
+                if anyio.current_time() + retry_s > deadline:
+                    log.warning(
+                        "cannot read the previous health state from KV %s: %s",
+                        subjects.HEALTH_KV_BUCKET,
+                        exc,
+                    )
+                    return None
+                log.info("the health state in KV is not readable yet (%s); retrying", exc)
+                await anyio.sleep(retry_s)
+                retry_s = min(retry_s * 2, _RETRY_MAX_S)
+
+    async def _load_once(self) -> list[GpuHealth]:
         prefix = subjects.token(self._node) + "."
-        try:
-            kv = await self._bucket()
-            with anyio.fail_after(self._timeout_s * 2):
+        kv = await self._bucket()
+        with anyio.fail_after(self._timeout_s * 2):
+            try:
+                # All keys, filtered here: nats-py's server-side key filter answered
+                # nothing for a wildcard filter in testing (nats-py 2.16).
+                keys = await kv.keys()
+            except nats.js.errors.NoKeysError:
+                return []
+            found: list[GpuHealth] = []
+            for key in keys:
+                if not key.startswith(prefix):
+                    continue
+                entry = await kv.get(key)
+                if entry.value is None:
+                    continue
                 try:
-                    # All keys, filtered here: nats-py's server-side key filter answered
-                    # nothing for a wildcard filter in testing (nats-py 2.16).
-                    keys = await kv.keys()
-                except nats.js.errors.NoKeysError:
-                    return []
-                found: list[GpuHealth] = []
-                for key in keys:
-                    if not key.startswith(prefix):
-                        continue
-                    entry = await kv.get(key)
-                    if entry.value is None:
-                        continue
-                    try:
-                        found.append(GPU_HEALTH.decode(entry.value))
-                    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                        log.warning("ignoring malformed health state %s: %s", key, exc)
-                return found
-        except (nats.errors.Error, OSError, TimeoutError) as exc:
-            log.warning(
-                "cannot read the previous health state from KV %s: %s",
-                subjects.HEALTH_KV_BUCKET,
-                exc,
-            )
-            return []
+                    found.append(GPU_HEALTH.decode(entry.value))
+                except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                    log.warning("ignoring malformed health state %s: %s", key, exc)
+            return found
 
     def mark(self, uuids: set[str]) -> None:
         if uuids:

@@ -166,6 +166,8 @@ class HealthService:
         # logged for a GPU that NVML no longer answers for), for the kernel log's XIDs.
         self._pci: dict[tuple[int, int, int], str] = {}
         self._xid_dedup = CrossSourceDedup(self._settings.kmsg.dedup_window_s)
+        # Set when the state a previous run left could not be read (said in /readyz).
+        self._restore_problem = ""
         self._state_dir = Path(runtime.settings.state_dir)
         self._sample_order = SenderOrder()
         self._inventory_order = SenderOrder()
@@ -245,8 +247,13 @@ class HealthService:
         except (nats.errors.Error, OSError, TimeoutError) as exc:
             # The publisher retries (and buffers on disk) until the stream exists.
             log.warning("cannot create the health stream %s yet: %s", subjects.HEALTH_STREAM, exc)
-        restored = await self.store.load()
-        if restored:
+        restored = await self.store.load(within_s=self._settings.stream.restore_timeout_s)
+        if restored is None:
+            self._restore_problem = (
+                "the previous health state (gpu_health KV) could not be read: conditions "
+                "raised before this start (a fatal XID) may be missing until seen again"
+            )
+        elif restored:
             self.engine.restore(restored)
             log.info(
                 "restored the health state of %d GPU(s) (%d unhealthy)",
@@ -298,6 +305,9 @@ class HealthService:
             # No count here: the detail would change (and be logged) with every event;
             # gpulet_health_buffer_pending has the number.
             detail += ", NATS unreachable: events buffered on disk"
+        if self._restore_problem:
+            self._rt.status.set(self.name, "degraded", f"{detail}; {self._restore_problem}")
+            return
         self._rt.status.set(self.name, "ready", detail)
 
     # --- the engine's output -----------------------------------------------------------

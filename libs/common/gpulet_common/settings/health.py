@@ -90,6 +90,10 @@ class StreamSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     publish_timeout_s: PosFloat = 1.0
     # Versions kept per key in the gpu_health KV bucket (1: the current state only).
     kv_history: Annotated[int, msgspec.Meta(ge=1, le=64)] = 1
+    # At start, how long to keep trying to read the state a previous run left in the
+    # gpu_health bucket (s), e.g. while a restarted nats-server recovers JetStream from
+    # disk. Starting without it would forget sticky conditions (a fatal XID).
+    restore_timeout_s: PosFloat = 30.0
 
 
 class BufferSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
