@@ -298,7 +298,14 @@ class Bus:
             ):
                 await nc.drain()
             if not nc.is_closed:
-                with anyio.CancelScope(shield=True), anyio.move_on_after(0.5):
+                # close() writes out what nats-py buffered while reconnecting: on a
+                # connection the server dropped (the pod's NATS stopped first) that
+                # raises ConnectionResetError. The client is closed all the same.
+                with (
+                    anyio.CancelScope(shield=True),
+                    anyio.move_on_after(0.5),
+                    suppress(nats.errors.Error, OSError, TimeoutError),
+                ):
                     await nc.close()
 
     @property
