@@ -65,88 +65,22 @@ from support.kube_play import (
     only,
     pod_for_podman,
 )
+from support.podman import IMAGE, NATS_IMAGE, Podman, local, missing_tool
 from support.waiting import wait_until
 
-pytestmark = [pytest.mark.image, pytest.mark.slow]
-
-ENABLED = os.environ.get("GPULET_IMAGE_TEST") == "1"
-IMAGE = os.environ.get("IMAGE", "gpulet:dev")
-NATS_IMAGE = os.environ.get("NATS_IMAGE", "gpulet-nats:dev")
 NODE = "podman-node-1"
 POD_PREFIX = "gpulet-image-test-"
-BUILD_TIMEOUT_S = 1800  # from scratch: debootstrap and every wheel, on a busy machine
 READY_TIMEOUT_S = 240.0
 WAIT_TIMEOUT_S = 60.0
 FIGURES = ROOT / "build" / "image-test-figures.json"
 
-if not ENABLED:
-    pytest.skip(
-        "the image test builds the images and plays the pod with podman: run it with "
-        "GPULET_IMAGE_TEST=1 (.ci/run installs podman, buildah, runc, catatonit, "
-        "debootstrap and sets it)",
-        allow_module_level=True,
-    )
 
-
-# --- podman --------------------------------------------------------------------------
-
-
-def _engine_env() -> dict[str, str]:
-    """The environment scripts/image.sh gives podman (its containers.conf)."""
-    if shutil.which("podman") is None:
-        pytest.fail(
-            "GPULET_IMAGE_TEST=1 but podman is not installed: "
-            "apt-get install podman buildah runc catatonit debootstrap (.ci/run does)"
-        )
-    out = subprocess.run(
-        [str(ROOT / "scripts" / "image.sh"), "env"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    ).stdout
-    env = dict(os.environ)
-    env.update(line.split("=", 1) for line in out.splitlines() if "=" in line)
-    return env
-
-
-ENV: dict[str, str] = {}
-
-
-def podman(*args: str, timeout: float = 120, check: bool = True) -> str:
-    result = subprocess.run(
-        ["podman", *args], capture_output=True, text=True, timeout=timeout, env=ENV, check=False
-    )
-    if check and result.returncode != 0:
-        raise AssertionError(
-            f"podman {' '.join(args)} failed ({result.returncode}): {result.stderr[-2000:]}"
-        )
-    return result.stdout
-
-
-def _inspect(container: str) -> dict[str, Any]:
-    found: list[dict[str, Any]] = json.loads(podman("inspect", container))
-    return found[0]
-
-
-def _logs(container: str) -> str:
-    result = subprocess.run(
-        ["podman", "logs", "--tail", "40", container],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        env=ENV,
-        check=False,
-    )
-    return (result.stdout + result.stderr)[-4000:]
-
-
-def _remove_stale_pods() -> None:
+def _remove_stale_pods(podman: Podman) -> None:
     """Pods an earlier run left behind when it was killed (its pid is gone)."""
     for name in podman("pod", "ps", "--format", "{{.Name}}").split():
         pid = name.removeprefix(POD_PREFIX)
         if name.startswith(POD_PREFIX) and pid.isdigit() and not Path(f"/proc/{pid}").exists():
-            podman("pod", "rm", "--force", name, check=False, timeout=120)
+            podman.run("pod", "rm", "--force", name, timeout=180)
 
 
 # --- fixtures ------------------------------------------------------------------------
@@ -154,6 +88,7 @@ def _remove_stale_pods() -> None:
 
 @dataclass
 class Pod:
+    podman: Podman
     name: str
     spec: dict[str, Any]  # the played Pod's spec
     ports: dict[int, int]  # the manifest's port -> the one on this host
@@ -178,29 +113,6 @@ class Pod:
         return {e["name"]: e["value"] for e in self.container(container).get("env", [])}
 
 
-@pytest.fixture(scope="module")
-def images(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    global ENV
-    ENV = _engine_env()
-    log = tmp_path_factory.mktemp("build") / "build.log"
-    started = time.monotonic()
-    with log.open("w") as out:
-        result = subprocess.run(
-            [str(ROOT / "scripts" / "image.sh"), "build"],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            timeout=BUILD_TIMEOUT_S,
-            env={**os.environ, "IMAGE": IMAGE, "NATS_IMAGE": NATS_IMAGE},
-            check=False,
-        )
-    assert result.returncode == 0, f"scripts/image.sh build failed:\n{log.read_text()[-4000:]}"
-    sizes = {
-        name: int(_inspect(name)["Size"])
-        for name in (f"localhost/{IMAGE}", f"localhost/{NATS_IMAGE}")
-    }
-    return {"build_s": round(time.monotonic() - started, 1), "sizes": sizes}
-
-
 def _probe(pod: Pod, container: str, probe: dict[str, Any]) -> tuple[bool, str]:
     """Run one probe of the manifest the way kubelet would: (passed, detail)."""
     if "httpGet" in probe:
@@ -214,14 +126,7 @@ def _probe(pod: Pod, container: str, probe: dict[str, Any]) -> tuple[bool, str]:
         except (urllib.error.URLError, OSError) as exc:
             return False, f"{url}: {exc}"
     command = probe["exec"]["command"]
-    result = subprocess.run(
-        ["podman", "exec", pod.cname(container), *command],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        env=ENV,
-        check=False,
-    )
+    result = pod.podman.run("exec", pod.cname(container), *command, timeout=30)
     return result.returncode == 0, f"{command}: rc {result.returncode} {result.stderr[-300:]}"
 
 
@@ -229,20 +134,22 @@ def _broken_containers(pod: Pod) -> list[str]:
     """Containers that exited or restarted, with their exit code and log."""
     broken = []
     for c in pod.spec["containers"]:
-        state = _inspect(pod.cname(c["name"]))
+        state = pod.podman.inspect(pod.cname(c["name"]))
         status = state["State"]["Status"]
         restarts = state.get("RestartCount", 0)
         if status != "running" or restarts:
             broken.append(
                 f"container {c['name']} is {status} (exit code {state['State']['ExitCode']}, "
-                f"{restarts} restarts); its log ends:\n{_logs(pod.cname(c['name']))}"
+                f"{restarts} restarts); its log ends:\n{pod.podman.logs(pod.cname(c['name']))}"
             )
     return broken
 
 
 @pytest.fixture(scope="module")
-def pod(images: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pod]:
-    _remove_stale_pods()
+def pod(
+    podman: Podman, images: dict[str, Any], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Pod]:
+    _remove_stale_pods(podman)
     root = tmp_path_factory.mktemp("pod")
     objects = kustomize(KUSTOMIZE / "overlays" / "mock")
     daemonset = only(objects, "DaemonSet")
@@ -259,7 +166,7 @@ def pod(images: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> Ite
         objects,
         pod_name=name,
         node_name=NODE,
-        images={"gpulet": f"localhost/{IMAGE}", "nats": f"localhost/{NATS_IMAGE}"},
+        images={"gpulet": local(IMAGE), "nats": local(NATS_IMAGE)},
         ports=ports,
         volume_dir=volume_dir,
     )
@@ -267,6 +174,7 @@ def pod(images: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> Ite
     played.write_text(yaml.safe_dump_all(documents, sort_keys=False))
     secret = only(objects, "Secret", "gpulet-nats-users")
     info = Pod(
+        podman=podman,
         name=name,
         spec=documents[-1]["spec"],
         ports=ports,
@@ -295,14 +203,16 @@ def pod(images: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> Ite
             if pending:
                 time.sleep(0.5)
         assert not pending, f"not ready after {READY_TIMEOUT_S} s: " + "; ".join(
-            f"{c}: {details.get(c)}\n{_logs(info.cname(c))}" for c in pending
+            f"{c}: {details.get(c)}\n{podman.logs(info.cname(c))}" for c in pending
         )
         info.figures["ready_s"] = round(time.monotonic() - started, 1)
-        info.figures["build_s"] = images["build_s"]
-        info.figures["image_bytes"] = images["sizes"]
+        info.figures.update(images)
         yield info
     finally:
-        podman("pod", "rm", "--force", name, check=False, timeout=180)
+        podman.run("pod", "rm", "--force", name, timeout=180)
+        # kube play keeps each ConfigMap as a volume of that name.
+        for config_map in documents[:-1]:
+            podman.run("volume", "rm", "--force", config_map["metadata"]["name"])
         FIGURES.parent.mkdir(parents=True, exist_ok=True)
         FIGURES.write_text(json.dumps(info.figures, indent=2) + "\n")
         print(f"\nimage test figures: {json.dumps(info.figures, indent=2)}")
@@ -332,7 +242,7 @@ def test_containers_run_with_the_manifests_privileges(pod: Pod) -> None:
     pod_context = pod.spec["securityContext"]
     for c in pod.spec["containers"]:
         context = {**pod_context, **c["securityContext"]}
-        state = _inspect(pod.cname(c["name"]))
+        state = pod.podman.inspect(pod.cname(c["name"]))
         status = _proc_status(state["State"]["Pid"])
         uid, gid = context["runAsUser"], context["runAsGroup"]
         assert status["Uid"].split() == [str(uid)] * 4, (c["name"], status["Uid"])
@@ -345,13 +255,8 @@ def test_containers_run_with_the_manifests_privileges(pod: Pod) -> None:
         assert status["Seccomp"] == "2", c["name"]  # filtering: RuntimeDefault
         assert context["readOnlyRootFilesystem"] is True
         # Root without capabilities could write to /, which root owns, were it writable.
-        tried = subprocess.run(
-            ["podman", "exec", pod.cname(c["name"]), "touch", "/written-by-the-image-test"],
-            capture_output=True,
-            text=True,
-            timeout=30,
-            env=ENV,
-            check=False,
+        tried = pod.podman.run(
+            "exec", pod.cname(c["name"]), "touch", "/written-by-the-image-test", timeout=30
         )
         assert tried.returncode != 0, f"{c['name']} could write to its root filesystem"
         assert "Read-only file system" in tried.stderr, (c["name"], tried.stderr)
@@ -425,21 +330,8 @@ def test_each_service_user_reaches_only_its_subjects_from_inside_the_pod(pod: Po
             ("publish", forbidden_pub.format(node=token)),
             ("subscribe", forbidden_sub),
         ]
-        result = subprocess.run(
-            [
-                "podman",
-                "exec",
-                pod.cname(container),
-                "python3",
-                "-c",
-                _PERMISSION_PROBE,
-                json.dumps(steps),
-            ],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            env=ENV,
-            check=False,
+        result = pod.podman.run(
+            "exec", pod.cname(container), "python3", "-c", _PERMISSION_PROBE, json.dumps(steps)
         )
         assert result.returncode == 0, (container, result.stderr[-2000:])
         allowed_errors, pub_errors, sub_errors = json.loads(result.stdout)
@@ -465,17 +357,14 @@ async def test_injected_xid_reaches_a_subscriber_and_the_reporters_device(pod: P
         await nc.flush()
         # `gpulet mock inject` from a container in the pod, as the operator user.
         injected = await anyio.to_thread.run_sync(
-            lambda: subprocess.run(
-                [
-                    "podman", "run", "--rm", "--pod", pod.name, "--read-only", "--cap-drop", "ALL",
-                    "--env", f"NODE_NAME={NODE}",
-                    "--env", f"GPULET_NATS__URL={pod.nats_url}",
-                    "--env", "GPULET_NATS__USER=operator",
-                    "--env", "GPULET_NATS__INBOX_PREFIX=_INBOX.operator",
-                    "--env", f"GPULET_NATS__PASSWORD={pod.operator_password}",
-                    f"localhost/{IMAGE}", "mock", "inject", "--gpu", "2", "--xid", "79",
-                ],
-                capture_output=True, text=True, timeout=120, env=ENV, check=False,
+            lambda: pod.podman.run(
+                "run", "--rm", "--pod", pod.name, "--read-only", "--cap-drop", "ALL",
+                "--env", f"NODE_NAME={NODE}",
+                "--env", f"GPULET_NATS__URL={pod.nats_url}",
+                "--env", "GPULET_NATS__USER=operator",
+                "--env", "GPULET_NATS__INBOX_PREFIX=_INBOX.operator",
+                "--env", f"GPULET_NATS__PASSWORD={pod.operator_password}",
+                local(IMAGE), "mock", "inject", "--gpu", "2", "--xid", "79",
             )
         )  # fmt: skip
         assert injected.returncode == 0, injected.stdout + injected.stderr
@@ -512,9 +401,9 @@ async def test_injected_xid_reaches_a_subscriber_and_the_reporters_device(pod: P
 
 
 def test_prometheus_scrapes_every_sidecar(pod: Pod, tmp_path: Path) -> None:
-    prometheus = shutil.which("prometheus")
-    if prometheus is None:
-        pytest.fail("GPULET_IMAGE_TEST=1 needs Prometheus: apt-get install prometheus")
+    if problem := missing_tool("prometheus"):
+        pytest.fail(problem)
+    prometheus = str(shutil.which("prometheus"))
     sidecars = pod.metrics_ports
     assert set(sidecars) == set(_ALLOWED_AND_FORBIDDEN)
     config = {
@@ -606,7 +495,7 @@ def test_every_container_stays_under_its_memory_limit(pod: Pod) -> None:
     rss: dict[str, float] = {}
     over = []
     for c in pod.spec["containers"]:
-        state = _inspect(pod.cname(c["name"]))
+        state = pod.podman.inspect(pod.cname(c["name"]))
         limit = memory_bytes(c["resources"]["limits"]["memory"])
         assert state["HostConfig"]["Memory"] == limit, c["name"]  # podman enforces it
         assert state["State"]["OOMKilled"] is False, c["name"]
@@ -625,14 +514,14 @@ def test_pod_stops_cleanly_within_its_grace_period(pod: Pod) -> None:
     """Last: kubelet's stop, SIGTERM then SIGKILL after terminationGracePeriodSeconds."""
     grace = int(pod.spec["terminationGracePeriodSeconds"])
     started = time.monotonic()
-    podman("pod", "stop", "--time", str(grace), pod.name, timeout=grace + 60)
+    pod.podman("pod", "stop", "--time", str(grace), pod.name, timeout=grace + 60)
     took = time.monotonic() - started
     pod.figures["stop_s"] = round(took, 1)
     exits = {
-        c["name"]: _inspect(pod.cname(c["name"]))["State"]["ExitCode"]
+        c["name"]: pod.podman.inspect(pod.cname(c["name"]))["State"]["ExitCode"]
         for c in pod.spec["containers"]
     }
     assert exits == dict.fromkeys(exits, 0), {
-        n: (code, _logs(pod.cname(n))) for n, code in exits.items() if code
+        n: (code, pod.podman.logs(pod.cname(n))) for n, code in exits.items() if code
     }
     assert took < grace, f"the pod took {took:.1f} s to stop (grace period {grace} s)"
