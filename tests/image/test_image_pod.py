@@ -149,6 +149,8 @@ def _broken_containers(pod: Pod) -> list[str]:
 def pod(
     podman: Podman, images: dict[str, Any], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Pod]:
+    if problem := missing_tool("kubectl"):
+        pytest.fail(problem)
     _remove_stale_pods(podman)
     root = tmp_path_factory.mktemp("pod")
     objects = kustomize(KUSTOMIZE / "overlays" / "mock")

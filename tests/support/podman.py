@@ -28,7 +28,7 @@ SKIP_REASON = (
 # Debian's packages for the image tests (.ci/run installs the missing ones).
 PACKAGES = (
     "podman buildah runc catatonit debootstrap podman-compose "
-    "golang-github-containernetworking-plugin-dnsname kubectl prometheus"
+    "golang-github-containernetworking-plugin-dnsname prometheus"
 )
 
 
@@ -46,7 +46,7 @@ def missing_tool(tool: str) -> str | None:
     if shutil.which(tool) is None:
         return (
             f"{tool} is not installed, and {ENABLE_VARIABLE}=1 asks for the image tests: "
-            f"apt-get install {PACKAGES} (.ci/run installs what is missing)"
+            f"apt-get install {PACKAGES} (.ci/run installs what is missing), and kubectl"
         )
     return None
 
