@@ -215,9 +215,10 @@ def pod(
         # kube play keeps each ConfigMap as a volume of that name.
         for config_map in documents[:-1]:
             podman.run("volume", "rm", "--force", config_map["metadata"]["name"])
-        FIGURES.parent.mkdir(parents=True, exist_ok=True)
-        FIGURES.write_text(json.dumps(info.figures, indent=2) + "\n")
-        print(f"\nimage test figures: {json.dumps(info.figures, indent=2)}")
+        if info.figures:
+            FIGURES.parent.mkdir(parents=True, exist_ok=True)
+            FIGURES.write_text(json.dumps(info.figures, indent=2) + "\n")
+            print(f"\nimage test figures: {json.dumps(info.figures, indent=2)}")
 
 
 # --- the tests -----------------------------------------------------------------------
