@@ -182,6 +182,9 @@ build() {
   run_engine "${args[@]}" --target gpulet --tag "$IMAGE" "$ROOT"
   run_engine "${args[@]}" --target nats --tag "$NATS_IMAGE" "$ROOT"
   say "built $IMAGE and $NATS_IMAGE in $((SECONDS - started)) s"
+  # Untagged images a day old (earlier builds' layers): the build cache stays, the
+  # disk does not fill up over many builds.
+  run_engine image prune --force --filter until=24h >/dev/null 2>&1 || true
   run_engine images --format '{{.Repository}}:{{.Tag}} {{.Size}}' \
     | grep -E "(^|/)(${IMAGE%%:*}|${NATS_IMAGE%%:*}):" >&2 || true
 }
