@@ -7,8 +7,8 @@ shipped but for what this machine class cannot give it, changed by
 * no k3s, and so none of what needs it: ``k3s`` and ``k3s-setup`` (their image is on
   no registry reachable here), the ``reporter`` (its kubeconfig comes from
   ``k3s-setup``) and the ``device-plugin`` (it registers with k3s's kubelet);
-* the ``nats`` service from the local NATS image (``nats:2.14-alpine`` is on no
-  reachable registry) and the gpulet services from ``make image``'s (``GPULET_IMAGE``);
+* the images: ``make image``'s, through the file's own variables ``GPULET_IMAGE`` and
+  ``GPULET_NATS_IMAGE`` (``nats:2.14-alpine`` is on no reachable registry);
 * no ports published on the host: 4222 and 5678 may be taken on a shared machine;
 * the bind mounts of ``./deploy/...`` by absolute path (the file is written elsewhere).
 
@@ -40,13 +40,12 @@ STARTED = ("nats", "collector", "health", "allocator", "alerts", "samples")
 TIMEOUT_S = 120.0
 
 
-def compose_for_podman(compose: dict[str, Any], *, nats_image: str) -> dict[str, Any]:
+def compose_for_podman(compose: dict[str, Any]) -> dict[str, Any]:
     """The compose file as podman-compose runs it here (see the module's docstring)."""
     out = copy.deepcopy(compose)
     services: dict[str, Any] = out["services"]
     for name in WITHOUT_K3S:
         del services[name]
-    services["nats"]["image"] = nats_image
     for service in services.values():
         service.pop("ports", None)
         service["volumes"] = [
@@ -59,7 +58,11 @@ def compose_for_podman(compose: dict[str, Any], *, nats_image: str) -> dict[str,
 class Compose:
     def __init__(self, podman: Podman, file: Path, project: str) -> None:
         self.podman, self.file, self.project = podman, file, project
-        self.env = {**podman.env, "GPULET_IMAGE": local(IMAGE)}
+        self.env = {
+            **podman.env,
+            "GPULET_IMAGE": local(IMAGE),
+            "GPULET_NATS_IMAGE": local(NATS_IMAGE),
+        }
 
     def __call__(self, *args: str, timeout: float = 300) -> str:
         result = subprocess.run(
@@ -88,7 +91,7 @@ def compose(
         pytest.fail(problem)
     file = tmp_path_factory.mktemp("compose") / "docker-compose.yml"
     shipped = yaml.safe_load(COMPOSE_FILE.read_text())
-    file.write_text(yaml.safe_dump(compose_for_podman(shipped, nats_image=local(NATS_IMAGE))))
+    file.write_text(yaml.safe_dump(compose_for_podman(shipped)))
     runner = Compose(podman, file, f"gpulet-compose-test-{os.getpid()}")
     try:
         runner("up", "-d", *STARTED)
