@@ -1,7 +1,7 @@
 # The two commands a newcomer needs:
 #   make run   - install into .venv and run every service (mock GPUs when there is no GPU)
 #   make test  - install into .venv and run lint, type checks and the test suite
-#                (GPULET_IMAGE_TEST=1 make test adds the image tests, as CI runs it)
+#                (IMAGE_TESTS=1 make test adds the image tests, as CI runs it)
 # and for containers:
 #   make image - the gpulet image and its NATS sidecar image (podman or docker)
 PYTHON ?= python3

@@ -6,7 +6,7 @@
   satisfy their condition, each service's NATS user and password match the NATS
   server's, every bind-mounted file exists, and the privileges are the DaemonSet's.
 * The Dockerfile: multi-stage, non-root, ``gpulet`` as entrypoint (tests/image builds
-  and runs it for real with GPULET_IMAGE_TEST=1); its build context
+  and runs it for real with IMAGE_TESTS=1); its build context
   (what .dockerignore admits) is enough to build gpulet's wheel, and that wheel holds
   the data files the containers need (mock scenarios, kubelet API stubs).
 """

@@ -1,6 +1,6 @@
 """Fixtures of the image tests: podman, and the images ``make image`` builds.
 
-Every test here is opt-in (``GPULET_IMAGE_TEST=1``, see support.podman) and marked
+Every test here is opt-in (``IMAGE_TESTS=1``, see support.podman) and marked
 ``image`` and ``slow``.
 """
 

@@ -1,6 +1,6 @@
 """docker-compose.yml under podman-compose (Debian's package), without k3s.
 
-Opt-in like every image test (``GPULET_IMAGE_TEST=1``). The compose file runs as
+Opt-in like every image test (``IMAGE_TESTS=1``). The compose file runs as
 shipped but for what this machine class cannot give it, changed by
 :func:`compose_for_podman`:
 

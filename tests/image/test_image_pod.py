@@ -1,6 +1,6 @@
 """The shipped image, for real: the DaemonSet's pod played by podman from ``make image``.
 
-Opt-in, because it builds images and runs containers: ``GPULET_IMAGE_TEST=1`` (the
+Opt-in, because it builds images and runs containers: ``IMAGE_TESTS=1`` (the
 README's test command sets it; ``.ci/run`` installs podman, buildah, runc, catatonit
 and debootstrap first). Without it every test here is skipped with that reason; with it,
 a missing podman is a failure, not a skip. Marker ``image``: ``-m "not image"`` leaves

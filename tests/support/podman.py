@@ -16,7 +16,9 @@ from typing import Any
 from support.deploy import ROOT
 
 IMAGE_SCRIPT = ROOT / "scripts" / "image.sh"
-ENABLE_VARIABLE = "GPULET_IMAGE_TEST"
+# Not GPULET_*: gpulet reads every GPULET_* variable as a setting (and refuses unknown
+# ones), and the other tests' gpulet subprocesses inherit pytest's environment.
+ENABLE_VARIABLE = "IMAGE_TESTS"
 # The images `make image` builds (its IMAGE and NATS_IMAGE), as podman names them.
 IMAGE = os.environ.get("IMAGE", "gpulet:dev")
 NATS_IMAGE = os.environ.get("NATS_IMAGE", "gpulet-nats:dev")
