@@ -61,6 +61,7 @@ from support.deploy import KUSTOMIZE, PROMETHEUS_DIR, ROOT, kustomize
 from support.kube_play import (
     NATS_CLIENT_PORT,
     fixed_ports,
+    host_dir_of,
     memory_bytes,
     only,
     pod_for_podman,
@@ -73,6 +74,7 @@ POD_PREFIX = "gpulet-image-test-"
 READY_TIMEOUT_S = 240.0
 WAIT_TIMEOUT_S = 60.0
 FIGURES = ROOT / "build" / "image-test-figures.json"
+STATE_DIR = "/var/lib/gpulet"  # the containers' --state-dir
 
 
 def _remove_stale_pods(podman: Podman) -> None:
@@ -92,7 +94,7 @@ class Pod:
     name: str
     spec: dict[str, Any]  # the played Pod's spec
     ports: dict[int, int]  # the manifest's port -> the one on this host
-    state_dir: Path  # the host directory behind the "state" volume
+    state_dir: Path  # the host directory behind the reporter's state directory
     metrics_ports: dict[str, int]  # sidecar -> its /metrics port on this host
     operator_password: str
     figures: dict[str, Any] = field(default_factory=dict)
@@ -180,7 +182,7 @@ def pod(
         name=name,
         spec=documents[-1]["spec"],
         ports=ports,
-        state_dir=root / "volumes" / "state",
+        state_dir=host_dir_of(documents[-1]["spec"], "reporter", STATE_DIR),
         metrics_ports={
             c["name"]: ports[p["containerPort"]]
             for c in daemonset["spec"]["template"]["spec"]["containers"]

@@ -23,17 +23,24 @@ The transform, step by step (each step names why):
    (``--metrics-port``), in arguments and probes alike. The containers' ``ports``
    lists go: podman 4.3 turns them into port mappings, which a pod on the host's
    network cannot have (in Kubernetes they only document the ports).
-4. Volumes: ``emptyDir`` and ``hostPath`` -> directories under the test's temporary
-   directory (generic: whatever hostPath the manifest names). An emptyDir is made the
-   way kubelet makes one (mode 0777, so root without capabilities can write to it too);
-   a hostPath directory the way kubelet's ``DirectoryOrCreate`` makes one (root's,
-   0755). A ``projected`` volume (the reporter's service-account token) -> an empty
-   directory: there is no API server to issue a token.
+4. Volumes: ``emptyDir`` and directory ``hostPath`` volumes -> directories under the
+   test's temporary directory (generic: whatever directory the manifest names). An
+   emptyDir is made the way kubelet makes one (mode 0777, so root without capabilities
+   can write to it too); a hostPath directory the way kubelet's ``DirectoryOrCreate``
+   makes one (root's, 0755). A hostPath of another type (a device such as /dev/kmsg, a
+   file, a socket) stays the host's. A ``projected`` volume (a service-account token)
+   -> an empty directory: there is no API server to issue a token. A mount with a
+   ``subPath`` of such a volume gets a volume of its own for that subdirectory:
+   podman 4.3 ignores ``subPath`` on hostPath volumes.
 5. Environment: ``secretKeyRef`` -> the value from the rendered Secret (podman 4.3
    turns a played Secret into a podman secret but cannot read it back for ``env``);
    ``fieldRef: spec.nodeName`` -> the node name the test gives (podman knows no nodes).
 6. The reporter: ``GPULET_REPORTER__MODE=offline``: without an API server it writes the
    Device it would apply into its state directory, where the test reads it.
+
+7. Init containers, if the manifest has any, get steps 2, 3 and 5 too, and the pod
+   ``restartPolicy: OnFailure``: podman 4.3 restarts a finished init container under
+   the DaemonSet's ``Always`` and then fails to remove it.
 
 Nothing else changes. Fields podman does not use (nodeSelector, tolerations,
 priorityClassName, serviceAccountName) stay in the spec and are ignored by it.
@@ -51,6 +58,7 @@ from typing import Any
 JsonObj = dict[str, Any]
 
 NATS_CLIENT_PORT = 4222  # deploy/nats/node.conf `port`
+_DIRECTORY_TYPES = ("", "Directory", "DirectoryOrCreate")
 _PORT_ARG = re.compile(r"^(--[a-z_-]*port=)(\d+)$")
 _URL_PORT = re.compile(r"(127\.0\.0\.1|localhost):(\d+)")
 MEMORY_UNITS = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "K": 10**3, "M": 10**6, "G": 10**9}
@@ -78,7 +86,7 @@ def only(objects: list[JsonObj], kind: str, name: str | None = None) -> JsonObj:
 def fixed_ports(spec: JsonObj) -> set[int]:
     """Every port the pod listens on: NATS' client port and what the manifest names."""
     ports = {NATS_CLIENT_PORT}
-    for c in spec["containers"]:
+    for c in [*spec.get("initContainers", []), *spec["containers"]]:
         ports.update(p["containerPort"] for p in c.get("ports", []))
         for arg in c.get("args", []):
             if m := _PORT_ARG.match(arg):
@@ -134,17 +142,42 @@ def pod_for_podman(
         "spec": spec,
     }
     spec["hostNetwork"] = True
+    if spec.get("initContainers"):
+        # 7. podman 4.3 gives init containers the pod's restartPolicy: with Always it
+        # restarts one that finished, then fails to remove it ("cannot remove container
+        # ... as it is running"). OnFailure runs them once; it differs from Always only
+        # for a service that exits 0, which the test counts as broken anyway.
+        spec["restartPolicy"] = "OnFailure"
 
     # 4. Volumes.
+    made: dict[str, Path] = {}
     for volume in spec["volumes"]:
+        if volume.get("hostPath", {}).get("type", "") not in _DIRECTORY_TYPES:
+            continue  # a device, file or socket of the node
         for kind in ("emptyDir", "hostPath", "projected"):
             if kind in volume:
                 del volume[kind]
-                path = volume_dir(kind, volume["name"])
-                volume["hostPath"] = {"path": str(path), "type": "Directory"}
+                made[volume["name"]] = volume_dir(kind, volume["name"])
+                volume["hostPath"] = {"path": str(made[volume["name"]]), "type": "Directory"}
                 break
+    # podman 4.3 mounts a hostPath volume's root whatever the mount's subPath: a mount
+    # with a subPath gets a volume of its own, that subdirectory (made like kubelet
+    # makes a missing subPath: root's, 0755).
+    for c in [*spec.get("initContainers", []), *spec["containers"]]:
+        for mount in c.get("volumeMounts", []):
+            sub = mount.pop("subPath", "")
+            if not sub or mount["name"] not in made:
+                continue
+            name = f"{mount['name']}-{re.sub(r'[^a-z0-9-]', '-', sub.lower())}"
+            if not any(v["name"] == name for v in spec["volumes"]):
+                path = made[mount["name"]] / sub
+                path.mkdir(mode=0o755, parents=True, exist_ok=True)
+                spec["volumes"].append(
+                    {"name": name, "hostPath": {"path": str(path), "type": "Directory"}}
+                )
+            mount["name"] = name
 
-    for c in spec["containers"]:
+    for c in [*spec.get("initContainers", []), *spec["containers"]]:
         # 2. Images (the overlay's rewrite keeps the name's last path segment).
         base_name = c["image"].rsplit("/", 1)[-1].split(":", 1)[0]
         c["image"] = images[base_name]
@@ -157,7 +190,7 @@ def pod_for_podman(
         for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
             if probe in c:
                 _remap_probe(c[probe], ports)
-        if base_name == "nats":
+        if base_name == "nats" and c in spec["containers"]:
             c["args"].append(f"--port={ports[NATS_CLIENT_PORT]}")
         else:
             _set_env(c, "GPULET_NATS__URL", f"nats://127.0.0.1:{ports[NATS_CLIENT_PORT]}")
@@ -178,3 +211,11 @@ def pod_for_podman(
 
     config_maps = [o for o in objects if o["kind"] == "ConfigMap"]
     return [*config_maps, pod]
+
+
+def host_dir_of(spec: JsonObj, container: str, mount_path: str) -> Path:
+    """The host directory behind ``mount_path`` in ``container`` of the played Pod."""
+    c = next(c for c in spec["containers"] if c["name"] == container)
+    mount = next(m for m in c["volumeMounts"] if m["mountPath"] == mount_path)
+    volume = next(v for v in spec["volumes"] if v["name"] == mount["name"])
+    return Path(volume["hostPath"]["path"]) / str(mount.get("subPath", ""))
