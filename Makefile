@@ -1,12 +1,15 @@
 # The two commands a newcomer needs:
 #   make run   - install into .venv and run every service (mock GPUs when there is no GPU)
 #   make test  - install into .venv and run lint, type checks and the test suite
+#                (IMAGE_TESTS=1 make test adds the image tests, as CI runs it)
+# and for containers:
+#   make image - the gpulet image and its NATS sidecar image (podman or docker)
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test install lint typecheck pytest bench bench-deps clean
+.PHONY: run test install lint typecheck pytest bench bench-deps image clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -47,6 +50,16 @@ bench-deps:
 	  { $(SUDO) apt-get update && $(SUDO) apt-get install -y $(GO_DEPS); } || \
 	  echo "note: could not install $(GO_DEPS): bench/allocate_roundtrip.py will use its Python kubelet stand-in"; \
 	fi
+
+# The container images, with podman (or docker where a Docker engine runs): gpulet
+# ($(IMAGE)) and the NATS sidecar ($(NATS_IMAGE)). BASE_IMAGE=auto takes python:3.11-slim
+# when it can be had, else a Debian bookworm base made with debootstrap and kept (see
+# scripts/image.sh). Needs no .venv.
+IMAGE ?= gpulet:dev
+NATS_IMAGE ?= gpulet-nats:dev
+BASE_IMAGE ?= auto
+image:
+	IMAGE=$(IMAGE) NATS_IMAGE=$(NATS_IMAGE) BASE_IMAGE=$(BASE_IMAGE) scripts/image.sh build
 
 clean:
 	rm -rf $(VENV) .gpulet .mypy_cache .ruff_cache

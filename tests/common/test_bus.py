@@ -216,3 +216,24 @@ async def test_every_inbox_uses_the_configured_prefix(nats_server: EmbeddedNats)
     ]
     assert delivers
     assert all(d.startswith(prefix + ".") for d in delivers), delivers
+
+
+async def test_leaving_after_the_server_went_away_raises_nothing(
+    nats_server: EmbeddedNats,
+) -> None:
+    """A pod's containers all get SIGTERM at once: NATS may be gone before a service
+    closes its connection, and closing must then still end cleanly. nats-py's close
+    writes out what it buffered while reconnecting and raised ConnectionResetError on
+    the lost connection: the allocator exited 1 when the pod stopped."""
+    settings = NatsSettings(url=nats_server.url, reconnect_wait_s=0.05, reconnect_max_wait_s=0.2)
+    for wait_for_disconnect in (True, False, True, False):
+        if not nats_server.is_running:
+            await nats_server.start()
+        with anyio.fail_after(10):
+            async with Bus.connect(settings) as bus:
+                await nats_server.stop()
+                if wait_for_disconnect:
+                    await wait_until(lambda: not bus.is_connected, timeout_s=3, what="disconnect")
+                # Buffered while the client reconnects: written out on close.
+                await bus.client.publish("any.thing", b"late")
+        assert bus.client.is_closed

@@ -5,7 +5,8 @@
   runs the one image with the right subcommand, depends_on targets exist and can
   satisfy their condition, each service's NATS user and password match the NATS
   server's, every bind-mounted file exists, and the privileges are the DaemonSet's.
-* The Dockerfile: multi-stage, non-root, ``gpulet`` as entrypoint; its build context
+* The Dockerfile: multi-stage, non-root, ``gpulet`` as entrypoint (tests/image builds
+  and runs it for real with IMAGE_TESTS=1); its build context
   (what .dockerignore admits) is enough to build gpulet's wheel, and that wheel holds
   the data files the containers need (mock scenarios, kubelet API stubs).
 """
@@ -183,8 +184,11 @@ def _dockerfile() -> list[str]:
 def test_dockerfile_is_multi_stage_non_root_with_gpulet_entrypoint() -> None:
     lines = _dockerfile()
     stages = [ln for ln in lines if ln.startswith("FROM ")]
-    assert len(stages) == 2
-    assert all("-slim" in s for s in stages)
+    # builder, the NATS sidecar, and gpulet last (the default target), all on the one
+    # base image, python:3.11-slim unless the build names another.
+    assert [s.split()[-1] for s in stages] == ["builder", "nats", "gpulet"]
+    assert all(s.startswith("FROM ${BASE_IMAGE} AS ") for s in stages)
+    assert "ARG BASE_IMAGE=python:3.11-slim" in lines[: lines.index(stages[0])]
     final = lines[lines.index(stages[-1]) :]
     assert "USER 65532:65532" in final
     assert 'ENTRYPOINT ["gpulet"]' in final

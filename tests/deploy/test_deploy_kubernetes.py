@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import re
 import shutil
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -38,6 +37,7 @@ from support.deploy import (
     NATS_USERS,
     PROMETHEUS_DIR,
     inbox_prefix,
+    kustomize,
     password_variable,
 )
 
@@ -48,25 +48,6 @@ NO_SCHEMA_KINDS = {"PodMonitor", "PrometheusRule"}
 GPULET_CONTAINERS = ("collector", "health", "reporter", "allocator", "device-plugin")
 ROOT_CONTAINERS = {"allocator", "device-plugin"}
 NVML_CONTAINERS = {"collector", "health", "device-plugin"}
-
-
-def _kubectl() -> str:
-    path = shutil.which("kubectl")
-    if path is None:
-        pytest.skip("kubectl not found: the kustomize builds need `kubectl kustomize`")
-    return path
-
-
-def kustomize(directory: Path) -> list[dict[str, Any]]:
-    result = subprocess.run(
-        [_kubectl(), "kustomize", str(directory)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr
-    return [d for d in yaml.safe_load_all(result.stdout) if d]
 
 
 @pytest.fixture(scope="module")

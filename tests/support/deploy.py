@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import shutil
+import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -51,3 +54,19 @@ def node_config(tmp_path: Path, *, mock: bool) -> Path:
     auth = NATS_DIR / "mock" / "auth.conf" if mock else NATS_DIR / "auth.conf"
     shutil.copy(auth, conf_dir / "auth.conf")
     return conf_dir / "node.conf"
+
+
+def kustomize(directory: Path) -> list[dict[str, Any]]:
+    """Every object ``kubectl kustomize directory`` renders (skips without kubectl)."""
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl not found: the kustomize builds need `kubectl kustomize`")
+    result = subprocess.run(
+        [kubectl, "kustomize", str(directory)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    return [d for d in yaml.safe_load_all(result.stdout) if d]

@@ -321,8 +321,9 @@ class Bus:
             ):
                 await nc.drain()
             if not nc.is_closed:
-                # A connection that is down (its server gone for good) fails to flush
-                # on close; that must not replace whatever ended the service.
+                # close() writes out what nats-py buffered while reconnecting: on a
+                # connection the server dropped (the pod's NATS stopped first) that
+                # raises ConnectionResetError. The client is closed all the same.
                 with (
                     anyio.CancelScope(shield=True),
                     anyio.move_on_after(0.5),
