@@ -48,7 +48,11 @@ stand-in collector publishing the inventory of the 8-GPU NVLink box with 80 GiB 
 
 Run from the repository root: ``python bench/allocate_roundtrip.py`` (``--quick`` for
 fewer samples, ``--layout`` for one layout, ``--kubelet go|python`` to pick the
-stand-in; ``auto``, the default, takes Go when it builds). Target: p99 under 10 ms.
+stand-in; ``auto``, the default, takes Go when it builds).
+
+Target: a **single** call (kubelet admits pods one at a time) under 5 ms at p99 through
+the sidecars, share and whole GPU; the exit status follows it. The 50-call waves and
+the other layouts are information: they are printed, never judged.
 """
 
 from __future__ import annotations
@@ -94,7 +98,9 @@ from support import reference
 from support.allocator_stack import CORE, GPU, MEM, dev_root_with, make_settings
 from support.fake_kubelet import FakeKubelet, running_fake_kubelet
 
-TARGET_P99_MS = 10.0
+# A single Allocate through the sidecars, p99 (ms): the target the exit status follows.
+TARGET_P99_MS = 5.0
+TARGET_LAYOUT = "sidecars"
 SHARE_UNITS = 2
 LAYOUTS = ("sidecars", "one-process")
 KUBELETS = ("auto", "go", "python")
@@ -793,12 +799,15 @@ async def in_process_handshake(base: Path, n: int) -> dict[str, list[float]]:
     return samples
 
 
-def row(label: str, samples: list[float], base: list[float] | None = None) -> list[str]:
+def row(
+    label: str, samples: list[float], base: list[float] | None = None, *, judged: bool = False
+) -> list[str]:
+    """One table row; ``judged``: a row the target applies to (else the verdict is '-')."""
     p50, p99 = percentile(samples, 50), percentile(samples, 99)
     ratio = ""
     if base is not None:
         ratio = f"{p50 / percentile(base, 50):.1f}x / {p99 / percentile(base, 99):.1f}x"
-    verdict = "yes" if p99 < TARGET_P99_MS else "NO"
+    verdict = ("yes" if p99 < TARGET_P99_MS else "NO") if judged else "-"
     return [
         label,
         str(len(samples)),
@@ -839,7 +848,7 @@ def cpu_table(meters: dict[str, CpuMeter], scenario: Scenario) -> str:
                 f"{shared:.1f}",
                 f"{serial_ms:.3f} ({who})",
                 f"{concurrency * serial_ms:.1f}",
-                "yes" if bound < TARGET_P99_MS else "NO",
+                f"{bound:.1f}",
             ]
         )
     header = [
@@ -849,7 +858,7 @@ def cpu_table(meters: dict[str, CpuMeter], scenario: Scenario) -> str:
         f"x {concurrency} / {cores} cores",
         "busiest thread",
         f"x {concurrency}",
-        "fits 10 ms",
+        "least wave ms (information)",
     ]
     title = (
         f"CPU per call (ms, every thread of each process), {kind}, {concurrency} concurrent. "
@@ -902,7 +911,12 @@ async def main(quick: bool, layouts: list[str], kubelet: str) -> int:
         if key in floor:
             rows.append(row(f"gRPC floor (do-nothing plugin): {label}", floor[key]))
         rows.extend(
-            row(f"round trip ({layout}): {label}", over_nats[layout][key], local[key])
+            row(
+                f"round trip ({layout}): {label}",
+                over_nats[layout][key],
+                local[key],
+                judged=layout == TARGET_LAYOUT and concurrency == 1,
+            )
             for layout in layouts
         )
     rows.append(
@@ -915,7 +929,15 @@ async def main(quick: bool, layouts: list[str], kubelet: str) -> int:
             handshake["without"],
         )
     )
-    header = ["path", "calls", "p50 ms", "p99 ms", "max ms", "vs in process p50/p99", "p99<10ms"]
+    header = [
+        "path",
+        "calls",
+        "p50 ms",
+        "p99 ms",
+        "max ms",
+        "vs in process p50/p99",
+        f"target: 1 call, {TARGET_LAYOUT}, p99<{TARGET_P99_MS:g}ms",
+    ]
     stand_in = (
         "Go kubelet stand-in (grpc-go, own process)"
         if go_kubelet is not None
@@ -941,7 +963,20 @@ async def main(quick: bool, layouts: list[str], kubelet: str) -> int:
         f"{percentile(handshake['with, decision only'], 50):.3f} ms); the pod comes from "
         "the watched cache, no API call (target < 1 ms)"
     )
-    worst = max(percentile(r[k], 99) for r in over_nats.values() for k in r)
+    judged = [
+        percentile(samples, 99)
+        for (_kind, concurrency), samples in over_nats.get(TARGET_LAYOUT, {}).items()
+        if concurrency == 1
+    ]
+    if not judged:
+        print(f"\nno single-call {TARGET_LAYOUT} rows measured: the target was not judged")
+        return 1
+    worst = max(judged)
+    verdict = "met" if worst < TARGET_P99_MS else "NOT met"
+    print(
+        f"\ntarget (one Allocate through the {TARGET_LAYOUT}, p99 < {TARGET_P99_MS:g} ms): "
+        f"{verdict}, worst p99 {worst:.2f} ms"
+    )
     return 0 if worst < TARGET_P99_MS else 1
 
 
