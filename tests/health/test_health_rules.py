@@ -230,6 +230,39 @@ def test_thermal_slowdown_by_the_clock_event_bit_says_the_gpu_reports_it() -> No
     )
 
 
+def test_hw_slowdown_and_power_brake_warn_and_the_sw_power_cap_does_not() -> None:
+    e = engine()
+    # A GPU at its power limit under full load: the SW power cap bit, all the time.
+    for i in range(10):
+        assert e.observe_sample(sample(0, T0 + i, temperature_c=60, throttle_reasons=0x4)) == []
+    # The power brake (0x80) beside it: a warning, the GPU stays healthy.
+    [event] = e.observe_sample(sample(0, T0 + 10, temperature_c=60, throttle_reasons=0x84))
+    assert (event.kind, event.condition, event.severity, event.healthy) == (
+        "clock_slowdown",
+        "clock_slowdown",
+        "warning",
+        True,
+    )
+    assert event.reason == (
+        "the GPU reports HW power brake slowdown: the hardware holds its clocks down"
+    )
+    # Still braked, then HW slowdown as well: no new event.
+    assert e.observe_sample(sample(0, T0 + 11, temperature_c=60, throttle_reasons=0x8C)) == []
+    # It ends after recover_samples (3) samples without either bit.
+    assert e.observe_sample(sample(0, T0 + 12, temperature_c=60, throttle_reasons=0x4)) == []
+    assert e.observe_sample(sample(0, T0 + 13, temperature_c=60, throttle_reasons=0x84)) == []
+    for i in range(2):
+        assert e.observe_sample(sample(0, T0 + 14 + i, throttle_reasons=0x4)) == []
+    [end] = e.observe_sample(sample(0, T0 + 16, temperature_c=60, throttle_reasons=0x4))
+    assert (end.kind, end.condition, end.condition_kind) == (
+        "recovered",
+        "clock_slowdown",
+        "clock_slowdown",
+    )
+    # A GPU that does not report clock-event reasons: nothing to judge.
+    assert e.observe_sample(sample(1, T0, temperature_c=60)) == []
+
+
 def test_remap_pending_says_what_nvml_knows_and_no_invented_count() -> None:
     e = engine()
     [event] = e.observe_sample(

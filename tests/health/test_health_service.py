@@ -462,3 +462,17 @@ async def test_shutdown_is_prompt(nats_server: EmbeddedNats, tmp_path: Path) -> 
     # The NVML wait thread returns within one wait timeout; the whole node well
     # within the 2 s shutdown budget.
     assert time.monotonic() - started < 2.0
+
+
+async def test_power_brake_warns_and_recovers_through_the_service(
+    nats_server: EmbeddedNats, tmp_path: Path
+) -> None:
+    async with health_node(nats_server.url, tmp_path) as h:
+        h.inject("clock_event", gpu=1, value=0x80)  # the node's power brake asserted
+        [warn] = await h.log.wait_for(on(h, 1, "clock_slowdown"))
+        assert (warn.severity, warn.healthy, warn.action) == ("warning", True, "operator_check")
+        assert "HW power brake slowdown" in warn.reason
+        h.inject("clock_event", gpu=1, value=0x4)  # back to the SW power cap alone
+        [end] = await h.log.wait_for(on(h, 1, "recovered", "clock_slowdown"))
+        assert end.healthy
+        assert not h.log.where(on(h, 0, "clock_slowdown"))

@@ -303,6 +303,7 @@ def test_live_injection_of_every_fault_kind(open_mock: MockFactory, fault: str) 
         "ecc_dbe": {},
         "temperature": {"value": 97, "duration_s": 60},
         "hang": {"duration_s": 0.3},
+        "clock_event": {"value": 0x80},
         "nvml_vanish": {"value": 12},
     }
     args = per_fault.get(fault, {})
@@ -344,6 +345,11 @@ def test_live_injection_of_every_fault_kind(open_mock: MockFactory, fault: str) 
         assert adapter.sample(2).remapped_rows_failed is True
     elif fault == "hang":
         assert mock.slot_state(2)["hung"] is True
+    elif fault == "clock_event":
+        assert (adapter.sample(2).throttle_reasons or 0) & 0x80
+        assert not (adapter.sample(1).throttle_reasons or 0) & 0x80
+        assert inject(mock, "clock_event", 2, value=0)[0]
+        assert not (adapter.sample(2).throttle_reasons or 0) & 0x80
     elif fault == "nvml_vanish":
         with pytest.raises(NvmlUnavailable):
             adapter.sample(2)

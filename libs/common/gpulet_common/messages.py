@@ -204,6 +204,9 @@ HealthKind = Literal[
     "cleared",
     "nvml_unavailable",
     "buffer_overflow",
+    # The hardware holds the clocks down (HW slowdown, power brake); added after
+    # schema version 1, like gpu_missing.
+    "clock_slowdown",
 ]
 
 

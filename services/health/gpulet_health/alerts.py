@@ -73,6 +73,7 @@ ALERT_NAMES: dict[str, str] = {
     "thermal": "GpuThermal",
     "thermal_slowdown": "GpuThermalSlowdown",
     "thermal_shutdown": "GpuThermalShutdown",
+    "clock_slowdown": "GpuClockSlowdown",
     "gpu_lost": "GpuLost",
     "gpu_removed": "GpuRemoved",
     "gpu_missing": "GpuMissing",

@@ -75,11 +75,14 @@ from gpulet_common.messages import (
     Severity,
 )
 from gpulet_common.nvml.adapter import (
+    CLOCK_EVENTS_HW_SLOWDOWN,
+    CLOCK_EVENTS_THERMAL,
     EVENT_DOUBLE_BIT_ECC,
     EVENT_GPU_UNAVAILABLE,
     EVENT_SINGLE_BIT_ECC,
     EVENT_XID,
     NvmlEvent,
+    clock_event_names,
 )
 from gpulet_common.settings.health import HealthSettings
 from gpulet_health.catalogue import XidCatalogue
@@ -92,10 +95,6 @@ log = logging.getLogger("gpulet.health.rules")
 # present forgets the GPU (it was taken out of the node on purpose).
 GONE_CONDITIONS = frozenset({"lost", "removed", "missing"})
 
-# nvmlClocksEventReasonSwThermalSlowdown and nvmlClocksEventReasonHwThermalSlowdown,
-# named as the messages name them.
-THERMAL_CLOCK_EVENT_REASONS = {0x20: "SW thermal slowdown", 0x40: "HW thermal slowdown"}
-THROTTLE_THERMAL = sum(THERMAL_CLOCK_EVENT_REASONS)
 
 EndKind = Literal["recovered", "cleared"]
 
@@ -708,7 +707,48 @@ class RuleEngine:
         out += self._ecc(gpu, sample, now)
         out += self._remap(gpu, sample, now)
         out += self._thermal(gpu, sample, now)
+        out += self._clock_slowdown(gpu, sample, now)
         return out
+
+    def _clock_slowdown(self, gpu: GpuState, sample: GpuSample, now: float) -> list[HealthEvent]:
+        """HW slowdown or power brake: a warning while NVML reports it; the SW power cap
+        (a GPU at its power limit under load) and the thermal reasons are not this rule."""
+        if sample.throttle_reasons is None:
+            return []
+        condition = "clock_slowdown"
+        bits = sample.throttle_reasons & CLOCK_EVENTS_HW_SLOWDOWN
+        active = condition in gpu.conditions
+        if bits and not active:
+            names = clock_event_names(bits, CLOCK_EVENTS_HW_SLOWDOWN)
+            return self._raise(
+                gpu,
+                Condition(
+                    condition=condition,
+                    kind="clock_slowdown",
+                    severity="warning",
+                    reason=f"the GPU reports {names}: the hardware holds its clocks down",
+                    action="operator_check",
+                    since=now,
+                    observed_value=float(sample.throttle_reasons),
+                    message=(
+                        "check the power supply and the node's power-brake signal (HW "
+                        "slowdown is also asserted by thermal protection)"
+                    ),
+                ),
+                now,
+                repeats=False,
+            )
+        if bits:
+            gpu.below[condition] = 0
+            return []
+        if not active:
+            return []
+        count = gpu.below.get(condition, 0) + 1
+        gpu.below[condition] = count
+        if count < self._s.thermal.recover_samples:
+            return []
+        gpu.below.pop(condition, None)
+        return self._end(gpu, condition, now, "NVML no longer reports a HW slowdown")
 
     def _ecc(self, gpu: GpuState, sample: GpuSample, now: float) -> list[HealthEvent]:
         c = gpu.counters
@@ -832,7 +872,7 @@ class RuleEngine:
         if temp is None:
             return []
         t = self._s.thermal
-        throttled = bool((sample.throttle_reasons or 0) & THROTTLE_THERMAL)
+        throttled = bool((sample.throttle_reasons or 0) & CLOCK_EVENTS_THERMAL)
         info = gpu.info
         out: list[HealthEvent] = []
         out += self._level(
@@ -854,10 +894,7 @@ class RuleEngine:
             if throttled:
                 # Raised by the GPU's own clock-event bit: say so, and give the
                 # temperature and threshold as facts beside it, not as the cause.
-                bits = sample.throttle_reasons or 0
-                names = " and ".join(
-                    name for bit, name in THERMAL_CLOCK_EVENT_REASONS.items() if bits & bit
-                )
+                names = clock_event_names(sample.throttle_reasons or 0, CLOCK_EVENTS_THERMAL)
                 reason = (
                     f"the GPU reports thermal slowdown (clock-event reason {names}); "
                     f"temperature {temp} C"

@@ -342,6 +342,9 @@ class _Slot:
         # error totals (CRC flit, CRC data, replay, recovery).
         self.pcie_replays = 0
         self.nvlink_errors = [0, 0, 0, 0]
+        # Injected clock-event reason bits, reported until clock_events_until.
+        self.clock_events = 0
+        self.clock_events_until = 0.0
         # String seeds hash deterministically (unlike hash() of a str).
         self.rng = random.Random(f"{seed}:{slot}:jitter")
 
@@ -689,6 +692,12 @@ class MockNvml:
             assert duration is not None  # check_fault requires it
             slot.hang_until = start + duration
             return True, f"{name} hangs for {duration:g}s"
+        if kind == "clock_event":
+            slot.clock_events = int(fault.value or 0)
+            slot.clock_events_until = start + duration if duration is not None else math.inf
+            return True, f"{name} reports clock-event reasons {slot.clock_events:#x}" + (
+                f" for {duration:g}s" if duration is not None else ""
+            )
         return False, f"unknown fault {kind!r} (known: {', '.join(FAULT_KINDS)})"
 
     def _reset(self, slot: _Slot, name: str) -> tuple[bool, str]:
@@ -967,6 +976,8 @@ class MockNvml:
         reasons = slot.spec.throttle_reasons
         if self._thermal_slowdown(slot, now):
             reasons |= _THROTTLE_THERMAL
+        if now < slot.clock_events_until:
+            reasons |= slot.clock_events
         return reasons
 
     def nvmlDeviceGetTotalEccErrors(self, handle: Any, errorType: int, counterType: int) -> int:

@@ -87,6 +87,7 @@ FAULT_KINDS: Final = (
     "remap_pending",
     "remap_failure",
     "hang",
+    "clock_event",
     "nvml_vanish",
     "nvml_return",
     "reset",
@@ -395,6 +396,12 @@ def check_fault(fault: FaultSpec, gpu_count: int, *, live: bool) -> str | None:
     elif kind == "hang":
         if fault.duration_s is None or fault.duration_s <= 0:
             return "fault 'hang' needs duration_s > 0"
+    elif kind == "clock_event":
+        if value is None or not _whole(value) or not 0 <= value <= 0xFFFF:
+            return (
+                "fault 'clock_event' needs value = the clock-event reason bits the GPU "
+                "reports (0x8 HW slowdown, 0x80 power brake, 0x4 SW power cap; 0 ends it)"
+            )
     elif kind == "nvml_vanish":
         if fault.error is not None and fault.error not in VANISH_ERRORS:
             return f"unknown NVML error {fault.error!r} (known: {', '.join(VANISH_ERRORS)})"

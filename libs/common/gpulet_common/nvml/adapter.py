@@ -126,6 +126,32 @@ EVENT_GPU_UNAVAILABLE: Final = _pynvml_const("nvmlEventTypeGpuUnavailableError",
 EVENT_ECC_MASK: Final = EVENT_SINGLE_BIT_ECC | EVENT_DOUBLE_BIT_ECC
 HEALTH_EVENT_MASK: Final = EVENT_ECC_MASK | EVENT_XID | EVENT_GPU_UNAVAILABLE
 
+# Clock-event ("throttle") reasons of nvmlDeviceGetCurrentClocksEventReasons, named as
+# the health messages name them. The SW power cap is no fault: a GPU under full load
+# sits at its power limit with that bit set all the time (a real H100 at 700 W did).
+CLOCK_EVENT_SW_POWER_CAP: Final = 0x4
+CLOCK_EVENT_HW_SLOWDOWN: Final = 0x8
+CLOCK_EVENT_SW_THERMAL: Final = 0x20
+CLOCK_EVENT_HW_THERMAL: Final = 0x40
+CLOCK_EVENT_HW_POWER_BRAKE: Final = 0x80
+CLOCK_EVENT_NAMES: Final[dict[int, str]] = {
+    CLOCK_EVENT_SW_POWER_CAP: "SW power cap",
+    CLOCK_EVENT_HW_SLOWDOWN: "HW slowdown",
+    CLOCK_EVENT_SW_THERMAL: "SW thermal slowdown",
+    CLOCK_EVENT_HW_THERMAL: "HW thermal slowdown",
+    CLOCK_EVENT_HW_POWER_BRAKE: "HW power brake slowdown",
+}
+# Thermal slowdown (the thermal rules), and the hardware holding clocks down for
+# another reason (external power brake, HW slowdown: the clock_slowdown rule).
+CLOCK_EVENTS_THERMAL: Final = CLOCK_EVENT_SW_THERMAL | CLOCK_EVENT_HW_THERMAL
+CLOCK_EVENTS_HW_SLOWDOWN: Final = CLOCK_EVENT_HW_SLOWDOWN | CLOCK_EVENT_HW_POWER_BRAKE
+
+
+def clock_event_names(bits: int, mask: int) -> str:
+    """The named reasons of ``bits & mask``, joined with "and"."""
+    return " and ".join(name for bit, name in CLOCK_EVENT_NAMES.items() if bits & mask & bit)
+
+
 # Codes that, on a single field read, mean "this GPU/driver cannot give this field".
 # They do not change while the process runs, so the field is never asked again.
 _FIELD_UNSUPPORTED: Final = frozenset(
