@@ -100,7 +100,7 @@ def load_settings(args: argparse.Namespace) -> Settings:
     return config.load(getattr(args, "config", None), overrides=_flag_overrides(args))
 
 
-def _check_state_dir(state_dir: str) -> None:
+def _check_state_dir(state_dir: str, *, writable: bool) -> None:
     path = Path(state_dir)
     if path.exists() and not path.is_dir():
         raise ConfigError("state_dir", f"{path} is not a directory")
@@ -108,8 +108,8 @@ def _check_state_dir(state_dir: str) -> None:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise ConfigError("state_dir", f"cannot create {path}: {exc.strerror or exc}") from None
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise ConfigError("state_dir", f"{path} is not writable")
+    if not os.access(path, (os.W_OK | os.X_OK) if writable else os.X_OK):
+        raise ConfigError("state_dir", f"{path} is not {'writable' if writable else 'usable'}")
 
 
 def _check_listen(host_setting: str, port_setting: str, host: str, port: int) -> None:
@@ -134,9 +134,12 @@ def _check_listen(host_setting: str, port_setting: str, host: str, port: int) ->
             ) from None
 
 
-def preflight(settings: Settings, *, embedded_nats: bool) -> None:
-    """Raise a :class:`UsageError` for what would stop the services from starting."""
-    _check_state_dir(settings.state_dir)
+def preflight(
+    settings: Settings, *, embedded_nats: bool, names: Sequence[str] = services.RUN_ORDER
+) -> None:
+    """Raise a :class:`UsageError` for what would stop the services ``names`` starting."""
+    writes = embedded_nats or bool(services.WRITES_STATE_DIR.intersection(names))
+    _check_state_dir(settings.state_dir, writable=writes)
     if settings.nvml.backend == "mock":
         from gpulet_common.mock_nvml.scenario import load_scenario
 
@@ -166,7 +169,7 @@ def _run_services(args: argparse.Namespace, names: list[str], *, sidecar: bool) 
     if embedded and sidecar:
         settings.nats.url = DEFAULT_SIDECAR_NATS
         embedded = False
-    preflight(settings, embedded_nats=embedded)
+    preflight(settings, embedded_nats=embedded, names=names)
     setup_logging(settings.telemetry.log_level, settings.telemetry.log_format)
     telemetry = Telemetry.install(settings.telemetry, "gpulet-" + "-".join(names))
     try:

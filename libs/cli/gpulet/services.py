@@ -21,6 +21,13 @@ REGISTRY: dict[str, str] = {
     "device-plugin": "gpulet_allocator.plugin.service:DevicePluginService",
 }
 
+# The services that write into the state directory itself (the health service's buffer,
+# GPU list and kmsg cursor; the reporter's offline output). The allocator writes only
+# into its own subdirectory (a separate mount in the DaemonSet) and the collector and
+# the device plugin write nothing there, so they need it to exist, not to be writable:
+# in the DaemonSet they run as root without capabilities and the directory is uid 65532's.
+WRITES_STATE_DIR: frozenset[str] = frozenset({"health", "reporter"})
+
 # `gpulet run` starts these, in this order (producers before consumers).
 RUN_ORDER: tuple[str, ...] = ("collector", "health", "reporter", "allocator", "device-plugin")
 
