@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
+from anyio._backends import _asyncio as _anyio_asyncio
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 
@@ -13,6 +16,37 @@ from gpulet_common.embedded_nats import EmbeddedNats
 
 # A recording tracer provider, so that trace context really travels in NATS headers.
 trace.set_tracer_provider(TracerProvider())
+
+
+def _quiet_grpc_poller(original: Callable[..., None]) -> Callable[..., None]:
+    """anyio's test runner, minus grpc.aio's spurious poller errors between loops.
+
+    Every test gets a new event loop, and grpc.aio's completion-queue poller stays bound
+    to the loops of earlier tests (grpc/grpc#25364): when a completion wakes it, its
+    callback may run for a closed loop ("Event loop is closed") or find the notification
+    already read (BlockingIOError). Those reach the runner's exception handler and failed
+    an unrelated test about one run in four. Only those two, raised from
+    ``PollerCompletionQueue._handle_events``, are dropped; a service has one loop, so
+    production never sees them, and every other error still fails the test.
+    """
+
+    def handler(self: object, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        exc = context.get("exception")
+        spurious = isinstance(exc, BlockingIOError) or (
+            isinstance(exc, RuntimeError) and "Event loop is closed" in str(exc)
+        )
+        if spurious and "PollerCompletionQueue._handle_events" in repr(context.get("handle")):
+            return
+        original(self, loop, context)
+
+    return handler
+
+
+setattr(  # noqa: B010 - patching the runner class of anyio's pytest plugin
+    _anyio_asyncio.TestRunner,
+    "_exception_handler",
+    _quiet_grpc_poller(_anyio_asyncio.TestRunner._exception_handler),
+)
 
 
 @pytest.fixture
