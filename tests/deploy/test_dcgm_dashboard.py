@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -24,9 +23,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from gpulet_common.embedded_nats import free_port
+from support.deploy import start_prometheus, stop_process
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 DASHBOARDS = [
@@ -57,23 +56,6 @@ def test_fixtures_hold_the_dashboards_queries() -> None:
 def _get(url: str) -> Any:
     with urllib.request.urlopen(url, timeout=2) as response:
         return json.loads(response.read())
-
-
-def _stop(process: subprocess.Popen[bytes]) -> None:
-    if process.poll() is None:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=5)
-
-
-def _tool(name: str) -> str:
-    path = shutil.which(name)
-    if path is None:
-        pytest.skip(f"{name} not found: needs the Debian package `prometheus`")
-    return path
 
 
 @pytest.fixture
@@ -112,7 +94,7 @@ def agent(tmp_path: Path) -> Iterator[tuple[int, Path]]:
     try:
         yield metrics_port, log
     finally:
-        _stop(process)
+        stop_process(process)
 
 
 class PromApi:
@@ -166,31 +148,9 @@ def run_dashboard(api: PromApi, path: Path) -> dict[str, list[dict[str, Any]]]:
 
 @pytest.mark.slow
 def test_every_dcgm_dashboard_query_returns_data(agent: tuple[int, Path], tmp_path: Path) -> None:
-    prometheus = _tool("prometheus")
     metrics_port, agent_log = agent
     web_port = free_port()
-    config = {
-        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-        "scrape_configs": [
-            {
-                "job_name": "gpulet",
-                "static_configs": [{"targets": [f"127.0.0.1:{metrics_port}"]}],
-            }
-        ],
-    }
-    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
-    log = tmp_path / "prometheus.log"
-    with log.open("wb") as out:
-        server = subprocess.Popen(
-            [
-                prometheus,
-                f"--config.file={tmp_path / 'prometheus.yml'}",
-                f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-                f"--web.listen-address=127.0.0.1:{web_port}",
-            ],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
+    server, log = start_prometheus(tmp_path, metrics_port, web_port)
     api = PromApi(f"http://127.0.0.1:{web_port}")
     # The dashboard's slowest metric to appear: GPM activity, after two slow reads.
     ready = "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE"
@@ -208,7 +168,7 @@ def test_every_dcgm_dashboard_query_returns_data(agent: tuple[int, Path], tmp_pa
         for path in DASHBOARDS:
             results[path] = run_dashboard(api, path)
     finally:
-        _stop(server)
+        stop_process(server)
     context = f"agent log:\n{agent_log.read_text()[-3000:]}"
     for path, answers in results.items():
         for query, result in answers.items():

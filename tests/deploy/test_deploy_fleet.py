@@ -20,25 +20,10 @@ import yaml
 
 from gpulet_common.embedded_nats import nats_server_binary
 from gpulet_common.fleet.identity import IdentityStore
-from support.deploy import DEPLOY, KUSTOMIZE, NATS_DIR, set_passwords
+from support.deploy import DEPLOY, KUSTOMIZE, NATS_DIR, kustomize, set_passwords
 
 K8S_VERSIONS = ("1.30.0", kubernetes_validate.latest_version())
 FLEET_DIR = DEPLOY / "fleet"
-
-
-def kustomize(directory: Path) -> list[dict[str, Any]]:
-    kubectl = shutil.which("kubectl")
-    if kubectl is None:
-        pytest.skip("kubectl not found: the kustomize builds need `kubectl kustomize`")
-    result = subprocess.run(
-        [kubectl, "kustomize", str(directory)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr
-    return [d for d in yaml.safe_load_all(result.stdout) if d]
 
 
 def validate(doc: dict[str, Any]) -> None:

@@ -25,29 +25,17 @@ import pytest
 import yaml
 
 from gpulet_common.embedded_nats import free_port
-from support.deploy import PROMETHEUS_DIR
+from support.deploy import PROMETHEUS_DIR, prometheus_tool, start_prometheus, stop_process
 
 RULES = PROMETHEUS_DIR / "gpulet-rules.yaml"
 RULES_TEST = PROMETHEUS_DIR / "gpulet-rules.test.yaml"
 PROMETHEUS_RULE = PROMETHEUS_DIR / "prometheusrule.yaml"
 DEADLINE_S = 30.0
 
-_NO_PROMETHEUS = (
-    "needs the Debian package `prometheus` (promtool and prometheus); "
-    ".ci/run installs it: apt-get install -y prometheus"
-)
-
-
-def _tool(name: str) -> str:
-    path = shutil.which(name)
-    if path is None:
-        pytest.skip(f"{name} not found: {_NO_PROMETHEUS}")
-    return path
-
 
 def test_promtool_check_rules() -> None:
     result = subprocess.run(
-        [_tool("promtool"), "check", "rules", str(RULES)],
+        [prometheus_tool("promtool"), "check", "rules", str(RULES)],
         capture_output=True,
         text=True,
         timeout=60,
@@ -58,7 +46,7 @@ def test_promtool_check_rules() -> None:
 
 def test_promtool_test_rules() -> None:
     result = subprocess.run(
-        [_tool("promtool"), "test", "rules", RULES_TEST.name],
+        [prometheus_tool("promtool"), "test", "rules", RULES_TEST.name],
         cwd=PROMETHEUS_DIR,
         capture_output=True,
         text=True,
@@ -94,16 +82,6 @@ def _get(url: str) -> Any:
         return json.loads(response.read())
 
 
-def _stop(process: subprocess.Popen[bytes]) -> None:
-    if process.poll() is None:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=5)
-
-
 @pytest.fixture
 def agent(tmp_path: Path) -> Iterator[tuple[int, Path]]:
     """``gpulet run --nvml mock`` on free ports, all on 127.0.0.1."""
@@ -137,40 +115,17 @@ def agent(tmp_path: Path) -> Iterator[tuple[int, Path]]:
     try:
         yield metrics_port, log
     finally:
-        _stop(process)
+        stop_process(process)
 
 
 @pytest.mark.slow
 def test_prometheus_scrapes_gpu_temperature_from_gpulet_run(
     agent: tuple[int, Path], tmp_path: Path
 ) -> None:
-    prometheus = _tool("prometheus")
     metrics_port, agent_log = agent
     web_port = free_port()
     shutil.copy(RULES, tmp_path / RULES.name)
-    config = {
-        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-        "rule_files": [RULES.name],
-        "scrape_configs": [
-            {
-                "job_name": "gpulet",
-                "static_configs": [{"targets": [f"127.0.0.1:{metrics_port}"]}],
-            }
-        ],
-    }
-    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
-    log = tmp_path / "prometheus.log"
-    with log.open("wb") as out:
-        server = subprocess.Popen(
-            [
-                prometheus,
-                f"--config.file={tmp_path / 'prometheus.yml'}",
-                f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-                f"--web.listen-address=127.0.0.1:{web_port}",
-            ],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
+    server, log = start_prometheus(tmp_path, metrics_port, web_port, rule_files=[RULES.name])
     base = f"http://127.0.0.1:{web_port}"
     query = urllib.parse.urlencode({"query": "gpulet_gpu_temperature_celsius"})
     series: list[dict[str, Any]] = []
@@ -189,7 +144,7 @@ def test_prometheus_scrapes_gpu_temperature_from_gpulet_run(
         targets = _get(f"{base}/api/v1/targets")["data"]["activeTargets"]
         rules = _get(f"{base}/api/v1/rules")["data"]["groups"]
     finally:
-        _stop(server)
+        stop_process(server)
     assert len(series) == 8, (
         f"got {len(series)} series; agent log:\n{agent_log.read_text()[-3000:]}"
     )

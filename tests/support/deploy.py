@@ -70,3 +70,63 @@ def kustomize(directory: Path) -> list[dict[str, Any]]:
     )
     assert result.returncode == 0, result.stderr
     return [d for d in yaml.safe_load_all(result.stdout) if d]
+
+
+NO_PROMETHEUS = (
+    "needs the Debian package `prometheus` (promtool and prometheus); "
+    ".ci/run installs it: apt-get install -y prometheus"
+)
+
+
+def prometheus_tool(name: str) -> str:
+    """The path of ``prometheus`` or ``promtool``; skips the test with the install hint."""
+    path = shutil.which(name)
+    if path is None:
+        pytest.skip(f"{name} not found: {NO_PROMETHEUS}")
+    return path
+
+
+def stop_process(process: subprocess.Popen[bytes]) -> None:
+    """SIGTERM, then SIGKILL after 10 s; nothing if it already exited."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=5)
+
+
+def start_prometheus(
+    directory: Path, metrics_port: int, web_port: int, *, rule_files: list[str] | None = None
+) -> tuple[subprocess.Popen[bytes], Path]:
+    """A real Prometheus on 127.0.0.1:``web_port`` scraping gpulet every second.
+
+    Its config, TSDB and log live in ``directory``; ``rule_files`` are names of files
+    already there. Returns the process (stop it with :func:`stop_process`) and its log.
+    """
+    config: dict[str, Any] = {
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "scrape_configs": [
+            {
+                "job_name": "gpulet",
+                "static_configs": [{"targets": [f"127.0.0.1:{metrics_port}"]}],
+            }
+        ],
+    }
+    if rule_files:
+        config["rule_files"] = rule_files
+    (directory / "prometheus.yml").write_text(yaml.safe_dump(config))
+    log = directory / "prometheus.log"
+    with log.open("wb") as out:
+        server = subprocess.Popen(
+            [
+                prometheus_tool("prometheus"),
+                f"--config.file={directory / 'prometheus.yml'}",
+                f"--storage.tsdb.path={directory / 'tsdb'}",
+                f"--web.listen-address=127.0.0.1:{web_port}",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    return server, log
