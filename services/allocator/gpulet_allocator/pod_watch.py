@@ -49,52 +49,27 @@ import anyio
 import anyio.abc
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 from kubernetes_asyncio import client as k8s_client
-from kubernetes_asyncio import config as k8s_config
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from gpulet_allocator.koordinator import PodBook, PodKey, watched_pod
+from gpulet_common.kube import (
+    SERVICE_ACCOUNT_DIR,
+    KubeConfigError,
+    from_kubeconfig,
+    in_cluster,
+    in_cluster_available,
+    kubeconfig_path,
+)
 from gpulet_common.logutil import RateLimitedLog
 from gpulet_common.settings.allocator import HandshakeSettings
 
 log = logging.getLogger("gpulet.allocator.pods")
 
-SERVICE_ACCOUNT_DIR: Final = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 EVENT_REASON: Final = "GpuletRefusedSchedulerDecision"
 EVENT_COMPONENT: Final = "gpulet-allocator"
 EVENT_QUEUE: Final = 256
 EVENT_DEDUP_S: Final = 60.0
 BACKOFF_MAX_S: Final = 30.0
-
-
-class KubeUnavailable(Exception):
-    """No usable cluster configuration."""
-
-
-def _in_cluster(env: Mapping[str, str], sa_dir: Path) -> Any | None:
-    if not env.get("KUBERNETES_SERVICE_HOST") or not (sa_dir / "token").is_file():
-        return None
-    configuration = k8s_client.Configuration()
-    load: Any = k8s_config.load_incluster_config  # untyped
-    try:
-        load(
-            client_configuration=configuration,
-            token_filename=str(sa_dir / "token"),
-            cert_filename=str(sa_dir / "ca.crt"),
-            environ=dict(env),
-        )
-    except (k8s_config.ConfigException, OSError) as exc:
-        raise KubeUnavailable(f"in-cluster config unusable: {exc}") from exc
-    return configuration
-
-
-def _kubeconfig_path(settings: HandshakeSettings, env: Mapping[str, str]) -> str:
-    path = settings.kubeconfig or env.get("KUBECONFIG", "").split(os.pathsep)[0]
-    if not path:
-        home = env.get("HOME", "")
-        path = str(Path(home) / ".kube" / "config") if home else ""
-    if not path or not Path(path).expanduser().is_file():
-        raise KubeUnavailable("not in a cluster and no kubeconfig found")
-    return path
 
 
 async def kube_configuration(
@@ -103,24 +78,17 @@ async def kube_configuration(
     sa_dir: Path = SERVICE_ACCOUNT_DIR,
 ) -> Any:
     """In-cluster config when the pod has a token (and no kubeconfig is set), else a
-    kubeconfig: ``handshake.kubeconfig``, ``$KUBECONFIG``, ``~/.kube/config``."""
+    kubeconfig: ``handshake.kubeconfig``, ``$KUBECONFIG``, ``~/.kube/config``. Raises
+    :class:`~gpulet_common.kube.KubeConfigError` with the reason."""
     env = os.environ if env is None else env
-    if not settings.kubeconfig:
-        found = await anyio.to_thread.run_sync(_in_cluster, env, sa_dir)
-        if found is not None:
-            return found
-    path = await anyio.to_thread.run_sync(_kubeconfig_path, settings, env)
-    configuration = k8s_client.Configuration()
-    try:
-        await k8s_config.load_kube_config(
-            config_file=path,
-            context=settings.kube_context or None,
-            client_configuration=configuration,
-            persist_config=False,
-        )
-    except Exception as exc:  # the loader raises many types on a bad file
-        raise KubeUnavailable(f"kubeconfig {path} unusable: {type(exc).__name__}: {exc}") from exc
-    return configuration
+    if not settings.kubeconfig and await anyio.to_thread.run_sync(
+        in_cluster_available, env, sa_dir
+    ):
+        return await anyio.to_thread.run_sync(in_cluster, env, sa_dir)
+    path = await anyio.to_thread.run_sync(kubeconfig_path, settings.kubeconfig, env)
+    if path is None:
+        raise KubeConfigError("not in a cluster and no kubeconfig found")
+    return await from_kubeconfig(path, settings.kube_context)
 
 
 class PodWatch:

@@ -73,7 +73,7 @@ from nats.micro.service import EndpointStats, Service
 from gpulet_allocator import protocol as p
 from gpulet_allocator.core import AllocatorCore, HeldDevices, Rejected, Undo
 from gpulet_allocator.koordinator import RES_GPU_CORE, RES_GPU_MEMORY_RATIO, PodBook, PodKey
-from gpulet_allocator.pod_watch import EventWriter, KubeUnavailable, PodWatch, kube_configuration
+from gpulet_allocator.pod_watch import EventWriter, PodWatch, kube_configuration
 from gpulet_allocator.podresources import (
     PodResourcesUnavailable,
     held_devices,
@@ -84,6 +84,7 @@ from gpulet_allocator.store import CheckpointError, CheckpointFile, Committer, L
 from gpulet_common import __version__, subjects
 from gpulet_common import codec as common_codecs
 from gpulet_common.codec import Codec
+from gpulet_common.kube import KubeConfigError
 from gpulet_common.lifecycle import idle_disabled
 from gpulet_common.logutil import RateLimitedLog
 from gpulet_common.messages import ErrorReply
@@ -351,7 +352,7 @@ class AllocatorService:
         while True:
             try:
                 configuration = await kube_configuration(settings)
-            except KubeUnavailable as exc:
+            except KubeConfigError as exc:
                 self._on_handshake_state(f"no pod watch: {exc}")
                 log.warning("koord-scheduler handshake: %s; again in %.0fs", exc, delay)
                 await anyio.sleep(delay)

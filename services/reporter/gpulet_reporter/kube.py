@@ -15,6 +15,9 @@ Order (``reporter.mode = "auto"``):
 A kubeconfig that exists but cannot be used (bad YAML, unknown context) is an
 operator's mistake, not an absent cluster: in ``auto`` it is reported as the reason
 for going offline, in ``cluster`` mode it is an error the service retries.
+
+The lookup of each source is :mod:`gpulet_common.kube`, shared with the allocator;
+this module adds the reporter's order and its offline rules.
 """
 
 from __future__ import annotations
@@ -26,19 +29,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-from kubernetes_asyncio import client as k8s_client
-from kubernetes_asyncio import config as k8s_config
-
+from gpulet_common.kube import (
+    SERVICE_ACCOUNT_DIR,
+    KubeConfigError,
+    from_kubeconfig,
+    in_cluster,
+    in_cluster_available,
+    kubeconfig_path,
+)
 from gpulet_common.settings.reporter import ReporterSettings
 
+__all__ = ["SERVICE_ACCOUNT_DIR", "KubeConfigError", "KubeTarget", "load_target"]
+
 log = logging.getLogger("gpulet.reporter.kube")
-
-SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
-
-
-class KubeConfigError(Exception):
-    """A configured cluster that cannot be used."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,55 +57,6 @@ class KubeTarget:
     @property
     def offline(self) -> bool:
         return self.configuration is None
-
-
-def kubeconfig_path(settings: ReporterSettings, env: Mapping[str, str]) -> str | None:
-    """The kubeconfig to read (possibly an os.pathsep-separated list), or None."""
-    if settings.kubeconfig:
-        return settings.kubeconfig
-    from_env = env.get("KUBECONFIG", "")
-    if from_env:
-        existing = [p for p in from_env.split(os.pathsep) if p and Path(p).expanduser().exists()]
-        return os.pathsep.join(existing) if existing else None
-    home = env.get("HOME")
-    default = Path(home) / ".kube" / "config" if home else Path("~/.kube/config").expanduser()
-    return str(default) if default.exists() else None
-
-
-def _any_file(paths: str) -> bool:
-    return any(Path(p).expanduser().is_file() for p in paths.split(os.pathsep) if p)
-
-
-def in_cluster_available(env: Mapping[str, str], sa_dir: Path = SERVICE_ACCOUNT_DIR) -> bool:
-    return bool(
-        env.get("KUBERNETES_SERVICE_HOST")
-        and env.get("KUBERNETES_SERVICE_PORT")
-        and (sa_dir / "token").is_file()
-    )
-
-
-def _in_cluster(env: Mapping[str, str], sa_dir: Path) -> Any:
-    configuration = k8s_client.Configuration()
-    load: Any = k8s_config.load_incluster_config  # untyped in kubernetes-asyncio
-    load(
-        client_configuration=configuration,
-        token_filename=str(sa_dir / "token"),
-        cert_filename=str(sa_dir / "ca.crt"),
-        environ=dict(env),
-    )
-    return configuration
-
-
-async def _from_kubeconfig(path: str, context: str) -> Any:
-    configuration = k8s_client.Configuration()
-    await k8s_config.load_kube_config(
-        config_file=path,
-        context=context or None,
-        client_configuration=configuration,
-        # Never rewrite the user's kubeconfig (token refreshes would).
-        persist_config=False,
-    )
-    return configuration
 
 
 async def load_target(
@@ -124,26 +78,17 @@ async def load_target(
     problems: list[str] = []
     if in_cluster_available(env, sa_dir):
         try:
-            configuration = _in_cluster(env, sa_dir)
-        except (k8s_config.ConfigException, OSError) as exc:
-            problems.append(f"in-cluster config unusable: {exc}")
+            configuration = in_cluster(env, sa_dir)
+        except KubeConfigError as exc:
+            problems.append(str(exc))
         else:
             return KubeTarget(configuration, "in-cluster", str(configuration.host))
-    path = kubeconfig_path(settings, env)
-    if path is not None and not _any_file(path):
-        problems.append(f"kubeconfig {path} not found")
-    elif path is not None:
+    path = kubeconfig_path(settings.kubeconfig, env)
+    if path is not None:
         try:
-            configuration = await _from_kubeconfig(path, settings.kube_context)
-        except (
-            k8s_config.ConfigException,
-            yaml.YAMLError,
-            OSError,
-            ValueError,
-            KeyError,
-            TypeError,
-        ) as exc:
-            problems.append(f"kubeconfig {path} unusable: {type(exc).__name__}: {exc}")
+            configuration = await from_kubeconfig(path, settings.kube_context)
+        except KubeConfigError as exc:
+            problems.append(str(exc))
         else:
             source = f"kubeconfig {path}"
             if settings.kube_context:
