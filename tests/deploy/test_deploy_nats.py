@@ -378,7 +378,7 @@ async def test_health_owns_its_stream_and_bucket_and_alerts_reads_them(
         Bus.connect(bus_settings(server, "health"), max_initial_attempts=3) as health,
         connect(server, "alerts") as alerts,
         Bus.connect(bus_settings(server, "alerts"), max_initial_attempts=3) as alerts_bus,
-        connect(server, "reporter") as reporter,
+        connect(server, "operator") as operator,
     ):
         await health.ensure_stream(
             subjects.HEALTH_STREAM,
@@ -395,7 +395,7 @@ async def test_health_owns_its_stream_and_bucket_and_alerts_reads_them(
             max_bytes=1 << 20,
             duplicate_window_s=60,
         )
-        live = await listen(reporter, subjects.health(NODE), publishers=[health.client])
+        live = await listen(operator, subjects.health(NODE), publishers=[health.client])
         seq = await health.js_publish(subjects.health(NODE), _batch(), codec.SAMPLES, msg_id="e-1")
         assert seq == 1
         await wait_until(lambda: len(live) >= 1, what="the event delivered live")
@@ -488,7 +488,8 @@ async def test_consumers_read_the_health_bucket_and_cannot_write_it(
 ) -> None:
     """The reporter, the allocator and the device plugin follow each GPU's health
     through a NodeView (a watch on the gpu_health bucket); none may write the bucket,
-    so the state they trust is the health service's alone."""
+    so the state they trust is the health service's alone. They may not subscribe to
+    the health events either: they have no use for them."""
     server, _ = secured
     key = subjects.health_kv_key(NODE, "GPU-a")
     sick = GpuHealth(gpu_uuid="GPU-a", healthy=False, updated_at=1.0)
@@ -510,6 +511,9 @@ async def test_consumers_read_the_health_bucket_and_cannot_write_it(
                 forged = f"$KV.{subjects.HEALTH_KV_BUCKET}.{key}"
                 await raw.nc.publish(forged, b'{"gpu_uuid": "GPU-a", "healthy": true}')
                 assert await raw.refused(forged), user
+                # Least privilege: they read state, not the event stream.
+                await raw.nc.subscribe(subjects.health(NODE))
+                assert await raw.refused(subjects.health(NODE)), user
                 tg.cancel_scope.cancel()
             assert bus.client.last_error is None, (user, bus.client.last_error)
         assert (await kv.get(key)).value == codec.GPU_HEALTH.encode(sick)
