@@ -1,0 +1,61 @@
+"""The import graph keeps its layers: read from the source, not from a convention.
+
+* ``gpulet_common`` (libs/common) is the bottom: it imports no service and not the CLI.
+* A service never imports another service's internals; what two services share lives
+  in ``gpulet_common``.
+* Only the CLI (libs/cli, ``gpulet``) puts services together.
+
+Every ``import`` and ``from ... import`` is read with :mod:`ast`, including the ones
+inside functions and ``TYPE_CHECKING`` blocks, so a lazy import does not slip by.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SERVICES = {
+    "gpulet_allocator": ROOT / "services" / "allocator" / "gpulet_allocator",
+    "gpulet_collector": ROOT / "services" / "collector" / "gpulet_collector",
+    "gpulet_health": ROOT / "services" / "health" / "gpulet_health",
+    "gpulet_reporter": ROOT / "services" / "reporter" / "gpulet_reporter",
+}
+COMMON = ROOT / "libs" / "common" / "gpulet_common"
+
+
+def imported(package_dir: Path) -> Iterator[tuple[str, str]]:
+    """(module file relative to the repo, top-level package it imports)."""
+    for path in sorted(package_dir.rglob("*.py")):
+        if path.name.endswith("_pb2.py") or path.name.endswith("_pb2_grpc.py"):
+            continue
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    yield str(path.relative_to(ROOT)), alias.name.split(".")[0]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                yield str(path.relative_to(ROOT)), node.module.split(".")[0]
+
+
+def test_the_scan_sees_imports() -> None:
+    # The checks below are only as good as the scan: it must find known imports.
+    found = set(imported(SERVICES["gpulet_allocator"]))
+    assert any(pkg == "gpulet_common" for _, pkg in found)
+    assert any(pkg == "gpulet_allocator" for _, pkg in found)
+
+
+def test_common_imports_no_service_and_not_the_cli() -> None:
+    upward = set(SERVICES) | {"gpulet"}
+    bad = sorted((f, pkg) for f, pkg in imported(COMMON) if pkg in upward)
+    assert bad == []
+
+
+@pytest.mark.parametrize("service", sorted(SERVICES))
+def test_no_service_imports_another(service: str) -> None:
+    others = (set(SERVICES) - {service}) | {"gpulet"}
+    bad = sorted((f, pkg) for f, pkg in imported(SERVICES[service]) if pkg in others)
+    assert bad == []
