@@ -212,6 +212,9 @@ HealthKind = Literal[
     # The hardware holds the clocks down (HW slowdown, power brake); added after
     # schema version 1, like gpu_missing.
     "clock_slowdown",
+    # PCIe replay and NVLink error counters rising fast; added after schema version 1.
+    "pcie_replay_rate",
+    "nvlink_error_rate",
 ]
 
 

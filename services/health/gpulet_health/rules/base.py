@@ -12,7 +12,7 @@ counter's last value, a rate window) lives on the GPU's state under the family's
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import ClassVar, Literal, TypeVar
 
 import msgspec
@@ -179,6 +179,24 @@ class Kit:
         for family in self.families:
             family.reset(gpu)
         return out
+
+    def rate(
+        self,
+        gpu: GpuState,
+        now: float,
+        condition: str,
+        rate: float,
+        limit: float,
+        raised: Callable[[], Condition],
+        recovered: Callable[[], str],
+    ) -> list[Emit]:
+        """A rate condition: raised above ``limit``, ended once down to half of it."""
+        active = condition in gpu.conditions
+        if not active and rate > limit:
+            return self.raise_(gpu, raised(), now)
+        if active and rate <= limit / 2:
+            return self.end(gpu, condition, now, recovered(), value=rate)
+        return []
 
     def settled(self, gpu: GpuState, condition: str, calm: bool) -> int:
         """Consecutive calm samples of an active level condition (0 when not calm); it

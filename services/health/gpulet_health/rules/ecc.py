@@ -120,24 +120,26 @@ class Ecc(Family):
         window_s, per_hour = self.s.ecc.sbe_window_s, self.s.ecc.sbe_rate_per_hour
         count = m.window.total(now, window_s)
         rate = count * 3600.0 / window_s
-        active = RATE in gpu.conditions
-        if not active and rate > per_hour:
-            reason = (
-                f"{count} correctable (single-bit) ECC errors in the last {window_s:g}s: "
-                f"{rate:.0f}/h, above {per_hour:g}/h"
-            )
-            cond = Condition(
+        return self.kit.rate(
+            gpu,
+            now,
+            RATE,
+            rate,
+            per_hour,
+            lambda: Condition(
                 condition=RATE,
                 kind=RATE,
                 severity="warning",
-                reason=reason,
+                reason=(
+                    f"{count} correctable (single-bit) ECC errors in the last {window_s:g}s: "
+                    f"{rate:.0f}/h, above {per_hour:g}/h"
+                ),
                 action="operator_check",
                 since=now,
                 observed_value=rate,
                 threshold=per_hour,
-            )
-            return self.kit.raise_(gpu, cond, now)
-        if active and rate <= per_hour / 2:
-            why = f"correctable ECC rate down to {rate:.0f}/h (cleared at half of {per_hour:g}/h)"
-            return self.kit.end(gpu, RATE, now, why, value=rate)
-        return []
+            ),
+            lambda: (
+                f"correctable ECC rate down to {rate:.0f}/h (cleared at half of {per_hour:g}/h)"
+            ),
+        )
