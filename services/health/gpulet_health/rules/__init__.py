@@ -205,13 +205,15 @@ class RuleEngine(Kit):
         if sample.error is not None:
             # A timeout or an odd error on one field says nothing about health yet.
             return []
+        if self.presence.gone(gpu):
+            # Read before the loss was seen, maybe: only our own scan says it is back.
+            self.rescan_wanted = True
+            return []
         gpu.last_answer = max(gpu.last_answer, now)
-        out = self.presence.back(gpu, now, "a sample was read")
-        if sample.index != gpu.index and gpu.present:
+        if sample.index != gpu.index:
             gpu.index = sample.index
             self.touch(gpu, now)
-        out += [e for f in self.families for e in f.sample(gpu, sample, now)]
-        return self._dedup.apply(out)
+        return self._dedup.apply([e for f in self.families for e in f.sample(gpu, sample, now)])
 
     # --- operator and housekeeping ---------------------------------------------------
 

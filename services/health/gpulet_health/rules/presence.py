@@ -8,8 +8,11 @@
   ``missing`` (``gpu_missing``, critical, present=False): a GPU lost or gone while the
   agent was down is not silently dropped. It ends like ``removed``, when the GPU is
   listed again.
-* **Back**: a lost/removed GPU answering again (a sample, a scan) was reset: its gone
-  conditions end and a GPU reset is observed.
+* **Back**: a lost/removed GPU listed again by this service's own NVML scan was reset:
+  its gone conditions end and a GPU reset is observed. A sample never brings a GPU
+  back: the collector may have read it before the loss was seen (its batch was in
+  flight), and ordering the two would mean trusting another process's clock. A sample
+  of a gone GPU asks for a rescan instead, so recovery still follows within a scan.
 * **NVML unavailable**: every present GPU gets ``nvml`` (critical) until NVML answers.
 """
 
@@ -106,10 +109,15 @@ class Presence(Family):
         event = self.kit.event(gpu, eid, now, "gpu_added", "info", reason)
         return [Emit("pass", (gpu.uuid, "added"), event)]
 
+    @staticmethod
+    def gone(gpu: GpuState) -> bool:
+        """Not present, or lost/removed/missing."""
+        return not gpu.present or bool(GONE_CONDITIONS.intersection(gpu.conditions))
+
     def back(self, gpu: GpuState, now: float, why: str) -> list[Emit]:
-        """The GPU answers: end removed/lost; that it came back means it was reset."""
+        """The GPU answers our scan: end removed/lost; coming back means it was reset."""
         kit = self.kit
-        if gpu.present and not GONE_CONDITIONS.intersection(gpu.conditions):
+        if not self.gone(gpu):
             return []
         returned = not gpu.present
         gpu.present = True
