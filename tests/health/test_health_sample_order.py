@@ -9,7 +9,9 @@ never by their timestamps.
 
 The test plays the collector itself (a real nats-server, the real health service on
 the mock NVML): the newest batch says GPU 1 is lost, then twenty old batches in which
-it answers arrive interleaved with twenty newer lost ones.
+it answers arrive interleaved with twenty newer lost ones. Then a restarted collector
+(a new ``boot_id``) is believed from its first batch; and a sample of a lost GPU never
+ends the loss by itself (it may predate it): the health service's own scan does.
 """
 
 from __future__ import annotations
@@ -81,10 +83,25 @@ async def test_late_batches_after_an_outage_do_not_make_a_lost_gpu_flap(
         gpu = h.service.engine.gpus[h.uuid(LOST)]
         assert (gpu.present, gpu.healthy) == (False, False)
 
-        # A restarted collector (a new boot) is believed from its first batch: here
-        # one in which GPU 1 answers brings it back -- exactly what a late batch
-        # did before batches were ordered.
+        # A restarted collector (a new boot) is believed from its first batch, though
+        # its seq starts again: here it says GPU 2 is lost, and GPU 2 goes lost.
         restarted = _batch(h, 1, lost=False, boot="collector-2")
+        restarted.samples[2] = GpuSample(
+            uuid=h.uuid(2), index=2, timestamp=restarted.timestamp, error="lost"
+        )
         await bus.publish(subjects.samples(h.node), restarted, codec.SAMPLES)
         await bus.flush()
-        await wait_until(lambda: _flips(h) > flips_before, what="the new boot's batch")
+        await h.log.wait_for(lambda e: e.gpu_uuid == h.uuid(2) and e.kind == "gpu_lost")
+        assert h.probe.value("gpulet.health.samples_late") == 20
+        # Its sample of GPU 1 did not bring GPU 1 back: a sample may have been read
+        # before the loss was seen; only the health service's own scan ends a loss.
+        assert _flips(h) - flips_before == 0, "GPU 1 came back on a sample:\n" + h.log.dump()
+        assert not h.service.engine.gpus[h.uuid(LOST)].present
+        # Reset in the mock, GPU 1 answers NVML again: the next batch asks for a scan,
+        # and the scan brings it back.
+        h.inject("reset", gpu=LOST)
+        await bus.publish(
+            subjects.samples(h.node), _batch(h, 2, lost=False, boot="collector-2"), codec.SAMPLES
+        )
+        await h.log.wait_for(lambda e: e.gpu_uuid == h.uuid(LOST) and e.kind == "gpu_added")
+        assert h.service.engine.gpus[h.uuid(LOST)].present
