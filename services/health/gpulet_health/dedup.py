@@ -75,10 +75,6 @@ class Deduplicator:
     def __init__(self, window_s: float) -> None:
         self._window_s = window_s
         self._windows: dict[DedupKey, _Window] = {}
-        self.suppressed_total = 0
-
-    def __len__(self) -> int:
-        return len(self._windows)
 
     def apply(self, emits: Iterable[Emit]) -> list[HealthEvent]:
         """The stage: what the rules emitted, in order, as it is to be published."""
@@ -105,7 +101,6 @@ class Deduplicator:
             if event.observed_at - window.start < self._window_s:
                 window.suppressed += 1
                 window.last = max(window.last, event.observed_at)
-                self.suppressed_total += 1
                 return out
             out += self._summary(window)
         self._windows[key] = _Window(event.observed_at, event.observed_at, 0, event)

@@ -61,17 +61,7 @@ class Kit:
         self.dirty.add(gpu.uuid)
 
     def event(
-        self,
-        gpu: GpuState,
-        eid: str,
-        now: float,
-        kind: HealthKind,
-        severity: Severity,
-        reason: str,
-        *,
-        action: Action = "none",
-        value: float | None = None,
-        xid: int | None = None,
+        self, gpu: GpuState, eid: str, now: float, kind: HealthKind, severity: Severity, reason: str
     ) -> HealthEvent:
         """An event about ``gpu`` that concerns no condition."""
         return HealthEvent(
@@ -83,9 +73,6 @@ class Kit:
             severity=severity,
             healthy=gpu.healthy,
             reason=reason,
-            action=action,
-            observed_value=value,
-            xid=xid,
             observed_at=now,
         )
 
@@ -165,9 +152,8 @@ class Kit:
         """A one-off fact that raises no condition (de-duplicated by ``key``)."""
         self.touch(gpu, now)
         eid = event_id(self.node, gpu.uuid, "report", key, now)
-        event = self.event(
-            gpu, eid, now, kind, severity, reason, action=action, value=value, xid=xid
-        )
+        event = self.event(gpu, eid, now, kind, severity, reason)
+        event = msgspec.structs.replace(event, action=action, observed_value=value, xid=xid)
         return [Emit("offer", (gpu.uuid, "report:" + key), event)]
 
     def reset_observed(self, gpu: GpuState, now: float, why: str) -> list[Emit]:

@@ -23,6 +23,7 @@ from gpulet_health.rules.base import Family, memo
 from gpulet_health.state import Condition, CountWindow, GpuState
 
 RATE: Final = "ecc_correctable_rate"
+UNCORRECTABLE: Final = "ecc_uncorrectable"
 
 
 @dataclass(slots=True)
@@ -100,21 +101,12 @@ class Ecc(Family):
     def _uncorrectable(
         self, gpu: GpuState, now: float, how: str, count: float | None
     ) -> list[Emit]:
-        return self.kit.raise_(
-            gpu,
-            Condition(
-                condition="ecc_uncorrectable",
-                kind="ecc_uncorrectable",
-                severity="fatal",
-                reason=f"uncorrectable (double-bit) ECC error: {how}",
-                action="reset_gpu",
-                since=now,
-                sticky=True,
-                observed_value=count,
-            ),
-            now,
-            repeats=True,
+        reason = f"uncorrectable (double-bit) ECC error: {how}"
+        cond = Condition(
+            UNCORRECTABLE, UNCORRECTABLE, "fatal", reason, "reset_gpu", now, sticky=True
         )
+        cond.observed_value = count
+        return self.kit.raise_(gpu, cond, now, repeats=True)
 
     def _rate(self, gpu: GpuState, m: _Ecc, now: float) -> list[Emit]:
         window_s, per_hour = self.s.ecc.sbe_window_s, self.s.ecc.sbe_rate_per_hour

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from gpulet_common.messages import GpuInfo
+from gpulet_common.messages import GpuInfo, HealthKind
 from gpulet_common.nvml.adapter import NvmlEvent
 from gpulet_health.dedup import Emit, event_id
 from gpulet_health.rules.base import Family
@@ -78,31 +78,26 @@ class Presence(Family):
             if gpu.last_answer > started:
                 kit.rescan_wanted = True
                 continue
-            if first:
-                out += self._missing(gpu, now, len(gpus))
-            else:
+            if not first:
                 why = f"{_where(gpu)} is no longer in the node's GPU list (NVML count dropped)"
-                out += self._remove(gpu, now, why)
+                out += self._gone(gpu, now, "removed", "gpu_removed", why)
+                continue
+            known = gpu.info
+            what = f" ({known.name}, bus {known.pci_bus_id})" if known and known.pci_bus_id else ""
+            why = (
+                f"{_where(gpu)}{what} was on this node before but is missing at start: "
+                f"{len(gpus)} GPU(s) answer NVML (lost, fallen off the bus or removed "
+                "while the agent was down)"
+            )
+            out += self._gone(gpu, now, "missing", "gpu_missing", why)
         return out
 
-    def _gone(self, gpu: GpuState, now: float, cond: Condition) -> list[Emit]:
+    def _gone(
+        self, gpu: GpuState, now: float, condition: str, kind: HealthKind, reason: str
+    ) -> list[Emit]:
         gpu.present = False
+        cond = Condition(condition, kind, "critical", reason, "operator_check", now)
         return self.kit.raise_(gpu, cond, now)
-
-    def _missing(self, gpu: GpuState, now: float, answering: int) -> list[Emit]:
-        info = gpu.info
-        what = f" ({info.name}, bus {info.pci_bus_id})" if info and info.pci_bus_id else ""
-        reason = (
-            f"{_where(gpu)}{what} was on this node before but is missing at start: "
-            f"{answering} GPU(s) answer NVML (lost, fallen off the bus or removed "
-            "while the agent was down)"
-        )
-        cond = Condition("missing", "gpu_missing", "critical", reason, "operator_check", now)
-        return self._gone(gpu, now, cond)
-
-    def _remove(self, gpu: GpuState, now: float, reason: str) -> list[Emit]:
-        cond = Condition("removed", "gpu_removed", "critical", reason, "operator_check", now)
-        return self._gone(gpu, now, cond)
 
     def _added(self, gpu: GpuState, now: float, reason: str) -> list[Emit]:
         eid = event_id(self.kit.node, gpu.uuid, "added", now)
@@ -140,9 +135,8 @@ class Presence(Family):
             gpu, Condition("lost", "gpu_lost", "critical", reason, "reboot", now), now
         )
         if gpu.present:
-            out += self._remove(
-                gpu, now, f"{_where(gpu)} was taken out of the GPU list: it is lost"
-            )
+            why = f"{_where(gpu)} was taken out of the GPU list: it is lost"
+            out += self._gone(gpu, now, "removed", "gpu_removed", why)
         return out
 
     def nvml_unavailable(self, reason: str, now: float) -> list[Emit]:

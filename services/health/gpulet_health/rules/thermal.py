@@ -27,16 +27,8 @@ class Thermal(Family):
             return []
         t = self.s.thermal
         limit = t.threshold_c
-        out = self._level(
-            gpu,
-            now,
-            temp,
-            "thermal",
-            "critical",
-            limit,
-            temp > limit,
-            f"GPU temperature {temp} C is above the limit of {limit:g} C",
-        )
+        why = f"GPU temperature {temp} C is above the limit of {limit:g} C"
+        out = self._level(gpu, now, temp, "thermal", "critical", limit, temp > limit, why)
         if not t.use_nvml_thresholds:
             return out
         info = gpu.info
@@ -59,29 +51,13 @@ class Thermal(Family):
             else:
                 reason = f"GPU temperature {temp} C"
             hot = bool(names) or (slowdown is not None and temp >= slowdown)
-            out += self._level(
-                gpu,
-                now,
-                temp,
-                "thermal_slowdown",
-                "warning",
-                slowdown,
-                hot,
-                reason,
-                blocked=bool(names),
-            )
+            kind: HealthKind = "thermal_slowdown"
+            out += self._level(gpu, now, temp, kind, "warning", slowdown, hot, reason, bool(names))
         shutdown = info.temp_shutdown_c if info is not None else None
         if shutdown is not None:
-            out += self._level(
-                gpu,
-                now,
-                temp,
-                "thermal_shutdown",
-                "critical",
-                shutdown,
-                temp >= shutdown,
-                f"GPU temperature {temp} C reached the NVML shutdown threshold of {shutdown} C",
-            )
+            why = f"GPU temperature {temp} C reached the NVML shutdown threshold of {shutdown} C"
+            kind = "thermal_shutdown"
+            out += self._level(gpu, now, temp, kind, "critical", shutdown, temp >= shutdown, why)
         return out
 
     def _level(
@@ -94,7 +70,6 @@ class Thermal(Family):
         threshold: float | None,
         hot: bool,
         reason: str,
-        *,
         blocked: bool = False,
     ) -> list[Emit]:
         """A thermal condition (named as its kind) with hysteresis and N samples to clear."""
@@ -102,17 +77,9 @@ class Thermal(Family):
         if kind not in gpu.conditions:
             if not hot:
                 return []
-            cond = Condition(
-                condition=kind,
-                kind=kind,
-                severity=severity,
-                reason=reason,
-                action="operator_check",
-                since=now,
-                observed_value=float(temp),
-                threshold=threshold,
-                message="check cooling: fans, airflow, inlet temperature, heatsink",
-            )
+            cond = Condition(kind, kind, severity, reason, "operator_check", now)
+            cond.observed_value, cond.threshold = float(temp), threshold
+            cond.message = "check cooling: fans, airflow, inlet temperature, heatsink"
             return self.kit.raise_(gpu, cond, now)
         clear_below = threshold - t.hysteresis_c if threshold is not None else None
         cool = not blocked and (clear_below is None or temp < clear_below)
