@@ -74,6 +74,7 @@ ALERT_NAMES: dict[str, str] = {
     "thermal_slowdown": "GpuThermalSlowdown",
     "thermal_shutdown": "GpuThermalShutdown",
     "clock_slowdown": "GpuClockSlowdown",
+    "nvlink_down": "GpuNvLinkDown",
     "gpu_lost": "GpuLost",
     "gpu_removed": "GpuRemoved",
     "gpu_missing": "GpuMissing",

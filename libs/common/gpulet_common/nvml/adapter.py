@@ -62,6 +62,20 @@ aggregate (lifetime) ECC counts, which nothing needs within seconds. The collect
 asks for them every ``collector.slow_period_s``; in between, samples repeat the last
 values, and ``slow_fields_at`` tells their age. A field id the GPU answers
 NOT_SUPPORTED for is dropped from later batches.
+
+NVLink state
+------------
+The inventory counts, per pair of GPUs, the NVLinks that are *active*
+(``nvmlDeviceGetNvLinkState`` per link, then the far end's PCI bus id and device type).
+The adapter remembers, by UUID, every link it has seen active and where it led. A
+remembered link that reads inactive later is *down*: it leaves the pair's ``nvlinks``
+(so the allocator stops counting it) and is counted in the pair's ``nvlinks_down``
+and listed in the GPU's ``nvlinks_down``. A link never seen active (no bridge or
+cable, or down since before this process started) is neither: NVML cannot tell it
+from a link that does not exist. The slow path re-reads the state of the remembered
+links only (one call per link; none on a GPU without NVLink) and keeps the set of
+active ones, :meth:`NvmlAdapter.nvlinks_up`; the collector compares it with the
+inventory it published and rebuilds the inventory when they differ.
 """
 
 from __future__ import annotations
@@ -184,6 +198,7 @@ _U_EVENT_REASONS: Final = 1 << 12
 _U_THROTTLE_REASONS: Final = 1 << 13
 _U_FIELD_VALUES: Final = 1 << 14
 _U_GPM: Final = 1 << 15
+_U_NVLINK_STATE: Final = 1 << 16
 
 # The slow fields: one nvmlDeviceGetFieldValues batch per GPU, read every
 # ``collector.slow_period_s`` (it costs ~5 ms on a real H100 every time, see
@@ -257,6 +272,22 @@ class _GpuHandle:
         self.slow = slow
 
 
+class _LinkScan:
+    """One GPU's NVLinks as one inventory scan read them."""
+
+    __slots__ = ("direct", "down", "down_direct", "down_switch", "switch", "up")
+
+    def __init__(self) -> None:
+        # Active links per peer bus id, and active links into NVSwitches.
+        self.direct: dict[str, int] = {}
+        self.switch = 0
+        # Links seen active before that are inactive now, counted the same way.
+        self.down_direct: dict[str, int] = {}
+        self.down_switch = 0
+        self.up: list[int] = []
+        self.down: list[int] = []
+
+
 class _GpmState:
     """Two GPM sample buffers of one GPU, alternated: metrics need two samples."""
 
@@ -317,6 +348,21 @@ def _field_value(answer: Any) -> float | None:
     return float(value) if isinstance(value, int | float) else None
 
 
+def _pair_links(a: _LinkScan, b: _LinkScan, bus_a: str, bus_b: str) -> tuple[int, int]:
+    """(active, down) NVLinks between two GPUs, from both GPUs' scans.
+
+    Direct links count from both ends (one side's scan may have failed): the larger
+    count. Through NVSwitches every pair reaches the other with the smaller of the
+    two GPUs' switch links; the switch links down are what that leaves out.
+    """
+    up = max(a.direct.get(bus_b, 0), b.direct.get(bus_a, 0))
+    down = max(a.down_direct.get(bus_b, 0), b.down_direct.get(bus_a, 0))
+    switch_up = min(a.switch, b.switch) if a.switch and b.switch else 0
+    a_all, b_all = a.switch + a.down_switch, b.switch + b.down_switch
+    switch_all = min(a_all, b_all) if a_all and b_all else 0
+    return up + switch_up, down + switch_all - switch_up
+
+
 def _handle_key(handle: Any) -> Any:
     """A hashable identity of a device handle, equal for two handles of one GPU.
 
@@ -360,6 +406,10 @@ class NvmlAdapter:
         self._gpm_by_uuid: dict[str, _GpmState] = {}
         # Field ids a GPU answered NOT_SUPPORTED for, per UUID: never asked again.
         self._fields_unsupported: dict[str, frozenset[int]] = {}
+        # NVLinks ever seen active, per UUID: link id -> (far end's bus id, is a switch);
+        # and the active links at the last read of their state (inventory or slow path).
+        self._nvlink_seen: dict[str, dict[int, tuple[str, bool]]] = {}
+        self._nvlink_up: dict[str, frozenset[int]] = {}
         self._event_devices: dict[Any, tuple[int, str]] = {}
         self._initialized = False
 
@@ -699,25 +749,34 @@ class NvmlAdapter:
             words = self._opt(gpu, self._f_affinity, _CPU_SET_WORDS)
         return _affinity_cpus(words) if words is not None else []
 
-    def _nvlinks(self, gpu: _GpuHandle) -> tuple[dict[str, int], int]:
-        """Active NVLinks of one GPU: links per peer bus id, and links into NVSwitches.
+    def _nvlinks(self, gpu: _GpuHandle) -> _LinkScan:
+        """Active and down NVLinks of one GPU, per peer bus id and into NVSwitches.
 
         On NVSwitch systems (DGX/HGX) a GPU's links end at switches, never at a peer,
         and every GPU reaches every other one through the fabric; the pair count is
         then the smaller of the two GPUs' switch links (what ``nvidia-smi topo`` shows
-        as NV18 on a DGX H100).
+        as NV18 on a DGX H100). A link is *down* when this adapter saw it active
+        before (module docstring); it is counted where it led when it was up.
         """
         state = self._f_nvlink_state
         remote_pci = self._f_nvlink_remote_pci
         remote_type = self._f_nvlink_remote_type
-        direct: dict[str, int] = {}
-        switch_links = 0
+        scan = _LinkScan()
         if state is None or remote_pci is None:
-            return direct, switch_links
+            return scan
         handle = gpu.handle
+        with self._lock:
+            seen = dict(self._nvlink_seen.get(gpu.uuid, {}))
         for link in range(self._c_nvlink_max_links):
             try:
                 if not state(handle, link):
+                    known = seen.get(link)
+                    if known is not None:
+                        scan.down.append(link)
+                        if known[1]:
+                            scan.down_switch += 1
+                        else:
+                            scan.down_direct[known[0]] = scan.down_direct.get(known[0], 0) + 1
                     continue
                 bus = normalize_bus_id(_text(remote_pci(handle, link).busId))
             except self._error_type as exc:
@@ -738,11 +797,53 @@ class NvmlAdapter:
                         raise self._translate(
                             exc, "nvmlDeviceGetNvLinkRemoteDeviceType", gpu.index, gpu.uuid
                         ) from exc
-            if kind == self._c_nvlink_switch:
-                switch_links += 1
+            to_switch = kind == self._c_nvlink_switch
+            seen[link] = (bus, to_switch)
+            scan.up.append(link)
+            if to_switch:
+                scan.switch += 1
             else:
-                direct[bus] = direct.get(bus, 0) + 1
-        return direct, switch_links
+                scan.direct[bus] = scan.direct.get(bus, 0) + 1
+        with self._lock:
+            self._nvlink_seen[gpu.uuid] = seen
+            self._nvlink_up[gpu.uuid] = frozenset(scan.up)
+        return scan
+
+    def _read_nvlink_state(self, gpu: _GpuHandle) -> None:
+        """Re-read the state of the links seen active before (the slow path).
+
+        One ``nvmlDeviceGetNvLinkState`` per remembered link, nothing on a GPU without
+        NVLink. A link whose state cannot be read keeps its last known state; a lost
+        GPU or NVML gone raise as in :meth:`sample`.
+        """
+        fn = self._f_nvlink_state
+        if fn is None or gpu.unsupported & _U_NVLINK_STATE:
+            return
+        with self._lock:
+            links = sorted(self._nvlink_seen.get(gpu.uuid, {}))
+            before = self._nvlink_up.get(gpu.uuid, frozenset())
+        if not links:
+            return
+        up = set(before)
+        for link in links:
+            try:
+                active = bool(fn(gpu.handle, link))
+            except self._error_type as exc:
+                code = self._code(exc)
+                if code == NVML_ERROR_GPU_IS_LOST or code in _UNAVAILABLE_AFTER_INIT:
+                    self._field_failed(gpu, _U_NVLINK_STATE, fn, exc)
+                log.debug("GPU %d: state of NVLink %d unknown: %s", gpu.index, link, exc)
+                continue
+            if active:
+                up.add(link)
+            else:
+                up.discard(link)
+        with self._lock:
+            self._nvlink_up[gpu.uuid] = frozenset(up)
+
+    def nvlinks_up(self, uuid: str) -> frozenset[int] | None:
+        """The GPU's active NVLinks at the last read (None: never read)."""
+        return self._nvlink_up.get(uuid)
 
     def _common_ancestor(self, a: _GpuHandle, b: _GpuHandle) -> int | None:
         fn = self._f_common_ancestor
@@ -778,13 +879,13 @@ class NvmlAdapter:
                 log.warning("GPU %d left out of the inventory: %s", index, exc)
                 skipped[index] = str(exc)
 
-        links: list[tuple[dict[str, int], int]] = []
+        links: list[_LinkScan] = []
         for gpu, _ in found:
             try:
                 links.append(self._nvlinks(gpu))
             except (GpuLostError, NvmlCallError) as exc:
                 log.warning("NVLinks of GPU %d unknown: %s", gpu.index, exc)
-                links.append(({}, 0))
+                links.append(_LinkScan())
 
         buses = [normalize_bus_id(info.pci_bus_id) for _, info in found]
         peers: list[list[PeerLink]] = [[] for _ in found]
@@ -793,23 +894,33 @@ class NvmlAdapter:
             for b in range(a + 1, len(found)):
                 gpu_b = found[b][0]
                 level = self._common_ancestor(gpu_a, gpu_b)
-                # Count from both ends: one side's scan may have failed.
-                nvlinks = max(links[a][0].get(buses[b], 0), links[b][0].get(buses[a], 0))
-                if links[a][1] and links[b][1]:
-                    nvlinks += min(links[a][1], links[b][1])
+                nvlinks, down = _pair_links(links[a], links[b], buses[a], buses[b])
                 peers[a].append(
                     PeerLink(
-                        peer_uuid=gpu_b.uuid, peer_index=gpu_b.index, level=level, nvlinks=nvlinks
+                        peer_uuid=gpu_b.uuid,
+                        peer_index=gpu_b.index,
+                        level=level,
+                        nvlinks=nvlinks,
+                        nvlinks_down=down,
                     )
                 )
                 peers[b].append(
                     PeerLink(
-                        peer_uuid=gpu_a.uuid, peer_index=gpu_a.index, level=level, nvlinks=nvlinks
+                        peer_uuid=gpu_a.uuid,
+                        peer_index=gpu_a.index,
+                        level=level,
+                        nvlinks=nvlinks,
+                        nvlinks_down=down,
                     )
                 )
 
         gpus = [
-            msgspec.structs.replace(info, topology=sorted(peers[i], key=lambda p: p.peer_index))
+            msgspec.structs.replace(
+                info,
+                topology=sorted(peers[i], key=lambda p: p.peer_index),
+                nvlinks_up=links[i].up,
+                nvlinks_down=links[i].down,
+            )
             for i, (_, info) in enumerate(found)
         ]
         inventory = Inventory(
@@ -859,6 +970,7 @@ class NvmlAdapter:
             reasons = read(gpu, _U_THROTTLE_REASONS, self._f_throttle_reasons)
         if slow:
             self._read_slow(gpu, aggregate)
+            self._read_nvlink_state(gpu)
         error = gpu.error
         if error is not None:
             self._forget(gpu)
