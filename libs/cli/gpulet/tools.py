@@ -157,9 +157,12 @@ def add_commands(sub: Any, add_flags: AddFlags, load: LoadSettings) -> None:
     inj.add_argument(
         "--fault",
         help="xid, ecc_sbe, ecc_dbe, temperature, lost, fall_off_bus, remove, hot_add, "
-        "remap_pending, remap_failure, hang, nvml_vanish, nvml_return, reset",
+        "remap_pending, remap_failure, hang, clock_event, nvlink_down, nvlink_up, "
+        "nvml_vanish, nvml_return, reset",
     )
-    inj.add_argument("--value", type=float, help="fault value (XID code, temperature, count)")
+    inj.add_argument(
+        "--value", type=float, help="fault value (XID code, temperature, count, NVLink number)"
+    )
     inj.add_argument("--duration", type=float, help="seconds the fault lasts, where it applies")
     inj.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for the agent")
     add_flags(inj)

@@ -785,8 +785,8 @@ class NvmlAdapter:
                     if link == 0:  # no NVLink on this GPU at all
                         break
                     continue
-                if code == NVML_ERROR_INVALID_ARGUMENT:  # beyond this GPU's links
-                    continue
+                if code == NVML_ERROR_INVALID_ARGUMENT:  # beyond this GPU's last link
+                    break
                 raise self._translate(exc, "nvmlDeviceGetNvLinkState", gpu.index, gpu.uuid) from exc
             kind = None
             if remote_type is not None:
