@@ -205,7 +205,13 @@ async def test_an_nvlink_going_down_and_up_republishes_the_inventory(
     settings = agent_settings(
         nats_server.url,
         tmp_path,
-        overrides=["collector.sample_period_s=0.05", "collector.slow_period_s=0.1"],
+        # A link going down moves the recovery counter (read at once); one coming back
+        # does not: it is seen on the next nvlink_state_period_s.
+        overrides=[
+            "collector.sample_period_s=0.05",
+            "collector.slow_period_s=0.1",
+            "collector.nvlink_state_period_s=0.3",
+        ],
     )
     adapter, mock = mock_adapter("nvlink-pairs-8gpu")
     collector: CollectorService

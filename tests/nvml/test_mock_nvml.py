@@ -517,6 +517,31 @@ def test_the_slow_path_reads_only_the_links_seen_up(scenario: str, links: int) -
         assert "no NVLinks" in detail
 
 
+def test_link_state_is_reread_when_the_error_counters_move() -> None:
+    adapter, mock, calls = _counting_state_calls("nvlink-pairs-8gpu")
+    uuid = adapter.uuid_of(0)
+    adapter.inventory("n", 1)
+    hour = 3600.0
+    adapter.sample(0, slow=True, nvlink_state_every_s=hour)  # the first slow read reads
+    calls.clear()
+    for _ in range(3):  # nothing moved, the period has not passed: no state read
+        adapter.sample(0, slow=True, nvlink_state_every_s=hour)
+    assert calls == []
+    # The link fails after recovery attempts: the recovery counter moves, the same slow
+    # read re-reads the state of GPU 0's six links.
+    assert inject(mock, "nvlink_down", 0, value=1)[0]
+    sample = adapter.sample(0, slow=True, nvlink_state_every_s=hour)
+    assert (sample.nvlink_recovery_errors or 0) >= 1
+    assert len(calls) == 6
+    assert adapter.nvlinks_up(uuid) == frozenset(range(6)) - {1}
+    # Coming back moves no counter: seen when the period has passed.
+    assert inject(mock, "nvlink_up", 0, value=1)[0]
+    adapter.sample(0, slow=True, nvlink_state_every_s=hour)
+    assert adapter.nvlinks_up(uuid) == frozenset(range(6)) - {1}
+    adapter.sample(0, slow=True, nvlink_state_every_s=0.0)
+    assert adapter.nvlinks_up(uuid) == frozenset(range(6))
+
+
 def test_nvlink_fault_checks() -> None:
     assert check_fault(FaultSpec(fault="nvlink_down", gpu=0, value=1.5), 8, live=True)
     assert check_fault(FaultSpec(fault="nvlink_down", gpu=0, value=99), 8, live=True)

@@ -20,8 +20,9 @@ Flow
    (plus the unsolicited ``inventory_republish_s`` and answers to requests).
 5. Every ``slow_period_s`` a period also reads the slow fields (energy, PCIe
    replays, NVLink counters, GPM activity: milliseconds per GPU on real NVML); other
-   periods repeat their last values. The same period re-reads the state of every
-   NVLink seen up (one NVML call per link); when the links up differ from what the
+   periods repeat their last values. Such a period also re-reads the state of every
+   NVLink seen up (one NVML call per link) when the GPU's NVLink error counters moved
+   or ``nvlink_state_period_s`` has passed; when the links up differ from what the
    published inventory says, the inventory is rebuilt and republished: a link that
    went down leaves its pair's ``nvlinks`` (the allocator stops counting it) and is
    listed in ``nvlinks_down`` (the health service warns), and one that came back
@@ -147,7 +148,8 @@ class CollectorService:
         self._adapter = adapter
 
         def read(index: int, slow: bool) -> GpuSample:
-            return adapter.sample(index, slow=slow)
+            every_s = self._settings.nvlink_state_period_s
+            return adapter.sample(index, slow=slow, nvlink_state_every_s=every_s)
 
         self._sampler = ParallelSampler(
             read,

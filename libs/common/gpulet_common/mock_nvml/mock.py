@@ -705,15 +705,16 @@ class MockNvml:
             )
         return False, f"unknown fault {kind!r} (known: {', '.join(FAULT_KINDS)})"
 
-    def _link_ends(self, slot: _Slot, link: int) -> list[_Link]:
+    def _link_ends(self, slot: _Slot, link: int) -> list[tuple[_Slot, _Link]]:
         """Both ends of one link: the k-th link from A to B is the k-th from B to A
         (as the scenario built them); a link into an NVSwitch has one end here."""
         nvlink = slot.links[link]
         if nvlink.peer is None:
-            return [nvlink]
+            return [(slot, nvlink)]
+        peer = self._slots[nvlink.peer]
         k = sum(1 for other in slot.links[:link] if other.peer == nvlink.peer)
-        back = [other for other in self._slots[nvlink.peer].links if other.peer == slot.slot]
-        return [nvlink, *back[k : k + 1]]
+        back = [other for other in peer.links if other.peer == slot.slot]
+        return [(slot, nvlink), *((peer, end) for end in back[k : k + 1])]
 
     def _nvlink_fault(
         self, slot: _Slot, name: str, fault: FaultSpec, start: float
@@ -728,8 +729,11 @@ class MockNvml:
         duration = fault.duration_s
         until = (start + duration if duration is not None else math.inf) if down else 0.0
         for link in links:
-            for end in self._link_ends(slot, link):
+            for owner, end in self._link_ends(slot, link):
                 end.down_until = until
+                if down:
+                    # A link fails after recovery attempts: each end counts one.
+                    owner.nvlink_errors[3] += 1
         which = "every NVLink" if fault.value is None else f"NVLink {int(fault.value)}"
         if not down:
             return True, f"{which} of {name} is up"

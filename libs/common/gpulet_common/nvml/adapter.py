@@ -73,9 +73,11 @@ remembered link that reads inactive later is *down*: it leaves the pair's ``nvli
 and listed in the GPU's ``nvlinks_down``. A link never seen active (no bridge or
 cable, or down since before this process started) is neither: NVML cannot tell it
 from a link that does not exist. The slow path re-reads the state of the remembered
-links only (one call per link; none on a GPU without NVLink) and keeps the set of
-active ones, :meth:`NvmlAdapter.nvlinks_up`; the collector compares it with the
-inventory it published and rebuilds the inventory when they differ.
+links only (one call per link; none on a GPU without NVLink), when the GPU's NVLink
+error counters of that slow read moved (a failing link goes through replays and
+recovery first) or when ``nvlink_state_every_s`` has passed since the last read, and
+keeps the set of active ones, :meth:`NvmlAdapter.nvlinks_up`; the collector compares
+it with the inventory it published and rebuilds the inventory when they differ.
 """
 
 from __future__ import annotations
@@ -212,6 +214,13 @@ SLOW_FIELD_IDS: Final[tuple[tuple[str, str, int], ...]] = (
     ("nvlink_replay_errors", "NVML_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL", 52),
     ("nvlink_recovery_errors", "NVML_FI_DEV_NVLINK_RECOVERY_ERROR_COUNT_TOTAL", 59),
     ("nvlink_bandwidth_total", "NVML_FI_DEV_NVLINK_BANDWIDTH_C0_TOTAL", 66),
+)
+# The slow fields that count NVLink errors: when one moves, link state is re-read.
+NVLINK_ERROR_FIELDS: Final = (
+    "nvlink_crc_flit_errors",
+    "nvlink_crc_data_errors",
+    "nvlink_replay_errors",
+    "nvlink_recovery_errors",
 )
 # GPM metrics (Hopper and later), percentages turned into 0..1 ratios:
 # (GpuSample field, pynvml constant, its value in nvml_gpm.h).
@@ -410,6 +419,7 @@ class NvmlAdapter:
         # and the active links at the last read of their state (inventory or slow path).
         self._nvlink_seen: dict[str, dict[int, tuple[str, bool]]] = {}
         self._nvlink_up: dict[str, frozenset[int]] = {}
+        self._nvlink_read_at: dict[str, float] = {}  # time.monotonic() of that read
         self._event_devices: dict[Any, tuple[int, str]] = {}
         self._initialized = False
 
@@ -807,7 +817,19 @@ class NvmlAdapter:
         with self._lock:
             self._nvlink_seen[gpu.uuid] = seen
             self._nvlink_up[gpu.uuid] = frozenset(scan.up)
+            self._nvlink_read_at[gpu.uuid] = time.monotonic()
         return scan
+
+    def _nvlink_state_due(self, gpu: _GpuHandle, before: dict[str, Any], every_s: float) -> bool:
+        """Whether this slow read re-reads link state: the first slow read (no counters
+        to compare with yet), the error counters moved since the previous slow read,
+        or ``every_s`` has passed since the last state read."""
+        if before.get("slow_fields_at") is None or any(
+            gpu.slow.get(field) != before.get(field) for field in NVLINK_ERROR_FIELDS
+        ):
+            return True
+        last = self._nvlink_read_at.get(gpu.uuid)
+        return last is None or time.monotonic() - last >= every_s
 
     def _read_nvlink_state(self, gpu: _GpuHandle) -> None:
         """Re-read the state of the links seen active before (the slow path).
@@ -840,6 +862,7 @@ class NvmlAdapter:
                 up.discard(link)
         with self._lock:
             self._nvlink_up[gpu.uuid] = frozenset(up)
+            self._nvlink_read_at[gpu.uuid] = time.monotonic()
 
     def nvlinks_up(self, uuid: str) -> frozenset[int] | None:
         """The GPU's active NVLinks at the last read (None: never read)."""
@@ -937,12 +960,16 @@ class NvmlAdapter:
 
     # --- samples -------------------------------------------------------------------
 
-    def sample(self, index: int, *, slow: bool = False) -> GpuSample:
+    def sample(
+        self, index: int, *, slow: bool = False, nvlink_state_every_s: float = 0.0
+    ) -> GpuSample:
         """One reading of one GPU.
 
         With ``slow`` the expensive fields (:data:`SLOW_FIELD_IDS` in one
         ``nvmlDeviceGetFieldValues`` call, and GPM) are read too; without it the sample
         repeats their last values, with ``slow_fields_at`` saying when those were read.
+        A slow read also re-reads the NVLink state (:meth:`nvlinks_up`) when the NVLink
+        error counters moved or ``nvlink_state_every_s`` has passed (0: every time).
         Unsupported fields are None (and never asked again). An unexpected error on one
         field leaves it None, sets ``error`` and drops the cached handle. Raises
         :class:`GpuLostError` for a lost GPU, :class:`GpuResetRequired` when it needs a
@@ -969,8 +996,10 @@ class NvmlAdapter:
             # Drivers before 535 only have the older name of the same call.
             reasons = read(gpu, _U_THROTTLE_REASONS, self._f_throttle_reasons)
         if slow:
+            before = dict(gpu.slow)
             self._read_slow(gpu, aggregate)
-            self._read_nvlink_state(gpu)
+            if self._nvlink_state_due(gpu, before, nvlink_state_every_s):
+                self._read_nvlink_state(gpu)
         error = gpu.error
         if error is not None:
             self._forget(gpu)
