@@ -32,12 +32,11 @@ from nats.js.api import DeliverPolicy
 
 from gpulet_common import codec, subjects
 from gpulet_common.bus import Bus
-from gpulet_common.messages import HealthEvent, HealthState
+from gpulet_common.messages import UNHEALTHY_SEVERITIES, HealthEvent, HealthState
 from gpulet_common.settings.nats import NatsSettings
 from support.kube_emulator import KubeEmulator
 
 DEVICES = "devices"
-UNHEALTHY_SEVERITIES = frozenset({"critical", "fatal"})
 
 
 # --- the health stream ------------------------------------------------------------------

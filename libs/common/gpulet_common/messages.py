@@ -17,7 +17,7 @@ travel on live in :mod:`gpulet_common.subjects`.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Final, Literal, get_args
 
 import msgspec
 
@@ -191,6 +191,11 @@ class InventoryRequest(_Message, frozen=True, kw_only=True):
 # --- health ------------------------------------------------------------------------
 
 Severity = Literal["info", "warning", "critical", "fatal"]
+# The one ranking of severities (worse ranks higher), and those that make a GPU unhealthy.
+SEVERITY_RANK: Final[dict[str, int]] = {s: rank for rank, s in enumerate(get_args(Severity))}
+UNHEALTHY_SEVERITIES: Final = frozenset(
+    s for s, r in SEVERITY_RANK.items() if r >= SEVERITY_RANK["critical"]
+)
 Action = Literal[
     "none",
     "restart_app",

@@ -31,10 +31,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from gpulet_common.messages import Action, Severity
+from gpulet_common.messages import UNHEALTHY_SEVERITIES, Action, Severity
 from gpulet_common.settings.health import HealthSettings, XidRule
-
-UNHEALTHY_SEVERITIES: frozenset[str] = frozenset({"critical", "fatal"})
 
 
 @dataclass(frozen=True, slots=True)

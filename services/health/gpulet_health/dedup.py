@@ -19,12 +19,17 @@ repeats is forgotten: the next occurrence is published at once again. When the
 condition ends, its pending summary is published *before* the end event, so that no
 fault report ever follows its own recovery. GPUd de-duplicates the same way, per
 minute, which is the default window.
+
+This is a stage after the rules (:meth:`Deduplicator.apply`): they emit :class:`Emit`
+items, an event with its key and what it does to the key's window.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Literal, NamedTuple
 
 import msgspec
 
@@ -40,6 +45,22 @@ def event_id(*parts: object) -> str:
 
 
 DedupKey = tuple[str, str]  # (gpu uuid, condition or report key)
+
+
+class Emit(NamedTuple):
+    """What a rule emits: "raise" a condition, "offer" an occurrence or one-off report,
+    "end" a condition, or "pass" (published as it is)."""
+
+    op: Literal["raise", "offer", "end", "pass"]
+    key: DedupKey
+    event: HealthEvent
+
+
+def refreshed(event: HealthEvent, healthy: bool, index: int | None) -> HealthEvent:
+    """A delayed (summary) event carries the GPU's health as of its publication."""
+    if event.healthy == healthy and event.gpu_index == index:
+        return event
+    return msgspec.structs.replace(event, healthy=healthy, gpu_index=index)
 
 
 @dataclass(slots=True)
@@ -58,6 +79,21 @@ class Deduplicator:
 
     def __len__(self) -> int:
         return len(self._windows)
+
+    def apply(self, emits: Iterable[Emit]) -> list[HealthEvent]:
+        """The stage: what the rules emitted, in order, as it is to be published."""
+        out: list[HealthEvent] = []
+        for op, key, event in emits:
+            if op == "raise":  # always published; its window folds later repeats
+                out += self.close(key) + self.offer(key, event)
+            elif op == "offer":
+                out += self.offer(key, event)
+            elif op == "end":  # never a fault report after its own recovery
+                out += [refreshed(e, event.healthy, event.gpu_index) for e in self.close(key)]
+                out.append(event)
+            else:
+                out.append(event)
+        return out
 
     def offer(self, key: DedupKey, event: HealthEvent) -> list[HealthEvent]:
         """The events to publish for this occurrence: itself, or nothing (counted)."""

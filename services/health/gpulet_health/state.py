@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from gpulet_common.messages import (
+    UNHEALTHY_SEVERITIES,
     Action,
     ActiveCondition,
     GpuHealth,
@@ -40,7 +41,6 @@ from gpulet_common.messages import (
     HealthKind,
     Severity,
 )
-from gpulet_health.catalogue import UNHEALTHY_SEVERITIES
 
 # Conditions that only the operator or an observed reset end.
 STICKY_KINDS: frozenset[str] = frozenset({"xid", "ecc_uncorrectable"})
@@ -75,18 +75,6 @@ class Condition:
             sticky=self.sticky,
             since=self.since,
         )
-
-
-@dataclass(slots=True)
-class Counters:
-    """The last readings of a GPU's ECC counters: the baseline for deltas."""
-
-    volatile_corrected: int | None = None
-    volatile_uncorrected: int | None = None
-    # Errors already counted from NVML events and not yet seen in a counter delta, so
-    # that an error reported by both an event and the next sample counts once.
-    sbe_event_credit: int = 0
-    dbe_event_credit: int = 0
 
 
 class CountWindow:
@@ -131,9 +119,8 @@ class GpuState:
     conditions: dict[str, Condition] = field(default_factory=dict)
     # Consecutive samples below the clear level, per level condition (thermal).
     below: dict[str, int] = field(default_factory=dict)
-    counters: Counters = field(default_factory=Counters)
-    # Correctable ECC errors in the rate window: (time, count).
-    sbe_window: CountWindow = field(default_factory=lambda: CountWindow())
+    # Each rule family's memory of this GPU (counter baselines, rate windows), by family.
+    memo: dict[str, object] = field(default_factory=dict)
     updated_at: float = 0.0
     # When the GPU last answered (a good sample, a scan that found it): a scan that
     # began before that cannot say it is gone.

@@ -141,6 +141,17 @@ EVENT_CLOCK: Final = _pynvml_const("nvmlEventTypeClock", 0x10)
 EVENT_GPU_UNAVAILABLE: Final = _pynvml_const("nvmlEventTypeGpuUnavailableError", 0x4000)
 EVENT_ECC_MASK: Final = EVENT_SINGLE_BIT_ECC | EVENT_DOUBLE_BIT_ECC
 HEALTH_EVENT_MASK: Final = EVENT_ECC_MASK | EVENT_XID | EVENT_GPU_UNAVAILABLE
+# The event types by name: the health rules read an event's names (NvmlEvent.kinds),
+# never its bits.
+EventKind = Literal["single_bit_ecc", "double_bit_ecc", "pstate", "xid", "clock", "gpu_unavailable"]
+EVENT_KINDS: Final[dict[int, EventKind]] = {
+    EVENT_SINGLE_BIT_ECC: "single_bit_ecc",
+    EVENT_DOUBLE_BIT_ECC: "double_bit_ecc",
+    EVENT_PSTATE: "pstate",
+    EVENT_XID: "xid",
+    EVENT_CLOCK: "clock",
+    EVENT_GPU_UNAVAILABLE: "gpu_unavailable",
+}
 
 # Clock-event ("throttle") reasons of nvmlDeviceGetCurrentClocksEventReasons, named as
 # the health messages name them. The SW power cap is no fault: a GPU under full load
@@ -260,6 +271,11 @@ class NvmlEvent(msgspec.Struct, frozen=True, kw_only=True):
     def xid(self) -> int | None:
         """The XID number when this is an XID event and nothing else, None otherwise."""
         return self.event_data if self.event_type == EVENT_XID else None
+
+    @property
+    def kinds(self) -> frozenset[EventKind]:
+        """The event's types by name (an unknown bit has none)."""
+        return frozenset(name for bit, name in EVENT_KINDS.items() if self.event_type & bit)
 
 
 class _GpuHandle:

@@ -1,0 +1,249 @@
+"""The rule engine: observations in, health events and per-GPU state out.
+
+Design
+------
+The engine is pure and synchronous: no I/O, no clock of its own (every input carries
+its time), no threads. The service feeds it and publishes what it returns; tests
+drive it directly. All inputs arrive on the event loop, so it needs no lock.
+
+Inputs: NVML events, read by name (``NvmlEvent.kinds``), never by bit; the collector's
+samples; the GPU list, a lost GPU, NVML going away and coming back; XIDs from the kernel
+log; operator clears and the housekeeping tick.
+
+Rule families, one module each, whose docstrings state their rules (defaults in
+:mod:`gpulet_common.settings.health`): :mod:`.xid`, :mod:`.ecc`, :mod:`.remap`,
+:mod:`.thermal`, :mod:`.clocks`, :mod:`.presence` (the GPU list, lost, removed and
+missing GPUs, NVML unavailable). The engine hands every input to the families, in the
+order of :data:`FAMILIES`, and passes what they emit through the de-duplication stage
+(:meth:`.Deduplicator.apply`): repeats are folded after the rules, never inside them.
+
+Adding a family: a module with a :class:`~.base.Family` subclass that overrides the
+inputs it watches (``sample``, ``nvml_event``, ``tick``, ``reset``) and changes
+conditions only through the :class:`~.base.Kit` (``raise_``, ``end``, ``report``), and
+one line in :data:`FAMILIES`.
+
+A GPU reset observed (volatile ECC counters going back, pending remaps applied, a lost
+GPU answering again) ends the GPU's sticky conditions, and every family takes new
+baselines. A reset of a GPU whose only sticky condition is an XID and whose volatile
+ECC counters were already zero leaves no trace in NVML: that needs ``gpulet health
+clear``. Clearing ``missing``/``removed``/``lost`` of a GPU that is not present forgets
+the GPU (it was taken out on purpose).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+
+from gpulet_common.messages import GpuHealth, GpuInfo, GpuSample, HealthEvent, HealthState
+from gpulet_common.nvml.adapter import NvmlEvent
+from gpulet_common.settings.health import HealthSettings
+from gpulet_health.catalogue import XidCatalogue
+from gpulet_health.dedup import Deduplicator, Emit, refreshed
+from gpulet_health.rules.base import Family, Kit
+from gpulet_health.rules.clocks import Clocks
+from gpulet_health.rules.ecc import Ecc
+from gpulet_health.rules.presence import GONE_CONDITIONS, Presence
+from gpulet_health.rules.remap import Remap
+from gpulet_health.rules.thermal import Thermal
+from gpulet_health.rules.xid import Xid
+from gpulet_health.state import STICKY_KINDS, GpuState
+
+log = logging.getLogger("gpulet.health.rules")
+
+# The families between XID (first) and presence (last), in the order they see inputs.
+FAMILIES: tuple[type[Family], ...] = (
+    Ecc,
+    Remap,
+    Thermal,
+    Clocks,
+)
+
+
+class UnknownGpu(LookupError):
+    pass
+
+
+class UnknownCondition(LookupError):
+    pass
+
+
+class RuleEngine(Kit):
+    def __init__(
+        self, node: str, settings: HealthSettings, catalogue: XidCatalogue | None = None
+    ) -> None:
+        super().__init__(node, settings, catalogue or XidCatalogue.from_settings(settings))
+        self._dedup = Deduplicator(settings.dedup_window_s)
+        self.xid, self.presence = Xid(self), Presence(self)
+        self.families = [self.xid, *(family(self) for family in FAMILIES), self.presence]
+
+    # --- queries -------------------------------------------------------------------
+
+    def take_dirty(self) -> set[str]:
+        dirty, self.dirty = self.dirty, set()
+        return dirty
+
+    def find(self, ref: str) -> GpuState:
+        """A GPU by UUID, or by index (a number)."""
+        state = self.gpus.get(ref)
+        if state is not None:
+            return state
+        if ref.strip().isdigit():
+            index = int(ref)
+            candidates = [g for g in self.gpus.values() if g.index == index]
+            # After a removal two GPUs may have held the index: prefer the present one.
+            candidates.sort(key=lambda g: not g.present)
+            if candidates:
+                return candidates[0]
+        raise UnknownGpu(ref)
+
+    def snapshot(self, uuid: str) -> GpuHealth:
+        return self.gpus[uuid].snapshot()
+
+    def state(self, now: float, gpu: str | None = None) -> HealthState:
+        gpus = [self.find(gpu)] if gpu is not None else self.ordered()
+        return HealthState(node=self.node, gpus=[g.snapshot() for g in gpus], updated_at=now)
+
+    def index_map(self) -> dict[int, str]:
+        """NVML index -> UUID of the present GPUs."""
+        return {g.index: g.uuid for g in self.gpus.values() if g.present and g.index is not None}
+
+    # --- restore -------------------------------------------------------------------
+
+    def restore(self, healths: Iterable[GpuHealth]) -> None:
+        """Take over the state a previous run left in the KV bucket (before any input)."""
+        for health in healths:
+            self.gpus[health.gpu_uuid] = GpuState.restore(health)
+
+    def expect(self, gpus: Iterable[GpuInfo]) -> int:
+        """GPUs the node had before (before the first scan); returns how many are new.
+
+        Those not restored already are taken as present, as the previous run last saw
+        them: the first scan tells whether they still are (else ``missing``).
+        """
+        added = 0
+        for info in gpus:
+            if info.uuid and info.uuid not in self.gpus:
+                self.gpus[info.uuid] = GpuState(uuid=info.uuid, index=info.index, info=info)
+                added += 1
+        return added
+
+    def expected(self) -> list[GpuInfo]:
+        """Every GPU this node is known to have (present or not), as last described."""
+        return sorted(
+            (g.info for g in self.gpus.values() if g.info is not None),
+            key=lambda i: (i.index, i.uuid),
+        )
+
+    # --- inputs --------------------------------------------------------------------
+
+    def observe_inventory(
+        self, gpus: Sequence[GpuInfo], now: float, *, scanned_at: float | None = None
+    ) -> list[HealthEvent]:
+        """The GPUs NVML lists and that answer. Missing known GPUs are removed.
+
+        ``scanned_at`` is when the scan began: a scan takes a while, and what was
+        learnt meanwhile (a sample from a GPU the scan missed, a loss reported after
+        it began) is newer than its result. Such GPUs are left as they are and a new
+        scan is asked for.
+        """
+        return self._dedup.apply(self.presence.inventory(gpus, now, scanned_at))
+
+    def observe_lost(
+        self, uuid: str, now: float, detail: str, *, scanned_at: float | None = None
+    ) -> list[HealthEvent]:
+        """The GPU is lost: unhealthy, and out of the usable GPU list (removed)."""
+        gpu = self.gpus.get(uuid)
+        if gpu is None:
+            return []
+        if scanned_at is not None and gpu.last_answer > scanned_at:
+            self.rescan_wanted = True
+            return []  # it answered after the scan that says it is lost began
+        return self._dedup.apply(self.presence.lost(gpu, now, detail))
+
+    def observe_nvml_unavailable(self, reason: str, now: float) -> list[HealthEvent]:
+        return self._dedup.apply(self.presence.nvml_unavailable(reason, now))
+
+    def observe_nvml_available(self, now: float) -> list[HealthEvent]:
+        return self._dedup.apply(self.presence.nvml_available(now))
+
+    def observe_nvml_event(self, event: NvmlEvent) -> list[HealthEvent]:
+        uuid = event.gpu_uuid
+        if uuid not in self.gpus and event.gpu_index is not None:
+            uuid = self.index_map().get(event.gpu_index)
+        gpu = self.gpus.get(uuid) if uuid is not None else None
+        if gpu is None:
+            log.warning(
+                "NVML event %s for an unknown GPU (%s, %s): rescanning",
+                sorted(event.kinds) or hex(event.event_type),
+                event.gpu_index,
+                event.gpu_uuid,
+            )
+            self.rescan_wanted = True
+            return []
+        now = event.timestamp
+        return self._dedup.apply([e for f in self.families for e in f.nvml_event(gpu, event, now)])
+
+    def observe_xid(
+        self, uuid: str, code: int, now: float, *, seen_in: str = ""
+    ) -> list[HealthEvent]:
+        """An XID on a GPU; ``seen_in`` says where, when not from an NVML event."""
+        gpu = self.gpus.get(uuid)
+        return self._dedup.apply(self.xid.observe(gpu, code, now, seen_in)) if gpu else []
+
+    def observe_sample(self, sample: GpuSample) -> list[HealthEvent]:
+        gpu = self.gpus.get(sample.uuid)
+        now = sample.timestamp
+        if gpu is None:
+            self.rescan_wanted = True
+            return []
+        if sample.error == "lost":
+            return self.observe_lost(gpu.uuid, now, "GPU_IS_LOST while sampling")
+        if sample.error is not None:
+            # A timeout or an odd error on one field says nothing about health yet.
+            return []
+        gpu.last_answer = max(gpu.last_answer, now)
+        out = self.presence.back(gpu, now, "a sample was read")
+        if sample.index != gpu.index and gpu.present:
+            gpu.index = sample.index
+            self.touch(gpu, now)
+        out += [e for f in self.families for e in f.sample(gpu, sample, now)]
+        return self._dedup.apply(out)
+
+    # --- operator and housekeeping ---------------------------------------------------
+
+    def clear(
+        self, ref: str, condition: str | None, now: float, by: str = "operator"
+    ) -> tuple[GpuState, list[HealthEvent]]:
+        """Clear one condition, or every sticky condition, of a GPU."""
+        gpu = self.find(ref)
+        if condition is not None and condition not in gpu.conditions:
+            raise UnknownCondition(condition)
+        out: list[Emit] = []
+        if condition in GONE_CONDITIONS and not gpu.present:
+            # Taken out of the node on purpose: not expected here any more.
+            why = (
+                f"cleared by {by}: the GPU is not present and is forgotten (no longer "
+                "expected on this node)"
+            )
+            for name in list(gpu.conditions):
+                out += self.end(gpu, name, now, why, how="cleared")
+            del self.gpus[gpu.uuid]
+            self.dirty.add(gpu.uuid)  # its stored state goes too
+            return gpu, self._dedup.apply(out)
+        names = (
+            [condition]
+            if condition is not None
+            else [n for n, c in gpu.conditions.items() if c.sticky or c.kind in STICKY_KINDS]
+        )
+        for name in names:
+            out += self.end(gpu, name, now, f"cleared by {by}", how="cleared")
+        return gpu, self._dedup.apply(out)
+
+    def tick(self, now: float) -> list[HealthEvent]:
+        out: list[HealthEvent] = []
+        for event in self._dedup.tick(now):
+            gpu = self.gpus.get(event.gpu_uuid)
+            out.append(refreshed(event, gpu.healthy, gpu.index) if gpu is not None else event)
+        ticks = [e for gpu in self.ordered() for f in self.families for e in f.tick(gpu, now)]
+        return out + self._dedup.apply(ticks)

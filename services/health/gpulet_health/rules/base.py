@@ -1,0 +1,210 @@
+"""What every rule family shares: the family interface and the conditions kit.
+
+Design
+------
+A *family* (:class:`Family`) watches one kind of fault: it overrides the inputs it cares
+about and changes a GPU's conditions only through the :class:`Kit` (``raise_``, ``end``,
+``report``), which return :class:`~gpulet_health.dedup.Emit` items, not published
+events: the engine de-duplicates them afterwards. What a family remembers of a GPU (a
+counter's last value, a rate window) lives on the GPU's state under the family's name
+(:func:`memo`), so it goes with the GPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import ClassVar, Literal, TypeVar
+
+import msgspec
+
+from gpulet_common.messages import Action, GpuSample, HealthEvent, HealthKind, Severity
+from gpulet_common.nvml.adapter import NvmlEvent
+from gpulet_common.settings.health import HealthSettings
+from gpulet_health.catalogue import XidCatalogue
+from gpulet_health.dedup import Emit, event_id
+from gpulet_health.state import Condition, GpuState
+
+EndKind = Literal["recovered", "cleared"]
+M = TypeVar("M")
+
+
+def memo(gpu: GpuState, name: str, make: type[M]) -> M:
+    """The family ``name``'s memory of ``gpu`` (a fresh ``make()`` the first time)."""
+    found = gpu.memo.get(name)
+    if not isinstance(found, make):
+        found = make()
+        gpu.memo[name] = found
+    return found
+
+
+class Kit:
+    """The GPUs, and the only ways to change their conditions."""
+
+    def __init__(self, node: str, settings: HealthSettings, catalogue: XidCatalogue) -> None:
+        self.node = node
+        self.settings = settings
+        self.catalogue = catalogue
+        self.gpus: dict[str, GpuState] = {}
+        self.families: list[Family] = []
+        self.dirty: set[str] = set()
+        # Set when an observation suggests the GPU list changed; the service rescans.
+        self.rescan_wanted = False
+
+    def ordered(self) -> list[GpuState]:
+        return sorted(
+            self.gpus.values(),
+            key=lambda g: (not g.present, g.index if g.index is not None else 1 << 30, g.uuid),
+        )
+
+    def touch(self, gpu: GpuState, now: float) -> None:
+        gpu.updated_at = max(gpu.updated_at, now)
+        self.dirty.add(gpu.uuid)
+
+    def event(
+        self,
+        gpu: GpuState,
+        eid: str,
+        now: float,
+        kind: HealthKind,
+        severity: Severity,
+        reason: str,
+        *,
+        action: Action = "none",
+        value: float | None = None,
+        xid: int | None = None,
+    ) -> HealthEvent:
+        """An event about ``gpu`` that concerns no condition."""
+        return HealthEvent(
+            event_id=eid,
+            node=self.node,
+            gpu_uuid=gpu.uuid,
+            gpu_index=gpu.index,
+            kind=kind,
+            severity=severity,
+            healthy=gpu.healthy,
+            reason=reason,
+            action=action,
+            observed_value=value,
+            xid=xid,
+            observed_at=now,
+        )
+
+    def _about(
+        self, gpu: GpuState, cond: Condition, eid: str, now: float, reason: str = ""
+    ) -> HealthEvent:
+        """An event about ``cond`` (its reason, unless another is given)."""
+        return msgspec.structs.replace(
+            self.event(gpu, eid, now, cond.kind, cond.severity, reason or cond.reason),
+            action=cond.action,
+            message=cond.message,
+            observed_value=cond.observed_value,
+            threshold=cond.threshold,
+            xid=cond.xid,
+            condition=cond.condition,
+            condition_since=cond.since,
+            condition_kind=cond.kind,
+            condition_severity=cond.severity,
+        )
+
+    def raise_(
+        self, gpu: GpuState, cond: Condition, now: float, *, repeats: bool = False
+    ) -> list[Emit]:
+        """Raise ``cond``; if already active, an occurrence (when it ``repeats``)."""
+        key = (gpu.uuid, cond.condition)
+        active = gpu.conditions.get(cond.condition)
+        if active is None:
+            gpu.conditions[cond.condition] = cond
+            gpu.below.pop(cond.condition, None)
+            self.touch(gpu, now)
+            eid = event_id(self.node, gpu.uuid, "raise", cond.condition, cond.since)
+            return [Emit("raise", key, self._about(gpu, cond, eid, now))]
+        if not repeats:
+            return []
+        eid = event_id(self.node, gpu.uuid, "occurrence", cond.condition, now)
+        event = self._about(gpu, active, eid, now, cond.reason)
+        if cond.observed_value is not None:
+            event = msgspec.structs.replace(event, observed_value=cond.observed_value)
+        return [Emit("offer", key, event)]
+
+    def end(
+        self,
+        gpu: GpuState,
+        condition: str,
+        now: float,
+        reason: str,
+        *,
+        how: EndKind = "recovered",
+        value: float | None = None,
+    ) -> list[Emit]:
+        cond = gpu.conditions.pop(condition, None)
+        if cond is None:
+            return []
+        gpu.below.pop(condition, None)
+        self.touch(gpu, now)
+        event = self._about(
+            gpu, cond, event_id(self.node, gpu.uuid, "end", condition, cond.since), now, reason
+        )
+        event = msgspec.structs.replace(
+            event, kind=how, severity="info", action="none", message="", observed_value=value
+        )
+        return [Emit("end", (gpu.uuid, condition), event)]
+
+    def report(
+        self,
+        gpu: GpuState,
+        key: str,
+        now: float,
+        kind: HealthKind,
+        severity: Severity,
+        reason: str,
+        *,
+        action: Action = "none",
+        value: float | None = None,
+        xid: int | None = None,
+    ) -> list[Emit]:
+        """A one-off fact that raises no condition (de-duplicated by ``key``)."""
+        self.touch(gpu, now)
+        eid = event_id(self.node, gpu.uuid, "report", key, now)
+        event = self.event(
+            gpu, eid, now, kind, severity, reason, action=action, value=value, xid=xid
+        )
+        return [Emit("offer", (gpu.uuid, "report:" + key), event)]
+
+    def reset_observed(self, gpu: GpuState, now: float, why: str) -> list[Emit]:
+        """A GPU reset was seen: its sticky conditions end, every family starts afresh."""
+        out: list[Emit] = []
+        for name, cond in list(gpu.conditions.items()):
+            if cond.sticky:
+                out += self.end(gpu, name, now, f"GPU reset observed ({why})")
+        for family in self.families:
+            family.reset(gpu)
+        return out
+
+    def settled(self, gpu: GpuState, condition: str, calm: bool) -> int:
+        """Consecutive calm samples of an active level condition (0 when not calm); it
+        ends once they reach ``thermal.recover_samples``."""
+        count = gpu.below.get(condition, 0) + 1 if calm else 0
+        gpu.below[condition] = count
+        return count
+
+
+class Family:
+    """One rule family: override the inputs it watches; each returns what it emits."""
+
+    name: ClassVar[str]
+
+    def __init__(self, kit: Kit) -> None:
+        self.kit = kit
+        self.s = kit.settings
+
+    def sample(self, gpu: GpuState, sample: GpuSample, now: float) -> Iterable[Emit]:
+        return []
+
+    def nvml_event(self, gpu: GpuState, event: NvmlEvent, now: float) -> Iterable[Emit]:
+        return []
+
+    def tick(self, gpu: GpuState, now: float) -> Iterable[Emit]:
+        return []
+
+    def reset(self, gpu: GpuState) -> None:
+        """A reset of ``gpu`` was observed: forget what no longer holds (baselines)."""
