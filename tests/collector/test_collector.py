@@ -214,8 +214,12 @@ async def test_an_nvlink_going_down_and_up_republishes_the_inventory(
         ],
     )
     adapter, mock = mock_adapter("nvlink-pairs-8gpu")
+    probe = MetricsProbe()
     collector: CollectorService
-    async with runtime_for(settings, adapter=adapter) as rt, anyio.create_task_group() as tg:
+    async with (
+        runtime_for(settings, adapter=adapter, meter=probe.meter) as rt,
+        anyio.create_task_group() as tg,
+    ):
         node = settings.node_name
         async with rt.bus.subscribe(subjects.inventory(node), codec.INVENTORY) as inventories:
             collector = CollectorService(rt)
@@ -234,6 +238,9 @@ async def test_an_nvlink_going_down_and_up_republishes_the_inventory(
                     down = delivery.value
                     if down.gpus[0].nvlinks_down == [0, 1]:
                         break
+            gpu0 = down.gpus[0].uuid
+            assert probe.value("gpulet.gpu.nvlinks.down", UUID=gpu0) == 2
+            assert probe.value("gpulet.gpu.nvlinks.up", UUID=gpu0) == 4  # of 6
             reply = mock.controller.inject(MockInjectRequest(fault="nvlink_up", gpu=0))
             assert reply.applied, reply.detail
             with anyio.fail_after(5):
