@@ -75,6 +75,14 @@ def test_a_link_down_warns_once_and_recovers_when_up() -> None:
     assert "nvlink_down:1" in e.gpus["GPU-1"].conditions  # GPU 1 not told yet
 
 
+def test_a_link_listed_both_up_and_down_counts_as_down() -> None:
+    e = engine()
+    e.observe_nvlinks([info(0, [0], [0])], T0)
+    assert "nvlink_down:0" in e.gpus["GPU-0"].conditions
+    assert e.observe_nvlinks([info(0, [0], [0])], T0 + 1) == []  # not taken as back
+    assert "nvlink_down:0" in e.gpus["GPU-0"].conditions
+
+
 def test_gpus_the_engine_does_not_know_are_left_to_the_scans() -> None:
     e = engine()
     stranger = GpuInfo(uuid="GPU-9", index=9, nvlinks_down=[0])

@@ -542,6 +542,28 @@ def test_link_state_is_reread_when_the_error_counters_move() -> None:
     assert adapter.nvlinks_up(uuid) == frozenset(range(6))
 
 
+def test_a_failed_link_scan_is_unknown_not_all_down() -> None:
+    mock = started("nvlink-pairs-8gpu")
+    state = mock.nvmlDeviceGetNvLinkState
+    failing = {"on": False}
+
+    def flaky(handle: Any, link: int) -> int:
+        if failing["on"] and handle.slot == 0:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_UNKNOWN)
+        return int(state(handle, link))
+
+    mock.nvmlDeviceGetNvLinkState = flaky  # type: ignore[method-assign,assignment]
+    adapter = NvmlAdapter(mock, backend="mock")
+    uuid = adapter.uuid_of(0)
+    adapter.inventory("n", 1)
+    assert adapter.nvlinks_up(uuid) == frozenset(range(6))
+    failing["on"] = True
+    gpu0 = adapter.inventory("n", 2).gpus[0]
+    assert (gpu0.nvlinks_up, gpu0.nvlinks_down) == ([], [])
+    # Unknown: the collector has nothing to compare, so it does not rebuild for it.
+    assert adapter.nvlinks_up(uuid) is None
+
+
 def test_nvlink_fault_checks() -> None:
     assert check_fault(FaultSpec(fault="nvlink_down", gpu=0, value=1.5), 8, live=True)
     assert check_fault(FaultSpec(fault="nvlink_down", gpu=0, value=99), 8, live=True)

@@ -925,6 +925,10 @@ class NvmlAdapter:
             except (GpuLostError, NvmlCallError) as exc:
                 log.warning("NVLinks of GPU %d unknown: %s", gpu.index, exc)
                 links.append(_LinkScan())
+                with self._lock:
+                    # Unknown, not "none up": the collector must not rebuild the
+                    # inventory again and again to compare with it.
+                    self._nvlink_up.pop(gpu.uuid, None)
 
         buses = [normalize_bus_id(info.pci_bus_id) for _, info in found]
         peers: list[list[PeerLink]] = [[] for _ in found]

@@ -53,7 +53,9 @@ class NvLink(Family):
     def observe(self, gpu: GpuState, info: GpuInfo, now: float) -> Iterable[Emit]:
         """The GPU as the collector's inventory describes it."""
         out: list[Emit] = []
-        up, down = set(info.nvlinks_up), set(info.nvlinks_down) - set(info.nvlinks_up)
+        # A link listed both up and down (a confused sender) counts as down.
+        down = set(info.nvlinks_down)
+        up = set(info.nvlinks_up) - down
         where = f"GPU {gpu.index}" if gpu.index is not None else "the GPU"
         for link in sorted(down):
             cond = Condition(
