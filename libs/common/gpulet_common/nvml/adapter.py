@@ -73,11 +73,13 @@ remembered link that reads inactive later is *down*: it leaves the pair's ``nvli
 and listed in the GPU's ``nvlinks_down``. A link never seen active (no bridge or
 cable, or down since before this process started) is neither: NVML cannot tell it
 from a link that does not exist. The slow path re-reads the state of the remembered
-links only (one call per link; none on a GPU without NVLink), when the GPU's NVLink
-error counters of that slow read moved (a failing link goes through replays and
-recovery first) or when ``nvlink_state_every_s`` has passed since the last read, and
-keeps the set of active ones, :meth:`NvmlAdapter.nvlinks_up`; the collector compares
-it with the inventory it published and rebuilds the inventory when they differ.
+links only (one call per link; none on a GPU without NVLink), at the first slow read,
+when the GPU's NVLink error counters of that slow read moved (a failing link goes
+through replays and recovery first) or when ``nvlink_state_every_s`` has passed since
+the last read, and keeps the set of active ones, :meth:`NvmlAdapter.nvlinks_up`; the
+collector compares it with the inventory it published and rebuilds the inventory when
+they differ. A GPU whose link scan failed has unknown links (``nvlinks_up`` None), not
+"none up".
 """
 
 from __future__ import annotations
