@@ -15,47 +15,14 @@ from gpulet_common import codec, subjects
 from gpulet_common.bus import Bus, RemoteError
 from gpulet_common.codec import GPU_HEALTH
 from gpulet_common.embedded_nats import EmbeddedNats
-from gpulet_common.messages import HealthClearRequest, HealthEvent, HealthStateRequest
+from gpulet_common.messages import HealthClearRequest, HealthStateRequest
 from gpulet_common.runtime import NvmlHandle, NvmlProvider, Runtime
 from gpulet_common.telemetry import StatusBoard
 from gpulet_health.service import HealthService
 from support.agent import agent_settings
-from support.health_harness import HealthNode, health_node
-from support.waiting import wait_until
+from support.health_harness import health_node, on, samples_pass
 
 pytestmark = pytest.mark.anyio
-
-
-def on(h: HealthNode, slot: int, kind: str, condition: str | None = None):  # type: ignore[no-untyped-def]
-    uuid = h.uuid(slot)
-
-    def pred(e: HealthEvent) -> bool:
-        return (
-            e.gpu_uuid == uuid
-            and e.kind == kind
-            and (condition is None or e.condition == condition)
-        )
-
-    return pred
-
-
-async def samples_pass(h: HealthNode, n: int = 4) -> None:
-    """Wait until the service has taken in ``n`` more sample batches.
-
-    A condition on the runtime bus's count of decoded batches, not a pause: on a
-    busy machine a pause lets fewer samples through than it promises. The count
-    rises as a batch is decoded, before the service handles it, hence one more.
-    """
-
-    def received() -> float:
-        return h.probe.value("gpulet.bus.messages_received", type="SampleBatch")
-
-    target = received() + n + 1
-    await wait_until(
-        lambda: received() >= target,
-        timeout_s=5 + 20 * n * h.settings.collector.sample_period_s,
-        what=f"{n} more sample batches taken in",
-    )
 
 
 async def test_xid_fatal_sticky_app_xid_reported_and_supported_events_only(

@@ -227,6 +227,10 @@ def test_faults_demo_timeline(open_mock: MockFactory, clock: ManualClock) -> Non
     assert hot.sm_clock_mhz == round(1980 * 0.7)
     assert adapter.sample(6).remapped_rows_failed is True
 
+    at(27)
+    assert adapter.sample(1, slow=True).pcie_replay_count == 50
+    assert adapter.sample(2, slow=True).nvlink_replay_errors == 5
+
     at(31)
     assert mock.slot_state(6)["hung"] is True
     at(33.5)
@@ -318,6 +322,8 @@ def test_live_injection_of_every_fault_kind(open_mock: MockFactory, fault: str) 
         "temperature": {"value": 97, "duration_s": 60},
         "hang": {"duration_s": 0.3},
         "clock_event": {"value": 0x80},
+        "pcie_replay": {"value": 9},
+        "nvlink_error": {"value": 3},
         "nvlink_down": {"value": 5},
         "nvlink_up": {"value": 5},
         "nvml_vanish": {"value": 12},
@@ -366,6 +372,21 @@ def test_live_injection_of_every_fault_kind(open_mock: MockFactory, fault: str) 
         assert not (adapter.sample(1).throttle_reasons or 0) & 0x80
         assert inject(mock, "clock_event", 2, value=0)[0]
         assert not (adapter.sample(2).throttle_reasons or 0) & 0x80
+    elif fault in ("pcie_replay", "nvlink_error"):
+        sample = adapter.sample(2, slow=True)
+        links = (
+            sample.nvlink_crc_flit_errors,
+            sample.nvlink_crc_data_errors,
+            sample.nvlink_replay_errors,
+            sample.nvlink_recovery_errors,
+        )
+        pcie, nvlink = (9, 0) if fault == "pcie_replay" else (0, 3)
+        assert (sample.pcie_replay_count, links) == (pcie, (nvlink,) * 4)
+        assert adapter.sample(1, slow=True).pcie_replay_count == 0
+        # A reset starts the counters again from 0.
+        assert inject(mock, "reset", 2)[0]
+        sample = adapter.sample(2, slow=True)
+        assert (sample.pcie_replay_count, sample.nvlink_replay_errors) == (0, 0)
     elif fault in ("nvlink_down", "nvlink_up"):
         gpu2 = adapter.inventory("n", 1).gpus[2]
         down = fault == "nvlink_down"
@@ -400,6 +421,8 @@ def test_live_injection_of_every_fault_kind(open_mock: MockFactory, fault: str) 
         ("dgx-h100", {"fault": "nvml_vanish", "value": 3}, "not one of the NVML codes"),
         ("dgx-h100", {"fault": "hot_add", "gpu": 3}, "GPU 3 is present already"),
         ("t4", {"fault": "remap_pending", "gpu": 0}, "does not support row remapping"),
+        ("t4", {"fault": "nvlink_error", "gpu": 0}, "has no NVLink"),
+        ("dgx-h100", {"fault": "pcie_replay", "gpu": 0, "value": -2}, "a count"),
     ],
 )
 def test_bad_injections_are_rejected_with_a_precise_detail(

@@ -29,6 +29,7 @@ from gpulet_common.settings.nats import NatsSettings
 from gpulet_health.service import HealthService
 from support.agent import agent_settings, mock_adapter, runtime_for
 from support.metrics import MetricsProbe
+from support.waiting import wait_until
 
 SCENARIOS = Path(__file__).resolve().parent.parent / "health" / "scenarios"
 SCENARIO = SCENARIOS / "health-node.toml"
@@ -200,3 +201,38 @@ async def health_node(
             tg.cancel_scope.cancel()
     finally:
         mock.close()
+
+
+def on(
+    h: HealthNode, slot: int, kind: str, condition: str | None = None
+) -> Callable[[HealthEvent], bool]:
+    """Events of one kind (and condition) on the GPU in scenario slot ``slot``."""
+    uuid = h.uuid(slot)
+
+    def pred(e: HealthEvent) -> bool:
+        return (
+            e.gpu_uuid == uuid
+            and e.kind == kind
+            and (condition is None or e.condition == condition)
+        )
+
+    return pred
+
+
+async def samples_pass(h: HealthNode, n: int = 4) -> None:
+    """Wait until the service has taken in ``n`` more sample batches.
+
+    A condition on the runtime bus's count of decoded batches, not a pause: on a
+    busy machine a pause lets fewer samples through than it promises. The count
+    rises as a batch is decoded, before the service handles it, hence one more.
+    """
+
+    def received() -> float:
+        return h.probe.value("gpulet.bus.messages_received", type="SampleBatch")
+
+    target = received() + n + 1
+    await wait_until(
+        lambda: received() >= target,
+        timeout_s=5 + 20 * n * h.settings.collector.sample_period_s,
+        what=f"{n} more sample batches taken in",
+    )

@@ -15,6 +15,7 @@ from gpulet_common import catalog, codec, subjects
 from gpulet_common.bus import Bus, BusError, RemoteError, RequestTimeout
 from gpulet_common.cli_support import AddFlags, LoadSettings, bind, tool_nats
 from gpulet_common.messages import InventoryRequest, MockInjectRequest
+from gpulet_common.mock_nvml.scenario import FAULT_KINDS
 from gpulet_common.settings import Settings
 
 
@@ -156,9 +157,7 @@ def add_commands(sub: Any, add_flags: AddFlags, load: LoadSettings) -> None:
     inj.add_argument("--xid", type=int, help="shorthand for --fault xid --value N")
     inj.add_argument(
         "--fault",
-        help="xid, ecc_sbe, ecc_dbe, temperature, lost, fall_off_bus, remove, hot_add, "
-        "remap_pending, remap_failure, hang, clock_event, nvlink_down, nvlink_up, "
-        "nvml_vanish, nvml_return, reset",
+        help=", ".join(FAULT_KINDS),
     )
     inj.add_argument(
         "--value", type=float, help="fault value (XID code, temperature, count, NVLink number)"

@@ -227,6 +227,9 @@ HealthKind = Literal[
     # The hardware holds the clocks down (HW slowdown, power brake); added after
     # schema version 1, like gpu_missing.
     "clock_slowdown",
+    # PCIe replay and NVLink error counters rising fast; added after schema version 1.
+    "pcie_replay_rate",
+    "nvlink_error_rate",
     # An NVLink that was up went down (a warning; ``recovered`` when it is up again).
     # Added after schema version 1, like gpu_missing.
     "nvlink_down",

@@ -74,6 +74,8 @@ ALERT_NAMES: dict[str, str] = {
     "thermal_slowdown": "GpuThermalSlowdown",
     "thermal_shutdown": "GpuThermalShutdown",
     "clock_slowdown": "GpuClockSlowdown",
+    "pcie_replay_rate": "GpuPcieReplayRate",
+    "nvlink_error_rate": "GpuNvlinkErrorRate",
     "nvlink_down": "GpuNvLinkDown",
     "gpu_lost": "GpuLost",
     "gpu_removed": "GpuRemoved",

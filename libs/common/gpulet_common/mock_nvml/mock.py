@@ -695,6 +695,14 @@ class MockNvml:
             assert duration is not None  # check_fault requires it
             slot.hang_until = start + duration
             return True, f"{name} hangs for {duration:g}s"
+        if kind == "pcie_replay":
+            slot.pcie_replays += count
+            return True, f"{count} PCIe replay(s) on {name} (counter now {slot.pcie_replays})"
+        if kind == "nvlink_error":
+            if not slot.links:
+                return False, f"{name} has no NVLink"
+            slot.nvlink_errors = [n + count for n in slot.nvlink_errors]
+            return True, f"{count} NVLink CRC flit/data, replay and recovery error(s) on {name}"
         if kind in ("nvlink_down", "nvlink_up"):
             return self._nvlink_fault(slot, name, fault, start)
         if kind == "clock_event":
@@ -745,6 +753,8 @@ class MockNvml:
         if not slot.present and not slot.fell_off:
             return False, f"{name} was removed; hot_add brings it back"
         slot.ecc_volatile = [0, 0]
+        # The PCIe and NVLink error counters start again from 0 too.
+        slot.pcie_replays, slot.nvlink_errors = 0, [0, 0, 0, 0]
         slot.remap_pending = False
         slot.retired_pending = False
         slot.xids.clear()

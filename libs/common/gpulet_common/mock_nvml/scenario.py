@@ -87,6 +87,8 @@ FAULT_KINDS: Final = (
     "remap_pending",
     "remap_failure",
     "hang",
+    "pcie_replay",
+    "nvlink_error",
     "clock_event",
     "nvlink_down",
     "nvlink_up",
@@ -240,8 +242,10 @@ class FaultSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
 
     ``gpu`` is the scenario index ("slot") of the GPU, stable while NVML indices shift
     when GPUs disappear; hot-added GPUs take the next slots. ``value`` is the XID, the
-    error count, the target temperature, the NVLink number or the NVML error code, by
-    kind. For ``temperature``: ``from`` (default: the current temperature), ``ramp_s`` up,
+    error count (for ``nvlink_error``: each NVLink error counter of the GPU rises by
+    it), the target temperature, the NVLink number (``nvlink_down``, ``nvlink_up``) or
+    the NVML error code, by kind. For ``temperature``: ``from`` (default: the current
+    temperature), ``ramp_s`` up,
     ``duration_s`` held (absent: for ever), ``back_s`` down to the baseline.
     """
 
@@ -385,7 +389,7 @@ def check_fault(fault: FaultSpec, gpu_count: int, *, live: bool) -> str | None:
     if kind == "xid":
         if not _whole(value) or value is None or value < 0:
             return "fault 'xid' needs value = the XID number (a whole number >= 0)"
-    elif kind in ("ecc_sbe", "ecc_dbe", "remap_pending"):
+    elif kind in ("ecc_sbe", "ecc_dbe", "remap_pending", "pcie_replay", "nvlink_error"):
         if value is not None and (not _whole(value) or value < 1):
             return f"fault {kind!r}: value is a count, a whole number >= 1"
     elif kind == "temperature":

@@ -76,6 +76,29 @@ class EccSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     sbe_window_s: PosFloat = 3600.0
 
 
+class LinkErrorSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Rates of the PCIe and NVLink error counters (read with the collector's slow
+    fields, every collector.slow_period_s). Above its limit a rate raises a warning,
+    cleared once it is down to half the limit (for a limit of 0: a window without errors).
+    """
+
+    # The sliding window over which the rates are measured (s): ten slow reads at the
+    # default 30 s slow period (a gpulet choice).
+    window_s: PosFloat = 300.0
+    # PCIe replays per minute: DCGM's health-watch limit (DCGM_LIMIT_MAX_PCIREPLAY_RATE,
+    # "8 replays per minute is the maximum recommended by RM").
+    pcie_replay_per_min: NonNegFloat = 8.0
+    # NVLink CRC errors (flit and data, all links) per minute: DCGM's limit of 100 a
+    # second (DCGM_LIMIT_MAX_LWLINK_CRC_ERROR: "CRC errors only matter at rates of 100+
+    # per second").
+    nvlink_crc_per_min: NonNegFloat = 6000.0
+    # NVLink replay errors per minute: 0, any raises, as in DCGM's health watch
+    # (DCGM_LIMIT_MAX_LWLINK_ERROR = 1 in a watch period).
+    nvlink_replay_per_min: NonNegFloat = 0.0
+    # NVLink recovery errors per minute: 0, any raises (DCGM, as for replays).
+    nvlink_recovery_per_min: NonNegFloat = 0.0
+
+
 class StreamSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # How long the JetStream stream GPU_HEALTH keeps events (s). 7 days: an alerting
     # consumer down over a long weekend still gets what it missed.
@@ -185,6 +208,7 @@ class HealthSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     tick_s: PosFloat = 0.5
     thermal: ThermalSettings = msgspec.field(default_factory=ThermalSettings)
     ecc: EccSettings = msgspec.field(default_factory=EccSettings)
+    link_errors: LinkErrorSettings = msgspec.field(default_factory=LinkErrorSettings)
     stream: StreamSettings = msgspec.field(default_factory=StreamSettings)
     buffer: BufferSettings = msgspec.field(default_factory=BufferSettings)
     alerts: AlertSettings = msgspec.field(default_factory=AlertSettings)

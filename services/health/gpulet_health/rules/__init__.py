@@ -12,9 +12,10 @@ log; operator clears and the housekeeping tick.
 
 Rule families, one module each, whose docstrings state their rules (defaults in
 :mod:`gpulet_common.settings.health`): :mod:`.xid`, :mod:`.ecc`, :mod:`.remap`,
-:mod:`.thermal`, :mod:`.clocks`, :mod:`.nvlink` (links down, from the collector's
-inventory: :meth:`RuleEngine.observe_nvlinks`), :mod:`.presence` (the GPU list, lost,
-removed and missing GPUs, NVML unavailable). The engine hands every input to the families, in the
+:mod:`.thermal`, :mod:`.clocks`, :mod:`.link_errors` (PCIe and NVLink error-counter
+rates), :mod:`.nvlink` (links down, from the collector's inventory:
+:meth:`RuleEngine.observe_nvlinks`), :mod:`.presence` (the GPU list, lost, removed and
+missing GPUs, NVML unavailable). The engine hands every input to the families, in the
 order of :data:`FAMILIES`, and passes what they emit through the de-duplication stage
 (:meth:`.Deduplicator.apply`): repeats are folded after the rules, never inside them.
 
@@ -44,6 +45,7 @@ from gpulet_health.dedup import Deduplicator, Emit, refreshed
 from gpulet_health.rules.base import Family, Kit
 from gpulet_health.rules.clocks import Clocks
 from gpulet_health.rules.ecc import Ecc
+from gpulet_health.rules.link_errors import LinkErrors
 from gpulet_health.rules.nvlink import NvLink
 from gpulet_health.rules.presence import GONE_CONDITIONS, Presence
 from gpulet_health.rules.remap import Remap
@@ -59,6 +61,7 @@ FAMILIES: tuple[type[Family], ...] = (
     Remap,
     Thermal,
     Clocks,
+    LinkErrors,
 )
 
 

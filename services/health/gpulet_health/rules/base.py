@@ -12,7 +12,7 @@ counter's last value, a rate window) lives on the GPU's state under the family's
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import ClassVar, Literal, TypeVar
 
 import msgspec
@@ -61,17 +61,7 @@ class Kit:
         self.dirty.add(gpu.uuid)
 
     def event(
-        self,
-        gpu: GpuState,
-        eid: str,
-        now: float,
-        kind: HealthKind,
-        severity: Severity,
-        reason: str,
-        *,
-        action: Action = "none",
-        value: float | None = None,
-        xid: int | None = None,
+        self, gpu: GpuState, eid: str, now: float, kind: HealthKind, severity: Severity, reason: str
     ) -> HealthEvent:
         """An event about ``gpu`` that concerns no condition."""
         return HealthEvent(
@@ -83,9 +73,6 @@ class Kit:
             severity=severity,
             healthy=gpu.healthy,
             reason=reason,
-            action=action,
-            observed_value=value,
-            xid=xid,
             observed_at=now,
         )
 
@@ -165,9 +152,8 @@ class Kit:
         """A one-off fact that raises no condition (de-duplicated by ``key``)."""
         self.touch(gpu, now)
         eid = event_id(self.node, gpu.uuid, "report", key, now)
-        event = self.event(
-            gpu, eid, now, kind, severity, reason, action=action, value=value, xid=xid
-        )
+        event = self.event(gpu, eid, now, kind, severity, reason)
+        event = msgspec.structs.replace(event, action=action, observed_value=value, xid=xid)
         return [Emit("offer", (gpu.uuid, "report:" + key), event)]
 
     def reset_observed(self, gpu: GpuState, now: float, why: str) -> list[Emit]:
@@ -179,6 +165,24 @@ class Kit:
         for family in self.families:
             family.reset(gpu)
         return out
+
+    def rate(
+        self,
+        gpu: GpuState,
+        now: float,
+        condition: str,
+        rate: float,
+        limit: float,
+        raised: Callable[[], Condition],
+        recovered: Callable[[], str],
+    ) -> list[Emit]:
+        """A rate condition: raised above ``limit``, ended once down to half of it."""
+        active = condition in gpu.conditions
+        if not active and rate > limit:
+            return self.raise_(gpu, raised(), now)
+        if active and rate <= limit / 2:
+            return self.end(gpu, condition, now, recovered(), value=rate)
+        return []
 
     def settled(self, gpu: GpuState, condition: str, calm: bool) -> int:
         """Consecutive calm samples of an active level condition (0 when not calm); it

@@ -23,6 +23,7 @@ from gpulet_health.rules.base import Family, memo
 from gpulet_health.state import Condition, CountWindow, GpuState
 
 RATE: Final = "ecc_correctable_rate"
+UNCORRECTABLE: Final = "ecc_uncorrectable"
 
 
 @dataclass(slots=True)
@@ -100,44 +101,37 @@ class Ecc(Family):
     def _uncorrectable(
         self, gpu: GpuState, now: float, how: str, count: float | None
     ) -> list[Emit]:
-        return self.kit.raise_(
-            gpu,
-            Condition(
-                condition="ecc_uncorrectable",
-                kind="ecc_uncorrectable",
-                severity="fatal",
-                reason=f"uncorrectable (double-bit) ECC error: {how}",
-                action="reset_gpu",
-                since=now,
-                sticky=True,
-                observed_value=count,
-            ),
-            now,
-            repeats=True,
+        reason = f"uncorrectable (double-bit) ECC error: {how}"
+        cond = Condition(
+            UNCORRECTABLE, UNCORRECTABLE, "fatal", reason, "reset_gpu", now, sticky=True
         )
+        cond.observed_value = count
+        return self.kit.raise_(gpu, cond, now, repeats=True)
 
     def _rate(self, gpu: GpuState, m: _Ecc, now: float) -> list[Emit]:
         window_s, per_hour = self.s.ecc.sbe_window_s, self.s.ecc.sbe_rate_per_hour
         count = m.window.total(now, window_s)
         rate = count * 3600.0 / window_s
-        active = RATE in gpu.conditions
-        if not active and rate > per_hour:
-            reason = (
-                f"{count} correctable (single-bit) ECC errors in the last {window_s:g}s: "
-                f"{rate:.0f}/h, above {per_hour:g}/h"
-            )
-            cond = Condition(
+        return self.kit.rate(
+            gpu,
+            now,
+            RATE,
+            rate,
+            per_hour,
+            lambda: Condition(
                 condition=RATE,
                 kind=RATE,
                 severity="warning",
-                reason=reason,
+                reason=(
+                    f"{count} correctable (single-bit) ECC errors in the last {window_s:g}s: "
+                    f"{rate:.0f}/h, above {per_hour:g}/h"
+                ),
                 action="operator_check",
                 since=now,
                 observed_value=rate,
                 threshold=per_hour,
-            )
-            return self.kit.raise_(gpu, cond, now)
-        if active and rate <= per_hour / 2:
-            why = f"correctable ECC rate down to {rate:.0f}/h (cleared at half of {per_hour:g}/h)"
-            return self.kit.end(gpu, RATE, now, why, value=rate)
-        return []
+            ),
+            lambda: (
+                f"correctable ECC rate down to {rate:.0f}/h (cleared at half of {per_hour:g}/h)"
+            ),
+        )
