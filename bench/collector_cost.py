@@ -21,11 +21,14 @@ Method
   real H100 (first read of a field 1.5-3.6 ms, later 0.01-0.09 ms; field-value batches
   ~4.8 ms every time). Reported: the first (cold) collection, a warm fast collection,
   a warm slow one (also reading the slow fields: one nvmlDeviceGetFieldValues batch
-  and GPM per GPU), wall time and process CPU each; and the share of a core of the
-  whole collector at 1 Hz with the default slow period, measured over ``--steady``
-  seconds. It is still the mock: the profile replays measured call costs, not the
-  unexplained remainder seen on real hardware (real-h100.md). ``--nvml real`` runs
-  the same rows on the real driver where one is installed.
+  and GPM per GPU), the same re-reading every NVLink's state
+  (``nvmlDeviceGetNvLinkState`` per link seen up, an estimated cost: see latency.py;
+  done every ``collector.nvlink_state_period_s`` or when NVLink error counters move),
+  wall time and process CPU each; and the share of a core of the whole collector at
+  1 Hz with the default slow period, measured over ``--steady`` seconds. It is still
+  the mock: the profile replays measured call costs, not the unexplained remainder
+  seen on real hardware (real-h100.md). ``--nvml real`` runs the same rows on the real
+  driver where one is installed.
 
 Anchor: koordlet's documentation cites 124 ms per collection of 8 GPUs.
 """
@@ -43,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import msgspec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
@@ -56,6 +60,8 @@ from gpulet_common.mock_nvml import MockNvml
 from gpulet_common.nvml.adapter import NvmlAdapter
 from gpulet_common.settings.nats import NatsSettings
 from support.agent import agent_settings, runtime_for
+
+NVLINK_ROW = "slow collection + NVLink state (every nvlink_state_period_s)"
 
 
 class TimedNvml:
@@ -267,6 +273,12 @@ async def honest_cost(
         await timed(False, 10)  # thread pool and caches warm
         rows["fast collection (every period)"] = await timed(False, periods)
         rows["slow collection (every slow_period_s)"] = await timed(True, max(periods // 10, 5))
+        # The same, re-reading every NVLink's state (one call per link seen up: 18 per
+        # H100 SXM); done every nvlink_state_period_s, or when NVLink counters move.
+        collector._settings = msgspec.structs.replace(
+            collector._settings, nvlink_state_period_s=0.0
+        )
+        rows[NVLINK_ROW] = await timed(True, max(periods // 10, 5))
     adapter.shutdown()
     return what, rows
 
@@ -302,8 +314,10 @@ async def honest_main(args: argparse.Namespace) -> None:
             )
     fast_cpu = rows["fast collection (every period)"][1]
     slow_cpu = rows["slow collection (every slow_period_s)"][1]
+    nvlink_cpu = rows[NVLINK_ROW][1] - slow_cpu
     k = defaults.slow_period_s / defaults.sample_period_s
     expected = ((k - 1) * fast_cpu + slow_cpu) / k / (defaults.sample_period_s * 1e3) * 100
+    expected += max(nvlink_cpu, 0.0) / (defaults.nvlink_state_period_s * 1e3) * 100
     print(
         table(
             f"One 8-GPU collection, {what} (real nats-server; {os.cpu_count()} CPUs)",

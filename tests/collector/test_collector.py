@@ -11,7 +11,7 @@ import pytest
 from gpulet_collector.service import CollectorService
 from gpulet_common import codec, subjects
 from gpulet_common.embedded_nats import EmbeddedNats
-from gpulet_common.messages import InventoryRequest, MockInjectRequest
+from gpulet_common.messages import Inventory, InventoryRequest, MockInjectRequest
 from gpulet_common.settings.nvml import NvmlSettings
 from support.agent import agent_settings, mock_adapter, runtime_for
 from support.host import HIDDEN_DRIVER, without_driver
@@ -197,3 +197,73 @@ async def test_recovers_when_nvml_vanishes_and_returns(
         tg.cancel_scope.cancel()
     assert status is not None
     assert status.state == "ready"
+
+
+async def test_an_nvlink_going_down_and_up_republishes_the_inventory(
+    nats_server: EmbeddedNats, tmp_path: Path
+) -> None:
+    settings = agent_settings(
+        nats_server.url,
+        tmp_path,
+        # A link going down moves the recovery counter (read at once); one coming back
+        # does not: it is seen on the next nvlink_state_period_s.
+        overrides=[
+            "collector.sample_period_s=0.05",
+            "collector.slow_period_s=0.1",
+            "collector.nvlink_state_period_s=0.3",
+        ],
+    )
+    adapter, mock = mock_adapter("nvlink-pairs-8gpu")
+    probe = MetricsProbe()
+    collector: CollectorService
+    async with (
+        runtime_for(settings, adapter=adapter, meter=probe.meter) as rt,
+        anyio.create_task_group() as tg,
+    ):
+        node = settings.node_name
+        async with rt.bus.subscribe(subjects.inventory(node), codec.INVENTORY) as inventories:
+            collector = CollectorService(rt)
+            await tg.start(collector.run)
+            with anyio.fail_after(5):
+                first = (await anext(aiter(inventories))).value
+            publishes = collector.inventory_publishes
+            # Two of the four links between GPU 0 and GPU 1 go down (both ends).
+            for link in (0, 1):
+                reply = mock.controller.inject(
+                    MockInjectRequest(fault="nvlink_down", gpu=0, value=link)
+                )
+                assert reply.applied, reply.detail
+            with anyio.fail_after(5):
+                async for delivery in inventories:
+                    down = delivery.value
+                    if down.gpus[0].nvlinks_down == [0, 1]:
+                        break
+            gpu0 = down.gpus[0].uuid
+            assert probe.value("gpulet.gpu.nvlinks.down", UUID=gpu0) == 2
+            assert probe.value("gpulet.gpu.nvlinks.up", UUID=gpu0) == 4  # of 6
+            reply = mock.controller.inject(MockInjectRequest(fault="nvlink_up", gpu=0))
+            assert reply.applied, reply.detail
+            with anyio.fail_after(5):
+                async for delivery in inventories:
+                    up = delivery.value
+                    if not up.gpus[0].nvlinks_down:
+                        break
+            # Steady links: no more inventories than the changes (the slow period
+            # ran many times meanwhile).
+            await anyio.sleep(0.5)
+            changes = collector.inventory_publishes - publishes
+        tg.cancel_scope.cancel()
+
+    def pair(inventory: Inventory, a: int, b: int) -> tuple[int, int]:
+        link = next(p for p in inventory.gpus[a].topology if p.peer_index == b)
+        return link.nvlinks, link.nvlinks_down
+
+    assert pair(first, 0, 1) == pair(first, 1, 0) == (4, 0)
+    assert pair(down, 0, 1) == pair(down, 1, 0) == (2, 2)
+    assert len(down.gpus[1].nvlinks_down) == 2
+    assert pair(down, 0, 2) == (1, 0)
+    assert down.generation > first.generation
+    assert pair(up, 0, 1) == (4, 0)
+    assert up.gpus[0].nvlinks_up == first.gpus[0].nvlinks_up
+    assert up.generation > down.generation
+    assert changes <= 3  # at most: one down (or two, a link at a time), one up

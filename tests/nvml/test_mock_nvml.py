@@ -16,6 +16,7 @@ from gpulet_common.mock_nvml import (
     load_scenario,
     scenario_from_toml,
 )
+from gpulet_common.mock_nvml.scenario import FaultSpec, check_fault
 from gpulet_common.nvml import (
     EVENT_GPU_UNAVAILABLE,
     EVENT_XID,
@@ -268,6 +269,13 @@ def test_faults_demo_timeline(open_mock: MockFactory, clock: ManualClock) -> Non
         adapter.sample(7)
     inventory = adapter.inventory("n", 3)
     assert uuids[7] not in [g.uuid for g in inventory.gpus]
+    # NVLink 3 of GPU 2 went down at 46 s: seen up at 45 s, so it is down, not absent.
+    gpu2 = next(g for g in inventory.gpus if g.uuid == uuids[2])
+    assert gpu2.nvlinks_down == [3]
+    assert 3 not in gpu2.nvlinks_up
+    assert {(p.nvlinks, p.nvlinks_down) for p in gpu2.topology} == {(17, 1)}
+    assert adapter.sample(2, slow=True).error is None
+    assert adapter.nvlinks_up(uuids[2]) == frozenset(range(18)) - {3}
     at(70)
     assert adapter.device_count() == 9
     assert uuids[7] in [g.uuid for g in adapter.inventory("n", 4).gpus]
@@ -285,6 +293,12 @@ def test_faults_demo_timeline(open_mock: MockFactory, clock: ManualClock) -> Non
         adapter.device_count()
     adapter.init()
     assert adapter.device_count() == 9
+    at(95)
+    adapter.sample(2, slow=True)
+    assert adapter.nvlinks_up(uuids[2]) == frozenset(range(18))
+    gpu2 = next(g for g in adapter.inventory("n", 5).gpus if g.uuid == uuids[2])
+    assert (gpu2.nvlinks_up, gpu2.nvlinks_down) == (list(range(18)), [])
+    assert {(p.nvlinks, p.nvlinks_down) for p in gpu2.topology} == {(18, 0)}
 
 
 # --- live injection of every fault kind ------------------------------------------------------
@@ -310,6 +324,8 @@ def test_live_injection_of_every_fault_kind(open_mock: MockFactory, fault: str) 
         "clock_event": {"value": 0x80},
         "pcie_replay": {"value": 9},
         "nvlink_error": {"value": 3},
+        "nvlink_down": {"value": 5},
+        "nvlink_up": {"value": 5},
         "nvml_vanish": {"value": 12},
     }
     args = per_fault.get(fault, {})
@@ -371,6 +387,14 @@ def test_live_injection_of_every_fault_kind(open_mock: MockFactory, fault: str) 
         assert inject(mock, "reset", 2)[0]
         sample = adapter.sample(2, slow=True)
         assert (sample.pcie_replay_count, sample.nvlink_replay_errors) == (0, 0)
+    elif fault in ("nvlink_down", "nvlink_up"):
+        gpu2 = adapter.inventory("n", 1).gpus[2]
+        down = fault == "nvlink_down"
+        assert (5 in gpu2.nvlinks_up) is not down
+        assert mock.slot_state(2)["nvlinks_down"] == ([5] if down else [])
+        assert {p.nvlinks for p in gpu2.topology} == {17 if down else 18}
+        assert inject(mock, "nvlink_up", 2)[0]
+        assert mock.slot_state(2)["nvlinks_down"] == []
     elif fault == "nvml_vanish":
         with pytest.raises(NvmlUnavailable):
             adapter.sample(2)
@@ -437,3 +461,134 @@ def test_injections_that_do_not_apply_in_the_current_state() -> None:
     assert inject(mock, "reset", 0)[0]
     assert mock.slot_state(0)["retired_pages_pending"] is False
     assert mock.controller.faults == FAULT_KINDS
+
+
+# --- NVLink down and up ------------------------------------------------------------------------
+
+
+def _pairs(inventory: Any, index: int) -> dict[int, tuple[int, int]]:
+    gpu = inventory.gpus[index]
+    return {p.peer_index: (p.nvlinks, p.nvlinks_down) for p in gpu.topology}
+
+
+def test_nvlink_down_takes_both_ends_of_a_direct_link(open_mock: MockFactory) -> None:
+    adapter, mock = open_mock("nvlink-pairs-8gpu")
+    before = adapter.inventory("n", 1)
+    assert _pairs(before, 0)[1] == (4, 0)
+    assert before.gpus[0].nvlinks_up == list(range(6))
+    assert before.gpus[0].nvlinks_down == []
+
+    # Link 0 of GPU 0 is one of its 4 links to GPU 1.
+    assert inject(mock, "nvlink_down", 0, value=0)[0]
+    after = adapter.inventory("n", 2)
+    assert _pairs(after, 0)[1] == (3, 1)
+    assert _pairs(after, 1)[0] == (3, 1)
+    assert after.gpus[0].nvlinks_down == [0]
+    assert len(after.gpus[1].nvlinks_down) == 1  # the far end went down with it
+    assert _pairs(after, 0)[2] == (1, 0)  # other pairs untouched
+
+    # Every link of GPU 0, then all back up.
+    assert inject(mock, "nvlink_down", 0)[0]
+    after = adapter.inventory("n", 3)
+    assert {b: _pairs(after, 0)[b] for b in (1, 2, 3)} == {1: (0, 4), 2: (0, 1), 3: (0, 1)}
+    assert after.gpus[0].nvlinks_up == []
+    assert inject(mock, "nvlink_up", 0)[0]
+    back = adapter.inventory("n", 4)
+    assert _pairs(back, 0) == _pairs(before, 0)
+    assert back.gpus[0].nvlinks_down == []
+
+
+def test_slow_sample_rereads_the_links_seen_up(open_mock: MockFactory) -> None:
+    adapter, mock = open_mock("nvlink-pairs-8gpu")
+    uuid = adapter.uuid_of(0)
+    assert adapter.nvlinks_up(uuid) is None  # nothing read yet
+    adapter.inventory("n", 1)
+    assert adapter.nvlinks_up(uuid) == frozenset(range(6))
+    assert inject(mock, "nvlink_down", 0, value=2, duration_s=3600)[0]
+    adapter.sample(0)  # a fast sample does not read link state
+    assert adapter.nvlinks_up(uuid) == frozenset(range(6))
+    assert adapter.sample(0, slow=True).error is None
+    assert adapter.nvlinks_up(uuid) == frozenset(range(6)) - {2}
+    assert inject(mock, "nvlink_up", 0, value=2)[0]
+    adapter.sample(0, slow=True)
+    assert adapter.nvlinks_up(uuid) == frozenset(range(6))
+
+
+def _counting_state_calls(scenario: str) -> tuple[NvmlAdapter, MockNvml, list[int]]:
+    mock = started(scenario)
+    calls: list[int] = []
+    state = mock.nvmlDeviceGetNvLinkState
+
+    def counted(handle: Any, link: int) -> int:
+        calls.append(link)
+        return int(state(handle, link))
+
+    mock.nvmlDeviceGetNvLinkState = counted  # type: ignore[method-assign,assignment]
+    return NvmlAdapter(mock, backend="mock"), mock, calls
+
+
+@pytest.mark.parametrize(("scenario", "links"), [("t4", 0), ("nvlink-pairs-8gpu", 6)])
+def test_the_slow_path_reads_only_the_links_seen_up(scenario: str, links: int) -> None:
+    adapter, mock, calls = _counting_state_calls(scenario)
+    adapter.inventory("n", 1)
+    calls.clear()
+    adapter.sample(0, slow=True)
+    assert len(calls) == links  # not NVML_NVLINK_MAX_LINKS per GPU
+    if not links:
+        applied, detail = inject(mock, "nvlink_down", 0)
+        assert not applied
+        assert "no NVLinks" in detail
+
+
+def test_link_state_is_reread_when_the_error_counters_move() -> None:
+    adapter, mock, calls = _counting_state_calls("nvlink-pairs-8gpu")
+    uuid = adapter.uuid_of(0)
+    adapter.inventory("n", 1)
+    hour = 3600.0
+    adapter.sample(0, slow=True, nvlink_state_every_s=hour)  # the first slow read reads
+    calls.clear()
+    for _ in range(3):  # nothing moved, the period has not passed: no state read
+        adapter.sample(0, slow=True, nvlink_state_every_s=hour)
+    assert calls == []
+    # The link fails after recovery attempts: the recovery counter moves, the same slow
+    # read re-reads the state of GPU 0's six links.
+    assert inject(mock, "nvlink_down", 0, value=1)[0]
+    sample = adapter.sample(0, slow=True, nvlink_state_every_s=hour)
+    assert (sample.nvlink_recovery_errors or 0) >= 1
+    assert len(calls) == 6
+    assert adapter.nvlinks_up(uuid) == frozenset(range(6)) - {1}
+    # Coming back moves no counter: seen when the period has passed.
+    assert inject(mock, "nvlink_up", 0, value=1)[0]
+    adapter.sample(0, slow=True, nvlink_state_every_s=hour)
+    assert adapter.nvlinks_up(uuid) == frozenset(range(6)) - {1}
+    adapter.sample(0, slow=True, nvlink_state_every_s=0.0)
+    assert adapter.nvlinks_up(uuid) == frozenset(range(6))
+
+
+def test_a_failed_link_scan_is_unknown_not_all_down() -> None:
+    mock = started("nvlink-pairs-8gpu")
+    state = mock.nvmlDeviceGetNvLinkState
+    failing = {"on": False}
+
+    def flaky(handle: Any, link: int) -> int:
+        if failing["on"] and handle.slot == 0:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_UNKNOWN)
+        return int(state(handle, link))
+
+    mock.nvmlDeviceGetNvLinkState = flaky  # type: ignore[method-assign,assignment]
+    adapter = NvmlAdapter(mock, backend="mock")
+    uuid = adapter.uuid_of(0)
+    adapter.inventory("n", 1)
+    assert adapter.nvlinks_up(uuid) == frozenset(range(6))
+    failing["on"] = True
+    gpu0 = adapter.inventory("n", 2).gpus[0]
+    assert (gpu0.nvlinks_up, gpu0.nvlinks_down) == ([], [])
+    # Unknown: the collector has nothing to compare, so it does not rebuild for it.
+    assert adapter.nvlinks_up(uuid) is None
+
+
+def test_nvlink_fault_checks() -> None:
+    assert check_fault(FaultSpec(fault="nvlink_down", gpu=0, value=1.5), 8, live=True)
+    assert check_fault(FaultSpec(fault="nvlink_down", gpu=0, value=99), 8, live=True)
+    assert check_fault(FaultSpec(fault="nvlink_up"), 8, live=True)  # needs a GPU
+    assert check_fault(FaultSpec(fault="nvlink_down", gpu=0, value=17), 8, live=True) is None

@@ -35,11 +35,14 @@ from gpulet_allocator import protocol as p
 from gpulet_allocator.plugin.resources import ResourceKind, ResourceSpec, resource_specs
 from gpulet_allocator.plugin.service import DevicePluginService
 from gpulet_allocator.service import AllocatorService
+from gpulet_collector.service import CollectorService
 from gpulet_common import codec, subjects
 from gpulet_common.bus import Bus, Delivery
 from gpulet_common.codec import Codec
 from gpulet_common.lifecycle import Service
 from gpulet_common.messages import Inventory, InventoryRequest
+from gpulet_common.mock_control import MockControlService
+from gpulet_common.nvml.adapter import NvmlAdapter
 from gpulet_common.runtime import Runtime
 from gpulet_common.settings import Settings
 from gpulet_common.settings.allocator import AllocatorSettings, PluginConfig
@@ -200,6 +203,22 @@ class Stack:
         await self._stop("allocator")
         self.allocator = None
 
+    async def start_collector(self, adapter: NvmlAdapter) -> CollectorService:
+        """The real collector (and the mock control endpoint) on ``adapter``'s NVML."""
+        runtime = await self._exits.enter_async_context(
+            runtime_for(
+                self.settings,
+                adapter=adapter,
+                meter=self.metrics.meter,
+                status=self.status,
+                name="test-collector",
+            )
+        )
+        await self._start("mock-control", MockControlService(runtime))
+        service = CollectorService(runtime)
+        await self._start("collector", service)
+        return service
+
     async def start_plugin(self) -> DevicePluginService:
         service = DevicePluginService(await self._runtime("plugin"))
         await self._start("plugin", service)
@@ -291,8 +310,13 @@ async def allocator_stack(
     pod_resources: bool = False,
     start_allocator: bool = True,
     start_plugin: bool = True,
+    stand_in_collector: bool = True,
 ) -> AsyncIterator[Stack]:
-    """Everything running, the plugin registered for every resource."""
+    """Everything running, the plugin registered for every resource.
+
+    ``stand_in_collector=False``: nothing answers inventory requests; the test runs the
+    real collector (:meth:`Stack.start_collector`) before the allocator.
+    """
     plugin_dir = Path(settings.allocator.plugin.plugin_dir)
     socket = Path(settings.allocator.pod_resources_socket) if pod_resources else None
     async with (
@@ -304,7 +328,8 @@ async def allocator_stack(
         stack = Stack(settings, tg, bus, kubelet, exits)
         try:
             await health_bucket(bus)  # as a running health service would have it
-            await tg.start(stack.serve_inventory)
+            if stand_in_collector:
+                await tg.start(stack.serve_inventory)
             if inventory is not None:
                 await stack.publish_inventory(inventory)
             if start_allocator:

@@ -159,7 +159,9 @@ def add_commands(sub: Any, add_flags: AddFlags, load: LoadSettings) -> None:
         "--fault",
         help=", ".join(FAULT_KINDS),
     )
-    inj.add_argument("--value", type=float, help="fault value (XID code, temperature, count)")
+    inj.add_argument(
+        "--value", type=float, help="fault value (XID code, temperature, count, NVLink number)"
+    )
     inj.add_argument("--duration", type=float, help="seconds the fault lasts, where it applies")
     inj.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for the agent")
     add_flags(inj)

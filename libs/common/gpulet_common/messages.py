@@ -34,6 +34,10 @@ Percent = Annotated[int, msgspec.Meta(ge=PERCENT_RANGE[0], le=PERCENT_RANGE[1])]
 CELSIUS_RANGE = (-273, 1000)
 Celsius = Annotated[int, msgspec.Meta(ge=CELSIUS_RANGE[0], le=CELSIUS_RANGE[1])]
 NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0)]
+# An NVLink link id and a GPU's list of them (NVML numbers links from 0 and has at most
+# NVML_NVLINK_MAX_LINKS = 36 per GPU; the wire leaves room and bounds the list).
+NvLinkId = Annotated[int, msgspec.Meta(ge=0, lt=64)]
+NvLinkIds = Annotated[list[NvLinkId], msgspec.Meta(max_length=64)]
 
 
 class _Message(msgspec.Struct, frozen=True, kw_only=True):
@@ -54,7 +58,11 @@ class PeerLink(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=True):
     # NVML common-ancestor level: 0 INTERNAL, 10 SINGLE (PIX), 20 MULTIPLE (PXB),
     # 30 HOSTBRIDGE (PHB), 40 NODE, 50 SYSTEM (SYS). None when NVML cannot tell.
     level: NonNegative | None = None
+    # Active NVLinks to this peer (direct, or through the NVSwitch fabric). A link that
+    # went down is not counted here (so a consumer that reads only ``nvlinks`` stops
+    # counting it) but in ``nvlinks_down``; added after schema version 1.
     nvlinks: NonNegative = 0
+    nvlinks_down: NonNegative = 0
 
 
 class GpuInfo(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=True):
@@ -80,6 +88,13 @@ class GpuInfo(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=True):
     supported_events: NonNegative | None = None
     # Physical module (SXM slot) id, nvmlDeviceGetModuleId; absent when unsupported.
     module_id: NonNegative | None = None
+    # NVLink link ids (nvmlDeviceGetNvLinkState, per link) active at the last read, and
+    # those this collector saw active before that are inactive now (down). A link never
+    # seen active (no cable, no bridge, or down since before the collector started) is
+    # in neither list. Re-read every ``collector.slow_period_s``; the inventory is
+    # republished when they change. Added after schema version 1.
+    nvlinks_up: NvLinkIds = []
+    nvlinks_down: NvLinkIds = []
 
 
 class Inventory(_Message, frozen=True, kw_only=True):
@@ -215,6 +230,9 @@ HealthKind = Literal[
     # PCIe replay and NVLink error counters rising fast; added after schema version 1.
     "pcie_replay_rate",
     "nvlink_error_rate",
+    # An NVLink that was up went down (a warning; ``recovered`` when it is up again).
+    # Added after schema version 1, like gpu_missing.
+    "nvlink_down",
 ]
 
 

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable
 from opentelemetry import metrics
 from opentelemetry.metrics import CallbackOptions, Observation
 
-from gpulet_common.messages import GpuSample, Inventory, SampleBatch
+from gpulet_common.messages import GpuInfo, GpuSample, Inventory, SampleBatch
 
 
 class GpuGauges:
@@ -83,6 +83,33 @@ class GpuGauges:
             "1",
             "1 when the last sample of the GPU succeeded",
             lambda s: 0.0 if s.error else 1.0,
+        )
+
+        # NVLink state, from the inventory (re-read on the slow period, see service.py).
+        def links(read: Callable[[GpuInfo], int]) -> Callable[[CallbackOptions], list[Observation]]:
+            def callback(_options: CallbackOptions) -> list[Observation]:
+                inventory = self._inventory
+                if inventory is None:
+                    return []
+                return [
+                    Observation(float(read(g)), self._labels.get(g.uuid, {"UUID": g.uuid}))
+                    for g in inventory.gpus
+                    if g.nvlinks_up or g.nvlinks_down
+                ]
+
+            return callback
+
+        meter.create_observable_gauge(
+            "gpulet.gpu.nvlinks.up",
+            [links(lambda g: len(g.nvlinks_up))],
+            unit="1",
+            description="NVLinks of the GPU that are up",
+        )
+        meter.create_observable_gauge(
+            "gpulet.gpu.nvlinks.down",
+            [links(lambda g: len(g.nvlinks_down))],
+            unit="1",
+            description="NVLinks of the GPU seen up before that are down now",
         )
 
     def update_inventory(self, inventory: Inventory) -> None:

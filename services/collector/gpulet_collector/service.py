@@ -20,7 +20,13 @@ Flow
    (plus the unsolicited ``inventory_republish_s`` and answers to requests).
 5. Every ``slow_period_s`` a period also reads the slow fields (energy, PCIe
    replays, NVLink counters, GPM activity: milliseconds per GPU on real NVML); other
-   periods repeat their last values.
+   periods repeat their last values. Such a period also re-reads the state of every
+   NVLink seen up (one NVML call per link) when the GPU's NVLink error counters moved
+   or ``nvlink_state_period_s`` has passed; when the links up differ from what the
+   published inventory says, the inventory is rebuilt and republished: a link that
+   went down leaves its pair's ``nvlinks`` (the allocator stops counting it) and is
+   listed in ``nvlinks_down`` (the health service warns), and one that came back
+   returns.
 6. With ``dcgm_metrics`` (default) ``/metrics`` also serves dcgm-exporter's
    ``DCGM_FI_*`` metrics (:mod:`.dcgm`); the last XID of each GPU comes from the
    health events on ``gpu.health.<node>``, and with ``pod_labels`` the GPUs a
@@ -142,7 +148,8 @@ class CollectorService:
         self._adapter = adapter
 
         def read(index: int, slow: bool) -> GpuSample:
-            return adapter.sample(index, slow=slow)
+            every_s = self._settings.nvlink_state_period_s
+            return adapter.sample(index, slow=slow, nvlink_state_every_s=every_s)
 
         self._sampler = ParallelSampler(
             read,
@@ -287,7 +294,18 @@ class CollectorService:
             await self._refresh_inventory("GPU count changed", force=False)
         elif self._skipped and time.monotonic() >= self._next_skipped_retry:
             await self._refresh_inventory("looking for GPUs left out", force=False)
+        elif slow and self._nvlinks_changed(adapter):
+            await self._refresh_inventory("NVLink state changed", force=False)
         return batch
+
+    def _nvlinks_changed(self, adapter: NvmlAdapter) -> bool:
+        """Whether a GPU's NVLinks up (as the slow read found them) differ from the
+        published inventory's."""
+        for gpu in self._inventory.gpus:
+            up = adapter.nvlinks_up(gpu.uuid)
+            if up is not None and up != frozenset(gpu.nvlinks_up):
+                return True
+        return False
 
     async def _follow_xids(
         self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED

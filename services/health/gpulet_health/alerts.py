@@ -76,6 +76,7 @@ ALERT_NAMES: dict[str, str] = {
     "clock_slowdown": "GpuClockSlowdown",
     "pcie_replay_rate": "GpuPcieReplayRate",
     "nvlink_error_rate": "GpuNvlinkErrorRate",
+    "nvlink_down": "GpuNvLinkDown",
     "gpu_lost": "GpuLost",
     "gpu_removed": "GpuRemoved",
     "gpu_missing": "GpuMissing",

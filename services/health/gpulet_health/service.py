@@ -15,7 +15,8 @@ One task group, all of it structured (nothing outlives the service):
   when the count changes, when an NVML event or a sample names an unknown GPU, when a
   GPU is lost, and when the collector publishes an inventory that differs from ours
   (it is also asked for one at start, so start order does not matter; inventories too
-  are taken in the collector's order);
+  are taken in the collector's order); the collector's inventory also says which
+  NVLinks are up and which went down (:mod:`.rules.nvlink`);
 * the **rule engine** (:mod:`.rules`) turns all of that into events and state;
 * the **publisher** (:mod:`.publisher`) sends events to JetStream in order, through
   the disk buffer when NATS is away;
@@ -555,7 +556,9 @@ class HealthService:
         ) as stream:
             task_status.started()
             async for delivery in stream:
-                self._on_inventory(delivery.value)
+                if self._on_inventory(delivery.value):
+                    # NVLinks up and down are the collector's word (its inventory).
+                    await self._emit(self.engine.observe_nvlinks(delivery.value.gpus, time.time()))
 
     def _labels(self, uuid: str, index: int | None) -> dict[str, str]:
         return self._gpu_labels.get(uuid) or {
@@ -587,11 +590,13 @@ class HealthService:
             for (uuid, kind, sev), n in counts.items()
         ]
 
-    def _on_inventory(self, inventory: Inventory) -> None:
+    def _on_inventory(self, inventory: Inventory) -> bool:
+        """Take the collector's inventory; False when it is not this node's, degraded,
+        or older than one already seen."""
         if inventory.node != self._node or inventory.degraded_reason is not None:
-            return
+            return False
         if not self._inventory_order.accept(inventory.boot_id, inventory.seq):
-            return  # an older one of the collector's, delivered late
+            return False  # an older one of the collector's, delivered late
         self._gpu_labels = {
             g.uuid: {
                 "gpu": str(g.index),
@@ -611,6 +616,7 @@ class HealthService:
                 inventory.generation,
             )
             self._rescan.set()
+        return True
 
     def _learn_pci(self, gpus: list[GpuInfo]) -> None:
         for gpu in gpus:

@@ -26,6 +26,11 @@ fault              value / duration_s
 ``remap_pending``  value = rows (default 1)
 ``remap_failure``  --
 ``hang``           duration_s = seconds every call on the GPU blocks (required)
+``clock_event``    value = clock-event reason bits (0x80 power brake; 0 ends it)
+``nvlink_down``    value = the GPU's NVLink number (absent: all its NVLinks); both
+                   ends of a link go down, each counting one NVLink recovery
+                   error; duration_s = how long (absent: until up)
+``nvlink_up``      value = the GPU's NVLink number (absent: all its NVLinks)
 ``nvml_vanish``    value = NVML code 12/9/4/1 (default 12); duration_s optional
 ``nvml_return``    --
 ``reset``          --  (clears volatile ECC, XIDs, pending remaps, lost, hang)

@@ -77,6 +77,10 @@ H100: Final[dict[str, tuple[Range, Range]]] = {
     "nvmlDeviceGetCpuAffinity": ((15.6, 15.6), (0.06, 0.06)),
     "nvmlDeviceGetCpuAffinityWithinScope": ((15.6, 15.6), (0.06, 0.06)),
     "nvmlDeviceGetModuleId": ((0.3, 0.45), (0.3, 0.45)),
+    # ESTIMATE, not measured (the measured H100 was a PCIe card without NVLink): the
+    # state of one link, assumed a round trip to the GPU's firmware on every call, as
+    # dear as nvmlDeviceGetEccMode (the measured call closest in kind).
+    "nvmlDeviceGetNvLinkState": ((0.58, 0.62), (0.58, 0.62)),
     # ESTIMATE, not measured: GPM reads a block of performance counters per call;
     # assumed as dear as a field-value batch for the sample and cheap to compute.
     "nvmlGpmSampleGet": ((1.0, 2.0), (1.0, 2.0)),

@@ -309,12 +309,14 @@ class _Ramp:
 
 
 class _Link:
-    __slots__ = ("bus_id", "peer", "remote_type")
+    __slots__ = ("bus_id", "down_until", "peer", "remote_type")
 
     def __init__(self, remote_type: int, bus_id: str, peer: int | None) -> None:
         self.remote_type = remote_type
         self.bus_id = bus_id
         self.peer = peer
+        # Fault nvlink_down: the link reads inactive until then (mock time).
+        self.down_until = 0.0
 
 
 class _Slot:
@@ -469,6 +471,7 @@ class MockNvml:
                 "remap_failure": s.remap_failure,
                 "retired_pages_pending": s.retired_pending,
                 "xids": list(s.xids),
+                "nvlinks_down": [i for i, link in enumerate(s.links) if now < link.down_until],
             }
 
     def apply(self, fault: FaultSpec) -> tuple[bool, str]:
@@ -700,6 +703,8 @@ class MockNvml:
                 return False, f"{name} has no NVLink"
             slot.nvlink_errors = [n + count for n in slot.nvlink_errors]
             return True, f"{count} NVLink CRC flit/data, replay and recovery error(s) on {name}"
+        if kind in ("nvlink_down", "nvlink_up"):
+            return self._nvlink_fault(slot, name, fault, start)
         if kind == "clock_event":
             slot.clock_events = int(fault.value or 0)
             slot.clock_events_until = start + duration if duration is not None else math.inf
@@ -707,6 +712,42 @@ class MockNvml:
                 f" for {duration:g}s" if duration is not None else ""
             )
         return False, f"unknown fault {kind!r} (known: {', '.join(FAULT_KINDS)})"
+
+    def _link_ends(self, slot: _Slot, link: int) -> list[tuple[_Slot, _Link]]:
+        """Both ends of one link: the k-th link from A to B is the k-th from B to A
+        (as the scenario built them); a link into an NVSwitch has one end here."""
+        nvlink = slot.links[link]
+        if nvlink.peer is None:
+            return [(slot, nvlink)]
+        peer = self._slots[nvlink.peer]
+        k = sum(1 for other in slot.links[:link] if other.peer == nvlink.peer)
+        back = [other for other in peer.links if other.peer == slot.slot]
+        return [(slot, nvlink), *((peer, end) for end in back[k : k + 1])]
+
+    def _nvlink_fault(
+        self, slot: _Slot, name: str, fault: FaultSpec, start: float
+    ) -> tuple[bool, str]:
+        """nvlink_down / nvlink_up: one link (value) or all of the GPU's, both ends."""
+        links = range(len(slot.links)) if fault.value is None else [int(fault.value)]
+        if not slot.links:
+            return False, f"{name} has no NVLinks"
+        if fault.value is not None and not 0 <= int(fault.value) < len(slot.links):
+            return False, f"{name} has NVLinks 0-{len(slot.links) - 1}, not {int(fault.value)}"
+        down = fault.fault == "nvlink_down"
+        duration = fault.duration_s
+        until = (start + duration if duration is not None else math.inf) if down else 0.0
+        for link in links:
+            for owner, end in self._link_ends(slot, link):
+                end.down_until = until
+                if down:
+                    # A link fails after recovery attempts: each end counts one.
+                    owner.nvlink_errors[3] += 1
+        which = "every NVLink" if fault.value is None else f"NVLink {int(fault.value)}"
+        if not down:
+            return True, f"{which} of {name} is up"
+        return True, f"{which} of {name} is down" + (
+            f" for {duration:g}s" if duration is not None else ""
+        )
 
     def _reset(self, slot: _Slot, name: str) -> tuple[bool, str]:
         if not slot.present and not slot.fell_off:
@@ -923,12 +964,15 @@ class MockNvml:
 
     def nvmlDeviceGetNvLinkState(self, device: Any, link: int) -> int:
         _, nvlink = self._link(device, link)
-        if nvlink.peer is None:
-            return _ENABLED
-        # A link to a GPU that is gone is down.
-        peer = self._slots[nvlink.peer]
         with self._cond:
-            alive = peer.present and not peer.lost(self._now())
+            now = self._now()
+            if now < nvlink.down_until:  # fault nvlink_down
+                return _DISABLED
+            if nvlink.peer is None:
+                return _ENABLED
+            # A link to a GPU that is gone is down.
+            peer = self._slots[nvlink.peer]
+            alive = peer.present and not peer.lost(now)
         return _ENABLED if alive else _DISABLED
 
     def nvmlDeviceGetNvLinkRemotePciInfo(self, device: Any, link: int) -> MockPciInfo:

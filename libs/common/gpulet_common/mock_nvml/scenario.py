@@ -90,6 +90,8 @@ FAULT_KINDS: Final = (
     "pcie_replay",
     "nvlink_error",
     "clock_event",
+    "nvlink_down",
+    "nvlink_up",
     "nvml_vanish",
     "nvml_return",
     "reset",
@@ -241,8 +243,9 @@ class FaultSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     ``gpu`` is the scenario index ("slot") of the GPU, stable while NVML indices shift
     when GPUs disappear; hot-added GPUs take the next slots. ``value`` is the XID, the
     error count (for ``nvlink_error``: each NVLink error counter of the GPU rises by
-    it), the target temperature or the NVML error code, by kind. For
-    ``temperature``: ``from`` (default: the current temperature), ``ramp_s`` up,
+    it), the target temperature, the NVLink number (``nvlink_down``, ``nvlink_up``) or
+    the NVML error code, by kind. For ``temperature``: ``from`` (default: the current
+    temperature), ``ramp_s`` up,
     ``duration_s`` held (absent: for ever), ``back_s`` down to the baseline.
     """
 
@@ -404,6 +407,12 @@ def check_fault(fault: FaultSpec, gpu_count: int, *, live: bool) -> str | None:
             return (
                 "fault 'clock_event' needs value = the clock-event reason bits the GPU "
                 "reports (0x8 HW slowdown, 0x80 power brake, 0x4 SW power cap; 0 ends it)"
+            )
+    elif kind in ("nvlink_down", "nvlink_up"):
+        if value is not None and (not _whole(value) or not 0 <= value < NVLINK_MAX_LINKS):
+            return (
+                f"fault {kind!r}: value is the GPU's NVLink number (0-{NVLINK_MAX_LINKS - 1}); "
+                "absent: every NVLink of the GPU"
             )
     elif kind == "nvml_vanish":
         if fault.error is not None and fault.error not in VANISH_ERRORS:

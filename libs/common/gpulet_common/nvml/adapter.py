@@ -62,6 +62,24 @@ aggregate (lifetime) ECC counts, which nothing needs within seconds. The collect
 asks for them every ``collector.slow_period_s``; in between, samples repeat the last
 values, and ``slow_fields_at`` tells their age. A field id the GPU answers
 NOT_SUPPORTED for is dropped from later batches.
+
+NVLink state
+------------
+The inventory counts, per pair of GPUs, the NVLinks that are *active*
+(``nvmlDeviceGetNvLinkState`` per link, then the far end's PCI bus id and device type).
+The adapter remembers, by UUID, every link it has seen active and where it led. A
+remembered link that reads inactive later is *down*: it leaves the pair's ``nvlinks``
+(so the allocator stops counting it) and is counted in the pair's ``nvlinks_down``
+and listed in the GPU's ``nvlinks_down``. A link never seen active (no bridge or
+cable, or down since before this process started) is neither: NVML cannot tell it
+from a link that does not exist. The slow path re-reads the state of the remembered
+links only (one call per link; none on a GPU without NVLink), at the first slow read,
+when the GPU's NVLink error counters of that slow read moved (a failing link goes
+through replays and recovery first) or when ``nvlink_state_every_s`` has passed since
+the last read, and keeps the set of active ones, :meth:`NvmlAdapter.nvlinks_up`; the
+collector compares it with the inventory it published and rebuilds the inventory when
+they differ. A GPU whose link scan failed has unknown links (``nvlinks_up`` None), not
+"none up".
 """
 
 from __future__ import annotations
@@ -195,6 +213,7 @@ _U_EVENT_REASONS: Final = 1 << 12
 _U_THROTTLE_REASONS: Final = 1 << 13
 _U_FIELD_VALUES: Final = 1 << 14
 _U_GPM: Final = 1 << 15
+_U_NVLINK_STATE: Final = 1 << 16
 
 # The slow fields: one nvmlDeviceGetFieldValues batch per GPU, read every
 # ``collector.slow_period_s`` (it costs ~5 ms on a real H100 every time, see
@@ -208,6 +227,13 @@ SLOW_FIELD_IDS: Final[tuple[tuple[str, str, int], ...]] = (
     ("nvlink_replay_errors", "NVML_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL", 52),
     ("nvlink_recovery_errors", "NVML_FI_DEV_NVLINK_RECOVERY_ERROR_COUNT_TOTAL", 59),
     ("nvlink_bandwidth_total", "NVML_FI_DEV_NVLINK_BANDWIDTH_C0_TOTAL", 66),
+)
+# The slow fields that count NVLink errors: when one moves, link state is re-read.
+NVLINK_ERROR_FIELDS: Final = (
+    "nvlink_crc_flit_errors",
+    "nvlink_crc_data_errors",
+    "nvlink_replay_errors",
+    "nvlink_recovery_errors",
 )
 # GPM metrics (Hopper and later), percentages turned into 0..1 ratios:
 # (GpuSample field, pynvml constant, its value in nvml_gpm.h).
@@ -273,6 +299,22 @@ class _GpuHandle:
         self.slow = slow
 
 
+class _LinkScan:
+    """One GPU's NVLinks as one inventory scan read them."""
+
+    __slots__ = ("direct", "down", "down_direct", "down_switch", "switch", "up")
+
+    def __init__(self) -> None:
+        # Active links per peer bus id, and active links into NVSwitches.
+        self.direct: dict[str, int] = {}
+        self.switch = 0
+        # Links seen active before that are inactive now, counted the same way.
+        self.down_direct: dict[str, int] = {}
+        self.down_switch = 0
+        self.up: list[int] = []
+        self.down: list[int] = []
+
+
 class _GpmState:
     """Two GPM sample buffers of one GPU, alternated: metrics need two samples."""
 
@@ -333,6 +375,21 @@ def _field_value(answer: Any) -> float | None:
     return float(value) if isinstance(value, int | float) else None
 
 
+def _pair_links(a: _LinkScan, b: _LinkScan, bus_a: str, bus_b: str) -> tuple[int, int]:
+    """(active, down) NVLinks between two GPUs, from both GPUs' scans.
+
+    Direct links count from both ends (one side's scan may have failed): the larger
+    count. Through NVSwitches every pair reaches the other with the smaller of the
+    two GPUs' switch links; the switch links down are what that leaves out.
+    """
+    up = max(a.direct.get(bus_b, 0), b.direct.get(bus_a, 0))
+    down = max(a.down_direct.get(bus_b, 0), b.down_direct.get(bus_a, 0))
+    switch_up = min(a.switch, b.switch) if a.switch and b.switch else 0
+    a_all, b_all = a.switch + a.down_switch, b.switch + b.down_switch
+    switch_all = min(a_all, b_all) if a_all and b_all else 0
+    return up + switch_up, down + switch_all - switch_up
+
+
 def _handle_key(handle: Any) -> Any:
     """A hashable identity of a device handle, equal for two handles of one GPU.
 
@@ -376,6 +433,11 @@ class NvmlAdapter:
         self._gpm_by_uuid: dict[str, _GpmState] = {}
         # Field ids a GPU answered NOT_SUPPORTED for, per UUID: never asked again.
         self._fields_unsupported: dict[str, frozenset[int]] = {}
+        # NVLinks ever seen active, per UUID: link id -> (far end's bus id, is a switch);
+        # and the active links at the last read of their state (inventory or slow path).
+        self._nvlink_seen: dict[str, dict[int, tuple[str, bool]]] = {}
+        self._nvlink_up: dict[str, frozenset[int]] = {}
+        self._nvlink_read_at: dict[str, float] = {}  # time.monotonic() of that read
         self._event_devices: dict[Any, tuple[int, str]] = {}
         self._initialized = False
 
@@ -715,25 +777,34 @@ class NvmlAdapter:
             words = self._opt(gpu, self._f_affinity, _CPU_SET_WORDS)
         return _affinity_cpus(words) if words is not None else []
 
-    def _nvlinks(self, gpu: _GpuHandle) -> tuple[dict[str, int], int]:
-        """Active NVLinks of one GPU: links per peer bus id, and links into NVSwitches.
+    def _nvlinks(self, gpu: _GpuHandle) -> _LinkScan:
+        """Active and down NVLinks of one GPU, per peer bus id and into NVSwitches.
 
         On NVSwitch systems (DGX/HGX) a GPU's links end at switches, never at a peer,
         and every GPU reaches every other one through the fabric; the pair count is
         then the smaller of the two GPUs' switch links (what ``nvidia-smi topo`` shows
-        as NV18 on a DGX H100).
+        as NV18 on a DGX H100). A link is *down* when this adapter saw it active
+        before (module docstring); it is counted where it led when it was up.
         """
         state = self._f_nvlink_state
         remote_pci = self._f_nvlink_remote_pci
         remote_type = self._f_nvlink_remote_type
-        direct: dict[str, int] = {}
-        switch_links = 0
+        scan = _LinkScan()
         if state is None or remote_pci is None:
-            return direct, switch_links
+            return scan
         handle = gpu.handle
+        with self._lock:
+            seen = dict(self._nvlink_seen.get(gpu.uuid, {}))
         for link in range(self._c_nvlink_max_links):
             try:
                 if not state(handle, link):
+                    known = seen.get(link)
+                    if known is not None:
+                        scan.down.append(link)
+                        if known[1]:
+                            scan.down_switch += 1
+                        else:
+                            scan.down_direct[known[0]] = scan.down_direct.get(known[0], 0) + 1
                     continue
                 bus = normalize_bus_id(_text(remote_pci(handle, link).busId))
             except self._error_type as exc:
@@ -742,8 +813,8 @@ class NvmlAdapter:
                     if link == 0:  # no NVLink on this GPU at all
                         break
                     continue
-                if code == NVML_ERROR_INVALID_ARGUMENT:  # beyond this GPU's links
-                    continue
+                if code == NVML_ERROR_INVALID_ARGUMENT:  # beyond this GPU's last link
+                    break
                 raise self._translate(exc, "nvmlDeviceGetNvLinkState", gpu.index, gpu.uuid) from exc
             kind = None
             if remote_type is not None:
@@ -754,11 +825,66 @@ class NvmlAdapter:
                         raise self._translate(
                             exc, "nvmlDeviceGetNvLinkRemoteDeviceType", gpu.index, gpu.uuid
                         ) from exc
-            if kind == self._c_nvlink_switch:
-                switch_links += 1
+            to_switch = kind == self._c_nvlink_switch
+            seen[link] = (bus, to_switch)
+            scan.up.append(link)
+            if to_switch:
+                scan.switch += 1
             else:
-                direct[bus] = direct.get(bus, 0) + 1
-        return direct, switch_links
+                scan.direct[bus] = scan.direct.get(bus, 0) + 1
+        with self._lock:
+            self._nvlink_seen[gpu.uuid] = seen
+            self._nvlink_up[gpu.uuid] = frozenset(scan.up)
+            self._nvlink_read_at[gpu.uuid] = time.monotonic()
+        return scan
+
+    def _nvlink_state_due(self, gpu: _GpuHandle, before: dict[str, Any], every_s: float) -> bool:
+        """Whether this slow read re-reads link state: the first slow read (no counters
+        to compare with yet), the error counters moved since the previous slow read,
+        or ``every_s`` has passed since the last state read."""
+        if before.get("slow_fields_at") is None or any(
+            gpu.slow.get(field) != before.get(field) for field in NVLINK_ERROR_FIELDS
+        ):
+            return True
+        last = self._nvlink_read_at.get(gpu.uuid)
+        return last is None or time.monotonic() - last >= every_s
+
+    def _read_nvlink_state(self, gpu: _GpuHandle) -> None:
+        """Re-read the state of the links seen active before (the slow path).
+
+        One ``nvmlDeviceGetNvLinkState`` per remembered link, nothing on a GPU without
+        NVLink. A link whose state cannot be read keeps its last known state; a lost
+        GPU or NVML gone raise as in :meth:`sample`.
+        """
+        fn = self._f_nvlink_state
+        if fn is None or gpu.unsupported & _U_NVLINK_STATE:
+            return
+        with self._lock:
+            links = sorted(self._nvlink_seen.get(gpu.uuid, {}))
+            before = self._nvlink_up.get(gpu.uuid, frozenset())
+        if not links:
+            return
+        up = set(before)
+        for link in links:
+            try:
+                active = bool(fn(gpu.handle, link))
+            except self._error_type as exc:
+                code = self._code(exc)
+                if code == NVML_ERROR_GPU_IS_LOST or code in _UNAVAILABLE_AFTER_INIT:
+                    self._field_failed(gpu, _U_NVLINK_STATE, fn, exc)
+                log.debug("GPU %d: state of NVLink %d unknown: %s", gpu.index, link, exc)
+                continue
+            if active:
+                up.add(link)
+            else:
+                up.discard(link)
+        with self._lock:
+            self._nvlink_up[gpu.uuid] = frozenset(up)
+            self._nvlink_read_at[gpu.uuid] = time.monotonic()
+
+    def nvlinks_up(self, uuid: str) -> frozenset[int] | None:
+        """The GPU's active NVLinks at the last read (None: never read)."""
+        return self._nvlink_up.get(uuid)
 
     def _common_ancestor(self, a: _GpuHandle, b: _GpuHandle) -> int | None:
         fn = self._f_common_ancestor
@@ -794,13 +920,17 @@ class NvmlAdapter:
                 log.warning("GPU %d left out of the inventory: %s", index, exc)
                 skipped[index] = str(exc)
 
-        links: list[tuple[dict[str, int], int]] = []
+        links: list[_LinkScan] = []
         for gpu, _ in found:
             try:
                 links.append(self._nvlinks(gpu))
             except (GpuLostError, NvmlCallError) as exc:
                 log.warning("NVLinks of GPU %d unknown: %s", gpu.index, exc)
-                links.append(({}, 0))
+                links.append(_LinkScan())
+                with self._lock:
+                    # Unknown, not "none up": the collector must not rebuild the
+                    # inventory again and again to compare with it.
+                    self._nvlink_up.pop(gpu.uuid, None)
 
         buses = [normalize_bus_id(info.pci_bus_id) for _, info in found]
         peers: list[list[PeerLink]] = [[] for _ in found]
@@ -809,23 +939,33 @@ class NvmlAdapter:
             for b in range(a + 1, len(found)):
                 gpu_b = found[b][0]
                 level = self._common_ancestor(gpu_a, gpu_b)
-                # Count from both ends: one side's scan may have failed.
-                nvlinks = max(links[a][0].get(buses[b], 0), links[b][0].get(buses[a], 0))
-                if links[a][1] and links[b][1]:
-                    nvlinks += min(links[a][1], links[b][1])
+                nvlinks, down = _pair_links(links[a], links[b], buses[a], buses[b])
                 peers[a].append(
                     PeerLink(
-                        peer_uuid=gpu_b.uuid, peer_index=gpu_b.index, level=level, nvlinks=nvlinks
+                        peer_uuid=gpu_b.uuid,
+                        peer_index=gpu_b.index,
+                        level=level,
+                        nvlinks=nvlinks,
+                        nvlinks_down=down,
                     )
                 )
                 peers[b].append(
                     PeerLink(
-                        peer_uuid=gpu_a.uuid, peer_index=gpu_a.index, level=level, nvlinks=nvlinks
+                        peer_uuid=gpu_a.uuid,
+                        peer_index=gpu_a.index,
+                        level=level,
+                        nvlinks=nvlinks,
+                        nvlinks_down=down,
                     )
                 )
 
         gpus = [
-            msgspec.structs.replace(info, topology=sorted(peers[i], key=lambda p: p.peer_index))
+            msgspec.structs.replace(
+                info,
+                topology=sorted(peers[i], key=lambda p: p.peer_index),
+                nvlinks_up=links[i].up,
+                nvlinks_down=links[i].down,
+            )
             for i, (_, info) in enumerate(found)
         ]
         inventory = Inventory(
@@ -842,12 +982,16 @@ class NvmlAdapter:
 
     # --- samples -------------------------------------------------------------------
 
-    def sample(self, index: int, *, slow: bool = False) -> GpuSample:
+    def sample(
+        self, index: int, *, slow: bool = False, nvlink_state_every_s: float = 0.0
+    ) -> GpuSample:
         """One reading of one GPU.
 
         With ``slow`` the expensive fields (:data:`SLOW_FIELD_IDS` in one
         ``nvmlDeviceGetFieldValues`` call, and GPM) are read too; without it the sample
         repeats their last values, with ``slow_fields_at`` saying when those were read.
+        A slow read also re-reads the NVLink state (:meth:`nvlinks_up`) when the NVLink
+        error counters moved or ``nvlink_state_every_s`` has passed (0: every time).
         Unsupported fields are None (and never asked again). An unexpected error on one
         field leaves it None, sets ``error`` and drops the cached handle. Raises
         :class:`GpuLostError` for a lost GPU, :class:`GpuResetRequired` when it needs a
@@ -874,7 +1018,10 @@ class NvmlAdapter:
             # Drivers before 535 only have the older name of the same call.
             reasons = read(gpu, _U_THROTTLE_REASONS, self._f_throttle_reasons)
         if slow:
+            before = dict(gpu.slow)
             self._read_slow(gpu, aggregate)
+            if self._nvlink_state_due(gpu, before, nvlink_state_every_s):
+                self._read_nvlink_state(gpu)
         error = gpu.error
         if error is not None:
             self._forget(gpu)

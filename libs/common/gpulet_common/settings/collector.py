@@ -24,6 +24,12 @@ class CollectorSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     # time, so it is not read every period (30 s is dcgm-exporter's default interval).
     # Samples in between repeat the last values (see slow_fields_at).
     slow_period_s: Annotated[float, msgspec.Meta(ge=0.01, le=3600)] = 30.0
+    # Seconds between two reads of a GPU's NVLink link state (nvmlDeviceGetNvLinkState,
+    # one call per link seen up: 18 on an H100 SXM), made on a slow read. A slow read
+    # whose NVLink error counters (CRC, replay, recovery) moved re-reads it at once: a
+    # failing link usually goes through replays and recovery before it is down.
+    # 0: at every slow read.
+    nvlink_state_period_s: Annotated[float, msgspec.Meta(ge=0, le=86400)] = 300.0
     # Export dcgm-exporter's DCGM_FI_* metrics on /metrics beside the gpulet_* ones.
     dcgm_metrics: bool = True
     # Add pod/namespace/container labels to the DCGM_FI_* metrics of GPUs that a

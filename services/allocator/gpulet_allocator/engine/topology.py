@@ -32,6 +32,12 @@ of :mod:`.whole` already prefers the smallest / already broken group, and unlike
 tree it also sees NVLinks -- so the tree serves as the operator's view
 (:meth:`TopologyTree.render`) and as a cross-check in tests and benches.
 
+NVLinks that went down: the collector counts only *active* links in a pair's
+``nvlinks`` and the ones that went down in ``nvlinks_down`` (re-read on its slow
+period, the inventory republished on a change). So a link down leaves the scores and
+tiers with the next inventory, and a link back up returns to them; ``nvlinks_down``
+itself is not scored.
+
 Data quality: NVML answers each ordered pair separately. When the two directions
 disagree the worse answer wins (higher level, fewer links): over-estimating a link
 would place a job on a path slower than promised. A missing level falls back to NUMA

@@ -13,8 +13,9 @@ log; operator clears and the housekeeping tick.
 Rule families, one module each, whose docstrings state their rules (defaults in
 :mod:`gpulet_common.settings.health`): :mod:`.xid`, :mod:`.ecc`, :mod:`.remap`,
 :mod:`.thermal`, :mod:`.clocks`, :mod:`.link_errors` (PCIe and NVLink error-counter
-rates), :mod:`.presence` (the GPU list, lost, removed and missing GPUs, NVML
-unavailable). The engine hands every input to the families, in the
+rates), :mod:`.nvlink` (links down, from the collector's inventory:
+:meth:`RuleEngine.observe_nvlinks`), :mod:`.presence` (the GPU list, lost, removed and
+missing GPUs, NVML unavailable). The engine hands every input to the families, in the
 order of :data:`FAMILIES`, and passes what they emit through the de-duplication stage
 (:meth:`.Deduplicator.apply`): repeats are folded after the rules, never inside them.
 
@@ -45,6 +46,7 @@ from gpulet_health.rules.base import Family, Kit
 from gpulet_health.rules.clocks import Clocks
 from gpulet_health.rules.ecc import Ecc
 from gpulet_health.rules.link_errors import LinkErrors
+from gpulet_health.rules.nvlink import NvLink
 from gpulet_health.rules.presence import GONE_CONDITIONS, Presence
 from gpulet_health.rules.remap import Remap
 from gpulet_health.rules.thermal import Thermal
@@ -77,8 +79,13 @@ class RuleEngine(Kit):
     ) -> None:
         super().__init__(node, settings, catalogue or XidCatalogue.from_settings(settings))
         self._dedup = Deduplicator(settings.dedup_window_s)
-        self.xid, self.presence = Xid(self), Presence(self)
-        self.families = [self.xid, *(family(self) for family in FAMILIES), self.presence]
+        self.xid, self.presence, self.nvlink = Xid(self), Presence(self), NvLink(self)
+        self.families = [
+            self.xid,
+            *(family(self) for family in FAMILIES),
+            self.nvlink,
+            self.presence,
+        ]
 
     # --- queries -------------------------------------------------------------------
 
@@ -151,6 +158,16 @@ class RuleEngine(Kit):
         scan is asked for.
         """
         return self._dedup.apply(self.presence.inventory(gpus, now, scanned_at))
+
+    def observe_nvlinks(self, gpus: Sequence[GpuInfo], now: float) -> list[HealthEvent]:
+        """The GPUs of the collector's inventory: their NVLinks up and down
+        (:mod:`.nvlink`). GPUs this engine does not know are left to the GPU scans."""
+        out: list[Emit] = []
+        for info in gpus:
+            gpu = self.gpus.get(info.uuid)
+            if gpu is not None and gpu.present:
+                out += self.nvlink.observe(gpu, info, now)
+        return self._dedup.apply(out)
 
     def observe_lost(
         self, uuid: str, now: float, detail: str, *, scanned_at: float | None = None
