@@ -20,12 +20,8 @@ from nats.aio.msg import Msg
 from gpulet_allocator import protocol as p
 from gpulet_allocator.kubelet_api.deviceplugin.v1beta1 import api_pb2 as dp
 from gpulet_allocator.nats_backend import NatsAllocationBackend
-from gpulet_allocator.plugin.backend import (
-    AllocationRejected,
-    AllocatorUnavailable,
-    ContainerAllocation,
-    RejectCode,
-)
+from gpulet_allocator.plugin.backend import AllocationRejected, AllocatorUnavailable, RejectCode
+from gpulet_allocator.protocol import ContainerAllocation
 from gpulet_common import subjects
 from gpulet_common.bus import Bus, RemoteError
 from gpulet_common.embedded_nats import EmbeddedNats

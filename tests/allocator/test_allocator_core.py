@@ -10,8 +10,7 @@ import msgspec
 import pytest
 
 from gpulet_allocator.core import AllocatorCore, PodRef, Rejected, grant_key
-from gpulet_allocator.plugin.backend import PreferredRequest
-from gpulet_allocator.protocol import ReleaseRequest
+from gpulet_allocator.protocol import PreferredRequest, ReleaseRequest
 from gpulet_allocator.store import CheckpointError, CheckpointFile, Committer, encode
 from gpulet_common.messages import Inventory
 from gpulet_common.settings.allocator import ResourceNames

@@ -22,16 +22,13 @@ from gpulet_allocator.kubelet_api.deviceplugin.v1beta1 import api_pb2 as dp
 from gpulet_allocator.plugin import (
     AllocationRejected,
     AllocatorUnavailable,
-    ContainerAllocation,
     DeviceList,
     DevicePluginManager,
-    DeviceSpec,
-    Mount,
     PluginConfig,
     PluginGpu,
-    PreferredRequest,
     RejectCode,
 )
+from gpulet_allocator.protocol import ContainerAllocation, DeviceSpec, Mount, PreferredRequest
 from support.fake_kubelet import FakeContainer, FakeKubelet, FakePod, running_fake_kubelet
 
 GIB = 1024**3

@@ -9,7 +9,7 @@ from gpulet_allocator import store
 from gpulet_allocator.core import StoredState
 from gpulet_allocator.engine.errors import ERROR_CODES, AllocationError
 from gpulet_allocator.engine.ledger import Allocation, Ledger, Owner, WholeAllocation
-from gpulet_allocator.engine.shares import CORES_PER_GPU
+from gpulet_allocator.protocol import CORES_PER_GPU
 from gpulet_common.messages import Inventory
 from support.reference import GIB, inventory_from_matrix
 

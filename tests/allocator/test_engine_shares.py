@@ -5,14 +5,8 @@ from __future__ import annotations
 import pytest
 
 from gpulet_allocator.engine.errors import AllocationError
-from gpulet_allocator.engine.shares import (
-    MEMORY_UNIT_BYTES,
-    CardFree,
-    classify_cores,
-    format_units,
-    memory_units,
-    pick_share,
-)
+from gpulet_allocator.engine.shares import CardFree, classify_cores, format_units, pick_share
+from gpulet_allocator.protocol import MEMORY_UNIT_BYTES, memory_units
 
 
 def card(uuid: str, index: int, cores: int = 100, mem: int = 64, total: int = 64) -> CardFree:

@@ -74,10 +74,14 @@ from nats.aio.msg import Msg
 from nats.micro.request import Request
 
 from gpulet_allocator import protocol as p
-from gpulet_allocator.core import CORES_PER_GPU, AllocatorCore, Rejected, StoredState, Undo
+from gpulet_allocator.core import AllocatorCore, Rejected, StoredState, Undo
 from gpulet_allocator.engine import ERROR_CODES, ShareAllocation, WholeAllocation
-from gpulet_allocator.engine.shares import memory_units
-from gpulet_allocator.plugin.backend import ContainerAllocation, PreferredRequest
+from gpulet_allocator.protocol import (
+    CORES_PER_GPU,
+    ContainerAllocation,
+    PreferredRequest,
+    memory_units,
+)
 from gpulet_allocator.service import MAX_ERROR_MESSAGE_CHARS, AllocatorService, _bounded
 from gpulet_allocator.store import CheckpointFile
 from gpulet_common import codec, subjects

@@ -32,8 +32,8 @@ import anyio.abc
 import msgspec
 
 from gpulet_allocator import protocol as p
-from gpulet_allocator.plugin.resources import ResourceKind, ResourceSpec, resource_specs
 from gpulet_allocator.plugin.service import DevicePluginService
+from gpulet_allocator.protocol import ResourceKind, ResourceSpec, resource_specs
 from gpulet_allocator.service import AllocatorService
 from gpulet_common import codec, subjects
 from gpulet_common.bus import Bus, Delivery

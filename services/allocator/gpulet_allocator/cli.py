@@ -86,10 +86,14 @@ def _run(settings: Settings, what: str, call: Callable[[], Any]) -> Any:
 
 
 def _mib(units: int) -> str:
-    return f"{units * 256 / 1024:g} GiB"
+    from gpulet_allocator.protocol import MEMORY_UNIT_MIB
+
+    return f"{units * MEMORY_UNIT_MIB / 1024:g} GiB"
 
 
 def format_state(state: p.StateReply) -> str:
+    from gpulet_allocator.protocol import CORES_PER_GPU
+
     if state.lost:
         readiness = f"NOT READY ({state.lost})"
     else:
@@ -104,9 +108,8 @@ def format_state(state: p.StateReply) -> str:
             health = "LOST"
         holder = g.whole or ", ".join(g.shares) or "-"
         memory = f"{_mib(g.memory_used)}/{_mib(g.memory_units)}"
-        lines.append(
-            f"{g.index:>3}  {g.uuid:<42} {health:<9} {g.cores_used:>3}/100 {memory:>17}  {holder}"
-        )
+        cores = f"{g.cores_used:>3}/{CORES_PER_GPU}"
+        lines.append(f"{g.index:>3}  {g.uuid:<42} {health:<9} {cores} {memory:>17}  {holder}")
     lines.append("")
     if not state.allocations:
         lines.append("no allocations")

@@ -104,24 +104,28 @@ from gpulet_allocator.engine import (
     WholeAllocation,
     classify_cores,
 )
-from gpulet_allocator.engine.shares import memory_units as memory_units_of
 from gpulet_allocator.koordinator import Claim, GpuEntry, PodBook, PodKey, memory_mib
-from gpulet_allocator.plugin.backend import ContainerAllocation, Mount, PreferredRequest
-from gpulet_allocator.plugin.resources import ResourceKind, parse_device_id, resource_specs
 from gpulet_allocator.protocol import (
+    CORES_PER_GPU,
+    MEMORY_UNIT_MIB,
     AllocationView,
+    ContainerAllocation,
     GpuView,
     GrantView,
+    Mount,
+    PreferredRequest,
     ReleaseRequest,
+    ResourceKind,
     StateReply,
+    parse_device_id,
+    resource_specs,
 )
+from gpulet_allocator.protocol import memory_units as memory_units_of
 from gpulet_common.messages import GpuInfo, Inventory
 from gpulet_common.settings.allocator import CdiSettings, MpsSettings, ResourceNames
 
 log = logging.getLogger("gpulet.allocator")
 
-CORES_PER_GPU: Final = 100
-MEMORY_UNIT_MIB: Final = 256
 ALLOCATION_ANNOTATION: Final = "gpulet.io/allocation"
 ALLOCATION_ENV: Final = "GPULET_ALLOCATION_ID"
 STATE_VERSION: Final = 1

@@ -48,13 +48,8 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from nats.aio.client import Client as NatsClient
 
 from gpulet_allocator import protocol as p
-from gpulet_allocator.plugin.backend import (
-    AllocationRejected,
-    AllocatorUnavailable,
-    ContainerAllocation,
-    PreferredRequest,
-    RejectCode,
-)
+from gpulet_allocator.plugin.backend import AllocationRejected, AllocatorUnavailable, RejectCode
+from gpulet_allocator.protocol import ContainerAllocation, PreferredRequest
 from gpulet_common import subjects
 from gpulet_common.bus import BusError, RemoteError
 from gpulet_common.codec import Codec

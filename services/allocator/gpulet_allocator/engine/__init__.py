@@ -26,14 +26,12 @@ from .ledger import (
     ShareAllocation,
     WholeAllocation,
 )
-from .shares import CORES_PER_GPU, MEMORY_UNIT_BYTES, CardFree, classify_cores, pick_share
+from .shares import CardFree, classify_cores, pick_share
 from .topology import Topology, TopologyTree, TreeNode, pair_score
 from .whole import Selection, SetKey, fragment_order, preferred_allocation, select_whole
 
 __all__ = [
-    "CORES_PER_GPU",
     "ERROR_CODES",
-    "MEMORY_UNIT_BYTES",
     "Allocation",
     "AllocationError",
     "CardFree",

@@ -36,17 +36,12 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from gpulet_allocator.protocol import CORES_PER_GPU
+from gpulet_allocator.protocol import memory_units as units_of_bytes
 from gpulet_common.messages import GpuInfo, Inventory
 
 from .errors import AllocationError
-from .shares import (
-    CORES_PER_GPU,
-    CardFree,
-    classify_cores,
-    pick_share,
-    validate_share,
-)
-from .shares import memory_units as units_of_bytes
+from .shares import CardFree, classify_cores, pick_share, validate_share
 from .topology import Topology
 from .whole import fragment_order, select_whole
 

@@ -29,15 +29,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from gpulet_allocator.protocol import CORES_PER_GPU, MEMORY_UNIT_BYTES
+
 from .errors import AllocationError
-
-CORES_PER_GPU = 100
-MEMORY_UNIT_BYTES = 256 * 1024 * 1024
-
-
-def memory_units(total_bytes: int) -> int:
-    """How many whole 256 MiB units a card of ``total_bytes`` holds."""
-    return max(total_bytes, 0) // MEMORY_UNIT_BYTES
 
 
 def format_units(units: int) -> str:

@@ -22,60 +22,38 @@ from gpulet_allocator.plugin.backend import (
     AllocationBackend,
     AllocationRejected,
     AllocatorUnavailable,
-    ContainerAllocation,
-    DeviceSpec,
-    Mount,
-    PreferredRequest,
     RejectCode,
 )
 from gpulet_allocator.plugin.config import PluginConfig
 from gpulet_allocator.plugin.devnodes import DeviceNodes
 from gpulet_allocator.plugin.manager import DevicePluginManager
 from gpulet_allocator.plugin.resources import (
-    CORE_UNITS_PER_GPU,
-    MEMORY_UNIT_BYTES,
     PluginDevice,
     PluginGpu,
-    ResourceKind,
-    ResourceNames,
-    ResourceSpec,
     build_devices,
     build_inventory,
-    parse_device_id,
     plugin_gpus_from_inventory,
-    resource_specs,
 )
 from gpulet_allocator.plugin.server import KubeletServicer, ResourceServer, socket_name
 from gpulet_allocator.plugin.state import DeviceList, DeviceListSource, DeviceSnapshot
 
 __all__ = [
-    "CORE_UNITS_PER_GPU",
-    "MEMORY_UNIT_BYTES",
     "AllocationBackend",
     "AllocationRejected",
     "AllocatorUnavailable",
-    "ContainerAllocation",
     "DeviceList",
     "DeviceListSource",
     "DeviceNodes",
     "DevicePluginManager",
     "DeviceSnapshot",
-    "DeviceSpec",
     "KubeletServicer",
-    "Mount",
     "PluginConfig",
     "PluginDevice",
     "PluginGpu",
-    "PreferredRequest",
     "RejectCode",
-    "ResourceKind",
-    "ResourceNames",
     "ResourceServer",
-    "ResourceSpec",
     "build_devices",
     "build_inventory",
-    "parse_device_id",
     "plugin_gpus_from_inventory",
-    "resource_specs",
     "socket_name",
 ]

@@ -22,45 +22,7 @@ from __future__ import annotations
 import enum
 from typing import Protocol
 
-import msgspec
-
-
-class Mount(msgspec.Struct, frozen=True, kw_only=True):
-    container_path: str
-    host_path: str
-    read_only: bool = False
-
-
-class DeviceSpec(msgspec.Struct, frozen=True, kw_only=True):
-    container_path: str
-    host_path: str
-    permissions: str = "rw"
-
-
-class ContainerAllocation(msgspec.Struct, frozen=True, kw_only=True):
-    """What one container gets; maps onto kubelet's ContainerAllocateResponse.
-
-    ``gpus`` lists the UUIDs of the physical GPUs the allocator chose: the plugin turns
-    them into ``/dev/nvidiaN`` plus control device specs itself, because only the node
-    knows which device files exist. ``devices`` are extra specs; any of them under
-    ``/dev`` that does not exist is dropped too.
-    """
-
-    gpus: list[str] = []
-    envs: dict[str, str] = {}
-    mounts: list[Mount] = []
-    devices: list[DeviceSpec] = []
-    annotations: dict[str, str] = {}
-    # Fully qualified CDI names, e.g. "nvidia.com/gpu=GPU-...".
-    cdi_devices: list[str] = []
-
-
-class PreferredRequest(msgspec.Struct, frozen=True, kw_only=True):
-    """One container of a GetPreferredAllocation call."""
-
-    available: list[str]
-    must_include: list[str] = []
-    size: int
+from gpulet_allocator.protocol import ContainerAllocation, PreferredRequest
 
 
 class RejectCode(enum.StrEnum):

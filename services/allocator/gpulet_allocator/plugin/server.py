@@ -45,21 +45,19 @@ from gpulet_allocator.plugin.backend import (
     AllocationBackend,
     AllocationRejected,
     AllocatorUnavailable,
-    ContainerAllocation,
-    DeviceSpec,
-    PreferredRequest,
     RejectCode,
 )
 from gpulet_allocator.plugin.config import PluginConfig
 from gpulet_allocator.plugin.devnodes import DeviceNodes
 from gpulet_allocator.plugin.metrics import PluginMetrics
-from gpulet_allocator.plugin.resources import (
-    PluginDevice,
-    PluginGpu,
-    ResourceSpec,
-    build_devices,
-)
+from gpulet_allocator.plugin.resources import PluginDevice, PluginGpu, build_devices
 from gpulet_allocator.plugin.state import DeviceListSource, DeviceSnapshot
+from gpulet_allocator.protocol import (
+    ContainerAllocation,
+    DeviceSpec,
+    PreferredRequest,
+    ResourceSpec,
+)
 
 log = logging.getLogger(__name__)
 
