@@ -9,10 +9,11 @@ import anyio
 import msgspec
 import pytest
 
-from gpulet_allocator.core import AllocatorCore, PodRef, Rejected, grant_key
+from gpulet_allocator.core import AllocatorCore, PodRef, grant_key
 from gpulet_allocator.protocol import PreferredRequest, ReleaseRequest
 from gpulet_allocator.store import CheckpointError, CheckpointFile, Committer, encode
 from gpulet_common.messages import Inventory
+from gpulet_common.refusal import Refused
 from gpulet_common.settings.allocator import ResourceNames
 from support import reference
 
@@ -98,7 +99,7 @@ def test_a_whole_gpu_call_closes_an_open_half() -> None:
 
 def test_a_failing_container_gives_back_the_earlier_ones() -> None:
     core = make_core(Clock())
-    with pytest.raises(Rejected) as refused:
+    with pytest.raises(Refused) as refused:
         core.allocate(GPU, [[U0], ["GPU-unknown"]])
     assert refused.value.code == "unknown_device"
     assert core.allocation_views() == []
@@ -120,30 +121,30 @@ def test_undo_reverts_a_join() -> None:
 def test_malformed_and_foreign_ids_are_unknown_devices() -> None:
     core = make_core(Clock())
     for bad in (["::core-1"], [f"{U0}::core-100"], [f"{U0}::mem-64"], [f"{U0}::gpu-1"], [U0]):
-        with pytest.raises(Rejected) as refused:
+        with pytest.raises(Refused) as refused:
             core.allocate(CORE if "mem" not in bad[0] else MEM, [bad])
         assert refused.value.code == "unknown_device", bad
-    with pytest.raises(Rejected) as refused:
+    with pytest.raises(Refused) as refused:
         core.allocate("example.com/fpga", [[U0]])
     assert refused.value.code == "unknown_resource"
-    with pytest.raises(Rejected) as refused:
+    with pytest.raises(Refused) as refused:
         core.allocate(GPU, [])
     assert refused.value.code == "invalid_request"
 
 
 def test_not_ready_without_inventory() -> None:
     core = AllocatorCore(node="n", names=ResourceNames())
-    with pytest.raises(Rejected) as refused:
+    with pytest.raises(Refused) as refused:
         core.allocate(GPU, [[U0]])
     assert refused.value.code == "not_ready"
-    with pytest.raises(Rejected):
+    with pytest.raises(Refused):
         core.preferred(GPU, [PreferredRequest(available=[U0], size=1)])
 
 
 def test_preferred_ignores_unknown_offers_but_not_unknown_requirements() -> None:
     core = make_core(Clock())
     assert core.preferred(GPU, [PreferredRequest(available=[U1, "GPU-x"], size=1)]) == [[U1]]
-    with pytest.raises(Rejected) as refused:
+    with pytest.raises(Refused) as refused:
         core.preferred(GPU, [PreferredRequest(available=[U1], must_include=["GPU-x"], size=1)])
     assert refused.value.code == "unknown_device"
     # Shares are placed by Allocate: any IDs do.
@@ -222,7 +223,7 @@ def test_explicit_release_by_id_pod_and_devices() -> None:
     assert core.release(ReleaseRequest(allocation_ids=[a_id])) == []
     [view] = core.release(ReleaseRequest(resource=GPU, device_ids=[U1]))
     assert view.gpus == [U1]
-    with pytest.raises(Rejected):
+    with pytest.raises(Refused):
         core.release(ReleaseRequest())
 
 

@@ -32,7 +32,7 @@ cards, so "more memory than a card" depends on the card). Two kinds of input:
 
 Checked after every request: the answer is either a reply that decodes and makes sense
 (an allocation on GPUs of the node, a preference of exactly ``size`` offered IDs) or a
-typed refusal -- ``Gpulet-Error`` header, an ``ErrorReply`` with a known code and a
+typed refusal -- nats.micro's error headers, an ``ErrorReply`` with a known code and a
 non-empty, bounded message, the matching ``Nats-Service-Error-Code`` -- never an
 exception, never ``internal``, never more than NATS carries. An allocate-batch answer
 has one outcome per call, each such an allocation or refusal; the same container gets
@@ -74,21 +74,30 @@ from nats.aio.msg import Msg
 from nats.micro.request import Request
 
 from gpulet_allocator import protocol as p
-from gpulet_allocator.core import AllocatorCore, Rejected, StoredState, Undo
-from gpulet_allocator.engine import ERROR_CODES, ShareAllocation, WholeAllocation
+from gpulet_allocator.core import AllocatorCore, StoredState, Undo
+from gpulet_allocator.engine import ShareAllocation, WholeAllocation
 from gpulet_allocator.protocol import (
     CORES_PER_GPU,
     ContainerAllocation,
     PreferredRequest,
     memory_units,
 )
-from gpulet_allocator.service import MAX_ERROR_MESSAGE_CHARS, AllocatorService, _bounded
+from gpulet_allocator.service import AllocatorService
 from gpulet_allocator.store import CheckpointFile
 from gpulet_common import codec, subjects
 from gpulet_common.bus import Bus
 from gpulet_common.codec import Codec
 from gpulet_common.embedded_nats import EmbeddedNats
 from gpulet_common.messages import ErrorReply, Inventory
+from gpulet_common.refusal import (
+    MAX_ERROR_MESSAGE_CHARS,
+    MICRO_ERROR_CODE_HEADER,
+    MICRO_ERROR_HEADER,
+    STATUS,
+    Refused,
+    bounded,
+    status_of,
+)
 from gpulet_common.settings import Settings
 from gpulet_common.settings.allocator import ResourceNames
 from robustness.strategies import bases, mutants
@@ -179,10 +188,15 @@ HOSTILE_IDS: Final = (
 
 # Codes a hostile request may get; "internal" (a bug), "checkpoint_failed" (the disk)
 # and "not_ready" (no inventory) must not happen here.
-ALLOWED_CODES: Final = (ERROR_CODES | p.SERVICE_ERROR_CODES) - {
+ALLOWED_CODES: Final = frozenset(STATUS) - {
     "internal",
     "checkpoint_failed",
     "not_ready",
+    # The caller's side's, or other services'.
+    "unavailable",
+    "malformed_reply",
+    "inventory_mismatch",
+    "unknown_gpu",
 }
 
 # What hostile allocate requests (and allocate-batch calls) must all run into.
@@ -1037,12 +1051,12 @@ class Fuzz:
         twin = self.twin
         if twin is None or not 0 < len(value.calls) <= p.MAX_BATCH_CALLS:
             return
-        alone: list[list[ContainerAllocation] | Rejected] = []
+        alone: list[list[ContainerAllocation] | Refused] = []
         undos: list[Undo] = []
         for call in value.calls:
             try:
                 answers, undo = twin.allocate(call.resource, call.containers)
-            except Rejected as exc:
+            except Refused as exc:
                 alone.append(exc)
                 continue
             alone.append(answers)
@@ -1052,10 +1066,10 @@ class Fuzz:
                 undo()
             return
         for n, (got, want) in enumerate(zip(reply.outcomes, alone, strict=True)):
-            if isinstance(want, Rejected):
+            if isinstance(want, Refused):
                 same = got.error is not None and (got.error.code, got.error.message) == (
                     want.code,
-                    _bounded(want.message),
+                    bounded(want.message),
                 )
             else:
                 same = got.error is None and got.containers == want
@@ -1254,17 +1268,16 @@ def judge_answer(
     ``value`` is the request that was sent (None when it was raw bytes). Returns the
     outcome with the decoded reply (the ErrorReply of a refusal).
     """
-    if p.GPULET_ERROR_HEADER in headers:
+    if MICRO_ERROR_CODE_HEADER in headers:
+        # Raised past our handler, nats.micro would have answered a bare 500 without
+        # an ErrorReply body: that fails here.
         error = codec.ERROR_REPLY.decode(data)
-        assert error.code == headers[p.GPULET_ERROR_HEADER]
         _judge_error(endpoint, error)
-        assert headers[p.MICRO_ERROR_CODE_HEADER] == p.micro_status(error.code)
-        assert headers[p.MICRO_ERROR_HEADER].startswith(error.code)
+        assert headers[MICRO_ERROR_CODE_HEADER] == str(status_of(error.code).wire)
+        assert headers[MICRO_ERROR_HEADER].startswith(f"{error.code}: ")
         if isinstance(value, p.AllocateBatchRequest):
             _judge_batch_refusal(value, error)
         return error.code, error
-    # Raised past our handler, nats.micro would have answered a bare 500.
-    assert p.MICRO_ERROR_CODE_HEADER not in headers, headers
     reply = REPLY_CODECS[endpoint].decode(data)
     if isinstance(value, p.AllocateRequest):
         _judge_allocate(value, reply.containers)

@@ -238,8 +238,7 @@ class Stack:
     async def ask(
         self, endpoint: str, value: Q, request: Codec[Q], reply: Codec[R], *, timeout_s: float = 2.0
     ) -> R:
-        return await p.request(
-            self.bus.client,
+        return await self.bus.request(
             subjects.allocator_endpoint(self.node, endpoint),
             value,
             request,

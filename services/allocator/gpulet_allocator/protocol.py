@@ -44,27 +44,24 @@ defaults only (like :mod:`gpulet_common.messages`). Each type has one codec here
 
 Errors
 ------
-A refused request is answered with an :class:`~gpulet_common.messages.ErrorReply`
-body, the ``Gpulet-Error: <code>`` header (what :meth:`gpulet_common.bus.Bus.request`
-turns into :class:`~gpulet_common.bus.RemoteError`) and nats.micro's own
-``Nats-Service-Error`` / ``Nats-Service-Error-Code`` headers (an HTTP-like status), so
-both gpulet clients and the ``nats micro`` tooling understand it. Codes: the engine's
-(:data:`gpulet_allocator.engine.ERROR_CODES`) plus :data:`SERVICE_ERROR_CODES`.
-:func:`request` is the client side: one call, bounded, typed errors.
+gpulet's one convention (:mod:`gpulet_common.refusal`): the engine and the core raise
+:class:`~gpulet_common.refusal.Refused`; the service answers it with an
+:class:`~gpulet_common.messages.ErrorReply` body and nats.micro's
+``Nats-Service-Error`` / ``Nats-Service-Error-Code`` headers; the caller's
+:meth:`~gpulet_common.bus.Bus.request` raises the same ``Refused`` again, and the device
+plugin gives kubelet the gRPC status of its code. The codes, their wire statuses and
+their gRPC codes are one table, :data:`gpulet_common.refusal.STATUS`. Clients ask with
+:meth:`~gpulet_common.bus.Bus.request` (trace context, bounded, decoded totally).
 """
 
 from __future__ import annotations
 
 import enum
-from typing import Final, Literal, TypeVar
+from typing import Final, Literal
 
 import msgspec
-import nats.errors
-from nats.aio.client import Client as NatsClient
 
 from gpulet_allocator.koordinator import RES_GPU_CORE, RES_GPU_MEMORY_RATIO
-from gpulet_common import codec as common_codecs
-from gpulet_common.bus import BusError, RemoteError, RequestTimeout
 from gpulet_common.codec import Codec
 from gpulet_common.messages import ErrorReply
 from gpulet_common.podresources import SHARE_SEPARATOR
@@ -223,49 +220,6 @@ ENDPOINTS: Final = (
 # The most kubelet calls one allocate-batch may carry (the plugin sends fewer).
 MAX_BATCH_CALLS: Final = 64
 
-GPULET_ERROR_HEADER: Final = "Gpulet-Error"
-MICRO_ERROR_HEADER: Final = "Nats-Service-Error"
-MICRO_ERROR_CODE_HEADER: Final = "Nats-Service-Error-Code"
-
-# Codes the service adds to the engine's.
-SERVICE_ERROR_CODES: Final = frozenset(
-    {
-        # The body did not decode or validate.
-        "malformed_request",
-        # The resource name is not one this node serves.
-        "unknown_resource",
-        # koord-scheduler's decision for the pod cannot be honoured (unhealthy, held or
-        # unknown GPU, kubelet's IDs differ, the annotation is malformed); the pod gets
-        # a Kubernetes Event saying why. Never answered with another card instead.
-        "scheduler_decision",
-        # No inventory yet (collector not heard from): nothing can be decided.
-        "not_ready",
-        # The allocation could not be made durable; nothing was allocated.
-        "checkpoint_failed",
-        # The record of allocations is lost (a corrupt checkpoint) and not rebuilt yet:
-        # nothing is allocated until an operator accepts the loss (`reset`).
-        "checkpoint_lost",
-        # A bug: the service failed unexpectedly.
-        "internal",
-    }
-)
-
-# nats.micro's Nats-Service-Error-Code is an HTTP-like status.
-_MICRO_STATUS: Final = {
-    "insufficient_capacity": "409",
-    "too_many_units": "409",
-    "unhealthy_device": "409",
-    "scheduler_decision": "409",
-    "not_ready": "503",
-    "checkpoint_failed": "500",
-    "checkpoint_lost": "503",
-    "internal": "500",
-}
-
-
-def micro_status(code: str) -> str:
-    return _MICRO_STATUS.get(code, "400")
-
 
 class _Body(msgspec.Struct, frozen=True, kw_only=True):
     schema_version: int = PROTOCOL_VERSION
@@ -407,50 +361,3 @@ STATE_REQUEST = Codec(StateRequest)
 STATE_REPLY = Codec(StateReply)
 RESET_REQUEST = Codec(ResetRequest)
 RESET_REPLY = Codec(ResetReply)
-
-R = TypeVar("R")
-Q = TypeVar("Q")
-
-
-class NoAllocator(RequestTimeout):
-    """Nobody serves the endpoint (NATS answered "no responders" at once)."""
-
-
-async def request(
-    nc: NatsClient,
-    subject: str,
-    value: Q,
-    request_codec: Codec[Q],
-    reply_codec: Codec[R],
-    *,
-    timeout_s: float,
-) -> R:
-    """One request to an allocator endpoint.
-
-    Raises :class:`RequestTimeout` when nobody answers in time (or nobody listens),
-    :class:`RemoteError` with the allocator's code when it refuses, :class:`BusError`
-    when the connection cannot carry the request.
-    """
-    try:
-        msg = await nc.request(subject, request_codec.encode(value), timeout=timeout_s)
-    except nats.errors.NoRespondersError as exc:
-        raise NoAllocator(f"no allocator is listening on {subject}") from exc
-    except nats.errors.TimeoutError as exc:
-        raise RequestTimeout(f"no reply on {subject} within {timeout_s:g} s") from exc
-    except (nats.errors.Error, OSError) as exc:
-        # A closed or draining connection, among others.
-        raise BusError(f"cannot ask {subject}: {type(exc).__name__}: {exc}") from exc
-    headers = msg.headers or {}
-    if code := headers.get(GPULET_ERROR_HEADER):
-        try:
-            error = common_codecs.ERROR_REPLY.decode(msg.data)
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            raise RemoteError(code, headers.get(MICRO_ERROR_HEADER, "")) from None
-        raise RemoteError(error.code, error.message)
-    if MICRO_ERROR_CODE_HEADER in headers:
-        # Raised past our own handler: nats.micro answered for it.
-        raise RemoteError("internal", headers.get(MICRO_ERROR_HEADER, "unknown error"))
-    try:
-        return reply_codec.decode(msg.data)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise RemoteError("malformed_reply", f"{reply_codec.type.__name__}: {exc}") from exc

@@ -39,8 +39,8 @@ import msgspec
 from gpulet_allocator.protocol import CORES_PER_GPU
 from gpulet_allocator.protocol import memory_units as units_of_bytes
 from gpulet_common.messages import GpuInfo, Inventory
+from gpulet_common.refusal import Refused
 
-from .errors import AllocationError
 from .shares import CardFree, classify_cores, pick_share, validate_share
 from .topology import Topology
 from .whole import fragment_order, select_whole
@@ -216,14 +216,14 @@ class Ledger:
         """
         request = classify_cores(cores)
         if memory_units < 0:
-            raise AllocationError(
+            raise Refused(
                 "invalid_request", f"memory units must not be negative, got {memory_units}"
             )
         if request.kind == "whole":
             return self.allocate_whole(owner, request.count, must_include=must_include)
         named = list(dict.fromkeys(must_include))
         if len(named) > 1:
-            raise AllocationError(
+            raise Refused(
                 "invalid_request",
                 f"a share lives on one GPU but must-include names {len(named)}: {', '.join(named)}",
             )
@@ -245,22 +245,20 @@ class Ledger:
         must = list(dict.fromkeys(must_include))
         if devices is not None:
             if len(set(devices)) != len(devices):
-                raise AllocationError(
-                    "invalid_request", f"duplicate GPU IDs in {', '.join(devices)}"
-                )
+                raise Refused("invalid_request", f"duplicate GPU IDs in {', '.join(devices)}")
             if count is not None and count != len(devices):
-                raise AllocationError(
+                raise Refused(
                     "invalid_request",
                     f"count {count} does not match the {len(devices)} GPUs named",
                 )
             count = len(devices)
             must = list(dict.fromkeys([*devices, *must]))
         if count is None or count <= 0:
-            raise AllocationError(
+            raise Refused(
                 "invalid_request", f"the number of whole GPUs must be positive, got {count}"
             )
         if len(must) > count:
-            raise AllocationError(
+            raise Refused(
                 "invalid_request",
                 f"must-include names {len(must)} GPUs but the request is for {count}",
             )
@@ -279,7 +277,7 @@ class Ledger:
         free = [g.uuid for g in self._ordered() if g.free_whole and g.uuid in self._topology]
         if count > len(free):
             healthy = sum(1 for g in self._gpus.values() if g.schedulable)
-            raise AllocationError(
+            raise Refused(
                 "too_many_units",
                 f"{owner.describe()} asks for {count} whole GPUs but only {len(free)} "
                 f"are free ({healthy} healthy on the node)",
@@ -390,7 +388,7 @@ class Ledger:
         must = list(dict.fromkeys(must_include))
         unknown = sorted({u for u in (*avail, *must) if u not in self._gpus})
         if unknown:
-            raise AllocationError("unknown_device", f"unknown GPU IDs: {', '.join(unknown)}")
+            raise Refused("unknown_device", f"unknown GPU IDs: {', '.join(unknown)}")
         in_topo = [u for u in avail if u in self._topology]
         good = [u for u in in_topo if self._gpus[u].free_whole or u in must]
         pool = good if len(good) >= size else in_topo
@@ -457,33 +455,29 @@ class Ledger:
     def _known(self, uuid: str) -> _LedgerGpu:
         g = self._gpus.get(uuid)
         if g is None:
-            raise AllocationError("unknown_device", f"unknown GPU ID: {uuid}")
+            raise Refused("unknown_device", f"unknown GPU ID: {uuid}")
         return g
 
     @staticmethod
     def _check_owner(owner: Owner) -> None:
         if not owner.pod_uid:
-            raise AllocationError("invalid_request", "the owner needs a pod UID (request key)")
+            raise Refused("invalid_request", "the owner needs a pod UID (request key)")
 
     def _check_named(self, uuids: Sequence[str], *, whole: bool) -> None:
         unknown = sorted(u for u in uuids if u not in self._gpus)
         if unknown:
-            raise AllocationError("unknown_device", f"unknown GPU IDs: {', '.join(unknown)}")
+            raise Refused("unknown_device", f"unknown GPU IDs: {', '.join(unknown)}")
         for uuid in uuids:
             g = self._gpus[uuid]
             if not g.present:
-                raise AllocationError(
-                    "unhealthy_device", f"{uuid} is lost (missing from the inventory)"
-                )
+                raise Refused("unhealthy_device", f"{uuid} is lost (missing from the inventory)")
             if not g.healthy:
-                raise AllocationError("unhealthy_device", f"{uuid} is unhealthy")
+                raise Refused("unhealthy_device", f"{uuid} is unhealthy")
             if g.whole is not None:
                 holder = self._allocs[g.whole].owner.describe()
-                raise AllocationError(
-                    "insufficient_capacity", f"{uuid} is allocated whole to {holder}"
-                )
+                raise Refused("insufficient_capacity", f"{uuid} is allocated whole to {holder}")
             if whole and g.shares:
-                raise AllocationError(
+                raise Refused(
                     "insufficient_capacity",
                     f"{uuid} holds {len(g.shares)} share(s) and is not offered whole",
                 )
@@ -514,7 +508,7 @@ class Ledger:
         order = fragment_order(self._topology, free)
         return {u: i for i, u in enumerate(order)}
 
-    def _conflict(self, owner: Owner, existing: Allocation, wanted: str) -> AllocationError:
+    def _conflict(self, owner: Owner, existing: Allocation, wanted: str) -> Refused:
         if isinstance(existing, WholeAllocation):
             held = f"whole GPUs {', '.join(existing.devices)}"
         else:
@@ -522,7 +516,7 @@ class Ledger:
                 f"a share of {existing.device} ({existing.cores} core units, "
                 f"{existing.memory_units} memory units)"
             )
-        return AllocationError(
+        return Refused(
             "invalid_request",
             f"{owner.describe()} already holds {held}; release it before asking for {wanted}",
         )
