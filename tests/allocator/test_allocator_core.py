@@ -11,7 +11,7 @@ import pytest
 
 from gpulet_allocator.core import AllocatorCore, PodRef, grant_key
 from gpulet_allocator.protocol import PreferredRequest, ReleaseRequest
-from gpulet_allocator.store import CheckpointError, CheckpointFile, Committer, encode
+from gpulet_allocator.store import CheckpointError, CheckpointFile, Committer, decode, encode
 from gpulet_common.messages import Inventory
 from gpulet_common.refusal import Refused
 from gpulet_common.settings.allocator import ResourceNames
@@ -245,9 +245,11 @@ def test_restore_round_trip_and_orphans() -> None:
     assert len(fresh.allocation_views()) == 2
 
     # A grant without its allocation, and an allocation without a grant, are set aside.
-    whole_id = next(a.owner.pod_uid for a in state.allocations if a.owner.pod_uid[0] == "w")
+    whole_id = next(
+        a.owner.allocation_id for a in state.allocations if a.owner.allocation_id[0] == "w"
+    )
     no_allocation = msgspec.structs.replace(
-        state, allocations=[a for a in state.allocations if a.owner.pod_uid != whole_id]
+        state, allocations=[a for a in state.allocations if a.owner.allocation_id != whole_id]
     )
     [problem] = AllocatorCore(node="n", names=ResourceNames()).restore(no_allocation)
     assert f"grant {whole_id}" in problem
@@ -258,6 +260,36 @@ def test_restore_round_trip_and_orphans() -> None:
     [problem] = other.restore(no_grant)
     assert f"allocation {whole_id} has no grant" in problem
     assert [v.kind for v in other.allocation_views()] == ["share"]
+
+
+# A checkpoint as written before Owner.pod_uid became allocation_id (a whole GPU and a
+# share of 20 core units), byte for byte.
+OLD_CHECKPOINT = (
+    b'{"version":1,"node":"n","allocations":[{"type":"share","owner":{"pod_uid":'
+    b'"core-e7cf476aa4ac4b528cc0","container":"","namespace":"","name":""},"device":'
+    b'"GPU-n-1","cores":20,"memory_units":13},{"type":"whole","owner":{"pod_uid":'
+    b'"whole-2027a5cf127acb8ec5cc","container":"","namespace":"","name":""},"devices":'
+    b'["GPU-n-0"]}],"grants":[{"key":"core-e7cf476aa4ac4b528cc0","resource":'
+    b'"gpulet.io/gpu-core","kind":"core","units":20,"allocation":'
+    b'"core-e7cf476aa4ac4b528cc0","created_at":1000.0},{"key":"whole-2027a5cf127acb8ec5cc",'
+    b'"resource":"nvidia.com/gpu","kind":"whole","units":1,"allocation":'
+    b'"whole-2027a5cf127acb8ec5cc","created_at":1000.0}],"lost":""}'
+)
+
+
+def test_a_checkpoint_written_before_the_rename_loads_and_is_written_alike() -> None:
+    state = decode(OLD_CHECKPOINT)
+    core = AllocatorCore(node="n", names=ResourceNames(), clock=Clock(), wall_clock=Clock())
+    assert core.restore(state) == []
+    core.update_inventory(two_cards())
+    assert sorted((v.id, v.kind, tuple(v.gpus)) for v in core.allocation_views()) == [
+        ("core-e7cf476aa4ac4b528cc0", "share", (U1,)),
+        ("whole-2027a5cf127acb8ec5cc", "whole", (U0,)),
+    ]
+    # The same calls get the recorded answers, and the file is written as before.
+    [again], _ = core.allocate(GPU, [[U0]])
+    assert again.annotations["gpulet.io/allocation"] == "whole-2027a5cf127acb8ec5cc"
+    assert encode(core.snapshot()) == OLD_CHECKPOINT
 
 
 def test_checkpoint_file_is_atomic_and_survives_corruption(tmp_path: Path) -> None:

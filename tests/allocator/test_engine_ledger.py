@@ -23,7 +23,7 @@ from support.reference import (
 
 
 def owner(pod: str, container: str = "main") -> Owner:
-    return Owner(pod_uid=pod, container=container, namespace="ns", name=f"name-{pod}")
+    return Owner(allocation_id=pod, container=container, namespace="ns", name=f"name-{pod}")
 
 
 def two_cards(mem_gib: tuple[int, int] = (16, 16)) -> Inventory:
@@ -329,13 +329,13 @@ def test_reconcile_releases_pods_that_no_longer_exist() -> None:
     ledger.allocate_whole(owner("alive"), 1)
     gone = ledger.allocate_whole(owner("gone"), 1)
     assert ledger.reconcile(["alive"]) == [gone]
-    assert [a.owner.pod_uid for a in ledger.allocations()] == ["alive"]
+    assert [a.owner.allocation_id for a in ledger.allocations()] == ["alive"]
 
 
-def test_owner_needs_a_pod_uid() -> None:
+def test_owner_needs_an_allocation_id() -> None:
     ledger = Ledger(pix_phb_7())
     with pytest.raises(Refused) as err:
-        ledger.allocate_whole(Owner(pod_uid=""), 1)
+        ledger.allocate_whole(Owner(allocation_id=""), 1)
     assert code_of(err) == "invalid_request"
     with pytest.raises(Refused) as err:
         ledger.allocate_whole(owner("p"), 0)

@@ -80,7 +80,7 @@ def check_invariants(ledger: Ledger) -> None:
 
 def apply(ledger: Ledger, inv: Inventory, op: Op) -> Allocation | None:
     kind, a, b, c = op
-    who = Owner(pod_uid=f"pod{a}", container="c")
+    who = Owner(allocation_id=f"pod{a}", container="c")
     uuids = [g.uuid for g in inv.gpus]
     if kind == "share":
         return ledger.allocate_share(who, b, c)
@@ -89,7 +89,7 @@ def apply(ledger: Ledger, inv: Inventory, op: Op) -> Allocation | None:
     if kind == "alloc":
         return ledger.allocate(who, b, c)
     if kind == "release":
-        ledger.release(who.pod_uid)
+        ledger.release(who.allocation_id)
     elif kind == "health" and a < len(uuids):
         ledger.set_health(uuids[a], bool(b))
     elif kind == "lose":

@@ -450,7 +450,7 @@ async def _scenario(w: World) -> None:
     # The checkpoint on disk holds the same (an allocation's ID is its owner's key).
     checkpoint = store.decode(await anyio.Path(state.checkpoint).read_bytes())
     on_disk = {
-        a.owner.pod_uid: tuple(a.devices)
+        a.owner.allocation_id: tuple(a.devices)
         for a in checkpoint.allocations
         if isinstance(a, WholeAllocation)
     }

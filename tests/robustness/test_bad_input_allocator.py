@@ -928,9 +928,9 @@ def _footprint(core: AllocatorCore) -> dict[str, tuple[tuple[str, ...], int, int
     out: dict[str, tuple[tuple[str, ...], int, int]] = {}
     for alloc in core.ledger.allocations():
         if isinstance(alloc, WholeAllocation):
-            out[alloc.owner.pod_uid] = (alloc.devices, CORES_PER_GPU * len(alloc.devices), 0)
+            out[alloc.owner.allocation_id] = (alloc.devices, CORES_PER_GPU * len(alloc.devices), 0)
         else:
-            out[alloc.owner.pod_uid] = ((alloc.device,), alloc.cores, alloc.memory_units)
+            out[alloc.owner.allocation_id] = ((alloc.device,), alloc.cores, alloc.memory_units)
     return out
 
 
@@ -1116,7 +1116,7 @@ class Fuzz:
             await self.toggle_lost(rng.choice(UUIDS))
         held = self.core.ledger.allocations()
         if len(held) > 10 or len(self.core.ledger.free_whole()) < 2:
-            ids = [a.owner.pod_uid for a in held]
+            ids = [a.owner.allocation_id for a in held]
             release = p.ReleaseRequest(allocation_ids=rng.sample(ids, len(ids) // 2 + 1))
             await self.call(p.ENDPOINT_RELEASE, [release])
 
@@ -1162,7 +1162,7 @@ class Fuzz:
         self.world = World(
             free_whole=[u for u in ledger.free_whole() if u in ledger.topology],
             sick=[d.uuid for d in ledger.devices() if not d.schedulable],
-            allocations=[a.owner.pod_uid for a in ledger.allocations()],
+            allocations=[a.owner.allocation_id for a in ledger.allocations()],
             pods=[v.grants[0].pod for v in self.core.allocation_views() if v.grants],
             granted=list(self.granted),
         )
@@ -1251,7 +1251,7 @@ def _stored(state: StoredState) -> bytes:
 def _decided(core: AllocatorCore) -> bytes:
     """Allocations, grants (without their wall-clock times) and the open share half."""
     state = core.snapshot()
-    allocations = sorted(state.allocations, key=lambda a: a.owner.pod_uid)
+    allocations = sorted(state.allocations, key=lambda a: a.owner.allocation_id)
     grants = [msgspec.structs.replace(g, created_at=0.0) for g in state.grants]
     open_half = (core._open.allocation, core._open.kind) if core._open else None
     return msgspec.json.encode((allocations, grants, open_half))
@@ -1371,7 +1371,7 @@ def check_invariants(
     share_cores: Counter[str] = Counter()
     share_memory: Counter[str] = Counter()
     for alloc in core.ledger.allocations():
-        owner = alloc.owner.pod_uid
+        owner = alloc.owner.allocation_id
         if isinstance(alloc, WholeAllocation):
             assert alloc.devices, owner
             for gpu in alloc.devices:

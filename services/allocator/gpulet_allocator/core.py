@@ -403,7 +403,7 @@ class AllocatorCore:
                         f"kubelet allocated {self._describe(uuids)} but koord-scheduler "
                         f"decided {self._describe(decided)} for {claim.pod}",
                     )
-            self.ledger.allocate_whole(Owner(pod_uid=key), devices=uuids)
+            self.ledger.allocate_whole(Owner(allocation_id=key), devices=uuids)
             self._open = None
             answer = self._new_grant(
                 key, resource, kind, len(ids), key, undo, own=True, claim=claim
@@ -417,7 +417,7 @@ class AllocatorCore:
             if request.kind == "whole":
                 if self._joinable("memory", now) is not None:
                     raise Refused("invalid_request", _WHOLE_WITH_MEMORY.format(len(ids)))
-                self.ledger.allocate_whole(Owner(pod_uid=key), request.count)
+                self.ledger.allocate_whole(Owner(allocation_id=key), request.count)
                 grant = self._new_grant(key, resource, kind, len(ids), key, undo, own=True)
                 self._open = _OpenHalf(allocation=key, kind="core", at=now)
                 return grant
@@ -425,7 +425,9 @@ class AllocatorCore:
             if partner is not None:
                 self._resize(partner, cores=request.cores, half="core", undo=undo)
                 self._open = None
-                return self._new_grant(key, resource, kind, len(ids), partner.owner.pod_uid, undo)
+                return self._new_grant(
+                    key, resource, kind, len(ids), partner.owner.allocation_id, undo
+                )
             memory = self._proportional_memory(request.cores)
             self._place_half(
                 key,
@@ -442,7 +444,7 @@ class AllocatorCore:
         if partner is not None:
             self._resize(partner, memory=units, half="memory", undo=undo)
             self._open = None
-            return self._new_grant(key, resource, kind, units, partner.owner.pod_uid, undo)
+            return self._new_grant(key, resource, kind, units, partner.owner.allocation_id, undo)
         whole = self._joinable_any("core", now)
         if whole is not None:
             cores = CORES_PER_GPU * len(whole.devices) if isinstance(whole, WholeAllocation) else 0
@@ -502,14 +504,14 @@ class AllocatorCore:
             self._refuse(claim, f"GPU {name} is unhealthy")
         if whole and state.whole_owner is not None:
             self._refuse(
-                claim, f"GPU {name} is already held by allocation {state.whole_owner.pod_uid}"
+                claim, f"GPU {name} is already held by allocation {state.whole_owner.allocation_id}"
             )
         if whole and state.shares:
-            holders = ", ".join(sh.owner.pod_uid for sh in state.shares)
+            holders = ", ".join(sh.owner.allocation_id for sh in state.shares)
             self._refuse(claim, f"GPU {name} already holds shares ({holders})")
         if not whole and state.whole_owner is not None:
             self._refuse(
-                claim, f"GPU {name} is held whole by allocation {state.whole_owner.pod_uid}"
+                claim, f"GPU {name} is held whole by allocation {state.whole_owner.allocation_id}"
             )
         return state
 
@@ -573,7 +575,7 @@ class AllocatorCore:
         if whole:
             for uuid in uuids:
                 self._check_usable(claim, uuid, whole=True)
-            self.ledger.allocate_whole(Owner(pod_uid=key), devices=uuids)
+            self.ledger.allocate_whole(Owner(allocation_id=key), devices=uuids)
         else:
             if len(claim.gpus) != 1:
                 self._refuse(
@@ -591,7 +593,7 @@ class AllocatorCore:
                     f"{entry.core} and {units}",
                 )
             try:
-                self.ledger.allocate_share(Owner(pod_uid=key), entry.core, units, device=uuid)
+                self.ledger.allocate_share(Owner(allocation_id=key), entry.core, units, device=uuid)
             except Refused as exc:
                 self._refuse(claim, f"GPU {self._describe([uuid])}: {exc.message}")
         grant = self._new_grant(
@@ -703,14 +705,14 @@ class AllocatorCore:
     ) -> None:
         """Place a first half; if the proportional guess does not fit, the least share."""
         try:
-            self.ledger.allocate_share(Owner(pod_uid=key), cores, memory)
+            self.ledger.allocate_share(Owner(allocation_id=key), cores, memory)
         except Refused as exc:
             if exc.code != "insufficient_capacity" or (cores, memory) == least:
                 raise
         else:
             return
         try:
-            self.ledger.allocate_share(Owner(pod_uid=key), *least)
+            self.ledger.allocate_share(Owner(allocation_id=key), *least)
         except Refused as exc:
             if exc.code != "insufficient_capacity":
                 raise
@@ -742,7 +744,7 @@ class AllocatorCore:
         if (new_cores, new_memory) == (share.cores, share.memory_units):
             return
         owner = share.owner
-        self.ledger.release(owner.pod_uid)
+        self.ledger.release(owner.allocation_id)
         try:
             self.ledger.allocate_share(owner, new_cores, new_memory, device=share.device)
         except Refused as exc:
@@ -757,7 +759,7 @@ class AllocatorCore:
             ) from None
 
         def revert() -> None:
-            self.ledger.release(owner.pod_uid)
+            self.ledger.release(owner.allocation_id)
             self.ledger.restore([share])
 
         undo.append(revert)
@@ -1044,7 +1046,7 @@ class AllocatorCore:
                 conflicts.append(f"{where}: {exc}")
                 continue
             problems = self.ledger.restore(
-                [WholeAllocation(owner=Owner(pod_uid=key), devices=uuids)]
+                [WholeAllocation(owner=Owner(allocation_id=key), devices=uuids)]
             )
             if problems:
                 conflicts.extend(f"{where}: {p}" for p in problems)
@@ -1116,7 +1118,7 @@ class AllocatorCore:
         )
 
     def allocation_views(self) -> list[AllocationView]:
-        return [self._view(a.owner.pod_uid) for a in self.ledger.allocations()]
+        return [self._view(a.owner.allocation_id) for a in self.ledger.allocations()]
 
     def state(self, *, checkpoint: str = "") -> StateReply:
         gpus = [
@@ -1128,8 +1130,8 @@ class AllocatorCore:
                 cores_used=d.cores_used,
                 memory_units=d.memory_units,
                 memory_used=d.memory_used,
-                whole=d.whole_owner.pod_uid if d.whole_owner else "",
-                shares=[s.owner.pod_uid for s in d.shares],
+                whole=d.whole_owner.allocation_id if d.whole_owner else "",
+                shares=[s.owner.allocation_id for s in d.shares],
             )
             for d in self.ledger.devices()
         ]
@@ -1163,10 +1165,10 @@ class AllocatorCore:
             self._grants[grant.key] = grant
         owned = {g.allocation for g in self._grants.values()}
         for alloc in self.ledger.allocations():
-            if alloc.owner.pod_uid not in owned:
+            if alloc.owner.allocation_id not in owned:
                 # Nothing could ever name it again, so nothing would release it.
-                problems.append(f"allocation {alloc.owner.pod_uid} has no grant; released")
-                self.ledger.release(alloc.owner.pod_uid)
+                problems.append(f"allocation {alloc.owner.allocation_id} has no grant; released")
+                self.ledger.release(alloc.owner.allocation_id)
         if problems:
             self.version += 1
         return problems

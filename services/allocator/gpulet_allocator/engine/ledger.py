@@ -3,15 +3,15 @@
 Design
 ------
 The ledger is the allocator's single source of truth. It records, per request key
-``(pod_uid, container)``, either a :class:`WholeAllocation` (a set of whole GPUs) or a
+``(allocation_id, container)``, either a :class:`WholeAllocation` (a set of whole GPUs) or a
 :class:`ShareAllocation` (core and memory units of one GPU), and derives from those
 the free capacity of every card. Layers:
 
 * :mod:`.topology`, :mod:`.whole`, :mod:`.shares` decide *where*; they are pure
   functions of what the ledger hands them.
 * The ledger decides *whether*: it validates the request, enforces the invariants and
-  records the result. It never does I/O; :mod:`.checkpoint` persists its
-  :meth:`Ledger.snapshot` and feeds :meth:`Ledger.restore` at start.
+  records the result. It never does I/O; the service's :mod:`gpulet_allocator.store`
+  persists what it holds (through :mod:`gpulet_allocator.core`) and restores it at start.
 * The service around it (gRPC device plugin, NATS API) serialises calls; the ledger
   is not thread-safe by itself.
 
@@ -49,23 +49,30 @@ RequestKey = tuple[str, str]
 
 
 class Owner(msgspec.Struct, frozen=True, kw_only=True):
-    """Who holds an allocation. ``(pod_uid, container)`` is the request key.
+    """Who holds an allocation. ``(allocation_id, container)`` is the request key.
 
-    ``pod_uid`` may also be any stable request key the caller has (the device plugin
-    may only know the device IDs kubelet chose); namespace and name are informational.
+    ``allocation_id`` is any stable key of the request the caller has: kubelet's
+    Allocate names no pod, so the allocator uses the hash of the first grant's device
+    IDs (:func:`gpulet_allocator.core.grant_key`), which is also the allocation's ID.
+    Namespace and name are informational. On disk the field keeps its first name,
+    ``allocation_id``, so that every checkpoint written before still loads.
     """
 
-    pod_uid: str
+    allocation_id: str = msgspec.field(name="pod_uid")
     container: str = ""
     namespace: str = ""
     name: str = ""
 
     @property
     def key(self) -> RequestKey:
-        return (self.pod_uid, self.container)
+        return (self.allocation_id, self.container)
 
     def describe(self) -> str:
-        who = f"{self.namespace}/{self.name} ({self.pod_uid})" if self.name else self.pod_uid
+        who = (
+            f"{self.namespace}/{self.name} ({self.allocation_id})"
+            if self.name
+            else self.allocation_id
+        )
         return f"pod {who} container {self.container!r}"
 
 
@@ -324,10 +331,12 @@ class Ledger:
         self._record(alloc)
         return alloc
 
-    def release(self, pod_uid: str, container: str | None = None) -> list[Allocation]:
-        """Free what a pod (or one of its containers) holds; unknown pods free nothing."""
+    def release(self, allocation_id: str, container: str | None = None) -> list[Allocation]:
+        """Free what an allocation ID (or one of its containers) holds; unknown IDs free nothing."""
         keys = [
-            k for k in self._allocs if k[0] == pod_uid and (container is None or k[1] == container)
+            k
+            for k in self._allocs
+            if k[0] == allocation_id and (container is None or k[1] == container)
         ]
         released = [self._allocs[k] for k in sorted(keys)]
         for alloc in released:
@@ -344,15 +353,15 @@ class Ledger:
 
     # --- queries -------------------------------------------------------------------
 
-    def get(self, pod_uid: str, container: str = "") -> Allocation | None:
-        return self._allocs.get((pod_uid, container))
+    def get(self, allocation_id: str, container: str = "") -> Allocation | None:
+        return self._allocs.get((allocation_id, container))
 
     def count(self) -> int:
         """How many allocations are held (without building the sorted list)."""
         return len(self._allocs)
 
-    def allocations(self, pod_uid: str | None = None) -> list[Allocation]:
-        return [a for k, a in sorted(self._allocs.items()) if pod_uid in (None, k[0])]
+    def allocations(self, allocation_id: str | None = None) -> list[Allocation]:
+        return [a for k, a in sorted(self._allocs.items()) if allocation_id in (None, k[0])]
 
     def free_whole(self) -> list[str]:
         """Healthy, present cards with no allocation at all, in index order."""
@@ -460,8 +469,8 @@ class Ledger:
 
     @staticmethod
     def _check_owner(owner: Owner) -> None:
-        if not owner.pod_uid:
-            raise Refused("invalid_request", "the owner needs a pod UID (request key)")
+        if not owner.allocation_id:
+            raise Refused("invalid_request", "the owner needs an allocation ID (request key)")
 
     def _check_named(self, uuids: Sequence[str], *, whole: bool) -> None:
         unknown = sorted(u for u in uuids if u not in self._gpus)
