@@ -474,8 +474,7 @@ async def wait_ready(bus: Bus, kubelet: FakeKubelet, node: str, gpus: int) -> No
         await kubelet.wait_devices(CORE, lambda d: len(d) == 100 * gpus, timeout_s=60)
         while True:
             try:
-                state = await p.request(
-                    bus.client,
+                state = await bus.request(
                     subjects.allocator_endpoint(node, p.ENDPOINT_STATE),
                     p.StateRequest(),
                     p.STATE_REQUEST,
@@ -531,8 +530,7 @@ async def round_trip(
                 watch.cancel_scope.cancel()
 
             async def release(allocations: list[str]) -> None:
-                await p.request(
-                    bus.client,
+                await bus.request(
                     subjects.allocator_endpoint(settings.node_name, p.ENDPOINT_RELEASE),
                     p.ReleaseRequest(allocation_ids=allocations, reason="bench"),
                     p.RELEASE_REQUEST,

@@ -186,16 +186,16 @@ def ledger_timings() -> list[list[str]]:
         empty = Ledger(inv)
 
         def whole(ledger: Ledger = empty, half: int = half) -> None:
-            ledger.allocate_whole(Owner(pod_uid="w"), half)
+            ledger.allocate_whole(Owner(allocation_id="w"), half)
             ledger.release("w")
 
         # Shares on every card, so best fit has to compare them all.
         shared = Ledger(inv)
         for i in range(len(inv.gpus) * 2):
-            shared.allocate_share(Owner(pod_uid=f"s{i}"), 30, 4)
+            shared.allocate_share(Owner(allocation_id=f"s{i}"), 30, 4)
 
         def share(ledger: Ledger = shared) -> None:
-            ledger.allocate_share(Owner(pod_uid="x"), 30, 4)
+            ledger.allocate_share(Owner(allocation_id="x"), 30, 4)
             ledger.release("x")
 
         rows.append(

@@ -20,16 +20,12 @@ from nats.aio.msg import Msg
 from gpulet_allocator import protocol as p
 from gpulet_allocator.kubelet_api.deviceplugin.v1beta1 import api_pb2 as dp
 from gpulet_allocator.nats_backend import NatsAllocationBackend
-from gpulet_allocator.plugin.backend import (
-    AllocationRejected,
-    AllocatorUnavailable,
-    ContainerAllocation,
-    RejectCode,
-)
+from gpulet_allocator.protocol import ContainerAllocation
 from gpulet_common import subjects
-from gpulet_common.bus import Bus, RemoteError
+from gpulet_common.bus import Bus, Refused, RequestTimeout
 from gpulet_common.embedded_nats import EmbeddedNats
 from gpulet_common.messages import ErrorReply
+from gpulet_common.refusal import refusal
 from gpulet_common.settings import Settings
 from gpulet_common.settings.nats import NatsSettings
 from support import reference
@@ -41,6 +37,7 @@ from support.allocator_stack import (
     allocator_stack,
     ids,
 )
+from support.metrics import MetricsProbe
 
 pytestmark = pytest.mark.anyio
 
@@ -161,7 +158,7 @@ async def test_batch_endpoint_refuses_empty_and_oversized_batches(settings: Sett
             batch = p.AllocateBatchRequest(
                 calls=[p.AllocateRequest(resource=GPU, containers=[[gpu]])] * calls
             )
-            with pytest.raises(RemoteError) as refused:
+            with pytest.raises(Refused) as refused:
                 await stack.ask(
                     p.ENDPOINT_ALLOCATE_BATCH,
                     batch,
@@ -206,7 +203,7 @@ async def test_plugin_sends_calls_alone_to_an_allocator_without_batches(
         sub = await allocator.client.subscribe(subject, cb=answer)
         await allocator.flush()
         await plugin.flush()  # the requester's own round trip after the SUB's (see Bus.subscribe)
-        backend = NatsAllocationBackend(plugin.client, NODE, timeout_s=2.0)
+        backend = NatsAllocationBackend(plugin, NODE, timeout_s=2.0)
         results: dict[int, list[ContainerAllocation]] = {}
 
         async def call(n: int) -> None:
@@ -268,7 +265,7 @@ async def test_batched_refusals_reach_each_caller_with_their_code(
         ]
         await allocator.flush()
         await plugin.flush()  # the requester's own round trip after the SUB's (see Bus.subscribe)
-        backend = NatsAllocationBackend(plugin.client, NODE, timeout_s=2.0)
+        backend = NatsAllocationBackend(plugin, NODE, timeout_s=2.0)
         # The first call is the one request out, and is held; the rest queue up.
         held = 1
         outcomes: dict[int, object] = {}
@@ -276,7 +273,7 @@ async def test_batched_refusals_reach_each_caller_with_their_code(
         async def call(n: int) -> None:
             try:
                 outcomes[n] = await backend.allocate(CORE, [[f"GPU-x::core-{n}"]])
-            except AllocationRejected as exc:
+            except Refused as exc:
                 outcomes[n] = exc
 
         try:
@@ -301,9 +298,8 @@ async def test_batched_refusals_reach_each_caller_with_their_code(
         for i, n in enumerate(range(held, held + 6)):
             outcome = outcomes[n]
             if i % 2:
-                assert isinstance(outcome, AllocationRejected)
-                assert outcome.code is RejectCode.RESOURCE_EXHAUSTED
-                assert outcome.message == f"too_many_units: call {i} is too big"
+                assert isinstance(outcome, Refused)
+                assert (outcome.code, outcome.message) == ("too_many_units", f"call {i} is too big")
             else:
                 assert isinstance(outcome, list)
                 assert outcome[0].annotations["ids"] == f"GPU-x::core-{n}"
@@ -322,13 +318,13 @@ async def test_a_stopping_plugin_fails_queued_calls_at_once(nats_server: Embedde
         ]
         await allocator.flush()
         await plugin.flush()  # the requester's own round trip after the SUB's (see Bus.subscribe)
-        backend = NatsAllocationBackend(plugin.client, NODE, timeout_s=30.0)
+        backend = NatsAllocationBackend(plugin, NODE, timeout_s=30.0)
         failures: list[Exception] = []
 
         async def call(n: int) -> None:
             try:
                 await backend.allocate(GPU, [[f"GPU-{n}"]])
-            except AllocatorUnavailable as exc:
+            except RequestTimeout as exc:
                 failures.append(exc)
 
         try:
@@ -348,3 +344,48 @@ async def test_a_stopping_plugin_fails_queued_calls_at_once(nats_server: Embedde
                 await sub.unsubscribe()
         assert len(failures) == 4
         assert all("stopping" in str(f) for f in failures)
+
+
+async def test_plugin_asks_on_the_bus_with_trace_context_and_total_decoding(
+    nats_server: EmbeddedNats,
+) -> None:
+    """The plugin's requests carry the trace context; whatever the allocator answers,
+    the plugin gets a typed refusal of the one tree (counted when malformed), never a
+    crash: a reply that is not the type, a refusal whose body is broken, nats.micro's
+    bare 500, and a refusal with a code this plugin does not know."""
+    nats = NatsSettings(url=nats_server.url)
+    probe = MetricsProbe()
+    answers: list[tuple[bytes, dict[str, str] | None]] = [
+        (b'{"containers": 3}', None),
+        (b"not json", {"Nats-Service-Error-Code": "409", "Nats-Service-Error": "x: y"}),
+        (b"", {"Nats-Service-Error-Code": "500", "Nats-Service-Error": "handler error"}),
+        refusal("a_newer_code", "from a newer allocator"),
+    ]
+    headers_seen: list[dict[str, str]] = []
+    async with (
+        Bus.connect(nats, name="odd-allocator") as allocator,
+        Bus.connect(nats, name="plugin", meter=probe.meter) as plugin,
+    ):
+
+        async def answer(msg: Msg) -> None:
+            headers_seen.append(dict(msg.headers or {}))
+            data, headers = answers[len(headers_seen) - 1]
+            await allocator.client.publish(msg.reply, data, headers=headers)
+
+        subject = subjects.allocator_endpoint(NODE, p.ENDPOINT_ALLOCATE)
+        sub = await allocator.client.subscribe(subject, cb=answer)
+        await allocator.flush()
+        await plugin.flush()
+        backend = NatsAllocationBackend(plugin, NODE, timeout_s=2.0)
+        refusals: list[Refused] = []
+        try:
+            for _ in answers:
+                with pytest.raises(Refused) as refused:
+                    await backend.allocate(GPU, [["GPU-x"]])
+                refusals.append(refused.value)
+        finally:
+            await sub.unsubscribe()
+    assert all("traceparent" in h for h in headers_seen), headers_seen
+    assert [r.code for r in refusals] == ["malformed_reply", "internal", "internal", "a_newer_code"]
+    assert probe.value("gpulet.bus.malformed_messages", type="AllocateReply") == 1
+    assert probe.value("gpulet.bus.malformed_messages", type="ErrorReply") == 2

@@ -9,11 +9,11 @@ import anyio
 import msgspec
 import pytest
 
-from gpulet_allocator.core import AllocatorCore, PodRef, Rejected, grant_key
-from gpulet_allocator.plugin.backend import PreferredRequest
-from gpulet_allocator.protocol import ReleaseRequest
-from gpulet_allocator.store import CheckpointError, CheckpointFile, Committer, encode
+from gpulet_allocator.core import AllocatorCore, PodRef, grant_key
+from gpulet_allocator.protocol import PreferredRequest, ReleaseRequest
+from gpulet_allocator.store import CheckpointError, CheckpointFile, Committer, decode, encode
 from gpulet_common.messages import Inventory
+from gpulet_common.refusal import Refused
 from gpulet_common.settings.allocator import ResourceNames
 from support import reference
 
@@ -99,7 +99,7 @@ def test_a_whole_gpu_call_closes_an_open_half() -> None:
 
 def test_a_failing_container_gives_back_the_earlier_ones() -> None:
     core = make_core(Clock())
-    with pytest.raises(Rejected) as refused:
+    with pytest.raises(Refused) as refused:
         core.allocate(GPU, [[U0], ["GPU-unknown"]])
     assert refused.value.code == "unknown_device"
     assert core.allocation_views() == []
@@ -121,30 +121,30 @@ def test_undo_reverts_a_join() -> None:
 def test_malformed_and_foreign_ids_are_unknown_devices() -> None:
     core = make_core(Clock())
     for bad in (["::core-1"], [f"{U0}::core-100"], [f"{U0}::mem-64"], [f"{U0}::gpu-1"], [U0]):
-        with pytest.raises(Rejected) as refused:
+        with pytest.raises(Refused) as refused:
             core.allocate(CORE if "mem" not in bad[0] else MEM, [bad])
         assert refused.value.code == "unknown_device", bad
-    with pytest.raises(Rejected) as refused:
+    with pytest.raises(Refused) as refused:
         core.allocate("example.com/fpga", [[U0]])
     assert refused.value.code == "unknown_resource"
-    with pytest.raises(Rejected) as refused:
+    with pytest.raises(Refused) as refused:
         core.allocate(GPU, [])
     assert refused.value.code == "invalid_request"
 
 
 def test_not_ready_without_inventory() -> None:
     core = AllocatorCore(node="n", names=ResourceNames())
-    with pytest.raises(Rejected) as refused:
+    with pytest.raises(Refused) as refused:
         core.allocate(GPU, [[U0]])
     assert refused.value.code == "not_ready"
-    with pytest.raises(Rejected):
+    with pytest.raises(Refused):
         core.preferred(GPU, [PreferredRequest(available=[U0], size=1)])
 
 
 def test_preferred_ignores_unknown_offers_but_not_unknown_requirements() -> None:
     core = make_core(Clock())
     assert core.preferred(GPU, [PreferredRequest(available=[U1, "GPU-x"], size=1)]) == [[U1]]
-    with pytest.raises(Rejected) as refused:
+    with pytest.raises(Refused) as refused:
         core.preferred(GPU, [PreferredRequest(available=[U1], must_include=["GPU-x"], size=1)])
     assert refused.value.code == "unknown_device"
     # Shares are placed by Allocate: any IDs do.
@@ -223,7 +223,7 @@ def test_explicit_release_by_id_pod_and_devices() -> None:
     assert core.release(ReleaseRequest(allocation_ids=[a_id])) == []
     [view] = core.release(ReleaseRequest(resource=GPU, device_ids=[U1]))
     assert view.gpus == [U1]
-    with pytest.raises(Rejected):
+    with pytest.raises(Refused):
         core.release(ReleaseRequest())
 
 
@@ -245,9 +245,11 @@ def test_restore_round_trip_and_orphans() -> None:
     assert len(fresh.allocation_views()) == 2
 
     # A grant without its allocation, and an allocation without a grant, are set aside.
-    whole_id = next(a.owner.pod_uid for a in state.allocations if a.owner.pod_uid[0] == "w")
+    whole_id = next(
+        a.owner.allocation_id for a in state.allocations if a.owner.allocation_id[0] == "w"
+    )
     no_allocation = msgspec.structs.replace(
-        state, allocations=[a for a in state.allocations if a.owner.pod_uid != whole_id]
+        state, allocations=[a for a in state.allocations if a.owner.allocation_id != whole_id]
     )
     [problem] = AllocatorCore(node="n", names=ResourceNames()).restore(no_allocation)
     assert f"grant {whole_id}" in problem
@@ -258,6 +260,36 @@ def test_restore_round_trip_and_orphans() -> None:
     [problem] = other.restore(no_grant)
     assert f"allocation {whole_id} has no grant" in problem
     assert [v.kind for v in other.allocation_views()] == ["share"]
+
+
+# A checkpoint as written before Owner.pod_uid became allocation_id (a whole GPU and a
+# share of 20 core units), byte for byte.
+OLD_CHECKPOINT = (
+    b'{"version":1,"node":"n","allocations":[{"type":"share","owner":{"pod_uid":'
+    b'"core-e7cf476aa4ac4b528cc0","container":"","namespace":"","name":""},"device":'
+    b'"GPU-n-1","cores":20,"memory_units":13},{"type":"whole","owner":{"pod_uid":'
+    b'"whole-2027a5cf127acb8ec5cc","container":"","namespace":"","name":""},"devices":'
+    b'["GPU-n-0"]}],"grants":[{"key":"core-e7cf476aa4ac4b528cc0","resource":'
+    b'"gpulet.io/gpu-core","kind":"core","units":20,"allocation":'
+    b'"core-e7cf476aa4ac4b528cc0","created_at":1000.0},{"key":"whole-2027a5cf127acb8ec5cc",'
+    b'"resource":"nvidia.com/gpu","kind":"whole","units":1,"allocation":'
+    b'"whole-2027a5cf127acb8ec5cc","created_at":1000.0}],"lost":""}'
+)
+
+
+def test_a_checkpoint_written_before_the_rename_loads_and_is_written_alike() -> None:
+    state = decode(OLD_CHECKPOINT)
+    core = AllocatorCore(node="n", names=ResourceNames(), clock=Clock(), wall_clock=Clock())
+    assert core.restore(state) == []
+    core.update_inventory(two_cards())
+    assert sorted((v.id, v.kind, tuple(v.gpus)) for v in core.allocation_views()) == [
+        ("core-e7cf476aa4ac4b528cc0", "share", (U1,)),
+        ("whole-2027a5cf127acb8ec5cc", "whole", (U0,)),
+    ]
+    # The same calls get the recorded answers, and the file is written as before.
+    [again], _ = core.allocate(GPU, [[U0]])
+    assert again.annotations["gpulet.io/allocation"] == "whole-2027a5cf127acb8ec5cc"
+    assert encode(core.snapshot()) == OLD_CHECKPOINT
 
 
 def test_checkpoint_file_is_atomic_and_survives_corruption(tmp_path: Path) -> None:

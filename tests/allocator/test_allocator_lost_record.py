@@ -31,7 +31,7 @@ from gpulet_allocator import protocol as p
 from gpulet_allocator.cli import format_state
 from gpulet_allocator.service import checkpoint_path
 from gpulet_allocator.store import CheckpointFile
-from gpulet_common.bus import RemoteError
+from gpulet_common.bus import Refused
 from gpulet_common.embedded_nats import EmbeddedNats
 from gpulet_common.settings import Settings
 from gpulet_common.statefile import CORRUPT_SUFFIX
@@ -332,7 +332,7 @@ async def test_reset_needs_confirm_over_nats_too(
     settings = settings_for(nats_server, tmp_path, plugin_dir, pod_resources=False)
     corrupt_checkpoint(settings)
     async with allocator_stack(settings, inventory=reference.nvlink_pairs_8()) as stack:
-        with pytest.raises(RemoteError) as refused:
+        with pytest.raises(Refused) as refused:
             await stack.ask(p.ENDPOINT_RESET, p.ResetRequest(), p.RESET_REQUEST, p.RESET_REPLY)
         assert refused.value.code == "invalid_request"
         assert not (await stack.state()).ready

@@ -13,7 +13,7 @@ from gpulet_allocator import protocol as p
 from gpulet_allocator.cli import format_state
 from gpulet_allocator.plugin.service import DevicePluginService
 from gpulet_allocator.service import AllocatorService
-from gpulet_common.bus import RemoteError
+from gpulet_common.bus import Refused
 from gpulet_common.embedded_nats import EmbeddedNats
 from gpulet_common.settings import Settings
 from support import reference
@@ -148,7 +148,7 @@ async def test_explicit_release_without_pod_resources(
         # The GPUs can be handed out again, and the release survived on disk.
         await stack.kubelet.allocate(GPU, [gpus[:4]])
 
-        with pytest.raises(RemoteError) as refused:
+        with pytest.raises(Refused) as refused:
             await release(p.ReleaseRequest())
         assert refused.value.code == "invalid_request"
 

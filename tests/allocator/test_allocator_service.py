@@ -20,7 +20,8 @@ import pytest
 from gpulet_allocator import protocol as p
 from gpulet_allocator.kubelet_api.deviceplugin.v1beta1 import api_pb2 as dp
 from gpulet_common import subjects
-from gpulet_common.bus import RemoteError
+from gpulet_common.bus import Refused
+from gpulet_common.codec import ERROR_REPLY
 from gpulet_common.messages import Inventory
 from gpulet_common.nvml.loader import open_mock
 from gpulet_common.settings import Settings
@@ -405,9 +406,10 @@ async def test_discoverable_with_stats_and_malformed_requests_counted(settings: 
         for bad in (b"not json", b'{"resource": 3}', b"[]"):
             msg = await nc.request(subject, bad, timeout=2)
             assert msg.headers is not None
-            assert msg.headers["Gpulet-Error"] == "malformed_request"
             assert msg.headers["Nats-Service-Error-Code"] == "400"
-        with pytest.raises(RemoteError) as refused:
+            assert msg.headers["Nats-Service-Error"].startswith("malformed_request: ")
+            assert ERROR_REPLY.decode(msg.data).code == "malformed_request"
+        with pytest.raises(Refused) as refused:
             await stack.ask(
                 p.ENDPOINT_ALLOCATE,
                 p.AllocateRequest(resource="example.com/tpu", containers=[["x"]]),

@@ -20,18 +20,13 @@ import pytest
 
 from gpulet_allocator.kubelet_api.deviceplugin.v1beta1 import api_pb2 as dp
 from gpulet_allocator.plugin import (
-    AllocationRejected,
-    AllocatorUnavailable,
-    ContainerAllocation,
     DeviceList,
     DevicePluginManager,
-    DeviceSpec,
-    Mount,
     PluginConfig,
     PluginGpu,
-    PreferredRequest,
-    RejectCode,
 )
+from gpulet_allocator.protocol import ContainerAllocation, DeviceSpec, Mount, PreferredRequest
+from gpulet_common.refusal import NoResponders, Refused
 from support.fake_kubelet import FakeContainer, FakeKubelet, FakePod, running_fake_kubelet
 
 GIB = 1024**3
@@ -58,7 +53,7 @@ class FakeBackend:
     def __init__(self) -> None:
         self.allocate_calls: list[tuple[str, list[list[str]]]] = []
         self.preferred_calls: list[tuple[str, list[PreferredRequest]]] = []
-        self.reject: AllocationRejected | None = None
+        self.reject: Refused | None = None
         self.unavailable = False
         self.hang = False
         self.preferred_answer: list[list[str]] | None = None
@@ -67,7 +62,7 @@ class FakeBackend:
         if self.hang:
             await anyio.sleep_forever()
         if self.unavailable:
-            raise AllocatorUnavailable("no responders on gpulet.allocator.allocate")
+            raise NoResponders("no responders on gpulet.allocator.allocate")
         if self.reject is not None:
             raise self.reject
 
@@ -313,20 +308,25 @@ async def test_allocate_returns_the_backend_decision(plugin_dir: Path, dev_root:
 @pytest.mark.parametrize(
     ("code", "status"),
     [
-        (RejectCode.INVALID_ARGUMENT, grpc.StatusCode.INVALID_ARGUMENT),
-        (RejectCode.RESOURCE_EXHAUSTED, grpc.StatusCode.RESOURCE_EXHAUSTED),
-        (RejectCode.FAILED_PRECONDITION, grpc.StatusCode.FAILED_PRECONDITION),
+        ("invalid_core_units", grpc.StatusCode.INVALID_ARGUMENT),
+        ("insufficient_capacity", grpc.StatusCode.RESOURCE_EXHAUSTED),
+        ("unhealthy_device", grpc.StatusCode.FAILED_PRECONDITION),
+        ("checkpoint_lost", grpc.StatusCode.FAILED_PRECONDITION),
+        ("not_ready", grpc.StatusCode.UNAVAILABLE),
+        ("checkpoint_failed", grpc.StatusCode.INTERNAL),
+        # A code of a newer allocator: the plugin cannot say more than that it failed.
+        ("a_newer_code", grpc.StatusCode.INTERNAL),
     ],
 )
 async def test_allocate_rejection_maps_to_status(
-    plugin_dir: Path, dev_root: Path, code: RejectCode, status: grpc.StatusCode
+    plugin_dir: Path, dev_root: Path, code: str, status: grpc.StatusCode
 ) -> None:
     async with environment(plugin_dir, dev_root) as env:
-        env.backend.reject = AllocationRejected(code, "only 1 free GPU left on NUMA node 0")
+        env.backend.reject = Refused(code, "only 1 free GPU left on NUMA node 0")
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await env.kubelet.allocate(GPU, [[UUID0, UUID1]])
         assert info.value.code() == status
-        assert info.value.details() == "only 1 free GPU left on NUMA node 0"
+        assert info.value.details() == f"{code}: only 1 free GPU left on NUMA node 0"
 
 
 @pytest.mark.anyio
@@ -387,7 +387,7 @@ async def test_preferred_allocation_falls_back_when_the_backend_fails(
         env.backend.preferred_answer = [[UUID0, UUID0]]  # invalid: duplicates
         assert await env.kubelet.preferred(GPU, [([UUID0, UUID1], [UUID1], 2)]) == [[UUID1, UUID0]]
 
-        env.backend.reject = AllocationRejected(RejectCode.RESOURCE_EXHAUSTED, "no 3 GPUs here")
+        env.backend.reject = Refused("insufficient_capacity", "no 3 GPUs here")
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await env.kubelet.preferred(GPU, [([UUID0, UUID1], [], 3)])
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED

@@ -7,10 +7,10 @@ from hypothesis import strategies as st
 
 from gpulet_allocator import store
 from gpulet_allocator.core import StoredState
-from gpulet_allocator.engine.errors import ERROR_CODES, AllocationError
 from gpulet_allocator.engine.ledger import Allocation, Ledger, Owner, WholeAllocation
-from gpulet_allocator.engine.shares import CORES_PER_GPU
+from gpulet_allocator.protocol import CORES_PER_GPU
 from gpulet_common.messages import Inventory
+from gpulet_common.refusal import STATUS, Refused
 from support.reference import GIB, inventory_from_matrix
 
 Op = tuple[str, int, int, int]
@@ -80,7 +80,7 @@ def check_invariants(ledger: Ledger) -> None:
 
 def apply(ledger: Ledger, inv: Inventory, op: Op) -> Allocation | None:
     kind, a, b, c = op
-    who = Owner(pod_uid=f"pod{a}", container="c")
+    who = Owner(allocation_id=f"pod{a}", container="c")
     uuids = [g.uuid for g in inv.gpus]
     if kind == "share":
         return ledger.allocate_share(who, b, c)
@@ -89,7 +89,7 @@ def apply(ledger: Ledger, inv: Inventory, op: Op) -> Allocation | None:
     if kind == "alloc":
         return ledger.allocate(who, b, c)
     if kind == "release":
-        ledger.release(who.pod_uid)
+        ledger.release(who.allocation_id)
     elif kind == "health" and a < len(uuids):
         ledger.set_health(uuids[a], bool(b))
     elif kind == "lose":
@@ -118,14 +118,14 @@ def test_random_sequences_never_over_allocate(inv: Inventory, sequence: list[Op]
             continue
         schedulable = {d.uuid for d in ledger.devices() if d.healthy and d.present}
         existed = ledger.get(f"pod{op[1]}", "c")
-        refused: AllocationError | None = None
+        refused: Refused | None = None
         got: Allocation | None = None
         try:
             got = apply(ledger, inv, op)
-        except AllocationError as exc:
+        except Refused as exc:
             refused = exc
         if refused is not None:
-            assert refused.code in ERROR_CODES
+            assert refused.code in STATUS
             assert refused.message
         elif got is not None:
             snapshot = ledger.snapshot()

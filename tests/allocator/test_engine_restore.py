@@ -15,7 +15,7 @@ from support.reference import pix_phb_7
 
 
 def owner(pod: str, container: str = "main") -> Owner:
-    return Owner(pod_uid=pod, container=container, namespace="ns", name=pod)
+    return Owner(allocation_id=pod, container=container, namespace="ns", name=pod)
 
 
 def busy_ledger() -> Ledger:
@@ -70,7 +70,7 @@ def test_restore_refuses_entries_that_break_invariants() -> None:
     assert [p.split(":")[0] for p in problems] == [
         f"pod ns/{p} ({p}) container 'main'" for p in ("b", "c", "e", "f", "g", "a", "h")
     ]
-    assert [a.owner.pod_uid for a in ledger.allocations()] == ["a", "d"]
+    assert [a.owner.allocation_id for a in ledger.allocations()] == ["a", "d"]
 
 
 def test_allocations_on_gpus_missing_from_the_inventory_stay_recorded() -> None:

@@ -4,15 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from gpulet_allocator.engine.errors import AllocationError
-from gpulet_allocator.engine.shares import (
-    MEMORY_UNIT_BYTES,
-    CardFree,
-    classify_cores,
-    format_units,
-    memory_units,
-    pick_share,
-)
+from gpulet_allocator.engine.shares import CardFree, classify_cores, format_units, pick_share
+from gpulet_allocator.protocol import MEMORY_UNIT_BYTES, memory_units
+from gpulet_common.refusal import Refused
 
 
 def card(uuid: str, index: int, cores: int = 100, mem: int = 64, total: int = 64) -> CardFree:
@@ -44,7 +38,7 @@ def test_classify_cores(cores: int, kind: str, count: int) -> None:
 
 
 def test_classify_refuses_150_with_the_exact_message() -> None:
-    with pytest.raises(AllocationError) as err:
+    with pytest.raises(Refused) as err:
         classify_cores(150)
     assert err.value.code == "invalid_core_units"
     assert err.value.message == (
@@ -54,7 +48,7 @@ def test_classify_refuses_150_with_the_exact_message() -> None:
 
 @pytest.mark.parametrize("cores", [0, -1, -100])
 def test_classify_refuses_non_positive(cores: int) -> None:
-    with pytest.raises(AllocationError) as err:
+    with pytest.raises(Refused) as err:
         classify_cores(cores)
     assert err.value.code == "invalid_core_units"
     assert str(cores) in err.value.message
@@ -89,23 +83,23 @@ def test_rank_orders_untouched_cards_only() -> None:
 
 
 def test_a_card_never_goes_past_100_cores_or_its_memory() -> None:
-    with pytest.raises(AllocationError) as err:
+    with pytest.raises(Refused) as err:
         pick_share([card("a", 0, cores=40, mem=64)], 50, 1)
     assert err.value.code == "insufficient_capacity"
     assert "50 core units" in err.value.message
-    with pytest.raises(AllocationError) as err:
+    with pytest.raises(Refused) as err:
         pick_share([card("a", 0, cores=100, mem=3)], 50, 4)
     assert err.value.code == "insufficient_capacity"
 
 
 def test_share_errors() -> None:
     cards = [card("GPU-a", 0, total=64), card("GPU-b", 1, total=96, mem=96)]
-    with pytest.raises(AllocationError) as err:
+    with pytest.raises(Refused) as err:
         pick_share(cards, 120, 1)
     assert err.value.code == "too_many_units"
     assert "120 core units" in err.value.message
 
-    with pytest.raises(AllocationError) as err:
+    with pytest.raises(Refused) as err:
         pick_share(cards, 50, 97)
     assert err.value.code == "memory_exceeds_card"
     assert err.value.message == (
@@ -113,14 +107,14 @@ def test_share_errors() -> None:
         "has 96 units (24 GiB)"
     )
 
-    with pytest.raises(AllocationError) as err:
+    with pytest.raises(Refused) as err:
         pick_share(cards, 50, 0)
     assert err.value.code == "invalid_request"
 
-    with pytest.raises(AllocationError) as err:
+    with pytest.raises(Refused) as err:
         pick_share(cards, 0, 1)
     assert err.value.code == "invalid_core_units"
 
-    with pytest.raises(AllocationError) as err:
+    with pytest.raises(Refused) as err:
         pick_share([], 10, 1)
     assert err.value.code == "insufficient_capacity"

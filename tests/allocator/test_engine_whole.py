@@ -11,9 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpulet_allocator.engine import whole
-from gpulet_allocator.engine.errors import AllocationError
 from gpulet_allocator.engine.topology import Topology
 from gpulet_allocator.engine.whole import evaluate, fragment_order, select_whole
+from gpulet_common.refusal import Refused
 from support.reference import (
     dgx1_cube_mesh_8,
     dgx_nv18_8,
@@ -187,26 +187,26 @@ def test_fragment_order_puts_the_smallest_group_first() -> None:
 
 def test_errors() -> None:
     u = PIX7.uuids
-    with pytest.raises(AllocationError) as err:
+    with pytest.raises(Refused) as err:
         select_whole(PIX7, [*u[:2], "GPU-nope"], 1)
     assert err.value.code == "unknown_device"
     assert "GPU-nope" in err.value.message
 
-    with pytest.raises(AllocationError) as err:
+    with pytest.raises(Refused) as err:
         select_whole(PIX7, u[:2], 3)
     assert err.value.code == "too_many_units"
     assert err.value.message == "asks 3 whole GPUs but only 2 are available"
 
-    with pytest.raises(AllocationError) as err:
+    with pytest.raises(Refused) as err:
         select_whole(PIX7, u[:2], 0)
     assert err.value.code == "invalid_request"
 
-    with pytest.raises(AllocationError) as err:
+    with pytest.raises(Refused) as err:
         select_whole(PIX7, u[:2], 1, must_include=[u[5]])
     assert err.value.code == "invalid_request"
     assert u[5] in err.value.message
 
-    with pytest.raises(AllocationError) as err:
+    with pytest.raises(Refused) as err:
         select_whole(PIX7, u, 1, must_include=u[:2])
     assert err.value.code == "invalid_request"
 

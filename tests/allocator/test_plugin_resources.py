@@ -12,24 +12,26 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import HistogramDataPoint, InMemoryMetricReader
 
 from gpulet_allocator.plugin import (
-    CORE_UNITS_PER_GPU,
-    MEMORY_UNIT_BYTES,
     DeviceList,
     DeviceNodes,
-    DeviceSpec,
     PluginGpu,
-    ResourceKind,
-    ResourceNames,
     build_inventory,
-    parse_device_id,
     plugin_gpus_from_inventory,
-    resource_specs,
     socket_name,
 )
-from gpulet_allocator.plugin.backend import PreferredRequest
 from gpulet_allocator.plugin.metrics import PluginMetrics
 from gpulet_allocator.plugin.server import fallback_preference
+from gpulet_allocator.protocol import (
+    CORES_PER_GPU,
+    MEMORY_UNIT_BYTES,
+    DeviceSpec,
+    PreferredRequest,
+    ResourceKind,
+    parse_device_id,
+    resource_specs,
+)
 from gpulet_common.messages import GpuInfo
+from gpulet_common.settings.allocator import ResourceNames
 from gpulet_common.telemetry import REQUEST_LATENCY_BUCKETS_S
 
 UUID = "GPU-fef8089b-4820-abfc-e83e-94318197576e"
@@ -68,7 +70,7 @@ def test_devices_per_resource_follow_gpu_health() -> None:
     whole = inventory["nvidia.com/gpu"]
     assert [(d.id, d.health) for d in whole] == [(UUID, "Healthy"), ("GPU-b", "Unhealthy")]
     core = inventory["gpulet.io/gpu-core"]
-    assert len(core) == 2 * CORE_UNITS_PER_GPU
+    assert len(core) == 2 * CORES_PER_GPU
     assert core[0].id == f"{UUID}::core-0"
     assert {d.health for d in core if d.gpu_uuid == "GPU-b"} == {"Unhealthy"}
     memory = inventory["gpulet.io/gpu-memory"]

@@ -14,7 +14,7 @@ from typing import Any
 import anyio
 import pytest
 
-from gpulet_allocator.plugin.resources import core_device_id, memory_device_id
+from gpulet_allocator.protocol import core_device_id, memory_device_id
 from gpulet_collector.pods import PodAttribution, holders_of
 from gpulet_collector.service import CollectorService
 from gpulet_common.embedded_nats import EmbeddedNats

@@ -8,7 +8,7 @@ import pytest
 from nats.aio.msg import Msg
 
 from gpulet_common import codec, subjects
-from gpulet_common.bus import Bus, Delivery, RemoteError, RequestRejected, RequestTimeout
+from gpulet_common.bus import Bus, Delivery, NoResponders, Refused, RequestTimeout
 from gpulet_common.embedded_nats import EmbeddedNats
 from gpulet_common.messages import Ack, GpuSample, InventoryRequest, SampleBatch
 from gpulet_common.settings.nats import NatsSettings
@@ -64,7 +64,7 @@ async def test_malformed_messages_are_counted_logged_and_dropped(
 async def test_request_reply_with_errors(nats_server: EmbeddedNats) -> None:
     async def handler(request: Delivery[InventoryRequest]) -> Ack:
         if request.value.reason == "reject":
-            raise RequestRejected("invalid_request", "reason must not be reject")
+            raise Refused("invalid_request", "reason must not be reject")
         if request.value.reason == "crash":
             raise RuntimeError("boom")
         return Ack(detail=request.value.reason)
@@ -78,12 +78,12 @@ async def test_request_reply_with_errors(nats_server: EmbeddedNats) -> None:
             "svc.test", InventoryRequest(reason="hi"), codec.INVENTORY_REQUEST, codec.ACK
         )
         assert ok.detail == "hi"
-        with pytest.raises(RemoteError) as info:
+        with pytest.raises(Refused) as info:
             await bus.request(
                 "svc.test", InventoryRequest(reason="reject"), codec.INVENTORY_REQUEST, codec.ACK
             )
         assert info.value.code == "invalid_request"
-        with pytest.raises(RemoteError) as info:
+        with pytest.raises(Refused) as info:
             await bus.request(
                 "svc.test", InventoryRequest(reason="crash"), codec.INVENTORY_REQUEST, codec.ACK
             )
@@ -91,8 +91,11 @@ async def test_request_reply_with_errors(nats_server: EmbeddedNats) -> None:
         assert "boom" in info.value.message
         reply = await bus.client.request("svc.test", b"{bad", timeout=2)
         assert reply.headers is not None
-        assert reply.headers["Gpulet-Error"] == "malformed_request"
-        with pytest.raises(RequestTimeout):
+        # nats.micro's convention: the status in the headers, the code in the body.
+        assert reply.headers["Nats-Service-Error-Code"] == "400"
+        assert reply.headers["Nats-Service-Error"].startswith("malformed_request: ")
+        assert codec.ERROR_REPLY.decode(reply.data).code == "malformed_request"
+        with pytest.raises(NoResponders):
             await bus.request(
                 "nobody.home", InventoryRequest(), codec.INVENTORY_REQUEST, codec.ACK, timeout_s=0.3
             )
@@ -155,7 +158,7 @@ async def test_a_request_on_a_lost_connection_is_a_timeout_not_a_crash(
 
 async def test_refusals_are_bounded_in_size(nats_server: EmbeddedNats) -> None:
     async def handler(request: Delivery[InventoryRequest]) -> Ack:
-        raise RequestRejected("invalid_request", "unknown: " + request.value.reason)
+        raise Refused("invalid_request", "unknown: " + request.value.reason)
 
     huge = "x" * 60_000  # under limits.request_max_bytes, far over a refusal's bound
     async with (
@@ -163,7 +166,7 @@ async def test_refusals_are_bounded_in_size(nats_server: EmbeddedNats) -> None:
         anyio.create_task_group() as tg,
     ):
         await tg.start(bus.serve, "svc.bounded", handler, codec.INVENTORY_REQUEST, codec.ACK)
-        with pytest.raises(RemoteError) as info:
+        with pytest.raises(Refused) as info:
             await bus.request(
                 "svc.bounded", InventoryRequest(reason=huge), codec.INVENTORY_REQUEST, codec.ACK
             )

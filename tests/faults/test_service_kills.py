@@ -151,8 +151,7 @@ class World:
         )
 
     async def allocator_state(self) -> p.StateReply:
-        return await p.request(
-            self.bus.client,
+        return await self.bus.request(
             subjects.allocator_endpoint(NODE, p.ENDPOINT_STATE),
             p.StateRequest(),
             p.STATE_REQUEST,
@@ -217,8 +216,7 @@ async def _release(w: World, allocation_id: str) -> None:
     with anyio.fail_after(READY_WITHIN_S):
         while True:
             try:
-                await p.request(
-                    w.bus.client,
+                await w.bus.request(
                     subjects.allocator_endpoint(NODE, p.ENDPOINT_RELEASE),
                     p.ReleaseRequest(allocation_ids=[allocation_id]),
                     p.RELEASE_REQUEST,
@@ -452,7 +450,7 @@ async def _scenario(w: World) -> None:
     # The checkpoint on disk holds the same (an allocation's ID is its owner's key).
     checkpoint = store.decode(await anyio.Path(state.checkpoint).read_bytes())
     on_disk = {
-        a.owner.pod_uid: tuple(a.devices)
+        a.owner.allocation_id: tuple(a.devices)
         for a in checkpoint.allocations
         if isinstance(a, WholeAllocation)
     }

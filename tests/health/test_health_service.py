@@ -12,7 +12,7 @@ import anyio
 import pytest
 
 from gpulet_common import codec, subjects
-from gpulet_common.bus import Bus, RemoteError
+from gpulet_common.bus import Bus, Refused
 from gpulet_common.codec import GPU_HEALTH
 from gpulet_common.embedded_nats import EmbeddedNats
 from gpulet_common.messages import HealthClearRequest, HealthStateRequest
@@ -112,12 +112,12 @@ async def test_operator_clear_by_request_reply(nats_server: EmbeddedNats, tmp_pa
             (HealthClearRequest(gpu="2", condition="thermal"), "unknown_condition"),
             (HealthClearRequest(gpu=" "), "invalid_request"),
         ]:
-            with pytest.raises(RemoteError) as info:
+            with pytest.raises(Refused) as info:
                 await bus.request(clear, request, codec.HEALTH_CLEAR_REQUEST, codec.HEALTH_STATE)
             assert info.value.code == code, info.value
         raw = await bus.client.request(clear, b'{"gpu": 3}', timeout=2)
         assert raw.headers is not None
-        assert raw.headers["Gpulet-Error"] == "malformed_request"
+        assert raw.headers["Nats-Service-Error"].startswith("malformed_request: ")
 
 
 async def test_ecc_uncorrectable_sticky_until_reset(
@@ -363,7 +363,7 @@ async def test_state_query_kv_and_malformed_samples(
             codec.HEALTH_STATE,
         )
         assert one.gpus == state.gpus[:1]
-        with pytest.raises(RemoteError) as info:
+        with pytest.raises(Refused) as info:
             await bus.request(
                 subjects.health_state(h.node),
                 HealthStateRequest(gpu="42"),

@@ -32,7 +32,7 @@ cards, so "more memory than a card" depends on the card). Two kinds of input:
 
 Checked after every request: the answer is either a reply that decodes and makes sense
 (an allocation on GPUs of the node, a preference of exactly ``size`` offered IDs) or a
-typed refusal -- ``Gpulet-Error`` header, an ``ErrorReply`` with a known code and a
+typed refusal -- nats.micro's error headers, an ``ErrorReply`` with a known code and a
 non-empty, bounded message, the matching ``Nats-Service-Error-Code`` -- never an
 exception, never ``internal``, never more than NATS carries. An allocate-batch answer
 has one outcome per call, each such an allocation or refusal; the same container gets
@@ -74,17 +74,30 @@ from nats.aio.msg import Msg
 from nats.micro.request import Request
 
 from gpulet_allocator import protocol as p
-from gpulet_allocator.core import CORES_PER_GPU, AllocatorCore, Rejected, StoredState, Undo
-from gpulet_allocator.engine import ERROR_CODES, ShareAllocation, WholeAllocation
-from gpulet_allocator.engine.shares import memory_units
-from gpulet_allocator.plugin.backend import ContainerAllocation, PreferredRequest
-from gpulet_allocator.service import MAX_ERROR_MESSAGE_CHARS, AllocatorService, _bounded
+from gpulet_allocator.core import AllocatorCore, StoredState, Undo
+from gpulet_allocator.engine import ShareAllocation, WholeAllocation
+from gpulet_allocator.protocol import (
+    CORES_PER_GPU,
+    ContainerAllocation,
+    PreferredRequest,
+    memory_units,
+)
+from gpulet_allocator.service import AllocatorService
 from gpulet_allocator.store import CheckpointFile
 from gpulet_common import codec, subjects
 from gpulet_common.bus import Bus
 from gpulet_common.codec import Codec
 from gpulet_common.embedded_nats import EmbeddedNats
 from gpulet_common.messages import ErrorReply, Inventory
+from gpulet_common.refusal import (
+    MAX_ERROR_MESSAGE_CHARS,
+    MICRO_ERROR_CODE_HEADER,
+    MICRO_ERROR_HEADER,
+    STATUS,
+    Refused,
+    bounded,
+    status_of,
+)
 from gpulet_common.settings import Settings
 from gpulet_common.settings.allocator import ResourceNames
 from robustness.strategies import bases, mutants
@@ -175,10 +188,15 @@ HOSTILE_IDS: Final = (
 
 # Codes a hostile request may get; "internal" (a bug), "checkpoint_failed" (the disk)
 # and "not_ready" (no inventory) must not happen here.
-ALLOWED_CODES: Final = (ERROR_CODES | p.SERVICE_ERROR_CODES) - {
+ALLOWED_CODES: Final = frozenset(STATUS) - {
     "internal",
     "checkpoint_failed",
     "not_ready",
+    # The caller's side's, or other services'.
+    "unavailable",
+    "malformed_reply",
+    "inventory_mismatch",
+    "unknown_gpu",
 }
 
 # What hostile allocate requests (and allocate-batch calls) must all run into.
@@ -910,9 +928,9 @@ def _footprint(core: AllocatorCore) -> dict[str, tuple[tuple[str, ...], int, int
     out: dict[str, tuple[tuple[str, ...], int, int]] = {}
     for alloc in core.ledger.allocations():
         if isinstance(alloc, WholeAllocation):
-            out[alloc.owner.pod_uid] = (alloc.devices, CORES_PER_GPU * len(alloc.devices), 0)
+            out[alloc.owner.allocation_id] = (alloc.devices, CORES_PER_GPU * len(alloc.devices), 0)
         else:
-            out[alloc.owner.pod_uid] = ((alloc.device,), alloc.cores, alloc.memory_units)
+            out[alloc.owner.allocation_id] = ((alloc.device,), alloc.cores, alloc.memory_units)
     return out
 
 
@@ -1033,12 +1051,12 @@ class Fuzz:
         twin = self.twin
         if twin is None or not 0 < len(value.calls) <= p.MAX_BATCH_CALLS:
             return
-        alone: list[list[ContainerAllocation] | Rejected] = []
+        alone: list[list[ContainerAllocation] | Refused] = []
         undos: list[Undo] = []
         for call in value.calls:
             try:
                 answers, undo = twin.allocate(call.resource, call.containers)
-            except Rejected as exc:
+            except Refused as exc:
                 alone.append(exc)
                 continue
             alone.append(answers)
@@ -1048,10 +1066,10 @@ class Fuzz:
                 undo()
             return
         for n, (got, want) in enumerate(zip(reply.outcomes, alone, strict=True)):
-            if isinstance(want, Rejected):
+            if isinstance(want, Refused):
                 same = got.error is not None and (got.error.code, got.error.message) == (
                     want.code,
-                    _bounded(want.message),
+                    bounded(want.message),
                 )
             else:
                 same = got.error is None and got.containers == want
@@ -1098,7 +1116,7 @@ class Fuzz:
             await self.toggle_lost(rng.choice(UUIDS))
         held = self.core.ledger.allocations()
         if len(held) > 10 or len(self.core.ledger.free_whole()) < 2:
-            ids = [a.owner.pod_uid for a in held]
+            ids = [a.owner.allocation_id for a in held]
             release = p.ReleaseRequest(allocation_ids=rng.sample(ids, len(ids) // 2 + 1))
             await self.call(p.ENDPOINT_RELEASE, [release])
 
@@ -1144,7 +1162,7 @@ class Fuzz:
         self.world = World(
             free_whole=[u for u in ledger.free_whole() if u in ledger.topology],
             sick=[d.uuid for d in ledger.devices() if not d.schedulable],
-            allocations=[a.owner.pod_uid for a in ledger.allocations()],
+            allocations=[a.owner.allocation_id for a in ledger.allocations()],
             pods=[v.grants[0].pod for v in self.core.allocation_views() if v.grants],
             granted=list(self.granted),
         )
@@ -1233,7 +1251,7 @@ def _stored(state: StoredState) -> bytes:
 def _decided(core: AllocatorCore) -> bytes:
     """Allocations, grants (without their wall-clock times) and the open share half."""
     state = core.snapshot()
-    allocations = sorted(state.allocations, key=lambda a: a.owner.pod_uid)
+    allocations = sorted(state.allocations, key=lambda a: a.owner.allocation_id)
     grants = [msgspec.structs.replace(g, created_at=0.0) for g in state.grants]
     open_half = (core._open.allocation, core._open.kind) if core._open else None
     return msgspec.json.encode((allocations, grants, open_half))
@@ -1250,17 +1268,16 @@ def judge_answer(
     ``value`` is the request that was sent (None when it was raw bytes). Returns the
     outcome with the decoded reply (the ErrorReply of a refusal).
     """
-    if p.GPULET_ERROR_HEADER in headers:
+    if MICRO_ERROR_CODE_HEADER in headers:
+        # Raised past our handler, nats.micro would have answered a bare 500 without
+        # an ErrorReply body: that fails here.
         error = codec.ERROR_REPLY.decode(data)
-        assert error.code == headers[p.GPULET_ERROR_HEADER]
         _judge_error(endpoint, error)
-        assert headers[p.MICRO_ERROR_CODE_HEADER] == p.micro_status(error.code)
-        assert headers[p.MICRO_ERROR_HEADER].startswith(error.code)
+        assert headers[MICRO_ERROR_CODE_HEADER] == str(status_of(error.code).wire)
+        assert headers[MICRO_ERROR_HEADER].startswith(f"{error.code}: ")
         if isinstance(value, p.AllocateBatchRequest):
             _judge_batch_refusal(value, error)
         return error.code, error
-    # Raised past our handler, nats.micro would have answered a bare 500.
-    assert p.MICRO_ERROR_CODE_HEADER not in headers, headers
     reply = REPLY_CODECS[endpoint].decode(data)
     if isinstance(value, p.AllocateRequest):
         _judge_allocate(value, reply.containers)
@@ -1354,7 +1371,7 @@ def check_invariants(
     share_cores: Counter[str] = Counter()
     share_memory: Counter[str] = Counter()
     for alloc in core.ledger.allocations():
-        owner = alloc.owner.pod_uid
+        owner = alloc.owner.allocation_id
         if isinstance(alloc, WholeAllocation):
             assert alloc.devices, owner
             for gpu in alloc.devices:

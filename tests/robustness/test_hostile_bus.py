@@ -491,7 +491,7 @@ async def test_no_payload_on_any_subject_kills_misleads_or_stalls_the_agent(
                     "invalid-utf8",
                 )
                 if not name.startswith("random-tree") and not fieldless:
-                    assert headers.get("Gpulet-Error"), (what, headers, msg.data[:200])
+                    assert headers.get("Nats-Service-Error-Code"), (what, headers, msg.data[:200])
                 await check(what)
                 handled += 1
         assert handled >= 170

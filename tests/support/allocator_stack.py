@@ -32,8 +32,8 @@ import anyio.abc
 import msgspec
 
 from gpulet_allocator import protocol as p
-from gpulet_allocator.plugin.resources import ResourceKind, ResourceSpec, resource_specs
 from gpulet_allocator.plugin.service import DevicePluginService
+from gpulet_allocator.protocol import ResourceKind, ResourceSpec, resource_specs
 from gpulet_allocator.service import AllocatorService
 from gpulet_collector.service import CollectorService
 from gpulet_common import codec, subjects
@@ -257,8 +257,7 @@ class Stack:
     async def ask(
         self, endpoint: str, value: Q, request: Codec[Q], reply: Codec[R], *, timeout_s: float = 2.0
     ) -> R:
-        return await p.request(
-            self.bus.client,
+        return await self.bus.request(
             subjects.allocator_endpoint(self.node, endpoint),
             value,
             request,

@@ -12,7 +12,7 @@ import anyio
 import msgspec
 
 from gpulet_common import catalog, codec, subjects
-from gpulet_common.bus import Bus, BusError, RemoteError, RequestTimeout
+from gpulet_common.bus import Bus, BusError, Refused, RequestTimeout
 from gpulet_common.cli_support import AddFlags, LoadSettings, bind, tool_nats
 from gpulet_common.messages import InventoryRequest, MockInjectRequest
 from gpulet_common.mock_nvml.scenario import FAULT_KINDS
@@ -105,7 +105,7 @@ async def inject(settings: Settings, request: MockInjectRequest, timeout_s: floa
                 file=sys.stderr,
             )
             return 1
-        except RemoteError as exc:
+        except Refused as exc:
             print(f"gpulet mock inject: rejected: {exc}", file=sys.stderr)
             return 1
     print(json.dumps(msgspec.to_builtins(reply)))

@@ -19,9 +19,12 @@ Layers
   and dropped: bad input is never fatal and changes no state. Backpressure comes from
   nats-py's bounded pending queue; a consumer that falls behind is reported by the
   server as a slow consumer and counted, rather than growing memory without bound.
-* :meth:`Bus.request` / :meth:`Bus.serve` give typed request/reply, with errors carried
-  as :class:`~gpulet_common.messages.ErrorReply` so a caller always gets a code and a
-  message instead of a timeout.
+* :meth:`Bus.request` / :meth:`Bus.serve` give typed request/reply. A request carries
+  the trace context too, and its reply is decoded like a subscribed message (counted
+  when malformed or rejected). Refusals follow the one convention of
+  :mod:`gpulet_common.refusal` (nats.micro's error headers and an
+  :class:`~gpulet_common.messages.ErrorReply` body), so a caller always gets a
+  :class:`~gpulet_common.refusal.BusError` with a code instead of a timeout or a crash.
 * JetStream helpers: streams with age/size limits and de-duplication, acknowledged
   publishes with a message id, and key-value buckets.
 """
@@ -55,7 +58,16 @@ from opentelemetry.trace import SpanKind
 from gpulet_common import codec as codecs
 from gpulet_common.codec import Codec
 from gpulet_common.logutil import RateLimitedLog
-from gpulet_common.messages import ErrorReply
+from gpulet_common.refusal import (
+    MAX_ERROR_MESSAGE_CHARS,
+    MICRO_ERROR_CODE_HEADER,
+    MICRO_ERROR_HEADER,
+    refusal,
+)
+from gpulet_common.refusal import BusError as BusError
+from gpulet_common.refusal import NoResponders as NoResponders
+from gpulet_common.refusal import Refused as Refused
+from gpulet_common.refusal import RequestTimeout as RequestTimeout
 from gpulet_common.settings.limits import LimitsSettings
 from gpulet_common.settings.nats import NatsSettings
 
@@ -64,34 +76,7 @@ R = TypeVar("R")
 
 log = logging.getLogger("gpulet.bus")
 
-MAX_ERROR_MESSAGE_CHARS = 1000
 _tracer = trace.get_tracer("gpulet.bus")
-
-
-class BusError(Exception):
-    pass
-
-
-class RemoteError(BusError):
-    """The responder rejected the request with an :class:`ErrorReply`."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(f"{code}: {message}")
-        self.code = code
-        self.message = message
-
-
-class RequestTimeout(BusError):
-    pass
-
-
-class RequestRejected(Exception):
-    """Raised by a :meth:`Bus.serve` handler to answer with a precise error."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(f"{code}: {message}")
-        self.code = code
-        self.message = message
 
 
 @dataclass(frozen=True, slots=True)
@@ -472,10 +457,13 @@ class Bus:
         timeout_s: float | None = None,
         node: str | None = None,
     ) -> R:
-        """Send a request and decode the reply; an :class:`ErrorReply` raises RemoteError.
+        """Send a request and decode the reply.
 
-        The reply is checked like a subscribed message, against the request's subject
-        (and ``node``): a reply that fails raises ``RemoteError("malformed_reply")``.
+        Raises :class:`Refused` with the responder's code when it refuses,
+        :class:`NoResponders` when nobody listens, :class:`RequestTimeout` when nobody
+        answers in time or the connection cannot carry the request. The reply is
+        checked like a subscribed message, against the request's subject (and
+        ``node``): one that fails is counted and raises ``Refused("malformed_reply")``.
         """
         data = request_codec.encode(value)
         carrier: dict[str, str] = {}
@@ -489,7 +477,7 @@ class Bus:
                     headers=carrier or None,
                 )
             except nats.errors.NoRespondersError as exc:
-                raise RequestTimeout(f"no responder on {subject}") from exc
+                raise NoResponders(f"no responder on {subject}") from exc
             except nats.errors.TimeoutError as exc:
                 raise RequestTimeout(f"no reply on {subject} in time") from exc
             except (
@@ -503,34 +491,34 @@ class Bus:
                 # already handles RequestTimeout (ask again later), so a lost connection
                 # must not escape as an exception that would end its service.
                 raise RequestTimeout(f"no reply on {subject}: {type(exc).__name__}") from exc
-        if msg.headers and (code := msg.headers.get("Gpulet-Error")):
+            except (nats.errors.Error, OSError) as exc:
+                # Anything else the client refuses to send (a payload over the limit...).
+                raise RequestTimeout(f"cannot ask {subject}: {type(exc).__name__}: {exc}") from exc
+        headers = msg.headers or {}
+        if MICRO_ERROR_CODE_HEADER in headers:
             error = self.decode_value(msg.data, codecs.ERROR_REPLY, subject=subject)
             if error is None:
-                raise RemoteError(str(code)[:100], "(the error reply did not decode)")
-            raise RemoteError(error.code, error.message)
+                # nats.micro's own answer for a handler that raised, or a broken body.
+                detail = headers.get(MICRO_ERROR_HEADER, "")[:MAX_ERROR_MESSAGE_CHARS]
+                raise Refused("internal", detail or "the error reply did not decode")
+            raise Refused(error.code, error.message)
         try:
             return reply_codec.decode(
                 msg.data, limits=self.limits, subject=subject, node=node, now=time.time()
             )
         except Exception as exc:
             self.count_bad(subject, reply_codec, exc, msg.data)
-            raise RemoteError("malformed_reply", str(exc)[:MAX_ERROR_MESSAGE_CHARS]) from exc
+            problem = f"{reply_codec.name}: {exc}"[:MAX_ERROR_MESSAGE_CHARS]
+            raise Refused("malformed_reply", problem) from exc
 
     async def respond(self, delivery: Delivery[Any], value: R, codec: Codec[R]) -> None:
         if delivery.reply:
             await self._nc.publish(delivery.reply, codec.encode(value))
 
     async def respond_error(self, reply: str, code: str, message: str) -> None:
-        # A refusal may quote the request; bound it so a huge request cannot make a
-        # reply larger than the server's max payload (which closes the connection).
-        if len(message) > MAX_ERROR_MESSAGE_CHARS:
-            message = message[:MAX_ERROR_MESSAGE_CHARS] + "..."
         if reply:
-            await self._nc.publish(
-                reply,
-                codecs.ERROR_REPLY.encode(ErrorReply(code=code, message=message)),
-                headers={"Gpulet-Error": code},
-            )
+            body, headers = refusal(code, message)
+            await self._nc.publish(reply, body, headers=headers)
 
     async def serve(
         self,
@@ -545,7 +533,7 @@ class Bus:
         """Answer requests on ``subject`` until cancelled, one at a time.
 
         A malformed request is answered with ``malformed_request``; a handler raising
-        :class:`RequestRejected` is answered with its code. Any other handler failure
+        :class:`Refused` is answered with its code. Any other handler failure
         is logged and answered with ``internal`` so the caller never waits in vain.
         """
         sub = await self._nc.subscribe(
@@ -580,7 +568,7 @@ class Bus:
         try:
             with _tracer.start_as_current_span(f"serve {msg.subject}", kind=SpanKind.SERVER):
                 result = await handler(delivery)
-        except RequestRejected as exc:
+        except Refused as exc:
             await self.respond_error(msg.reply, exc.code, exc.message)
             return
         except Exception as exc:

@@ -14,7 +14,7 @@ import anyio
 import anyio.abc
 
 from gpulet_common import codec, subjects
-from gpulet_common.bus import Delivery, RequestRejected
+from gpulet_common.bus import Delivery, Refused
 from gpulet_common.messages import MockInjectReply, MockInjectRequest
 from gpulet_common.runtime import Runtime
 
@@ -42,7 +42,7 @@ class MockControlService:
         handle = await self._rt.nvml.get()
         controller = getattr(getattr(handle.adapter, "module", None), "controller", None)
         if controller is None:
-            raise RequestRejected("not_a_mock", "this process does not run the mock NVML")
+            raise Refused("not_a_mock", "this process does not run the mock NVML")
         reply: MockInjectReply = await anyio.to_thread.run_sync(controller.inject, request.value)
         log.info(
             "mock fault %s on GPU %s: %s",

@@ -34,7 +34,7 @@ import anyio
 import msgspec
 
 from gpulet_common import subjects
-from gpulet_common.bus import Bus, BusError, RemoteError, RequestTimeout
+from gpulet_common.bus import Bus, BusError, Refused, RequestTimeout
 from gpulet_common.cli_support import AddFlags, LoadSettings, bind, tool_nats
 from gpulet_common.codec import Codec
 from gpulet_common.settings import Settings
@@ -51,16 +51,13 @@ async def _ask(
     reply: Codec[Any],
     timeout_s: float,
 ) -> Any:
-    from gpulet_allocator import protocol as p
-
     async with Bus.connect(
         tool_nats(settings),
         name="gpulet-allocator-cli",
         max_initial_attempts=3,
         limits=settings.limits,
     ) as bus:
-        return await p.request(
-            bus.client,
+        return await bus.request(
             subjects.allocator_endpoint(settings.node_name, endpoint),
             value,
             request,
@@ -78,7 +75,7 @@ def _run(settings: Settings, what: str, call: Callable[[], Any]) -> Any:
             "(is the allocator running? is --node right?)",
             file=sys.stderr,
         )
-    except RemoteError as exc:
+    except Refused as exc:
         print(f"gpulet allocator {what}: refused: {exc.code}: {exc.message}", file=sys.stderr)
     except BusError as exc:
         print(f"gpulet allocator {what}: {exc}", file=sys.stderr)
@@ -86,10 +83,14 @@ def _run(settings: Settings, what: str, call: Callable[[], Any]) -> Any:
 
 
 def _mib(units: int) -> str:
-    return f"{units * 256 / 1024:g} GiB"
+    from gpulet_allocator.protocol import MEMORY_UNIT_MIB
+
+    return f"{units * MEMORY_UNIT_MIB / 1024:g} GiB"
 
 
 def format_state(state: p.StateReply) -> str:
+    from gpulet_allocator.protocol import CORES_PER_GPU
+
     if state.lost:
         readiness = f"NOT READY ({state.lost})"
     else:
@@ -104,9 +105,8 @@ def format_state(state: p.StateReply) -> str:
             health = "LOST"
         holder = g.whole or ", ".join(g.shares) or "-"
         memory = f"{_mib(g.memory_used)}/{_mib(g.memory_units)}"
-        lines.append(
-            f"{g.index:>3}  {g.uuid:<42} {health:<9} {g.cores_used:>3}/100 {memory:>17}  {holder}"
-        )
+        cores = f"{g.cores_used:>3}/{CORES_PER_GPU}"
+        lines.append(f"{g.index:>3}  {g.uuid:<42} {health:<9} {cores} {memory:>17}  {holder}")
     lines.append("")
     if not state.allocations:
         lines.append("no allocations")

@@ -96,7 +96,6 @@ from typing import Final, Literal, NoReturn
 import msgspec
 
 from gpulet_allocator.engine import (
-    AllocationError,
     DeviceState,
     Ledger,
     Owner,
@@ -104,24 +103,29 @@ from gpulet_allocator.engine import (
     WholeAllocation,
     classify_cores,
 )
-from gpulet_allocator.engine.shares import memory_units as memory_units_of
 from gpulet_allocator.koordinator import Claim, GpuEntry, PodBook, PodKey, memory_mib
-from gpulet_allocator.plugin.backend import ContainerAllocation, Mount, PreferredRequest
-from gpulet_allocator.plugin.resources import ResourceKind, parse_device_id, resource_specs
 from gpulet_allocator.protocol import (
+    CORES_PER_GPU,
+    MEMORY_UNIT_MIB,
     AllocationView,
+    ContainerAllocation,
     GpuView,
     GrantView,
+    Mount,
+    PreferredRequest,
     ReleaseRequest,
+    ResourceKind,
     StateReply,
+    parse_device_id,
+    resource_specs,
 )
+from gpulet_allocator.protocol import memory_units as memory_units_of
 from gpulet_common.messages import GpuInfo, Inventory
+from gpulet_common.refusal import Refused
 from gpulet_common.settings.allocator import CdiSettings, MpsSettings, ResourceNames
 
 log = logging.getLogger("gpulet.allocator")
 
-CORES_PER_GPU: Final = 100
-MEMORY_UNIT_MIB: Final = 256
 ALLOCATION_ANNOTATION: Final = "gpulet.io/allocation"
 ALLOCATION_ENV: Final = "GPULET_ALLOCATION_ID"
 STATE_VERSION: Final = 1
@@ -130,15 +134,6 @@ GrantKind = Literal["whole", "core", "memory", "ratio"]
 RefusalHook = Callable[[PodKey, str], None]
 Allocation = WholeAllocation | ShareAllocation
 Undo = Callable[[], None]
-
-
-class Rejected(Exception):
-    """A refused request: ``code`` for programs, ``message`` for people."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(f"{code}: {message}")
-        self.code = code
-        self.message = message
 
 
 class Grant(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -243,10 +238,6 @@ def grant_key(kind: GrantKind, resource: str, device_ids: Iterable[str]) -> str:
     return f"{kind}-{digest.hexdigest()}"
 
 
-def _engine_error(exc: AllocationError) -> Rejected:
-    return Rejected(exc.code, exc.message)
-
-
 class AllocatorCore:
     """Ledger + grants + the join rule. Not thread-safe: call from one event loop."""
 
@@ -322,7 +313,7 @@ class AllocatorCore:
         kind = self._kinds.get(resource)
         if kind is None:
             served = ", ".join(sorted(self._kinds))
-            raise Rejected("unknown_resource", f"{resource!r} is not served here ({served})")
+            raise Refused("unknown_resource", f"{resource!r} is not served here ({served})")
         return kind
 
     def update_inventory(self, inventory: Inventory) -> bool:
@@ -349,7 +340,7 @@ class AllocatorCore:
         """
         try:
             return self.ledger.set_health(uuid, healthy)
-        except AllocationError:
+        except Refused:
             return False
 
     # --- Allocate ----------------------------------------------------------------------
@@ -357,7 +348,7 @@ class AllocatorCore:
     def allocate(
         self, resource: str, containers: Sequence[Sequence[str]]
     ) -> tuple[list[ContainerAllocation], Undo]:
-        """Answer kubelet's Allocate; all containers or none (raises :class:`Rejected`).
+        """Answer kubelet's Allocate; all containers or none (raises :class:`Refused`).
 
         The returned undo reverts what this call changed, for a checkpoint that failed.
         """
@@ -365,23 +356,19 @@ class AllocatorCore:
         if self.lost is not None:
             raise self.lost_refusal()
         if not self.ready:
-            raise Rejected("not_ready", "the allocator has no GPU inventory yet")
+            raise Refused("not_ready", "the allocator has no GPU inventory yet")
         if not containers:
-            raise Rejected("invalid_request", "the request names no container")
+            raise Refused("invalid_request", "the request names no container")
         undo: list[Undo] = []
         try:
             answers = [
                 self._allocate_one(resource, kind, list(ids), n, undo)
                 for n, ids in enumerate(containers)
             ]
-        except (AllocationError, Rejected) as exc:
-            # All or nothing: an earlier container of this call is given back. The
-            # open half is closed too: kubelet fails this pod and moves on to the next.
-            self._revert(undo)
-            self._open = None
-            raise _engine_error(exc) if isinstance(exc, AllocationError) else exc from None
         except Exception:
-            # A bug: leave the ledger as it was before the call, then let it surface.
+            # All or nothing (a refusal, or a bug that then surfaces): an earlier
+            # container of this call is given back. The open half is closed too:
+            # kubelet fails this pod and moves on to the next.
             self._revert(undo)
             self._open = None
             raise
@@ -416,7 +403,7 @@ class AllocatorCore:
                         f"kubelet allocated {self._describe(uuids)} but koord-scheduler "
                         f"decided {self._describe(decided)} for {claim.pod}",
                     )
-            self.ledger.allocate_whole(Owner(pod_uid=key), devices=uuids)
+            self.ledger.allocate_whole(Owner(allocation_id=key), devices=uuids)
             self._open = None
             answer = self._new_grant(
                 key, resource, kind, len(ids), key, undo, own=True, claim=claim
@@ -429,8 +416,8 @@ class AllocatorCore:
             request = classify_cores(len(ids))
             if request.kind == "whole":
                 if self._joinable("memory", now) is not None:
-                    raise Rejected("invalid_request", _WHOLE_WITH_MEMORY.format(len(ids)))
-                self.ledger.allocate_whole(Owner(pod_uid=key), request.count)
+                    raise Refused("invalid_request", _WHOLE_WITH_MEMORY.format(len(ids)))
+                self.ledger.allocate_whole(Owner(allocation_id=key), request.count)
                 grant = self._new_grant(key, resource, kind, len(ids), key, undo, own=True)
                 self._open = _OpenHalf(allocation=key, kind="core", at=now)
                 return grant
@@ -438,7 +425,9 @@ class AllocatorCore:
             if partner is not None:
                 self._resize(partner, cores=request.cores, half="core", undo=undo)
                 self._open = None
-                return self._new_grant(key, resource, kind, len(ids), partner.owner.pod_uid, undo)
+                return self._new_grant(
+                    key, resource, kind, len(ids), partner.owner.allocation_id, undo
+                )
             memory = self._proportional_memory(request.cores)
             self._place_half(
                 key,
@@ -455,11 +444,11 @@ class AllocatorCore:
         if partner is not None:
             self._resize(partner, memory=units, half="memory", undo=undo)
             self._open = None
-            return self._new_grant(key, resource, kind, units, partner.owner.pod_uid, undo)
+            return self._new_grant(key, resource, kind, units, partner.owner.allocation_id, undo)
         whole = self._joinable_any("core", now)
         if whole is not None:
             cores = CORES_PER_GPU * len(whole.devices) if isinstance(whole, WholeAllocation) else 0
-            raise Rejected("invalid_request", _WHOLE_WITH_MEMORY.format(cores))
+            raise Refused("invalid_request", _WHOLE_WITH_MEMORY.format(cores))
         cores = self._proportional_cores(units)
         self._place_half(key, cores, units, least=(1, units), asked=f"{units} memory units")
         self._open = _OpenHalf(allocation=key, kind="memory", at=now)
@@ -490,7 +479,7 @@ class AllocatorCore:
         who = f"{claim.pod} container {claim.container!r}"
         text = f"cannot follow koord-scheduler for {who}: {message}"
         self._on_refusal(claim.pod, text)
-        raise Rejected("scheduler_decision", text)
+        raise Refused("scheduler_decision", text)
 
     def _describe(self, uuids: Iterable[str]) -> str:
         minors = self._minors()
@@ -515,14 +504,14 @@ class AllocatorCore:
             self._refuse(claim, f"GPU {name} is unhealthy")
         if whole and state.whole_owner is not None:
             self._refuse(
-                claim, f"GPU {name} is already held by allocation {state.whole_owner.pod_uid}"
+                claim, f"GPU {name} is already held by allocation {state.whole_owner.allocation_id}"
             )
         if whole and state.shares:
-            holders = ", ".join(sh.owner.pod_uid for sh in state.shares)
+            holders = ", ".join(sh.owner.allocation_id for sh in state.shares)
             self._refuse(claim, f"GPU {name} already holds shares ({holders})")
         if not whole and state.whole_owner is not None:
             self._refuse(
-                claim, f"GPU {name} is held whole by allocation {state.whole_owner.pod_uid}"
+                claim, f"GPU {name} is held whole by allocation {state.whole_owner.allocation_id}"
             )
         return state
 
@@ -554,7 +543,7 @@ class AllocatorCore:
         """
         claim = self._claim(resource, len(ids))
         if claim is None:
-            raise Rejected(
+            raise Refused(
                 "scheduler_decision",
                 f"no pending pod on this node carries koord-scheduler's decision for a "
                 f"container asking {len(ids)} {resource}: under the koordinator profile "
@@ -586,7 +575,7 @@ class AllocatorCore:
         if whole:
             for uuid in uuids:
                 self._check_usable(claim, uuid, whole=True)
-            self.ledger.allocate_whole(Owner(pod_uid=key), devices=uuids)
+            self.ledger.allocate_whole(Owner(allocation_id=key), devices=uuids)
         else:
             if len(claim.gpus) != 1:
                 self._refuse(
@@ -604,8 +593,8 @@ class AllocatorCore:
                     f"{entry.core} and {units}",
                 )
             try:
-                self.ledger.allocate_share(Owner(pod_uid=key), entry.core, units, device=uuid)
-            except AllocationError as exc:
+                self.ledger.allocate_share(Owner(allocation_id=key), entry.core, units, device=uuid)
+            except Refused as exc:
                 self._refuse(claim, f"GPU {self._describe([uuid])}: {exc.message}")
         grant = self._new_grant(
             key,
@@ -632,12 +621,12 @@ class AllocatorCore:
 
     def _check_ids(self, resource: str, kind: GrantKind, ids: list[str], n: int) -> None:
         if not ids:
-            raise Rejected("invalid_request", f"container {n} asks for no {resource} device")
+            raise Refused("invalid_request", f"container {n} asks for no {resource} device")
         if len(set(ids)) != len(ids):
             # Counted in one pass: ids.count() per ID was quadratic, so one hostile
             # request of 20,000 IDs held the event loop (every endpoint) for seconds.
             dupes = sorted(i for i, n in Counter(ids).items() if n > 1)
-            raise Rejected("invalid_request", f"duplicate device IDs: {', '.join(dupes[:5])}")
+            raise Refused("invalid_request", f"duplicate device IDs: {', '.join(dupes[:5])}")
         bad: list[str] = []
         unknown_gpus: set[str] = set()
         expected = ResourceKind(kind)
@@ -660,18 +649,18 @@ class AllocatorCore:
         if bad:
             shown = ", ".join(repr(b) for b in bad[:5])
             more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
-            raise Rejected(
+            raise Refused(
                 "unknown_device", f"not {resource} device IDs of this node: {shown}{more}"
             )
         if unknown_gpus:
-            raise Rejected("unknown_device", f"unknown GPU IDs: {', '.join(sorted(unknown_gpus))}")
+            raise Refused("unknown_device", f"unknown GPU IDs: {', '.join(sorted(unknown_gpus))}")
 
     def _known_gpu(self, uuid: str) -> bool:
         if uuid in self._gpus:
             return True
         try:
             self.ledger.device(uuid)
-        except AllocationError:
+        except Refused:
             return False
         return True
 
@@ -686,7 +675,7 @@ class AllocatorCore:
         sizes = self._card_sizes()
         if sizes and units > max(sizes):
             largest = max(self._present(), key=lambda g: (g.memory_total_bytes, -g.index))
-            raise Rejected(
+            raise Refused(
                 "memory_exceeds_card",
                 f"the share asks for {units} memory units ({units * MEMORY_UNIT_MIB} MiB) "
                 f"but the largest card, {largest.uuid}, has {max(sizes)} "
@@ -716,18 +705,18 @@ class AllocatorCore:
     ) -> None:
         """Place a first half; if the proportional guess does not fit, the least share."""
         try:
-            self.ledger.allocate_share(Owner(pod_uid=key), cores, memory)
-        except AllocationError as exc:
+            self.ledger.allocate_share(Owner(allocation_id=key), cores, memory)
+        except Refused as exc:
             if exc.code != "insufficient_capacity" or (cores, memory) == least:
                 raise
         else:
             return
         try:
-            self.ledger.allocate_share(Owner(pod_uid=key), *least)
-        except AllocationError as exc:
+            self.ledger.allocate_share(Owner(allocation_id=key), *least)
+        except Refused as exc:
             if exc.code != "insufficient_capacity":
                 raise
-            raise Rejected(
+            raise Refused(
                 exc.code, f"no card has {asked} free for a share: {exc.message}"
             ) from None
 
@@ -755,14 +744,14 @@ class AllocatorCore:
         if (new_cores, new_memory) == (share.cores, share.memory_units):
             return
         owner = share.owner
-        self.ledger.release(owner.pod_uid)
+        self.ledger.release(owner.allocation_id)
         try:
             self.ledger.allocate_share(owner, new_cores, new_memory, device=share.device)
-        except AllocationError as exc:
+        except Refused as exc:
             # Restore skips the health check: the first half must come back as it was.
             self.ledger.restore([share])
             other = "memory" if half == "core" else "core"
-            raise Rejected(
+            raise Refused(
                 exc.code,
                 f"this container's {other} request already placed its share on "
                 f"{share.device}, which cannot take {new_cores} core units and "
@@ -770,7 +759,7 @@ class AllocatorCore:
             ) from None
 
         def revert() -> None:
-            self.ledger.release(owner.pod_uid)
+            self.ledger.release(owner.allocation_id)
             self.ledger.restore([share])
 
         undo.append(revert)
@@ -816,7 +805,7 @@ class AllocatorCore:
     def _answer(self, grant: Grant) -> ContainerAllocation:
         alloc = self.ledger.get(grant.allocation)
         if alloc is None:
-            raise Rejected("internal", f"grant {grant.key} has lost its allocation")
+            raise Refused("internal", f"grant {grant.key} has lost its allocation")
         gpus = list(alloc.devices) if isinstance(alloc, WholeAllocation) else [alloc.device]
         envs = {"NVIDIA_VISIBLE_DEVICES": ",".join(gpus), ALLOCATION_ENV: grant.allocation}
         mounts: list[Mount] = []
@@ -861,7 +850,7 @@ class AllocatorCore:
             # Shares are placed by Allocate itself; any IDs will do.
             return [self._preferred_share(r) for r in requests]
         if not self.ready:
-            raise Rejected("not_ready", "the allocator has no GPU inventory yet")
+            raise Refused("not_ready", "the allocator has no GPU inventory yet")
         return [self._preferred_decided(resource, r) or self._preferred_one(r) for r in requests]
 
     def _preferred_decided(self, resource: str, request: PreferredRequest) -> list[str] | None:
@@ -896,21 +885,21 @@ class AllocatorCore:
         available = list(dict.fromkeys(request.available))
         must = list(dict.fromkeys(request.must_include))
         if request.size <= 0:
-            raise Rejected(
+            raise Refused(
                 "invalid_request", f"the request size must be positive, got {request.size}"
             )
         offered = set(available)
         missing = [i for i in must if i not in offered]
         if missing:
             shown = ", ".join(sorted(missing)[:5])
-            raise Rejected("invalid_request", f"must-include IDs are not available: {shown}")
+            raise Refused("invalid_request", f"must-include IDs are not available: {shown}")
         if len(must) > request.size:
-            raise Rejected(
+            raise Refused(
                 "invalid_request",
                 f"must-include lists {len(must)} IDs but the request is for {request.size}",
             )
         if request.size > len(available):
-            raise Rejected(
+            raise Refused(
                 "too_many_units",
                 f"asks {request.size} units but only {len(available)} are available",
             )
@@ -919,13 +908,10 @@ class AllocatorCore:
     def _preferred_one(self, request: PreferredRequest) -> list[str]:
         unknown_must = [u for u in request.must_include if not self._known_gpu(u)]
         if unknown_must:
-            raise Rejected("unknown_device", f"unknown GPU IDs: {', '.join(unknown_must)}")
+            raise Refused("unknown_device", f"unknown GPU IDs: {', '.join(unknown_must)}")
         # Unknown offers are left out rather than failing the hint for the whole node.
         available = [u for u in request.available if u in self.ledger.topology]
-        try:
-            return self.ledger.preferred(available, request.must_include, request.size)
-        except AllocationError as exc:
-            raise _engine_error(exc) from None
+        return self.ledger.preferred(available, request.must_include, request.size)
 
     # --- release ---------------------------------------------------------------------------
 
@@ -933,7 +919,7 @@ class AllocatorCore:
         """Explicit release; unknown names release nothing (it is idempotent)."""
         targets: list[str] = []
         if not (request.allocation_ids or request.pods or request.device_ids):
-            raise Rejected(
+            raise Refused(
                 "invalid_request", "name allocation_ids, pods, or resource and device_ids"
             )
         targets.extend(a for a in request.allocation_ids if self.ledger.get(a) is not None)
@@ -1020,9 +1006,9 @@ class AllocatorCore:
 
     # --- a lost record -----------------------------------------------------------------------
 
-    def lost_refusal(self) -> Rejected:
+    def lost_refusal(self) -> Refused:
         blocker = f"; {self.rebuild_blocker}" if self.rebuild_blocker else ""
-        return Rejected(
+        return Refused(
             "checkpoint_lost",
             f"the record of this node's allocations is lost: {self.lost}{blocker}. GPUs "
             "that running pods hold are unknown, so nothing is allocated until kubelet's "
@@ -1060,7 +1046,7 @@ class AllocatorCore:
                 conflicts.append(f"{where}: {exc}")
                 continue
             problems = self.ledger.restore(
-                [WholeAllocation(owner=Owner(pod_uid=key), devices=uuids)]
+                [WholeAllocation(owner=Owner(allocation_id=key), devices=uuids)]
             )
             if problems:
                 conflicts.extend(f"{where}: {p}" for p in problems)
@@ -1132,7 +1118,7 @@ class AllocatorCore:
         )
 
     def allocation_views(self) -> list[AllocationView]:
-        return [self._view(a.owner.pod_uid) for a in self.ledger.allocations()]
+        return [self._view(a.owner.allocation_id) for a in self.ledger.allocations()]
 
     def state(self, *, checkpoint: str = "") -> StateReply:
         gpus = [
@@ -1144,8 +1130,8 @@ class AllocatorCore:
                 cores_used=d.cores_used,
                 memory_units=d.memory_units,
                 memory_used=d.memory_used,
-                whole=d.whole_owner.pod_uid if d.whole_owner else "",
-                shares=[s.owner.pod_uid for s in d.shares],
+                whole=d.whole_owner.allocation_id if d.whole_owner else "",
+                shares=[s.owner.allocation_id for s in d.shares],
             )
             for d in self.ledger.devices()
         ]
@@ -1179,10 +1165,10 @@ class AllocatorCore:
             self._grants[grant.key] = grant
         owned = {g.allocation for g in self._grants.values()}
         for alloc in self.ledger.allocations():
-            if alloc.owner.pod_uid not in owned:
+            if alloc.owner.allocation_id not in owned:
                 # Nothing could ever name it again, so nothing would release it.
-                problems.append(f"allocation {alloc.owner.pod_uid} has no grant; released")
-                self.ledger.release(alloc.owner.pod_uid)
+                problems.append(f"allocation {alloc.owner.allocation_id} has no grant; released")
+                self.ledger.release(alloc.owner.allocation_id)
         if problems:
             self.version += 1
         return problems

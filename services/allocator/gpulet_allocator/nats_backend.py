@@ -3,18 +3,22 @@
 Why
 ---
 The plugin speaks kubelet's gRPC; the allocator decides. This forwards each call as
-one NATS request to ``gpulet.allocator.<node>.<endpoint>`` (contract:
-:mod:`.protocol`) and turns every outcome into what the plugin understands:
+one request on the :class:`~gpulet_common.bus.Bus` to
+``gpulet.allocator.<node>.<endpoint>`` (contract: :mod:`.protocol`), so it carries the
+trace context and its reply is decoded totally and counted when malformed. Every
+outcome is already in the one exception tree (:mod:`gpulet_common.refusal`), and
+passes through untouched:
 
 - no allocator listening (NATS answers "no responders" at once), no reply within
-  ``timeout_s``, a lost connection, or an allocator that is up but has no inventory
-  yet (``not_ready``): :class:`AllocatorUnavailable`, which the plugin reports as
-  gRPC ``UNAVAILABLE`` -- kubelet gets a clear error, bounded in time, never a hang;
-- a refusal: :class:`AllocationRejected` with the gRPC status its code belongs to and
-  a message that starts with the code (``invalid_core_units: ...``), so the reason
-  reaches ``kubectl describe pod`` verbatim;
-- anything else (a 500, a reply that does not decode): :class:`AllocatorFailure`,
-  which the plugin reports as ``INTERNAL``.
+  ``timeout_s``, a lost connection: :class:`~gpulet_common.refusal.RequestTimeout`,
+  which the plugin reports as gRPC ``UNAVAILABLE`` -- kubelet gets a clear error,
+  bounded in time, never a hang;
+- a refusal, or an answer that does not decode:
+  :class:`~gpulet_common.refusal.Refused` with the allocator's code, whose gRPC status
+  the plugin looks up in :data:`~gpulet_common.refusal.STATUS` (``not_ready``:
+  ``UNAVAILABLE``, ``invalid_core_units``: ``INVALID_ARGUMENT``, a 500: ``INTERNAL``),
+  with a message that starts with the code, so the reason reaches
+  ``kubectl describe pod`` verbatim.
 
 Coalescing
 ----------
@@ -45,41 +49,17 @@ from typing import Final, TypeVar
 import anyio
 import anyio.abc
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
-from nats.aio.client import Client as NatsClient
 
 from gpulet_allocator import protocol as p
-from gpulet_allocator.plugin.backend import (
-    AllocationRejected,
-    AllocatorUnavailable,
-    ContainerAllocation,
-    PreferredRequest,
-    RejectCode,
-)
+from gpulet_allocator.protocol import ContainerAllocation, PreferredRequest
 from gpulet_common import subjects
-from gpulet_common.bus import BusError, RemoteError
+from gpulet_common.bus import Bus, BusError, NoResponders, Refused, RequestTimeout
 from gpulet_common.codec import Codec
-from gpulet_common.messages import ErrorReply
 
 log = logging.getLogger("gpulet.device-plugin")
 
 Q = TypeVar("Q")
 R = TypeVar("R")
-
-REJECT_CODES: Final[dict[str, RejectCode]] = {
-    "unknown_device": RejectCode.INVALID_ARGUMENT,
-    "invalid_core_units": RejectCode.INVALID_ARGUMENT,
-    "memory_exceeds_card": RejectCode.INVALID_ARGUMENT,
-    "invalid_request": RejectCode.INVALID_ARGUMENT,
-    "unknown_resource": RejectCode.INVALID_ARGUMENT,
-    "malformed_request": RejectCode.INVALID_ARGUMENT,
-    "too_many_units": RejectCode.RESOURCE_EXHAUSTED,
-    "insufficient_capacity": RejectCode.RESOURCE_EXHAUSTED,
-    "unhealthy_device": RejectCode.FAILED_PRECONDITION,
-    # A corrupt checkpoint, not rebuilt yet: an operator must act (`allocator reset`).
-    "checkpoint_lost": RejectCode.FAILED_PRECONDITION,
-    "scheduler_decision": RejectCode.FAILED_PRECONDITION,
-}
-UNAVAILABLE_CODES: Final = frozenset({"not_ready"})
 
 # Calls per allocate-batch: a batch's answer (about 1 KB per container) must stay
 # well under NATS's 1 MiB max_payload.
@@ -92,10 +72,6 @@ QUEUE_SIZE: Final = 256
 BATCH_RECHECK_S: Final = 30.0
 
 
-class AllocatorFailure(Exception):
-    """The allocator failed in a way that is neither a refusal nor an absence."""
-
-
 @dataclass(eq=False, slots=True)
 class _Queued:
     """One Allocate call waiting for the sender, and then for its outcome."""
@@ -103,7 +79,7 @@ class _Queued:
     request: p.AllocateRequest
     done: anyio.Event = field(default_factory=anyio.Event)
     containers: list[ContainerAllocation] | None = None
-    failure: Exception | None = None
+    failure: BusError | None = None
     # Set when the caller gave up (its deadline) before the call was sent.
     abandoned: bool = False
 
@@ -111,14 +87,14 @@ class _Queued:
         self.containers = containers
         self.done.set()
 
-    def fail(self, failure: Exception) -> None:
+    def fail(self, failure: BusError) -> None:
         self.failure = failure
         self.done.set()
 
 
 class NatsAllocationBackend:
-    def __init__(self, nc: NatsClient, node: str, *, timeout_s: float) -> None:
-        self._nc = nc
+    def __init__(self, bus: Bus, node: str, *, timeout_s: float) -> None:
+        self._bus = bus
         self._node = node
         self._timeout_s = timeout_s
         self._queue: MemoryObjectSendStream[_Queued] | None = None
@@ -198,7 +174,7 @@ class NatsAllocationBackend:
         try:
             queued.resolve(await self._allocate_alone(queued.request))
         except Exception as exc:  # handed to the caller, never lost
-            queued.fail(_as_backend_failure(exc))
+            queued.fail(_as_bus_error(exc))
 
     async def _allocate_alone(self, request: p.AllocateRequest) -> list[ContainerAllocation]:
         reply = await self._call(p.ENDPOINT_ALLOCATE, request, p.ALLOCATE_REQUEST, p.ALLOCATE_REPLY)
@@ -211,21 +187,22 @@ class NatsAllocationBackend:
                 p.AllocateBatchRequest(calls=[q.request for q in batch]),
                 p.ALLOCATE_BATCH_REQUEST,
                 p.ALLOCATE_BATCH_REPLY,
-                alone_if_unserved=True,
             )
-        except _BatchUnserved:
-            # No allocator at all looks the same; the calls alone then say so.
+        except NoResponders:
+            # Nobody serves allocate-batch (an older allocator), or no allocator at
+            # all; the calls alone then say which.
             self._batch_unserved_until = anyio.current_time() + BATCH_RECHECK_S
             await self._send_each(batch)
             return
         except Exception as exc:  # handed to the callers, never lost
-            failure = _as_backend_failure(exc)
+            failure = _as_bus_error(exc)
             for queued in batch:
                 queued.fail(failure)
             return
         if len(reply.outcomes) != len(batch):
-            failure = AllocatorFailure(
-                f"allocator answered {len(reply.outcomes)} outcomes for {len(batch)} calls"
+            failure = Refused(
+                "malformed_reply",
+                f"allocator answered {len(reply.outcomes)} outcomes for {len(batch)} calls",
             )
             for queued in batch:
                 queued.fail(failure)
@@ -234,7 +211,7 @@ class NatsAllocationBackend:
             if outcome.error is None:
                 queued.resolve(outcome.containers)
             else:
-                queued.fail(_refused(outcome.error))
+                queued.fail(Refused(outcome.error.code, outcome.error.message))
 
     async def preferred(self, resource: str, requests: list[PreferredRequest]) -> list[list[str]]:
         reply = await self._call(
@@ -245,53 +222,19 @@ class NatsAllocationBackend:
         )
         return reply.containers
 
-    async def _call(
-        self,
-        endpoint: str,
-        value: Q,
-        request: Codec[Q],
-        reply: Codec[R],
-        *,
-        alone_if_unserved: bool = False,
-    ) -> R:
+    async def _call(self, endpoint: str, value: Q, request: Codec[Q], reply: Codec[R]) -> R:
         subject = subjects.allocator_endpoint(self._node, endpoint)
-        try:
-            return await p.request(
-                self._nc, subject, value, request, reply, timeout_s=self._timeout_s
-            )
-        except RemoteError as exc:
-            raise _refused(ErrorReply(code=exc.code, message=exc.message)) from exc
-        except p.NoAllocator as exc:
-            if alone_if_unserved:
-                raise _BatchUnserved from exc
-            raise AllocatorUnavailable(str(exc)) from exc
-        except BusError as exc:
-            raise AllocatorUnavailable(str(exc)) from exc
+        return await self._bus.request(subject, value, request, reply, timeout_s=self._timeout_s)
 
 
-def _stopping() -> AllocatorUnavailable:
+def _stopping() -> RequestTimeout:
     # A new one each time: one raised by several callers would share a traceback.
-    return AllocatorUnavailable("the device plugin is stopping")
+    return RequestTimeout("the device plugin is stopping")
 
 
-class _BatchUnserved(Exception):
-    """Nobody serves allocate-batch (an allocator older than this plugin)."""
-
-
-def _refused(error: ErrorReply) -> Exception:
-    """The exception the plugin understands for the allocator's refusal ``error``."""
-    detail = f"{error.code}: {error.message}"
-    if error.code in UNAVAILABLE_CODES:
-        return AllocatorUnavailable(detail)
-    code = REJECT_CODES.get(error.code)
-    if code is None:
-        return AllocatorFailure(detail)
-    return AllocationRejected(code, detail)
-
-
-def _as_backend_failure(exc: Exception) -> Exception:
-    """``exc`` if the plugin understands it, else an :class:`AllocatorFailure` naming it."""
-    if isinstance(exc, AllocationRejected | AllocatorUnavailable | AllocatorFailure):
+def _as_bus_error(exc: Exception) -> BusError:
+    """``exc`` if it is one of the tree, else an ``internal`` refusal naming it (a bug)."""
+    if isinstance(exc, BusError):
         return exc
     log.error("allocate over NATS failed unexpectedly", exc_info=exc)
-    return AllocatorFailure(f"{type(exc).__name__}: {exc}")
+    return Refused("internal", f"{type(exc).__name__}: {exc}")

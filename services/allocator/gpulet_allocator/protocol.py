@@ -1,6 +1,16 @@
-"""The allocator's NATS API: subjects, request and reply types, error codes.
+"""The allocator contract: what the device plugin and the allocator both speak.
 
-Contract
+Neutral ground: the decision layer (:mod:`.core`, :mod:`.engine`) and the kubelet
+adapter (:mod:`.plugin`) both import this module, and it imports neither of them.
+It holds
+
+* the share units (:data:`CORES_PER_GPU` core units per card, memory units of
+  :data:`MEMORY_UNIT_BYTES`) and the device IDs kubelet is given for them
+  (:func:`parse_device_id`), with the resources they belong to (:func:`resource_specs`);
+* what a container gets (:class:`ContainerAllocation`);
+* the NATS API below, and its errors.
+
+NATS API
 --------
 The allocator is a ``nats.micro`` service named :data:`SERVICE_NAME`; its endpoints
 for node ``N`` are ``gpulet.allocator.<token(N)>.<endpoint>`` (see
@@ -34,28 +44,161 @@ defaults only (like :mod:`gpulet_common.messages`). Each type has one codec here
 
 Errors
 ------
-A refused request is answered with an :class:`~gpulet_common.messages.ErrorReply`
-body, the ``Gpulet-Error: <code>`` header (what :meth:`gpulet_common.bus.Bus.request`
-turns into :class:`~gpulet_common.bus.RemoteError`) and nats.micro's own
-``Nats-Service-Error`` / ``Nats-Service-Error-Code`` headers (an HTTP-like status), so
-both gpulet clients and the ``nats micro`` tooling understand it. Codes: the engine's
-(:data:`gpulet_allocator.engine.ERROR_CODES`) plus :data:`SERVICE_ERROR_CODES`.
-:func:`request` is the client side: one call, bounded, typed errors.
+gpulet's one convention (:mod:`gpulet_common.refusal`): the engine and the core raise
+:class:`~gpulet_common.refusal.Refused`; the service answers it with an
+:class:`~gpulet_common.messages.ErrorReply` body and nats.micro's
+``Nats-Service-Error`` / ``Nats-Service-Error-Code`` headers; the caller's
+:meth:`~gpulet_common.bus.Bus.request` raises the same ``Refused`` again, and the device
+plugin gives kubelet the gRPC status of its code. The codes, their wire statuses and
+their gRPC codes are one table, :data:`gpulet_common.refusal.STATUS`. Clients ask with
+:meth:`~gpulet_common.bus.Bus.request` (trace context, bounded, decoded totally).
 """
 
 from __future__ import annotations
 
-from typing import Final, Literal, TypeVar
+import enum
+from typing import Final, Literal
 
 import msgspec
-import nats.errors
-from nats.aio.client import Client as NatsClient
 
-from gpulet_allocator.plugin.backend import ContainerAllocation, PreferredRequest
-from gpulet_common import codec as common_codecs
-from gpulet_common.bus import BusError, RemoteError, RequestTimeout
+from gpulet_allocator.koordinator import RES_GPU_CORE, RES_GPU_MEMORY_RATIO
 from gpulet_common.codec import Codec
 from gpulet_common.messages import ErrorReply
+from gpulet_common.podresources import SHARE_SEPARATOR
+from gpulet_common.settings.allocator import ResourceNames
+
+# --- units and device IDs -----------------------------------------------------------------
+
+# Core units per card: below it a share of one card, a multiple of it whole cards.
+CORES_PER_GPU: Final = 100
+MEMORY_UNIT_MIB: Final = 256
+MEMORY_UNIT_BYTES: Final = MEMORY_UNIT_MIB * 1024 * 1024
+_CORE_TAG: Final = "core"
+_MEM_TAG: Final = "mem"
+_RATIO_TAG: Final = "ratio"
+RATIO_UNITS_PER_GPU: Final = 100
+_SEPARATOR: Final = SHARE_SEPARATOR
+
+
+class ResourceKind(enum.StrEnum):
+    WHOLE = "whole"
+    CORE = "core"
+    MEMORY = "memory"
+    RATIO = "ratio"
+
+
+class ResourceSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """One resource the plugin serves."""
+
+    name: str
+    kind: ResourceKind
+    # Kubelet asks GetPreferredAllocation only when this is advertised. Shares get
+    # their physical GPU picked by the allocator in Allocate, so a hint is useless.
+    preferred_allocation: bool = False
+
+
+class ParsedDeviceId(msgspec.Struct, frozen=True, kw_only=True):
+    gpu_uuid: str
+    kind: ResourceKind
+    unit: int | None = None
+
+
+def resource_specs(
+    names: ResourceNames, *, shares: bool = True, profile: str = "gpulet"
+) -> list[ResourceSpec]:
+    """The resources to serve: whole GPUs always, shares unless disabled (gpulet's
+    core/memory, or Koordinator's core/memory-ratio under the koordinator profile)."""
+    specs = [ResourceSpec(name=names.gpu, kind=ResourceKind.WHOLE, preferred_allocation=True)]
+    if shares and profile == "koordinator":
+        specs.append(ResourceSpec(name=RES_GPU_CORE, kind=ResourceKind.CORE))
+        specs.append(ResourceSpec(name=RES_GPU_MEMORY_RATIO, kind=ResourceKind.RATIO))
+    elif shares:
+        specs.append(ResourceSpec(name=names.core, kind=ResourceKind.CORE))
+        specs.append(ResourceSpec(name=names.memory, kind=ResourceKind.MEMORY))
+    if len({s.name for s in specs}) != len(specs):
+        raise ValueError(f"resource names must be distinct: {[s.name for s in specs]}")
+    return specs
+
+
+def core_device_id(gpu_uuid: str, unit: int) -> str:
+    # A UUID is 40 characters, so "<uuid>::core-99" stays under kubelet's 63.
+    return f"{gpu_uuid}{_SEPARATOR}{_CORE_TAG}-{unit}"
+
+
+def memory_device_id(gpu_uuid: str, unit: int) -> str:
+    return f"{gpu_uuid}{_SEPARATOR}{_MEM_TAG}-{unit}"
+
+
+def ratio_device_id(gpu_uuid: str, unit: int) -> str:
+    return f"{gpu_uuid}{_SEPARATOR}{_RATIO_TAG}-{unit}"
+
+
+def memory_units(memory_total_bytes: int) -> int:
+    """Memory units of a card; a partial last unit is not offered."""
+    return max(memory_total_bytes, 0) // MEMORY_UNIT_BYTES
+
+
+def parse_device_id(device_id: str) -> ParsedDeviceId:
+    """Map a device ID of any resource back to its GPU; ValueError if malformed."""
+    uuid, sep, suffix = device_id.partition(_SEPARATOR)
+    if not uuid:
+        raise ValueError(f"malformed device id {device_id!r}")
+    if not sep:
+        return ParsedDeviceId(gpu_uuid=uuid, kind=ResourceKind.WHOLE)
+    tag, dash, number = suffix.rpartition("-")
+    if not dash or not number.isdigit():
+        raise ValueError(f"malformed device id {device_id!r}")
+    if tag == _CORE_TAG:
+        return ParsedDeviceId(gpu_uuid=uuid, kind=ResourceKind.CORE, unit=int(number))
+    if tag == _MEM_TAG:
+        return ParsedDeviceId(gpu_uuid=uuid, kind=ResourceKind.MEMORY, unit=int(number))
+    if tag == _RATIO_TAG:
+        return ParsedDeviceId(gpu_uuid=uuid, kind=ResourceKind.RATIO, unit=int(number))
+    raise ValueError(f"malformed device id {device_id!r}")
+
+
+# --- what a container gets ----------------------------------------------------------------
+
+
+class Mount(msgspec.Struct, frozen=True, kw_only=True):
+    container_path: str
+    host_path: str
+    read_only: bool = False
+
+
+class DeviceSpec(msgspec.Struct, frozen=True, kw_only=True):
+    container_path: str
+    host_path: str
+    permissions: str = "rw"
+
+
+class ContainerAllocation(msgspec.Struct, frozen=True, kw_only=True):
+    """What one container gets; maps onto kubelet's ContainerAllocateResponse.
+
+    ``gpus`` lists the UUIDs of the physical GPUs the allocator chose: the plugin turns
+    them into ``/dev/nvidiaN`` plus control device specs itself, because only the node
+    knows which device files exist. ``devices`` are extra specs; any of them under
+    ``/dev`` that does not exist is dropped too.
+    """
+
+    gpus: list[str] = []
+    envs: dict[str, str] = {}
+    mounts: list[Mount] = []
+    devices: list[DeviceSpec] = []
+    annotations: dict[str, str] = {}
+    # Fully qualified CDI names, e.g. "nvidia.com/gpu=GPU-...".
+    cdi_devices: list[str] = []
+
+
+class PreferredRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """One container of a GetPreferredAllocation call."""
+
+    available: list[str]
+    must_include: list[str] = []
+    size: int
+
+
+# --- the NATS API ---------------------------------------------------------------------
 
 PROTOCOL_VERSION: Final = 1
 SERVICE_NAME: Final = "gpulet-allocator"
@@ -76,49 +219,6 @@ ENDPOINTS: Final = (
 )
 # The most kubelet calls one allocate-batch may carry (the plugin sends fewer).
 MAX_BATCH_CALLS: Final = 64
-
-GPULET_ERROR_HEADER: Final = "Gpulet-Error"
-MICRO_ERROR_HEADER: Final = "Nats-Service-Error"
-MICRO_ERROR_CODE_HEADER: Final = "Nats-Service-Error-Code"
-
-# Codes the service adds to the engine's.
-SERVICE_ERROR_CODES: Final = frozenset(
-    {
-        # The body did not decode or validate.
-        "malformed_request",
-        # The resource name is not one this node serves.
-        "unknown_resource",
-        # koord-scheduler's decision for the pod cannot be honoured (unhealthy, held or
-        # unknown GPU, kubelet's IDs differ, the annotation is malformed); the pod gets
-        # a Kubernetes Event saying why. Never answered with another card instead.
-        "scheduler_decision",
-        # No inventory yet (collector not heard from): nothing can be decided.
-        "not_ready",
-        # The allocation could not be made durable; nothing was allocated.
-        "checkpoint_failed",
-        # The record of allocations is lost (a corrupt checkpoint) and not rebuilt yet:
-        # nothing is allocated until an operator accepts the loss (`reset`).
-        "checkpoint_lost",
-        # A bug: the service failed unexpectedly.
-        "internal",
-    }
-)
-
-# nats.micro's Nats-Service-Error-Code is an HTTP-like status.
-_MICRO_STATUS: Final = {
-    "insufficient_capacity": "409",
-    "too_many_units": "409",
-    "unhealthy_device": "409",
-    "scheduler_decision": "409",
-    "not_ready": "503",
-    "checkpoint_failed": "500",
-    "checkpoint_lost": "503",
-    "internal": "500",
-}
-
-
-def micro_status(code: str) -> str:
-    return _MICRO_STATUS.get(code, "400")
 
 
 class _Body(msgspec.Struct, frozen=True, kw_only=True):
@@ -261,50 +361,3 @@ STATE_REQUEST = Codec(StateRequest)
 STATE_REPLY = Codec(StateReply)
 RESET_REQUEST = Codec(ResetRequest)
 RESET_REPLY = Codec(ResetReply)
-
-R = TypeVar("R")
-Q = TypeVar("Q")
-
-
-class NoAllocator(RequestTimeout):
-    """Nobody serves the endpoint (NATS answered "no responders" at once)."""
-
-
-async def request(
-    nc: NatsClient,
-    subject: str,
-    value: Q,
-    request_codec: Codec[Q],
-    reply_codec: Codec[R],
-    *,
-    timeout_s: float,
-) -> R:
-    """One request to an allocator endpoint.
-
-    Raises :class:`RequestTimeout` when nobody answers in time (or nobody listens),
-    :class:`RemoteError` with the allocator's code when it refuses, :class:`BusError`
-    when the connection cannot carry the request.
-    """
-    try:
-        msg = await nc.request(subject, request_codec.encode(value), timeout=timeout_s)
-    except nats.errors.NoRespondersError as exc:
-        raise NoAllocator(f"no allocator is listening on {subject}") from exc
-    except nats.errors.TimeoutError as exc:
-        raise RequestTimeout(f"no reply on {subject} within {timeout_s:g} s") from exc
-    except (nats.errors.Error, OSError) as exc:
-        # A closed or draining connection, among others.
-        raise BusError(f"cannot ask {subject}: {type(exc).__name__}: {exc}") from exc
-    headers = msg.headers or {}
-    if code := headers.get(GPULET_ERROR_HEADER):
-        try:
-            error = common_codecs.ERROR_REPLY.decode(msg.data)
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            raise RemoteError(code, headers.get(MICRO_ERROR_HEADER, "")) from None
-        raise RemoteError(error.code, error.message)
-    if MICRO_ERROR_CODE_HEADER in headers:
-        # Raised past our own handler: nats.micro answered for it.
-        raise RemoteError("internal", headers.get(MICRO_ERROR_HEADER, "unknown error"))
-    try:
-        return reply_codec.decode(msg.data)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise RemoteError("malformed_reply", f"{reply_codec.type.__name__}: {exc}") from exc

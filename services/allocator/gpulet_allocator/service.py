@@ -71,7 +71,7 @@ from nats.micro.request import Request
 from nats.micro.service import EndpointStats, Service
 
 from gpulet_allocator import protocol as p
-from gpulet_allocator.core import AllocatorCore, HeldDevices, Rejected, Undo
+from gpulet_allocator.core import AllocatorCore, HeldDevices, Undo
 from gpulet_allocator.koordinator import RES_GPU_CORE, RES_GPU_MEMORY_RATIO, PodBook, PodKey
 from gpulet_allocator.pod_watch import EventWriter, PodWatch, kube_configuration
 from gpulet_allocator.podresources import (
@@ -82,13 +82,13 @@ from gpulet_allocator.podresources import (
 )
 from gpulet_allocator.store import CheckpointError, CheckpointFile, Committer, Loaded, encode
 from gpulet_common import __version__, subjects
-from gpulet_common import codec as common_codecs
 from gpulet_common.codec import Codec
 from gpulet_common.kube import KubeConfigError
 from gpulet_common.lifecycle import idle_disabled
 from gpulet_common.logutil import RateLimitedLog
 from gpulet_common.messages import ErrorReply
 from gpulet_common.nodeview import NodeChange, NodeView
+from gpulet_common.refusal import Refused, bounded, one_line, refusal
 from gpulet_common.runtime import Runtime
 from gpulet_common.settings import Settings
 from gpulet_common.telemetry import REQUEST_LATENCY_BUCKETS_S
@@ -107,22 +107,6 @@ LOST_RETRY_S = 5.0
 # only the body against the server's max_payload: a 900 KB request of unknown IDs got
 # a 1.8 MB answer, the server closed the allocator's connection and the service
 # died. Bounded once here for every refusal; the header and the log get one line.
-MAX_ERROR_MESSAGE_CHARS = 1000
-
-
-def _bounded(message: str) -> str:
-    if len(message) <= MAX_ERROR_MESSAGE_CHARS:
-        return message
-    more = len(message) - MAX_ERROR_MESSAGE_CHARS
-    return f"{message[:MAX_ERROR_MESSAGE_CHARS]}... ({more} more characters)"
-
-
-def _one_line(text: str) -> str:
-    if text.isprintable():
-        return text
-    return "".join(c if c.isprintable() else " " for c in text)
-
-
 # Endpoints whose refusals fail a pod's admission: logged as warnings.
 _ALLOCATING = frozenset({p.ENDPOINT_ALLOCATE, p.ENDPOINT_ALLOCATE_BATCH})
 
@@ -440,38 +424,28 @@ class AllocatorService:
         self._counts[endpoint].ok += 1
         self._record(endpoint, "ok", started)
 
-    def _count_refusal(self, endpoint: str, refusal: ErrorReply) -> None:
+    def _count_refusal(self, endpoint: str, code: str, message: str) -> None:
         """Count and log one refusal that is being sent."""
         counts = self._counts[endpoint]
-        if refusal.code == "malformed_request":
+        if code == "malformed_request":
             counts.malformed += 1
         else:
             counts.rejected += 1
-        counts.codes[refusal.code] = counts.codes.get(refusal.code, 0) + 1
+        counts.codes[code] = counts.codes.get(code, 0) + 1
         log.log(
             logging.WARNING if endpoint in _ALLOCATING else logging.INFO,
             "%s refused: %s: %s",
             endpoint,
-            refusal.code,
-            _one_line(refusal.message),
+            code,
+            one_line(bounded(message)),
         )
 
     async def _reject(
         self, req: Request, endpoint: str, code: str, message: str, started: float
     ) -> None:
-        refusal = ErrorReply(code=code, message=_bounded(message))
-        self._count_refusal(endpoint, refusal)
-        line = _one_line(refusal.message)
-        body = common_codecs.ERROR_REPLY.encode(refusal)
-        await self._send(
-            req,
-            body,
-            {
-                p.GPULET_ERROR_HEADER: code,
-                p.MICRO_ERROR_HEADER: f"{code}: {line}",
-                p.MICRO_ERROR_CODE_HEADER: p.micro_status(code),
-            },
-        )
+        self._count_refusal(endpoint, code, message)
+        body, headers = refusal(code, message)
+        await self._send(req, body, headers)
         self._record(endpoint, code, started)
 
     def _record(self, endpoint: str, outcome: str, started: float) -> None:
@@ -543,7 +517,7 @@ class AllocatorService:
             return
         try:
             answers, undo = self.core.allocate(value.resource, value.containers)
-        except Rejected as exc:
+        except Refused as exc:
             await self._reject(req, p.ENDPOINT_ALLOCATE, exc.code, exc.message, started)
             return
         data = p.ALLOCATE_REPLY.encode(p.AllocateReply(containers=answers))
@@ -572,10 +546,10 @@ class AllocatorService:
         for call in value.calls:
             try:
                 answers, undo = self.core.allocate(call.resource, call.containers)
-            except Rejected as exc:
-                refusal = ErrorReply(code=exc.code, message=_bounded(exc.message))
-                refused.append(refusal)
-                outcomes.append(p.AllocateOutcome(error=refusal))
+            except Refused as exc:
+                error = ErrorReply(code=exc.code, message=bounded(exc.message))
+                refused.append(error)
+                outcomes.append(p.AllocateOutcome(error=error))
                 continue
             outcomes.append(p.AllocateOutcome(containers=answers))
             undos.append(undo)
@@ -595,8 +569,8 @@ class AllocatorService:
         def count_refused() -> None:
             # Counted once they are sent: a batch refused whole (too large, or the
             # checkpoint failed) answers only its own refusal.
-            for refusal in refused:
-                self._count_refusal(endpoint, refusal)
+            for error in refused:
+                self._count_refusal(endpoint, error.code, error.message)
 
         await self._answer_durably(
             req, endpoint, data, started, undo_all if undos else None, count_refused
@@ -609,7 +583,7 @@ class AllocatorService:
             return
         try:
             answers = self.core.preferred(value.resource, value.containers)
-        except Rejected as exc:
+        except Refused as exc:
             await self._reject(req, p.ENDPOINT_PREFERRED, exc.code, exc.message, started)
             return
         data = p.PREFERRED_REPLY.encode(p.PreferredAllocationReply(containers=answers))
@@ -625,7 +599,7 @@ class AllocatorService:
             return
         try:
             released = self.core.release(value)
-        except Rejected as exc:
+        except Refused as exc:
             await self._reject(req, p.ENDPOINT_RELEASE, exc.code, exc.message, started)
             return
         if released:
@@ -665,7 +639,7 @@ class AllocatorService:
             f"{who} accepted the loss of the allocation record ({reason}); "
             f"{len(kept)} allocation(s) rebuilt from PodResources are kept; allocating again"
         )
-        log.warning("%s", _one_line(detail))
+        log.warning("%s", one_line(detail))
         self._update_status()
 
         def undo() -> None:

@@ -17,7 +17,7 @@ import anyio
 import msgspec
 
 from gpulet_common import codec, subjects
-from gpulet_common.bus import Bus, BusError, RemoteError, RequestTimeout
+from gpulet_common.bus import Bus, BusError, Refused, RequestTimeout
 from gpulet_common.cli_support import AddFlags, LoadSettings, bind, tool_nats
 from gpulet_common.messages import HealthClearRequest, HealthState, HealthStateRequest
 from gpulet_common.settings import Settings
@@ -83,7 +83,7 @@ def _run_request(
             file=sys.stderr,
         )
         return 1
-    except RemoteError as exc:
+    except Refused as exc:
         print(f"gpulet health {what}: {exc.code}: {exc.message}", file=sys.stderr)
         return 1
     except BusError as exc:

@@ -47,7 +47,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from opentelemetry import metrics
 
 from gpulet_common import codec, subjects
-from gpulet_common.bus import BusError, Delivery, RequestRejected
+from gpulet_common.bus import BusError, Delivery, Refused
 from gpulet_common.lifecycle import idle_disabled
 from gpulet_common.logutil import RateLimitedLog
 from gpulet_common.messages import (
@@ -713,7 +713,7 @@ class HealthService:
             try:
                 return self.engine.state(time.time(), gpu)
             except UnknownGpu:
-                raise RequestRejected("unknown_gpu", self._unknown_gpu(gpu or "")) from None
+                raise Refused("unknown_gpu", self._unknown_gpu(gpu or "")) from None
 
         await self._rt.bus.serve(
             subjects.health_state(self._node),
@@ -729,18 +729,18 @@ class HealthService:
         async def answer(request: Delivery[HealthClearRequest]) -> HealthState:
             value = request.value
             if not value.gpu.strip():
-                raise RequestRejected("invalid_request", "gpu must be a GPU UUID or index")
+                raise Refused("invalid_request", "gpu must be a GPU UUID or index")
             if value.condition is not None and not value.condition.strip():
-                raise RequestRejected("invalid_request", "condition must not be empty")
+                raise Refused("invalid_request", "condition must not be empty")
             now = time.time()
             try:
                 gpu, events = self.engine.clear(value.gpu, value.condition, now, value.requested_by)
             except UnknownGpu:
-                raise RequestRejected("unknown_gpu", self._unknown_gpu(value.gpu)) from None
+                raise Refused("unknown_gpu", self._unknown_gpu(value.gpu)) from None
             except UnknownCondition:
                 gpu = self.engine.find(value.gpu)
                 active = ", ".join(sorted(gpu.conditions)) or "none"
-                raise RequestRejected(
+                raise Refused(
                     "unknown_condition",
                     f"GPU {value.gpu} has no active condition {value.condition!r} "
                     f"(active: {active})",

@@ -23,7 +23,7 @@ from typing import Any
 import anyio
 
 from gpulet_common import codec, subjects
-from gpulet_common.bus import Bus, BusError, RemoteError, RequestTimeout
+from gpulet_common.bus import Bus, BusError, Refused, RequestTimeout
 from gpulet_common.cli_support import AddFlags, LoadSettings
 from gpulet_common.messages import HealthState, HealthStateRequest, Inventory, InventoryRequest
 from gpulet_common.nvml.errors import NvmlUnavailable
@@ -54,7 +54,7 @@ async def _from_agent(settings: Settings, timeout_s: float) -> tuple[Inventory, 
                 codec.INVENTORY,
                 timeout_s=timeout_s,
             )
-        except (RequestTimeout, RemoteError) as exc:
+        except (RequestTimeout, Refused) as exc:
             raise PreviewError(
                 f"no inventory from the agent of {settings.node_name}: {exc}"
             ) from exc
@@ -66,7 +66,7 @@ async def _from_agent(settings: Settings, timeout_s: float) -> tuple[Inventory, 
                 codec.HEALTH_STATE,
                 timeout_s=timeout_s,
             )
-        except (RequestTimeout, RemoteError):
+        except (RequestTimeout, Refused):
             state = None
     return inventory, state
 

@@ -4,7 +4,11 @@ Design
 ------
 Layers, bottom up (each only imports those below it):
 
-* :mod:`.errors` -- :class:`AllocationError` and its closed set of codes.
+Refusals are :class:`gpulet_common.refusal.Refused` with a code of the one table
+(:data:`gpulet_common.refusal.STATUS`) and a message for the person reading
+``kubectl describe pod``; the units are the allocator contract's
+(:mod:`gpulet_allocator.protocol`).
+
 * :mod:`.topology` -- pair levels, NVLinks, scores, tiers and gpu-manager's tree,
   built from the collector's ``Inventory``.
 * :mod:`.whole` -- which whole GPUs a request gets (topology- and
@@ -17,7 +21,6 @@ reference machine topologies used by tests and benches are the tests' oracle
 the plugin and service layers call in.
 """
 
-from .errors import ERROR_CODES, AllocationError, ErrorCode
 from .ledger import (
     Allocation,
     DeviceState,
@@ -26,19 +29,14 @@ from .ledger import (
     ShareAllocation,
     WholeAllocation,
 )
-from .shares import CORES_PER_GPU, MEMORY_UNIT_BYTES, CardFree, classify_cores, pick_share
+from .shares import CardFree, classify_cores, pick_share
 from .topology import Topology, TopologyTree, TreeNode, pair_score
 from .whole import Selection, SetKey, fragment_order, preferred_allocation, select_whole
 
 __all__ = [
-    "CORES_PER_GPU",
-    "ERROR_CODES",
-    "MEMORY_UNIT_BYTES",
     "Allocation",
-    "AllocationError",
     "CardFree",
     "DeviceState",
-    "ErrorCode",
     "Ledger",
     "Owner",
     "Selection",

@@ -3,15 +3,15 @@
 Design
 ------
 The ledger is the allocator's single source of truth. It records, per request key
-``(pod_uid, container)``, either a :class:`WholeAllocation` (a set of whole GPUs) or a
+``(allocation_id, container)``, either a :class:`WholeAllocation` (a set of whole GPUs) or a
 :class:`ShareAllocation` (core and memory units of one GPU), and derives from those
 the free capacity of every card. Layers:
 
 * :mod:`.topology`, :mod:`.whole`, :mod:`.shares` decide *where*; they are pure
   functions of what the ledger hands them.
 * The ledger decides *whether*: it validates the request, enforces the invariants and
-  records the result. It never does I/O; :mod:`.checkpoint` persists its
-  :meth:`Ledger.snapshot` and feeds :meth:`Ledger.restore` at start.
+  records the result. It never does I/O; the service's :mod:`gpulet_allocator.store`
+  persists what it holds (through :mod:`gpulet_allocator.core`) and restores it at start.
 * The service around it (gRPC device plugin, NATS API) serialises calls; the ledger
   is not thread-safe by itself.
 
@@ -36,17 +36,12 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from gpulet_allocator.protocol import CORES_PER_GPU
+from gpulet_allocator.protocol import memory_units as units_of_bytes
 from gpulet_common.messages import GpuInfo, Inventory
+from gpulet_common.refusal import Refused
 
-from .errors import AllocationError
-from .shares import (
-    CORES_PER_GPU,
-    CardFree,
-    classify_cores,
-    pick_share,
-    validate_share,
-)
-from .shares import memory_units as units_of_bytes
+from .shares import CardFree, classify_cores, pick_share, validate_share
 from .topology import Topology
 from .whole import fragment_order, select_whole
 
@@ -54,23 +49,30 @@ RequestKey = tuple[str, str]
 
 
 class Owner(msgspec.Struct, frozen=True, kw_only=True):
-    """Who holds an allocation. ``(pod_uid, container)`` is the request key.
+    """Who holds an allocation. ``(allocation_id, container)`` is the request key.
 
-    ``pod_uid`` may also be any stable request key the caller has (the device plugin
-    may only know the device IDs kubelet chose); namespace and name are informational.
+    ``allocation_id`` is any stable key of the request the caller has: kubelet's
+    Allocate names no pod, so the allocator uses the hash of the first grant's device
+    IDs (:func:`gpulet_allocator.core.grant_key`), which is also the allocation's ID.
+    Namespace and name are informational. On disk the field keeps its first name,
+    ``allocation_id``, so that every checkpoint written before still loads.
     """
 
-    pod_uid: str
+    allocation_id: str = msgspec.field(name="pod_uid")
     container: str = ""
     namespace: str = ""
     name: str = ""
 
     @property
     def key(self) -> RequestKey:
-        return (self.pod_uid, self.container)
+        return (self.allocation_id, self.container)
 
     def describe(self) -> str:
-        who = f"{self.namespace}/{self.name} ({self.pod_uid})" if self.name else self.pod_uid
+        who = (
+            f"{self.namespace}/{self.name} ({self.allocation_id})"
+            if self.name
+            else self.allocation_id
+        )
         return f"pod {who} container {self.container!r}"
 
 
@@ -221,14 +223,14 @@ class Ledger:
         """
         request = classify_cores(cores)
         if memory_units < 0:
-            raise AllocationError(
+            raise Refused(
                 "invalid_request", f"memory units must not be negative, got {memory_units}"
             )
         if request.kind == "whole":
             return self.allocate_whole(owner, request.count, must_include=must_include)
         named = list(dict.fromkeys(must_include))
         if len(named) > 1:
-            raise AllocationError(
+            raise Refused(
                 "invalid_request",
                 f"a share lives on one GPU but must-include names {len(named)}: {', '.join(named)}",
             )
@@ -250,22 +252,20 @@ class Ledger:
         must = list(dict.fromkeys(must_include))
         if devices is not None:
             if len(set(devices)) != len(devices):
-                raise AllocationError(
-                    "invalid_request", f"duplicate GPU IDs in {', '.join(devices)}"
-                )
+                raise Refused("invalid_request", f"duplicate GPU IDs in {', '.join(devices)}")
             if count is not None and count != len(devices):
-                raise AllocationError(
+                raise Refused(
                     "invalid_request",
                     f"count {count} does not match the {len(devices)} GPUs named",
                 )
             count = len(devices)
             must = list(dict.fromkeys([*devices, *must]))
         if count is None or count <= 0:
-            raise AllocationError(
+            raise Refused(
                 "invalid_request", f"the number of whole GPUs must be positive, got {count}"
             )
         if len(must) > count:
-            raise AllocationError(
+            raise Refused(
                 "invalid_request",
                 f"must-include names {len(must)} GPUs but the request is for {count}",
             )
@@ -284,7 +284,7 @@ class Ledger:
         free = [g.uuid for g in self._ordered() if g.free_whole and g.uuid in self._topology]
         if count > len(free):
             healthy = sum(1 for g in self._gpus.values() if g.schedulable)
-            raise AllocationError(
+            raise Refused(
                 "too_many_units",
                 f"{owner.describe()} asks for {count} whole GPUs but only {len(free)} "
                 f"are free ({healthy} healthy on the node)",
@@ -331,10 +331,12 @@ class Ledger:
         self._record(alloc)
         return alloc
 
-    def release(self, pod_uid: str, container: str | None = None) -> list[Allocation]:
-        """Free what a pod (or one of its containers) holds; unknown pods free nothing."""
+    def release(self, allocation_id: str, container: str | None = None) -> list[Allocation]:
+        """Free what an allocation ID (or one of its containers) holds; unknown IDs free nothing."""
         keys = [
-            k for k in self._allocs if k[0] == pod_uid and (container is None or k[1] == container)
+            k
+            for k in self._allocs
+            if k[0] == allocation_id and (container is None or k[1] == container)
         ]
         released = [self._allocs[k] for k in sorted(keys)]
         for alloc in released:
@@ -351,15 +353,15 @@ class Ledger:
 
     # --- queries -------------------------------------------------------------------
 
-    def get(self, pod_uid: str, container: str = "") -> Allocation | None:
-        return self._allocs.get((pod_uid, container))
+    def get(self, allocation_id: str, container: str = "") -> Allocation | None:
+        return self._allocs.get((allocation_id, container))
 
     def count(self) -> int:
         """How many allocations are held (without building the sorted list)."""
         return len(self._allocs)
 
-    def allocations(self, pod_uid: str | None = None) -> list[Allocation]:
-        return [a for k, a in sorted(self._allocs.items()) if pod_uid in (None, k[0])]
+    def allocations(self, allocation_id: str | None = None) -> list[Allocation]:
+        return [a for k, a in sorted(self._allocs.items()) if allocation_id in (None, k[0])]
 
     def free_whole(self) -> list[str]:
         """Healthy, present cards with no allocation at all, in index order."""
@@ -395,7 +397,7 @@ class Ledger:
         must = list(dict.fromkeys(must_include))
         unknown = sorted({u for u in (*avail, *must) if u not in self._gpus})
         if unknown:
-            raise AllocationError("unknown_device", f"unknown GPU IDs: {', '.join(unknown)}")
+            raise Refused("unknown_device", f"unknown GPU IDs: {', '.join(unknown)}")
         in_topo = [u for u in avail if u in self._topology]
         good = [u for u in in_topo if self._gpus[u].free_whole or u in must]
         pool = good if len(good) >= size else in_topo
@@ -462,33 +464,29 @@ class Ledger:
     def _known(self, uuid: str) -> _LedgerGpu:
         g = self._gpus.get(uuid)
         if g is None:
-            raise AllocationError("unknown_device", f"unknown GPU ID: {uuid}")
+            raise Refused("unknown_device", f"unknown GPU ID: {uuid}")
         return g
 
     @staticmethod
     def _check_owner(owner: Owner) -> None:
-        if not owner.pod_uid:
-            raise AllocationError("invalid_request", "the owner needs a pod UID (request key)")
+        if not owner.allocation_id:
+            raise Refused("invalid_request", "the owner needs an allocation ID (request key)")
 
     def _check_named(self, uuids: Sequence[str], *, whole: bool) -> None:
         unknown = sorted(u for u in uuids if u not in self._gpus)
         if unknown:
-            raise AllocationError("unknown_device", f"unknown GPU IDs: {', '.join(unknown)}")
+            raise Refused("unknown_device", f"unknown GPU IDs: {', '.join(unknown)}")
         for uuid in uuids:
             g = self._gpus[uuid]
             if not g.present:
-                raise AllocationError(
-                    "unhealthy_device", f"{uuid} is lost (missing from the inventory)"
-                )
+                raise Refused("unhealthy_device", f"{uuid} is lost (missing from the inventory)")
             if not g.healthy:
-                raise AllocationError("unhealthy_device", f"{uuid} is unhealthy")
+                raise Refused("unhealthy_device", f"{uuid} is unhealthy")
             if g.whole is not None:
                 holder = self._allocs[g.whole].owner.describe()
-                raise AllocationError(
-                    "insufficient_capacity", f"{uuid} is allocated whole to {holder}"
-                )
+                raise Refused("insufficient_capacity", f"{uuid} is allocated whole to {holder}")
             if whole and g.shares:
-                raise AllocationError(
+                raise Refused(
                     "insufficient_capacity",
                     f"{uuid} holds {len(g.shares)} share(s) and is not offered whole",
                 )
@@ -519,7 +517,7 @@ class Ledger:
         order = fragment_order(self._topology, free)
         return {u: i for i, u in enumerate(order)}
 
-    def _conflict(self, owner: Owner, existing: Allocation, wanted: str) -> AllocationError:
+    def _conflict(self, owner: Owner, existing: Allocation, wanted: str) -> Refused:
         if isinstance(existing, WholeAllocation):
             held = f"whole GPUs {', '.join(existing.devices)}"
         else:
@@ -527,7 +525,7 @@ class Ledger:
                 f"a share of {existing.device} ({existing.cores} core units, "
                 f"{existing.memory_units} memory units)"
             )
-        return AllocationError(
+        return Refused(
             "invalid_request",
             f"{owner.describe()} already holds {held}; release it before asking for {wanted}",
         )

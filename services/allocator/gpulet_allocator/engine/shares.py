@@ -29,15 +29,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from .errors import AllocationError
-
-CORES_PER_GPU = 100
-MEMORY_UNIT_BYTES = 256 * 1024 * 1024
-
-
-def memory_units(total_bytes: int) -> int:
-    """How many whole 256 MiB units a card of ``total_bytes`` holds."""
-    return max(total_bytes, 0) // MEMORY_UNIT_BYTES
+from gpulet_allocator.protocol import CORES_PER_GPU, MEMORY_UNIT_BYTES
+from gpulet_common.refusal import Refused
 
 
 def format_units(units: int) -> str:
@@ -58,11 +51,11 @@ class CoreRequest:
 def classify_cores(cores: int) -> CoreRequest:
     """Split gpu-manager core units into a share or a number of whole cards."""
     if cores <= 0:
-        raise AllocationError("invalid_core_units", f"core units must be positive, got {cores}")
+        raise Refused("invalid_core_units", f"core units must be positive, got {cores}")
     if cores < CORES_PER_GPU:
         return CoreRequest(kind="share", cores=cores, count=1)
     if cores % CORES_PER_GPU:
-        raise AllocationError(
+        raise Refused(
             "invalid_core_units",
             f"core units must be below {CORES_PER_GPU} (a share) or a multiple of "
             f"{CORES_PER_GPU} (whole cards), got {cores}",
@@ -92,23 +85,23 @@ def validate_share(cores: int, memory: int, largest_card: tuple[str, int] | None
     it holds now; ``None`` when the node has no card.
     """
     if cores <= 0:
-        raise AllocationError("invalid_core_units", f"core units must be positive, got {cores}")
+        raise Refused("invalid_core_units", f"core units must be positive, got {cores}")
     if cores >= CORES_PER_GPU:
-        raise AllocationError(
+        raise Refused(
             "too_many_units",
             f"a share takes less than one card: asks {cores} core units, a card has "
             f"{CORES_PER_GPU}; ask for whole cards in multiples of {CORES_PER_GPU}",
         )
     if memory <= 0:
-        raise AllocationError(
+        raise Refused(
             "invalid_request",
             f"a share needs at least one memory unit of 256 MiB, got {memory}",
         )
     if largest_card is None:
-        raise AllocationError("insufficient_capacity", "the node has no GPU to share")
+        raise Refused("insufficient_capacity", "the node has no GPU to share")
     uuid, units = largest_card
     if memory > units:
-        raise AllocationError(
+        raise Refused(
             "memory_exceeds_card",
             f"the share asks for {format_units(memory)} of memory but the largest card, "
             f"{uuid}, has {format_units(units)}",
@@ -147,7 +140,7 @@ def pick_share(
                 f"{most_memory.uuid} with {most_memory.cores_free} core units and "
                 f"{format_units(most_memory.memory_free)}"
             )
-        raise AllocationError(
+        raise Refused(
             "insufficient_capacity",
             f"no GPU has {cores} core units and {format_units(memory)} free ({detail})",
         )

@@ -44,7 +44,8 @@ from dataclasses import dataclass
 from math import comb
 from typing import NamedTuple
 
-from .errors import AllocationError
+from gpulet_common.refusal import Refused
+
 from .topology import Topology
 
 EXHAUSTIVE_LIMIT = 20_000
@@ -151,23 +152,23 @@ def _validate(
     must = list(dict.fromkeys(must_include))
     unknown = sorted({u for u in (*avail, *must) if u not in topo})
     if unknown:
-        raise AllocationError("unknown_device", f"unknown GPU IDs: {', '.join(unknown)}")
+        raise Refused("unknown_device", f"unknown GPU IDs: {', '.join(unknown)}")
     if size <= 0:
-        raise AllocationError("invalid_request", f"the request size must be positive, got {size}")
+        raise Refused("invalid_request", f"the request size must be positive, got {size}")
     avail_set = set(avail)
     missing = [u for u in must if u not in avail_set]
     if missing:
-        raise AllocationError(
+        raise Refused(
             "invalid_request",
             f"must-include GPUs are not available: {', '.join(sorted(missing))}",
         )
     if len(must) > size:
-        raise AllocationError(
+        raise Refused(
             "invalid_request",
             f"must-include lists {len(must)} GPUs but the request is for {size}",
         )
     if size > len(avail):
-        raise AllocationError(
+        raise Refused(
             "too_many_units",
             f"asks {size} whole GPUs but only {len(avail)} are available",
         )
@@ -185,7 +186,7 @@ def select_whole(
 ) -> Selection:
     """Pick ``size`` GPUs out of ``available`` (all of them free), including ``must_include``.
 
-    Raises :class:`AllocationError`: ``unknown_device`` for IDs not in the topology,
+    Raises :class:`Refused`: ``unknown_device`` for IDs not in the topology,
     ``invalid_request`` for a non-positive size or a must-include that is not
     available or larger than the size, ``too_many_units`` when fewer than ``size``
     GPUs are available.

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path, PurePosixPath
 from typing import Final
 
-from gpulet_allocator.plugin.backend import DeviceSpec
+from gpulet_allocator.protocol import DeviceSpec
 
 CONTROL_DEVICES: Final = ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools", "nvidia-modeset")
 

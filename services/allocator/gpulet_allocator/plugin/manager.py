@@ -40,9 +40,9 @@ from gpulet_allocator.plugin.backend import AllocationBackend
 from gpulet_allocator.plugin.config import PluginConfig
 from gpulet_allocator.plugin.devnodes import DeviceNodes
 from gpulet_allocator.plugin.metrics import PluginMetrics
-from gpulet_allocator.plugin.resources import resource_specs
 from gpulet_allocator.plugin.server import ResourceServer
 from gpulet_allocator.plugin.state import DeviceListSource
+from gpulet_allocator.protocol import resource_specs
 
 log = logging.getLogger(__name__)
 

@@ -7,9 +7,10 @@ IDs of that resource. Fractional sharing is therefore modelled as many small dev
 per physical GPU, the way time-slicing replicas are in NVIDIA's plugin:
 
 - ``nvidia.com/gpu`` (whole GPUs): one device per GPU, ID = the GPU UUID;
-- ``gpulet.io/gpu-core``: :data:`CORE_UNITS_PER_GPU` devices per GPU,
+- ``gpulet.io/gpu-core``: :data:`~gpulet_allocator.protocol.CORES_PER_GPU` devices per GPU,
   ID ``<uuid>::core-<n>``;
-- ``gpulet.io/gpu-memory``: one device per :data:`MEMORY_UNIT_BYTES` of GPU memory,
+- ``gpulet.io/gpu-memory``: one device per
+  :data:`~gpulet_allocator.protocol.MEMORY_UNIT_BYTES` of GPU memory,
   ID ``<uuid>::mem-<n>``.
 
 Under the ``koordinator`` profile (``allocator.plugin.profile``) the shares are
@@ -25,51 +26,32 @@ withdraws all of its shares too (NVIDIA #1929 is about replicas that did not).
 Layers
 ------
 Pure data and functions, no gRPC and no I/O: :mod:`.server` turns
-:class:`PluginDevice` into kubelet's ``Device`` messages, the allocator backend uses
-:func:`parse_device_id` to map IDs back to GPUs.
+:class:`PluginDevice` into kubelet's ``Device`` messages. The units, the device IDs
+and the resources served are the allocator contract's (:mod:`gpulet_allocator.protocol`),
+so the allocator maps IDs back to GPUs (``parse_device_id``) by the same rules.
 """
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Collection, Iterable, Sequence
 from typing import Final
 
 import msgspec
 
-from gpulet_allocator.koordinator import RES_GPU_CORE, RES_GPU_MEMORY_RATIO
+from gpulet_allocator.protocol import (
+    CORES_PER_GPU,
+    RATIO_UNITS_PER_GPU,
+    ResourceKind,
+    ResourceSpec,
+    core_device_id,
+    memory_device_id,
+    memory_units,
+    ratio_device_id,
+)
 from gpulet_common.messages import GpuInfo
-from gpulet_common.podresources import SHARE_SEPARATOR
-from gpulet_common.settings.allocator import ResourceNames as ResourceNames  # settings
-
-CORE_UNITS_PER_GPU: Final = 100
-MEMORY_UNIT_BYTES: Final = 256 * 1024 * 1024
 
 HEALTHY: Final = "Healthy"
 UNHEALTHY: Final = "Unhealthy"
-
-_CORE_TAG: Final = "core"
-_MEM_TAG: Final = "mem"
-_RATIO_TAG: Final = "ratio"
-RATIO_UNITS_PER_GPU: Final = 100
-_SEPARATOR: Final = SHARE_SEPARATOR
-
-
-class ResourceKind(enum.StrEnum):
-    WHOLE = "whole"
-    CORE = "core"
-    MEMORY = "memory"
-    RATIO = "ratio"
-
-
-class ResourceSpec(msgspec.Struct, frozen=True, kw_only=True):
-    """One resource the plugin serves."""
-
-    name: str
-    kind: ResourceKind
-    # Kubelet asks GetPreferredAllocation only when this is advertised. Shares get
-    # their physical GPU picked by the allocator in Allocate, so a hint is useless.
-    preferred_allocation: bool = False
 
 
 class PluginGpu(msgspec.Struct, frozen=True, kw_only=True):
@@ -97,66 +79,6 @@ class PluginDevice(msgspec.Struct, frozen=True, kw_only=True):
         return HEALTHY if self.healthy else UNHEALTHY
 
 
-class ParsedDeviceId(msgspec.Struct, frozen=True, kw_only=True):
-    gpu_uuid: str
-    kind: ResourceKind
-    unit: int | None = None
-
-
-def resource_specs(
-    names: ResourceNames, *, shares: bool = True, profile: str = "gpulet"
-) -> list[ResourceSpec]:
-    """The resources to serve: whole GPUs always, shares unless disabled (gpulet's
-    core/memory, or Koordinator's core/memory-ratio under the koordinator profile)."""
-    specs = [ResourceSpec(name=names.gpu, kind=ResourceKind.WHOLE, preferred_allocation=True)]
-    if shares and profile == "koordinator":
-        specs.append(ResourceSpec(name=RES_GPU_CORE, kind=ResourceKind.CORE))
-        specs.append(ResourceSpec(name=RES_GPU_MEMORY_RATIO, kind=ResourceKind.RATIO))
-    elif shares:
-        specs.append(ResourceSpec(name=names.core, kind=ResourceKind.CORE))
-        specs.append(ResourceSpec(name=names.memory, kind=ResourceKind.MEMORY))
-    if len({s.name for s in specs}) != len(specs):
-        raise ValueError(f"resource names must be distinct: {[s.name for s in specs]}")
-    return specs
-
-
-def core_device_id(gpu_uuid: str, unit: int) -> str:
-    # A UUID is 40 characters, so "<uuid>::core-99" stays under kubelet's 63.
-    return f"{gpu_uuid}{_SEPARATOR}{_CORE_TAG}-{unit}"
-
-
-def memory_device_id(gpu_uuid: str, unit: int) -> str:
-    return f"{gpu_uuid}{_SEPARATOR}{_MEM_TAG}-{unit}"
-
-
-def ratio_device_id(gpu_uuid: str, unit: int) -> str:
-    return f"{gpu_uuid}{_SEPARATOR}{_RATIO_TAG}-{unit}"
-
-
-def memory_units(memory_total_bytes: int) -> int:
-    """Memory shares of a GPU; a partial last unit is not offered."""
-    return max(memory_total_bytes, 0) // MEMORY_UNIT_BYTES
-
-
-def parse_device_id(device_id: str) -> ParsedDeviceId:
-    """Map a device ID of any resource back to its GPU; ValueError if malformed."""
-    uuid, sep, suffix = device_id.partition(_SEPARATOR)
-    if not uuid:
-        raise ValueError(f"malformed device id {device_id!r}")
-    if not sep:
-        return ParsedDeviceId(gpu_uuid=uuid, kind=ResourceKind.WHOLE)
-    tag, dash, number = suffix.rpartition("-")
-    if not dash or not number.isdigit():
-        raise ValueError(f"malformed device id {device_id!r}")
-    if tag == _CORE_TAG:
-        return ParsedDeviceId(gpu_uuid=uuid, kind=ResourceKind.CORE, unit=int(number))
-    if tag == _MEM_TAG:
-        return ParsedDeviceId(gpu_uuid=uuid, kind=ResourceKind.MEMORY, unit=int(number))
-    if tag == _RATIO_TAG:
-        return ParsedDeviceId(gpu_uuid=uuid, kind=ResourceKind.RATIO, unit=int(number))
-    raise ValueError(f"malformed device id {device_id!r}")
-
-
 def build_devices(kind: ResourceKind, gpus: Iterable[PluginGpu]) -> list[PluginDevice]:
     """The devices of one resource, in GPU index order (kubelet shows them that way)."""
     devices: list[PluginDevice] = []
@@ -164,7 +86,7 @@ def build_devices(kind: ResourceKind, gpus: Iterable[PluginGpu]) -> list[PluginD
         if kind is ResourceKind.WHOLE:
             ids = [gpu.uuid]
         elif kind is ResourceKind.CORE:
-            ids = [core_device_id(gpu.uuid, n) for n in range(CORE_UNITS_PER_GPU)]
+            ids = [core_device_id(gpu.uuid, n) for n in range(CORES_PER_GPU)]
         elif kind is ResourceKind.RATIO:
             ids = [ratio_device_id(gpu.uuid, n) for n in range(RATIO_UNITS_PER_GPU)]
         else:

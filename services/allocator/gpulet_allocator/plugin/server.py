@@ -11,9 +11,11 @@ whoever can connect can ask for GPUs). The service itself stays thin:
   OK) as soon as the server stops instead of being cut off by the grace timeout.
 - ``Allocate`` and ``GetPreferredAllocation`` are delegated to an
   :class:`~.backend.AllocationBackend` under a deadline, so kubelet never hangs on
-  the allocator; failures become precise gRPC statuses. A failing
-  ``GetPreferredAllocation`` falls back to a local choice (it is only a hint, and an
-  error there fails pod admission for the whole node).
+  the allocator. Every failure is one of :mod:`gpulet_common.refusal`'s tree and
+  becomes, here and only here, the gRPC status its code has in the one table
+  (:data:`~gpulet_common.refusal.STATUS`). A ``GetPreferredAllocation`` that fails
+  without a refusal (``UNAVAILABLE``, ``INTERNAL``) falls back to a local choice (it
+  is only a hint, and an error there fails pod admission for the whole node).
 - Device specs are added here, from the GPUs the backend chose, only for device
   files that exist (:mod:`.devnodes`).
 
@@ -41,25 +43,19 @@ import grpc.aio
 
 from gpulet_allocator.kubelet_api.deviceplugin.v1beta1 import api_pb2 as pb
 from gpulet_allocator.kubelet_api.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
-from gpulet_allocator.plugin.backend import (
-    AllocationBackend,
-    AllocationRejected,
-    AllocatorUnavailable,
-    ContainerAllocation,
-    DeviceSpec,
-    PreferredRequest,
-    RejectCode,
-)
+from gpulet_allocator.plugin.backend import AllocationBackend
 from gpulet_allocator.plugin.config import PluginConfig
 from gpulet_allocator.plugin.devnodes import DeviceNodes
 from gpulet_allocator.plugin.metrics import PluginMetrics
-from gpulet_allocator.plugin.resources import (
-    PluginDevice,
-    PluginGpu,
-    ResourceSpec,
-    build_devices,
-)
+from gpulet_allocator.plugin.resources import PluginDevice, PluginGpu, build_devices
 from gpulet_allocator.plugin.state import DeviceListSource, DeviceSnapshot
+from gpulet_allocator.protocol import (
+    ContainerAllocation,
+    DeviceSpec,
+    PreferredRequest,
+    ResourceSpec,
+)
+from gpulet_common.refusal import BusError, Refused, RequestTimeout, status_of
 
 log = logging.getLogger(__name__)
 
@@ -68,11 +64,6 @@ Context = grpc.aio.ServicerContext[Any, Any]
 
 SOCKET_MODE = 0o600
 
-_REJECT_STATUS = {
-    RejectCode.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
-    RejectCode.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    RejectCode.FAILED_PRECONDITION: grpc.StatusCode.FAILED_PRECONDITION,
-}
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 
 
@@ -101,13 +92,19 @@ def to_pb_devices(devices: Sequence[PluginDevice]) -> list[pb.Device]:
     return out
 
 
-class _RpcFailure(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str, *, fallback_ok: bool) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        # Whether a local answer may replace the backend's (only for GetPreferred...).
-        self.fallback_ok = fallback_ok
+def grpc_status(failure: BusError) -> grpc.StatusCode:
+    """Kubelet's status for ``failure``: its code's, in the one table."""
+    return grpc.StatusCode[status_of(failure.code).grpc]
+
+
+def _details(rpc: str, failure: BusError) -> str:
+    """What kubelet shows: a refusal as ``code: message``, else what went wrong."""
+    if isinstance(failure, Refused):
+        return str(failure)
+    return f"{rpc}: allocator unavailable: {failure}"
+
+
+_NO_REFUSAL = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL})
 
 
 class KubeletServicer(pb_grpc.DevicePluginServicer):
@@ -172,14 +169,14 @@ class KubeletServicer(pb_grpc.DevicePluginServicer):
                 lambda: self._backend.preferred(self._spec.name, requests),
             )
             _check_preferences(requests, answers)
-        except _RpcFailure as failure:
-            if not (failure.fallback_ok and self._config.preferred_fallback):
-                self._observe("GetPreferredAllocation", failure.code, started)
-                await context.abort(failure.code, failure.message)
+        except BusError as failure:
+            status = grpc_status(failure)
+            details = _details("GetPreferredAllocation", failure)
+            if not (status in _NO_REFUSAL and self._config.preferred_fallback):
+                self._observe("GetPreferredAllocation", status, started)
+                await context.abort(status, details)
             log.warning(
-                "GetPreferredAllocation for %s answered locally: %s",
-                self._spec.name,
-                failure.message,
+                "GetPreferredAllocation for %s answered locally: %s", self._spec.name, details
             )
             self._metrics.fallback(self._spec.name)
             answers = self._fallback_preferred(requests)
@@ -201,10 +198,11 @@ class KubeletServicer(pb_grpc.DevicePluginServicer):
             _check_count(len(allocations), len(container_requests))
             gpus = self._gpus()
             responses = [self._container_response(a, gpus) for a in allocations]
-        except _RpcFailure as failure:
+        except BusError as failure:
             log.warning("Allocate %s %s failed: %s", self._spec.name, container_requests, failure)
-            self._observe("Allocate", failure.code, started)
-            await context.abort(failure.code, failure.message)
+            status = grpc_status(failure)
+            self._observe("Allocate", status, started)
+            await context.abort(status, _details("Allocate", failure))
         self._observe("Allocate", grpc.StatusCode.OK, started)
         return pb.AllocateResponse(container_responses=responses)
 
@@ -244,29 +242,15 @@ class KubeletServicer(pb_grpc.DevicePluginServicer):
         timeout = self._config.backend_timeout_s
         try:
             with anyio.fail_after(timeout):
-                answers = await call()
-        except AllocationRejected as exc:
-            raise _RpcFailure(_REJECT_STATUS[exc.code], exc.message, fallback_ok=False) from exc
+                return await call()
         except TimeoutError as exc:
-            raise _RpcFailure(
-                grpc.StatusCode.UNAVAILABLE,
-                f"{rpc}: allocator did not answer within {timeout:g} s",
-                fallback_ok=True,
-            ) from exc
-        except AllocatorUnavailable as exc:
-            raise _RpcFailure(
-                grpc.StatusCode.UNAVAILABLE,
-                f"{rpc}: allocator unavailable: {exc}",
-                fallback_ok=True,
-            ) from exc
+            raise RequestTimeout(f"did not answer within {timeout:g} s") from exc
+        except BusError:
+            raise
         except Exception as exc:
             log.exception("%s backend for %s failed", rpc, self._spec.name)
-            raise _RpcFailure(
-                grpc.StatusCode.INTERNAL,
-                f"{rpc}: allocator backend error: {type(exc).__name__}: {exc}",
-                fallback_ok=True,
-            ) from exc
-        return answers
+            detail = f"{rpc}: allocator backend error: {type(exc).__name__}: {exc}"
+            raise Refused("internal", detail) from exc
 
     def _container_response(
         self, allocation: ContainerAllocation, gpus: dict[str, PluginGpu]
@@ -275,10 +259,9 @@ class KubeletServicer(pb_grpc.DevicePluginServicer):
         for uuid in allocation.gpus:
             gpu = gpus.get(uuid)
             if gpu is None:
-                raise _RpcFailure(
-                    grpc.StatusCode.FAILED_PRECONDITION,
+                raise Refused(
+                    "inventory_mismatch",
                     f"allocator chose GPU {uuid}, which this node's inventory does not list",
-                    fallback_ok=False,
                 )
             if gpu.minor is not None:
                 minors.append(gpu.minor)
@@ -316,23 +299,17 @@ class KubeletServicer(pb_grpc.DevicePluginServicer):
         return [fallback_preference(r, numa) for r in requests]
 
 
-def _check_count(answered: int, asked: int, *, fallback_ok: bool = False) -> None:
+def _check_count(answered: int, asked: int) -> None:
     if answered != asked:
-        raise _RpcFailure(
-            grpc.StatusCode.INTERNAL,
-            f"allocator answered {answered} containers for {asked}",
-            fallback_ok=fallback_ok,
-        )
+        raise Refused("malformed_reply", f"allocator answered {answered} containers for {asked}")
 
 
 def _check_preferences(requests: Sequence[PreferredRequest], answers: Sequence[list[str]]) -> None:
-    _check_count(len(answers), len(requests), fallback_ok=True)
+    _check_count(len(answers), len(requests))
     for request, answer in zip(requests, answers, strict=True):
         if problem := _invalid_preference(request, answer):
-            raise _RpcFailure(
-                grpc.StatusCode.INTERNAL,
-                f"allocator gave an invalid preferred allocation: {problem}",
-                fallback_ok=True,
+            raise Refused(
+                "malformed_reply", f"allocator gave an invalid preferred allocation: {problem}"
             )
 
 

@@ -70,7 +70,7 @@ class DevicePluginService:
         if not self._settings.enabled:
             await idle_disabled(self.name, "allocator.enabled", self._rt.status, task_status)
         backend = NatsAllocationBackend(
-            self._rt.bus.client, self._rt.node, timeout_s=self._settings.request_timeout_s
+            self._rt.bus, self._rt.node, timeout_s=self._settings.request_timeout_s
         )
         async with anyio.create_task_group() as tg:
             await tg.start(self.view.run)
