@@ -327,6 +327,41 @@ async def test_fails_closed_when_the_health_service_stops_answering(
             responder.cancel_scope.cancel()
 
 
+async def test_a_restarted_reporter_writes_nothing_when_nothing_changed(
+    nats_server: EmbeddedNats, emu: KubeEmulator, tmp_path: Path
+) -> None:
+    """The condition and taint a reporter wrote are what its successor would write:
+    it compares with the Node it reads and writes nothing (the transition time is the
+    predecessor's, so there is nothing to correct either)."""
+    settings = settings_for(tmp_path, taint_policy="any-gpu-unhealthy")
+    bad = gpu_uuid(NODE, 1)
+
+    async def one_run(run: int) -> None:
+        async with (
+            running_reporter(nats_server.url, tmp_path / f"run{run}", NODE, settings) as r,
+            anyio.create_task_group() as responder,
+        ):
+            await responder.start(_serve_state, r.bus)
+            await r.bus.publish(subjects.inventory(NODE), make_inventory(NODE, 2), codec.INVENTORY)
+            if run == 0:
+                await put_health(r.bus, NODE, gpu_health(bad, healthy=False))
+                await wait_until(lambda: tainted(emu), timeout_s=15, what="our taint")
+            await settled(r)
+            keeper = r.service.node_health
+            assert keeper.intent is not None
+            assert keeper.intent.status == "False"
+            answers = keeper.answers
+            await wait_until(lambda: keeper.answers >= answers + 5, timeout_s=15, what="probes")
+            responder.cancel_scope.cancel()
+
+    await one_run(0)
+    first = copy.deepcopy(condition(emu))
+    assert writes(emu) == (1, 1)
+    await one_run(1)
+    assert writes(emu) == (1, 1)
+    assert condition(emu) == first
+
+
 async def test_heartbeat_refreshes_only_the_heartbeat_time(
     nats_server: EmbeddedNats, emu: KubeEmulator, tmp_path: Path
 ) -> None:
