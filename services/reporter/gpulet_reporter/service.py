@@ -39,6 +39,7 @@ from kubernetes_asyncio import client as k8s_client
 from gpulet_common import codec, subjects
 from gpulet_common.bus import BusError, RemoteError
 from gpulet_common.lifecycle import idle_disabled
+from gpulet_common.logutil import RateLimitedLog
 from gpulet_common.messages import HealthStateRequest, Inventory
 from gpulet_common.nodeview import NodeChange, NodeView
 from gpulet_common.runtime import Runtime
@@ -91,6 +92,7 @@ class ReporterService:
         )
         self.view.listen(self._on_view)
         self.node_health = NodeHealthKeeper(self._node, self._settings)
+        self._probe_log = RateLimitedLog(log, per_minute=1)
         self.target: KubeTarget | None = None
         self.sink: Sink[DesiredState] | None = None
         self.loop: WriteLoop[DesiredState] | None = None
@@ -164,6 +166,12 @@ class ReporterService:
                 self.node_health.answered()
             except BusError as exc:
                 log.debug("health service state request unanswered: %s", exc)
+            except Exception as exc:
+                # Whatever else a request can raise, it is no answer, and it must not end
+                # the reporter: the condition turns Unknown in time and says so.
+                self._probe_log.warning(
+                    "health service state request failed: %s: %s", type(exc).__name__, exc
+                )
             else:
                 self.node_health.answered()
             self._update_node_health()
