@@ -403,6 +403,10 @@ def test_placement_on_gpu_nodes(build: tuple[str, list[dict[str, Any]]]) -> None
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod[
         "tolerations"
     ]
+    # The agent must return to a node its own taint keeps other pods off.
+    assert {"key": "gpulet.io/gpu-unhealthy", "operator": "Exists", "effect": "NoSchedule"} in pod[
+        "tolerations"
+    ]
     assert pod["priorityClassName"] == "system-node-critical"
 
 
@@ -443,6 +447,8 @@ def test_rbac_is_exactly_what_the_reporter_and_allocator_need(
     assert rules("gpulet-reporter") == {
         (("scheduling.koordinator.sh",), ("devices",)): ["create", "get", "patch", "update"],
         (("",), ("nodes",)): ["get", "patch"],
+        # The GpuletGPUHealthy condition (the taint is a patch of nodes).
+        (("",), ("nodes/status",)): ["patch"],
     }
     # The koord-scheduler handshake: this node's pods and Events on them, nothing more.
     assert rules("gpulet-allocator") == {

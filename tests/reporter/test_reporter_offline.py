@@ -222,4 +222,12 @@ async def test_reporter_preview_renders_from_nvml(tmp_path: Path) -> None:
     assert device["metadata"]["labels"]["node.koordinator.sh/gpu-model"] == "Tesla-T4"
     assert CrdSchema.from_file(DEFAULT_CRD_PATH).validate(device) == []
     assert result["nodeLabels"]["nvidia.com/gpu.product"] == "Tesla-T4"
+    # No health service behind NVML read directly: the condition says it does not know.
+    condition = result["nodeCondition"]
+    assert (condition["type"], condition["status"], condition["reason"]) == (
+        "GpuletGPUHealthy",
+        "Unknown",
+        "HealthServiceUnreachable",
+    )
+    assert result["nodeTaint"]["present"] is False  # policy none: never ours
     assert not [p async for p in anyio.Path(tmp_path).iterdir()]  # nothing written

@@ -29,11 +29,21 @@ and watched across namespaces or in one, field selectors ``metadata.name``,
 ``metadata.namespace``, ``spec.nodeName`` and ``status.phase``). Pods and Events have
 no schema here, so their validation beyond object metadata is not modelled.
 
+Subresources: ``nodes/status`` only, with the real split: a PUT or PATCH of
+``/api/v1/nodes/<name>/status`` changes nothing but ``.status`` (metadata, labels and
+spec stay as stored; a ``resourceVersion`` in the body is still a precondition), and a
+PUT or PATCH of the Node itself keeps the stored ``.status`` whatever the body says.
+Both bump the resourceVersion. Their writes are counted apart, under ``nodes/status``
+(``stats.writes_to("nodes/status", name)``).
+
 Deliberate differences from a real API server (each documented where it lives): no
-TLS, no managedFields, strategic merge patch replaces lists instead of merging them by
-key, server-side apply tracks one applied configuration per manager and never reports
-conflicts, list continue tokens read the live state rather than a snapshot, finalizers
-are not honoured, and 422 messages for JSON-patch failures are the patch engine's own.
+TLS, no managedFields, strategic merge patch merges lists by key only for the Node's
+``status.conditions`` and ``status.addresses`` (and the same paths of other core
+objects; other lists are replaced whole), server-side apply tracks one applied
+configuration per manager, never reports conflicts and is not offered on
+``nodes/status``, list continue tokens read the live state rather than a snapshot,
+finalizers are not honoured, and 422 messages for JSON-patch failures are the patch
+engine's own.
 """
 
 from __future__ import annotations
@@ -231,15 +241,31 @@ def merge_patch(target: Any, patch: Any) -> Any:
     return result
 
 
-def strategic_merge_patch(target: Any, patch: Any) -> Any:
-    """Strategic merge patch as far as Node labels/annotations/spec need it.
+# Lists the core types declare ``patchStrategy: merge`` for, by path, with their
+# ``patchMergeKey`` (k8s.io/api/core/v1: NodeStatus.Conditions and .Addresses,
+# PodStatus.Conditions). Every other list is atomic here and replaced whole -- among
+# them ``spec.taints``, which is atomic on the real server too.
+STRATEGIC_MERGE_KEYS: Final[Mapping[tuple[str, ...], str]] = {
+    ("status", "conditions"): "type",
+    ("status", "addresses"): "type",
+}
+
+
+def strategic_merge_patch(target: Any, patch: Any, path: tuple[str, ...] = ()) -> Any:
+    """Strategic merge patch as far as Nodes (labels, spec, status) need it.
 
     Maps merge as in a merge patch and the ``$patch: replace|delete`` directives are
-    honoured. Lists are replaced whole: the real server merges lists that carry a
-    patchMergeKey (``status.conditions``, ``status.addresses``...), which the node
-    agent never patches. Other ``$`` directives are dropped.
+    honoured. Lists with a merge key (:data:`STRATEGIC_MERGE_KEYS`) merge by it, as
+    the real server merges ``status.conditions`` by ``type``: an element whose key
+    matches a stored one is merged into it (keeping the stored element's place), a new
+    key is appended, and ``{"type": X, "$patch": "delete"}`` removes that element.
+    Other lists are replaced whole. Other ``$`` directives (``$setElementOrder/...``,
+    ``$retainKeys``) are dropped.
     """
     if not isinstance(patch, dict):
+        merge_key = STRATEGIC_MERGE_KEYS.get(path)
+        if merge_key is not None and isinstance(patch, list) and isinstance(target, list):
+            return _merge_list_by_key(target, patch, merge_key, path)
         return copy.deepcopy(patch)
     directive = patch.get("$patch")
     body = {k: v for k, v in patch.items() if not k.startswith("$")}
@@ -250,8 +276,55 @@ def strategic_merge_patch(target: Any, patch: Any) -> Any:
         if value is None or (isinstance(value, dict) and value.get("$patch") == "delete"):
             result.pop(key, None)
         else:
-            result[key] = strategic_merge_patch(result.get(key), value)
+            result[key] = strategic_merge_patch(result.get(key), value, (*path, key))
     return result
+
+
+def _merge_list_by_key(
+    target: list[Any], patch: list[Any], key: str, path: tuple[str, ...]
+) -> list[Any]:
+    result = copy.deepcopy(target)
+    for element in patch:
+        if not isinstance(element, dict) or key not in element:
+            # The real server answers 400 for an element without its merge key.
+            raise _bad_request(f"map: {element!r} does not contain declared merge key: {key}")
+        at = next(
+            (i for i, e in enumerate(result) if isinstance(e, dict) and e.get(key) == element[key]),
+            None,
+        )
+        if element.get("$patch") == "delete":
+            if at is not None:
+                del result[at]
+        elif at is None:
+            result.append(strategic_merge_patch({}, element, path))
+        else:
+            result[at] = strategic_merge_patch(result[at], element, path)
+    return result
+
+
+def _split_status(obj: JsonObj, current: JsonObj, *, status: bool) -> tuple[JsonObj, JsonObj]:
+    """A Node write as the real server's node strategies take it.
+
+    Through ``/status`` (``status`` True) only the new ``.status`` counts: everything
+    else is the stored object's (metadata included, as ``ResetObjectMetaForStatus``
+    does), except a ``resourceVersion`` the body carries, which stays a precondition.
+    Through the main resource the stored ``.status`` is kept whatever the body says.
+    Returns the object to store and its metadata.
+    """
+    if status:
+        incoming_rv = (obj.get("metadata") or {}).get("resourceVersion", "")
+        kept = {k: copy.deepcopy(v) for k, v in current.items() if k != "status"}
+        kept["status"] = copy.deepcopy(obj.get("status") or {})
+        meta: JsonObj = kept["metadata"]
+        meta.pop("resourceVersion", None)
+        if incoming_rv:
+            meta["resourceVersion"] = incoming_rv
+        return kept, meta
+    if "status" in current:
+        obj["status"] = copy.deepcopy(current["status"])
+    else:
+        obj.pop("status", None)
+    return obj, obj["metadata"]
 
 
 class JsonPatchError(Exception):
@@ -1511,7 +1584,8 @@ class KubeEmulator:
 
     _ROUTE = re.compile(
         r"^/(?:api/(?P<core>v1)|apis/(?P<group>[^/]+)/(?P<version>[^/]+))"
-        r"/(?:namespaces/(?P<ns>[^/]+)/)?(?P<plural>[^/]+)(?:/(?P<name>[^/]+))?/?$"
+        r"/(?:namespaces/(?P<ns>[^/]+)/)?(?P<plural>[^/]+)(?:/(?P<name>[^/]+)"
+        r"(?:/(?P<sub>status))?)?/?$"
     )
 
     def _route_resource(self, path: str) -> tuple[_Resource | None, str | None]:
@@ -1559,6 +1633,9 @@ class KubeEmulator:
         namespace = self._route(request.path)[2]
         query = request.query
         method = request.method
+        sub = self._subresource(request.path)
+        if sub is not None:
+            return await self._dispatch_status(request, res, name)
         if name is None and method == "GET" and query.get("watch", "").lower() in ("true", "1"):
             return await self._watch(request, res, namespace)
         dry_run = query.get("dryRun") == "All"
@@ -1604,6 +1681,42 @@ class KubeEmulator:
             outcome = self._delete_request(
                 res, name, options if isinstance(options, dict) else {}, dry_run
             )
+        else:
+            raise ApiError(
+                405,
+                "MethodNotAllowed",
+                "the server does not allow this method on the requested resource",
+            )
+        return web.json_response(outcome.body, status=outcome.code, headers=outcome.headers)
+
+    def _subresource(self, path: str) -> str | None:
+        match = self._ROUTE.match(path)
+        return match["sub"] if match is not None else None
+
+    async def _dispatch_status(
+        self, request: web.Request, res: _Resource, name: str | None
+    ) -> web.StreamResponse:
+        """``nodes/<name>/status``: GET, PUT and PATCH (not server-side apply)."""
+        if res.plural != NODES or name is None:
+            raise ApiError(
+                404, "NotFound", "the server could not find the requested resource", details={}
+            )
+        method = request.method
+        dry_run = request.query.get("dryRun") == "All"
+        if method == "GET":
+            outcome = _Outcome(200, self._require(res, name))
+        elif method == "PUT":
+            outcome = self._update(
+                res, name, await self._json_body(request), request.query, dry_run, status=True
+            )
+        elif method == "PATCH":
+            if request.content_type == APPLY_PATCH:
+                raise ApiError(
+                    415,
+                    "UnsupportedMediaType",
+                    "server-side apply to nodes/status is not modelled by the emulator",
+                )
+            outcome = await self._patch(request, res, name, dry_run, status=True)
         else:
             raise ApiError(
                 405,
@@ -1849,7 +1962,9 @@ class KubeEmulator:
         dry_run: bool,
         *,
         from_patch: bool = False,
+        status: bool = False,
     ) -> _Outcome:
+        """PUT (or the result of a patch). ``status``: the ``/status`` subresource."""
         obj = copy.deepcopy(self._check_type_meta(res, body))
         meta: JsonObj = obj.setdefault("metadata", {})
         namespace, _, short = name.rpartition("/") if res.namespaced else ("", "", name)
@@ -1865,6 +1980,8 @@ class KubeEmulator:
         if current is None:
             raise res.not_found(name)
         current_meta = current["metadata"]
+        if res.plural == NODES:
+            obj, meta = _split_status(obj, current, status=status)
         rv = meta.get("resourceVersion", "")
         if not rv and res.custom and not from_patch:
             # CRs disallow unconditional update: a PUT must say which version it replaces.
@@ -1900,16 +2017,23 @@ class KubeEmulator:
             meta["generation"] = current_meta.get("generation", 1) + 1
         if dry_run:
             return _Outcome(200, obj, headers)
-        self.stats.writes[(res.plural, name)] += 1
+        stat_key = (f"{res.plural}/status" if status else res.plural, name)
+        self.stats.writes[stat_key] += 1
         if _json_equal(obj, current):
             # etcd3 storage skips identical writes: no new resourceVersion, no event.
             return _Outcome(200, copy.deepcopy(current), headers)
         self._commit(res, obj, "MODIFIED")
-        self.stats.changes[(res.plural, name)] += 1
+        self.stats.changes[stat_key] += 1
         return _Outcome(200, copy.deepcopy(obj), headers)
 
     async def _patch(
-        self, request: web.Request, res: _Resource, name: str, dry_run: bool
+        self,
+        request: web.Request,
+        res: _Resource,
+        name: str,
+        dry_run: bool,
+        *,
+        status: bool = False,
     ) -> _Outcome:
         content_type = request.content_type
         if content_type not in res.patch_types:
@@ -1946,7 +2070,7 @@ class KubeEmulator:
                 )
             engine = strategic_merge_patch if content_type == STRATEGIC_PATCH else merge_patch
             patched = engine(current, patch)
-        return self._update(res, name, patched, query, dry_run, from_patch=True)
+        return self._update(res, name, patched, query, dry_run, from_patch=True, status=status)
 
     def _apply(
         self, res: _Resource, name: str, config: Any, query: Mapping[str, str], dry_run: bool

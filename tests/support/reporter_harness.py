@@ -144,9 +144,14 @@ def health_state(node: str, faults: list[HealthEvent]) -> HealthState:
 
 
 def fast_settings(**overrides: Any) -> ReporterSettings:
-    """Timings scaled down for tests (the real defaults are 0.5 s / 2 s / 300 s)."""
+    """Timings scaled down for tests (the real defaults are 0.5 s / 2 s / 300 s).
+
+    The node condition is off unless a test asks for it (``node_condition=True``):
+    the tests that count the Device's and labels' writes stand in for the health
+    service with KV entries only, and nothing here answers its state request."""
     values: dict[str, Any] = {
         "mode": "cluster",
+        "node_condition": False,
         "quiet_window_s": 0.05,
         "max_delay_s": 0.2,
         "reconcile_interval_s": 0.0,

@@ -1,4 +1,5 @@
-"""``gpulet reporter-preview``: print the Device and node labels this node would get.
+"""``gpulet reporter-preview``: print the Device, node labels, node condition and taint
+this node would get.
 
 Two sources, so that it answers both "what will the agent write?" and "what is the
 agent writing?":
@@ -32,6 +33,14 @@ from gpulet_common.settings import Settings
 from gpulet_reporter.desired import build_desired, render_device
 from gpulet_reporter.facts import node_facts, read_machine_type
 from gpulet_reporter.health_view import HealthView
+from gpulet_reporter.node_health import (
+    REASON_UNREACHABLE,
+    TAINT_EFFECT,
+    TAINT_KEY,
+    evaluate,
+    render_condition,
+    unknown,
+)
 from gpulet_reporter.pcie import make_resolver
 
 
@@ -102,9 +111,29 @@ async def preview(settings: Settings, *, timeout_s: float = 2.0) -> dict[str, An
         pcie_root=make_resolver(),
         facts=node_facts(settings, read_machine_type()),
     )
-    device = render_device(desired, None, node_uid=None, now=time.time())
+    now = time.time()
+    device = render_device(desired, None, node_uid=None, now=now)
     labels = dict(desired.node_labels) if settings.reporter.node_labels else {}
-    return {"device": device, "nodeLabels": labels}
+    policy = settings.reporter.taint_policy
+    if state is not None:
+        intent = evaluate(inventory, {g.gpu_uuid: g for g in state.gpus}, policy=policy)
+    else:
+        why = (
+            "the health service did not answer"
+            if settings.nats.url
+            else "read from NVML directly, without the health service"
+        )
+        intent = unknown(REASON_UNREACHABLE, why, policy=policy)
+    result: dict[str, Any] = {"device": device, "nodeLabels": labels}
+    if settings.reporter.node_condition:
+        result["nodeCondition"] = render_condition(intent, None, now=now)
+        # true: the taint would be added; false: removed; null: left as it is.
+        result["nodeTaint"] = {
+            "key": TAINT_KEY,
+            "effect": TAINT_EFFECT,
+            "present": intent.taint,
+        }
+    return result
 
 
 def _cmd_preview(args: argparse.Namespace, load: LoadSettings) -> int:

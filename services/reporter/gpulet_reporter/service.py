@@ -16,6 +16,15 @@ Flow
    no cluster -- in a task of its own, so the bus side never waits for the API.
 
 No write happens before the first usable inventory (see :mod:`gpulet_reporter.core`).
+
+The node condition ``GpuletGPUHealthy`` and the optional taint
+(:mod:`gpulet_reporter.node_health`) follow the same view: every change re-evaluates
+the :class:`NodeHealthKeeper`, whose changed intents go through a debouncer of their
+own to a second :class:`WriteLoop` with a :class:`NodeHealthWriter`, so a failing
+Device write never holds back the condition, nor the other way round. A probe asks the
+health service for its state every ``health_probe_interval_s``: its answers are what
+tells a live health service from a KV bucket nobody updates any more. In no-cluster
+mode the condition is not written (there is no Node).
 """
 
 from __future__ import annotations
@@ -27,8 +36,11 @@ import anyio
 import anyio.abc
 from kubernetes_asyncio import client as k8s_client
 
+from gpulet_common import codec, subjects
+from gpulet_common.bus import BusError, RemoteError
 from gpulet_common.lifecycle import idle_disabled
-from gpulet_common.messages import Inventory
+from gpulet_common.logutil import RateLimitedLog
+from gpulet_common.messages import HealthStateRequest, Inventory
 from gpulet_common.nodeview import NodeChange, NodeView
 from gpulet_common.runtime import Runtime
 from gpulet_reporter.core import ReporterCore
@@ -38,6 +50,7 @@ from gpulet_reporter.facts import DMI_PRODUCT_NAME, node_facts, read_machine_typ
 from gpulet_reporter.health_view import HealthView
 from gpulet_reporter.kube import SERVICE_ACCOUNT_DIR, KubeConfigError, KubeTarget, load_target
 from gpulet_reporter.metrics import ReporterMetrics
+from gpulet_reporter.node_health import NodeHealthIntent, NodeHealthKeeper, NodeHealthWriter
 from gpulet_reporter.offline import OfflineSink
 from gpulet_reporter.pcie import make_resolver
 from gpulet_reporter.writer import KubeWriter, Sink, WriteLoop
@@ -78,9 +91,13 @@ class ReporterService:
             runtime.bus, self._node, retry_s=self._settings.request_retry_s, who="reporter"
         )
         self.view.listen(self._on_view)
+        self.node_health = NodeHealthKeeper(self._node, self._settings)
+        self._probe_log = RateLimitedLog(log, per_minute=1)
         self.target: KubeTarget | None = None
-        self.sink: Sink | None = None
-        self.loop: WriteLoop | None = None
+        self.sink: Sink[DesiredState] | None = None
+        self.loop: WriteLoop[DesiredState] | None = None
+        self.node_health_writer: NodeHealthWriter | None = None
+        self.node_health_loop: WriteLoop[NodeHealthIntent] | None = None
 
     # The core's state, for tests and the CLI.
     @property
@@ -109,6 +126,8 @@ class ReporterService:
         async with anyio.create_task_group() as tg:
             await tg.start(self.view.run)
             tg.start_soon(self._write)
+            if self._settings.node_condition:
+                tg.start_soon(self._probe_health)
             task_status.started()
 
     # -- inputs ------------------------------------------------------------------
@@ -119,6 +138,44 @@ class ReporterService:
             self.core.on_inventory(inventory)
         for uuid in change.gpus:
             self.core.on_health(uuid, self.view.health(uuid))
+        self._update_node_health()
+
+    def _update_node_health(self) -> None:
+        if self._settings.node_condition:
+            self.node_health.update(
+                self.core.inventory,
+                self.view.healths(),
+                health_seen=self.view.health_seen.is_set(),
+            )
+
+    async def _probe_health(self) -> None:
+        """Ask the health service for its state: an answer (even an error reply) says it
+        is alive. Re-evaluates the condition after each try, which is also what turns
+        it Unknown once the answers stop for ``health_stale_after_s``."""
+        interval = self._settings.health_probe_interval_s
+        while True:
+            try:
+                await self._rt.bus.request(
+                    subjects.health_state(self._node),
+                    HealthStateRequest(),
+                    codec.HEALTH_STATE_REQUEST,
+                    codec.HEALTH_STATE,
+                    timeout_s=min(interval, 2.0),
+                )
+            except RemoteError:
+                self.node_health.answered()
+            except BusError as exc:
+                log.debug("health service state request unanswered: %s", exc)
+            except Exception as exc:
+                # Whatever else a request can raise, it is no answer, and it must not end
+                # the reporter: the condition turns Unknown in time and says so.
+                self._probe_log.warning(
+                    "health service state request failed: %s: %s", type(exc).__name__, exc
+                )
+            else:
+                self.node_health.answered()
+            self._update_node_health()
+            await anyio.sleep(interval)
 
     # -- output ------------------------------------------------------------------
 
@@ -170,14 +227,31 @@ class ReporterService:
         )
         api = k8s_client.ApiClient(target.configuration)
         try:
-            await self._run_loop(
-                KubeWriter(api, self._node, self._settings, self.metrics, server=target.server)
-            )
+            async with anyio.create_task_group() as tg:
+                if self._settings.node_condition:
+                    tg.start_soon(self._run_node_health_loop, api, target.server)
+                await self._run_loop(
+                    KubeWriter(api, self._node, self._settings, self.metrics, server=target.server)
+                )
         finally:
             with anyio.CancelScope(shield=True), anyio.move_on_after(1.0):
                 await api.close()
 
-    async def _run_loop(self, sink: Sink) -> None:
+    async def _run_node_health_loop(self, api: k8s_client.ApiClient, server: str) -> None:
+        writer = self.node_health_writer = NodeHealthWriter(
+            api, self._node, self._settings, self.metrics, server=server
+        )
+        self.node_health_loop = WriteLoop(
+            writer,
+            self.node_health.debouncer,
+            self._settings,
+            self.metrics,
+            reconcile_interval_s=NodeHealthWriter.tick_interval(self._settings),
+            track_pending=False,
+        )
+        await self.node_health_loop.run()
+
+    async def _run_loop(self, sink: Sink[DesiredState]) -> None:
         self.sink = sink
         self.loop = WriteLoop(
             sink, self.debouncer, self._settings, self.metrics, on_status=self._status

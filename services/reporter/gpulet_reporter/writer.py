@@ -18,12 +18,15 @@ Layers
   - 409 (a concurrent writer, or a stale cache) re-reads and tries again at once, a
     few rounds; anything else becomes a :class:`WriteError` for the loop.
 
-* :class:`WriteLoop` -- waits on the debouncer, applies, and on a ``WriteError``
-  backs off (full jitter, or the server's ``Retry-After`` on 429) and tries again with
-  the newest desired state, until it succeeds. It runs in its own task: the bus side
-  only ever calls :meth:`Debouncer.submit`, so a slow or failing API server never
-  blocks NATS. Every ``reconcile_interval_s`` (jittered ±10 % so a fleet does not
-  read in lock-step) it forgets the observed objects, re-reads them and corrects drift.
+* :class:`WriteLoop` -- generic over what it writes (the Device and labels'
+  :class:`~gpulet_reporter.desired.DesiredState`; the node condition's intent in a loop
+  of its own, :mod:`gpulet_reporter.node_health`) -- waits on the debouncer, applies,
+  and on a ``WriteError`` backs off (full jitter, or the server's ``Retry-After`` on
+  429) and tries again with the newest desired state, until it succeeds. It runs in
+  its own task: the bus side only ever calls :meth:`Debouncer.submit`, so a slow or
+  failing API server never blocks NATS. Every ``reconcile_interval_s`` (jittered
+  ±10 % so a fleet does not read in lock-step) it forgets the observed objects,
+  re-reads them and corrects drift.
 
 Why read-modify-write and not a patch or server-side apply
 ----------------------------------------------------------
@@ -49,7 +52,7 @@ import random
 import time
 from collections.abc import Awaitable, Callable
 from email.utils import parsedate_to_datetime
-from typing import Any, Final, Protocol
+from typing import Any, Final, Generic, Protocol, TypeVar
 
 import aiohttp
 import anyio
@@ -81,6 +84,9 @@ MAX_CONFLICT_ROUNDS: Final = 5
 
 StatusCallback = Callable[[str, str], None]
 
+T = TypeVar("T")
+T_contra = TypeVar("T_contra", contravariant=True)
+
 
 class WriteError(Exception):
     """A write attempt failed; ``reason`` is the metric label."""
@@ -99,12 +105,12 @@ class WriteError(Exception):
         self.permanent = permanent
 
 
-class Sink(Protocol):
+class Sink(Protocol[T_contra]):
     """Where desired states go: the API server, or a file in no-cluster mode."""
 
     description: str
 
-    async def apply(self, desired: DesiredState) -> bool:
+    async def apply(self, desired: T_contra) -> bool:
         """Make the target match; True if something was written. Raises WriteError."""
         ...
 
@@ -137,7 +143,7 @@ def retry_after_seconds(headers: Any) -> float | None:
     return max(0.0, value)
 
 
-def _api_error(exc: ApiException, what: str) -> WriteError:
+def api_error(exc: ApiException, what: str) -> WriteError:
     status = int(exc.status or 0)
     detail = f"{what}: HTTP {status} {exc.reason or ''}".strip()
     if status == 429:
@@ -223,7 +229,7 @@ class KubeWriter:
             )
         except ApiException as exc:
             if exc.status != 404:
-                raise _api_error(exc, "get device") from exc
+                raise api_error(exc, "get device") from exc
             found = None
         self.device = found if isinstance(found, dict) else None
         self._device_read = True
@@ -233,7 +239,7 @@ class KubeWriter:
             found = await self._call("get node", self._core.read_node, self._node)
         except ApiException as exc:
             if exc.status != 404:
-                raise _api_error(exc, "get node") from exc
+                raise api_error(exc, "get node") from exc
             self._missing_node_log.warning(
                 "node %s not found: the Device gets no owner reference and node labels wait",
                 self._node,
@@ -299,7 +305,7 @@ class KubeWriter:
                 if exc.status == 404 and verb == "update":
                     self.device = None
                     continue
-                raise _api_error(exc, f"{verb} device") from exc
+                raise api_error(exc, f"{verb} device") from exc
             self.device = result if isinstance(result, dict) else None
             self._device_read = self.device is not None
             self._metrics.wrote("device", verb)
@@ -337,7 +343,7 @@ class KubeWriter:
                 if exc.status == 404:
                     self.node_object = None
                     return False
-                raise _api_error(exc, "patch node") from exc
+                raise api_error(exc, "patch node") from exc
             self.node_object = self._as_dict(result)
             self._node_read = self.node_object is not None
             self._metrics.wrote("node", "patch")
@@ -358,18 +364,24 @@ def _describe(patch: JsonObj) -> str:
     return "; ".join(parts) or "ownership annotation"
 
 
-class WriteLoop:
-    """Debouncer → sink, with back-off, newest-state-wins retries and reconciles."""
+class WriteLoop(Generic[T]):
+    """Debouncer → sink, with back-off, newest-state-wins retries and reconciles.
+
+    ``reconcile_interval_s`` overrides the settings' (the node condition's loop ticks at
+    its heartbeat); ``track_pending`` False leaves the ``pending`` gauge to another loop.
+    """
 
     def __init__(
         self,
-        sink: Sink,
-        debouncer: Debouncer[DesiredState],
+        sink: Sink[T],
+        debouncer: Debouncer[T],
         settings: ReporterSettings,
         metrics: ReporterMetrics,
         *,
         on_status: StatusCallback | None = None,
         clock: Callable[[], float] = time.monotonic,
+        reconcile_interval_s: float | None = None,
+        track_pending: bool = True,
     ) -> None:
         self._sink = sink
         self._debouncer = debouncer
@@ -377,12 +389,20 @@ class WriteLoop:
         self._metrics = metrics
         self._on_status = on_status or (lambda _state, _detail: None)
         self._clock = clock
+        self._reconcile_s = (
+            settings.reconcile_interval_s if reconcile_interval_s is None else reconcile_interval_s
+        )
+        self._track_pending = track_pending
         self._failure_log = RateLimitedLog(log, per_minute=6)
-        self.current: DesiredState | None = None
-        self.applied: DesiredState | None = None
+        self.current: T | None = None
+        self.applied: T | None = None
+
+    def _set_pending(self, pending: bool) -> None:
+        if self._track_pending:
+            self._metrics.pending = pending
 
     def _next_reconcile_in(self) -> float:
-        interval = self._settings.reconcile_interval_s
+        interval = self._reconcile_s
         if interval <= 0:
             return math.inf
         return interval * random.uniform(0.9, 1.1)
@@ -390,7 +410,7 @@ class WriteLoop:
     async def run(self) -> None:
         deadline = self._clock() + self._next_reconcile_in()
         while True:
-            got: DesiredState | None = None
+            got: T | None = None
             with anyio.move_on_after(max(0.0, deadline - self._clock())):
                 got = await self._debouncer.next()
             if got is None:
@@ -405,7 +425,7 @@ class WriteLoop:
     async def apply_until_done(self, since: float | None = None) -> None:
         """Apply the current desired state, retrying until it sticks."""
         attempt = 0
-        self._metrics.pending = True
+        self._set_pending(True)
         while True:
             newer = self._debouncer.take_now()
             if newer is not None:
@@ -414,7 +434,7 @@ class WriteLoop:
                     since = self._debouncer.taken_since
             desired = self.current
             if desired is None:
-                self._metrics.pending = False
+                self._set_pending(False)
                 return
             try:
                 try:
@@ -445,7 +465,7 @@ class WriteLoop:
                 await anyio.sleep(delay)
                 continue
             self.applied = desired
-            self._metrics.pending = self._debouncer.pending
+            self._set_pending(self._debouncer.pending)
             if wrote:
                 latency = self._clock() - since if since is not None else None
                 self._metrics.succeeded(latency)

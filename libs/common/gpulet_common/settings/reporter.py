@@ -3,6 +3,11 @@
 Timing defaults follow the issue: changes inside a 500 ms quiet window coalesce into
 one write, no change waits longer than 2 s, and a full re-read of the API objects
 every 5 minutes corrects drift (someone editing the Device by hand).
+
+The node condition ``GpuletGPUHealthy`` and the optional taint are described in
+docs/health.md ("The node condition and taint"); their defaults: condition on, taint
+policy ``none``, heartbeat every 5 minutes as node-problem-detector's, and the
+condition turns ``Unknown`` after 90 s without an answer from the health service.
 """
 
 from __future__ import annotations
@@ -52,3 +57,14 @@ class ReporterSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     gfd_labels: bool = True
     # Field manager recorded by the API server for our writes.
     field_manager: str = "gpulet-reporter"
+    # Keep the NodeCondition GpuletGPUHealthy on the Node (PATCH nodes/status).
+    node_condition: bool = True
+    # Taint gpulet.io/gpu-unhealthy:NoSchedule: "none" (never; removes ours if left),
+    # "all-gpus-unhealthy" (every GPU unhealthy) or "any-gpu-unhealthy" (one is enough).
+    taint_policy: Literal["none", "all-gpus-unhealthy", "any-gpu-unhealthy"] = "none"
+    # Refresh the condition's lastHeartbeatTime this often when nothing changed (0: never).
+    condition_heartbeat_s: Seconds = 300.0
+    # Ask the health service for its state this often: its answer says it is alive.
+    health_probe_interval_s: PositiveSeconds = 15.0
+    # Without an answer for this long the condition turns Unknown (HealthServiceUnreachable).
+    health_stale_after_s: PositiveSeconds = 90.0
