@@ -48,9 +48,16 @@ import pytest
 from gpulet_common import subjects
 from gpulet_common.bus import Bus
 from gpulet_common.settings.fleet import FleetSettings
-from gpulet_health.catalogue import BUILTIN_XIDS
 from support.deploy import set_passwords
-from support.fleet import Hub, NodeServices, running_hub, running_leaves, running_node_services
+from support.fleet import (
+    MOCK_GPUS,
+    Hub,
+    NodeServices,
+    fault_plan,
+    running_hub,
+    running_leaves,
+    running_node_services,
+)
 from support.waiting import wait_until
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
@@ -58,7 +65,6 @@ pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 NODES = int(os.environ.get("FLEET_STORM_NODES", "20"))
 FAULTS = int(os.environ.get("FLEET_STORM_FAULTS", "2000"))
 WAVES = 4
-GPUS = 8  # the dgx-h100 mock scenario's
 ACK_WAIT_S = 3.0
 FLEET = FleetSettings(
     replicas=3,
@@ -197,13 +203,6 @@ async def _wait_async(predicate: object, *, timeout_s: float, what: str) -> None
     raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
-def fault_plan(per_node: int) -> list[tuple[int, int]]:
-    """A node's faults: distinct (GPU, XID) pairs over the catalogue's XIDs."""
-    codes = sorted(BUILTIN_XIDS)
-    assert per_node <= GPUS * len(codes), f"at most {GPUS * len(codes)} distinct faults a node"
-    return [(i % GPUS, codes[i // GPUS]) for i in range(per_node)]
-
-
 FaultKey = tuple[str, str, int]  # node, GPU uuid, XID
 
 
@@ -269,7 +268,7 @@ async def test_every_fault_reaches_the_sink_once_through_hub_and_replica_crashes
                 rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
                 mark(f"{NODES} nodes' collector and health services up (this process {rss} MiB)")
                 uuids = {
-                    node.node: [(await node.health_mock()).slot_uuid(g) for g in range(GPUS)]
+                    node.node: [(await node.health_mock()).slot_uuid(g) for g in range(MOCK_GPUS)]
                     for node in nodes
                 }
                 expected = {(n, uuids[n][gpu], code) for n in names for gpu, code in plan}

@@ -367,6 +367,22 @@ LIGHT_NODE_SETTINGS = (
 )
 
 
+MOCK_GPUS = 8  # GPUs of the dgx-h100 mock scenario, which the nodes play
+
+
+def fault_plan(count: int) -> list[tuple[int, int]]:
+    """``count`` faults for one node, as (GPU, XID): distinct pairs over the XIDs of the
+    catalogue. The health service folds a repeat of the same XID on the same GPU into
+    one event (``health.dedup_window_s``), so distinct pairs are distinct events."""
+    from gpulet_health.catalogue import BUILTIN_XIDS
+
+    codes = sorted(BUILTIN_XIDS)
+    most = MOCK_GPUS * len(codes)
+    if count > most:
+        raise ValueError(f"at most {most} distinct faults a node ({count} asked)")
+    return [(i % MOCK_GPUS, codes[i // MOCK_GPUS]) for i in range(count)]
+
+
 @dataclass
 class NodeServices:
     """One node's gpulet services, as the DaemonSet runs them: the collector and the
