@@ -38,7 +38,7 @@ import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
-from contextlib import AsyncExitStack, contextmanager
+from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -54,9 +54,9 @@ from support.fleet import (
     Hub,
     NodeServices,
     fault_plan,
+    running_fleet_nodes,
     running_hub,
     running_leaves,
-    running_node_services,
 )
 from support.waiting import wait_until
 
@@ -256,17 +256,10 @@ async def test_every_fault_reaches_the_sink_once_through_hub_and_replica_crashes
             async with (
                 Bus.connect(hub.nats_settings("admin"), max_initial_attempts=5) as admin,
                 running_leaves(tmp_path, hub, names, mock=True) as leaves,
-                AsyncExitStack() as stack,
+                running_fleet_nodes(tmp_path, [leaves[n] for n in names], FLEET) as nodes,
             ):
-                mark(f"{NODES} leaf nodes up")
-                nodes = [
-                    await stack.enter_async_context(
-                        running_node_services(tmp_path, leaves[name], FLEET)
-                    )
-                    for name in names
-                ]
                 rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
-                mark(f"{NODES} nodes' collector and health services up (this process {rss} MiB)")
+                mark(f"{NODES} leaf nodes, their collector and health services up ({rss} MiB here)")
                 uuids = {
                     node.node: [(await node.health_mock()).slot_uuid(g) for g in range(MOCK_GPUS)]
                     for node in nodes
@@ -346,6 +339,7 @@ async def test_every_fault_reaches_the_sink_once_through_hub_and_replica_crashes
                     interval_s=0.25,
                     what="the sink to accept every stored event",
                 )
+            mark("nodes and leaves stopped")
         finally:
             for replica in replicas:
                 replica.stop()

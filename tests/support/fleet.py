@@ -17,8 +17,10 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import anyio
+import anyio.abc
 import msgspec
 import nats.errors
 import nats.js.errors
@@ -479,4 +481,21 @@ async def running_node_services(
             # The mock control subscription is on the server before any injection.
             await runtimes[user].bus.flush()
         yield NodeServices(leaf.node, leaf, runtimes, op)
+        tg.cancel_scope.cancel()
+
+
+@asynccontextmanager
+async def running_fleet_nodes(
+    tmp_path: Path, leaves: list[Leaf], fleet: FleetSettings, **kwargs: Any
+) -> AsyncIterator[list[NodeServices]]:
+    """:func:`running_node_services` for each leaf; started one after another, stopped
+    all at once (each stop drains its connections, which takes a moment)."""
+
+    async def hold(leaf: Leaf, *, task_status: anyio.abc.TaskStatus[NodeServices]) -> None:
+        async with running_node_services(tmp_path, leaf, fleet, **kwargs) as node:
+            task_status.started(node)
+            await anyio.sleep_forever()
+
+    async with anyio.create_task_group() as tg:
+        yield [await tg.start(hold, leaf) for leaf in leaves]
         tg.cancel_scope.cancel()
