@@ -11,27 +11,31 @@ nats-servers that each log in with their own credential (``gpulet fleet creds``)
   per leaf connection (the hub's RSS, summed over its 3 servers, after minus before,
   divided by the leaves) and the node-side RSS of a bare leaf server;
 * ``--active`` **active nodes**: the full node path of ``deploy/nats/fleet-leaf.conf``
-  (node.conf, auth.conf, JetStream), the health service's HealthPublisher into the
-  node's GPU_HEALTH and the fleet relay to the hub (acked, de-duplicated). The events
-  are the rule engine's events for an XID (no NVML or rule engine: they are not what is
-  measured here, see bench/health_latency.py for that part);
+  (node.conf, the mock overlay's auth.conf, JetStream) and the node's real services on
+  the **mock NVML** (tests/support/fleet.NodeServices: the collector and the health
+  service with the fleet relay and status publisher, each as ``gpulet run`` starts it,
+  its own user, its own mock, all in this process);
 * a pull consumer on ``GPU_FLEET`` (what ``gpulet alerts --hub`` is), acking each event.
 
-``--events`` events are injected at ``--rate`` per second, spread over the active nodes.
-**Fault-to-hub-consumer latency**: from the moment an event is handed to the node's
-publisher (its ``observed_at``) to the moment the hub consumer fetched it: node stream,
-relay, leaf connection, R3 commit on the hub, delivery. **Hub CPU per 1,000 events**:
-the hub servers' CPU time (utime+stime from /proc, all 3 servers) during the storm,
-minus their idle CPU rate over the same time with the same leaves connected, per 1,000
-events. Everything shares this machine's cores (2 here, with other work), so the
-latency and CPU figures include contention; the memory figures do not depend on it.
+``--events`` faults are injected at ``--rate`` per second, spread over the active
+nodes: each an XID sent to the node's mock NVML through its control plane (``gpulet
+mock inject``), a different (GPU, XID) pair each time (the health service folds
+repeats into one event), so at most 128 a node. **Fault-to-hub-consumer latency**: from
+the moment the injection is sent to the moment the hub consumer fetched the event:
+mock NVML event, the health service's event thread and rule engine, node stream, relay,
+leaf connection, R3 commit on the hub, delivery. **Hub CPU per 1,000 events**: the hub
+servers' CPU time (utime+stime from /proc, all 3 servers) during the storm, minus their
+idle CPU rate over the same time with the same leaves connected, per 1,000 events.
+Everything shares this machine's cores (2 here, with other work), so the latency and
+CPU figures include contention; the memory figures do not depend on it.
 
-Run: ``python bench/fleet.py [--leaves 200] [--active 10] [--events 3000] [--rate 300]``
+Run: ``python bench/fleet.py [--leaves 200] [--active 10] [--events 1000] [--rate 28]``
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 import tempfile
@@ -54,12 +58,13 @@ from gpulet_common.embedded_nats import EmbeddedNats
 from gpulet_common.settings.fleet import FleetSettings
 from support.deploy import NATS_USERS, password_for, password_variable
 from support.fleet import (
-    FleetNode,
+    MOCK_GPUS,
     Hub,
-    fault_event,
+    NodeServices,
+    fault_plan,
     running_hub,
     running_leaves,
-    running_node,
+    running_node_services,
 )
 
 FLEET = FleetSettings(replicas=3, relay_retry_initial_s=0.05, relay_retry_max_s=0.5)
@@ -123,7 +128,16 @@ async def start_idle_leaves(
     return leaves
 
 
-async def consume(hub: Hub, latencies: list[float], want: int, limit_s: float) -> None:
+FaultKey = tuple[str, str, int]  # node, GPU uuid, XID
+
+
+async def consume(
+    hub: Hub,
+    sent: dict[FaultKey, float],
+    latencies: list[float],
+    want: int,
+    limit_s: float,
+) -> None:
     # As `gpulet alerts --hub`: the alerts user, a durable pull consumer, explicit acks.
     async with Bus.connect(hub.nats_settings("alerts"), max_initial_attempts=5) as bus:
         sub = await bus.jetstream.pull_subscribe(
@@ -146,7 +160,9 @@ async def consume(hub: Hub, latencies: list[float], want: int, limit_s: float) -
                 now = time.time()
                 for msg in msgs:
                     event = codec.HEALTH_EVENT.decode(msg.data)
-                    latencies.append(now - event.observed_at)
+                    at = sent.pop((event.node, event.gpu_uuid, event.xid or -1), None)
+                    if at is not None:
+                        latencies.append(now - at)
                     await msg.ack()
 
 
@@ -169,31 +185,38 @@ async def run(args: argparse.Namespace) -> int:
         leaf_rss = sum(rss_mb(s.pid) for s in idle if s.pid) / max(1, len(idle))
 
         names = [f"active-{i:03d}" for i in range(args.active)]
-        leaves = await stack.enter_async_context(running_leaves(root / "active", hub, names))
+        per_node = args.events // len(names)
+        plan = fault_plan(per_node + 1)  # one more each for the warm-up
+        leaves = await stack.enter_async_context(
+            running_leaves(root / "active", hub, names, mock=True)
+        )
+        own_rss = rss_mb(os.getpid())
+        nodes: list[NodeServices] = [
+            await stack.enter_async_context(
+                running_node_services(root / "active", leaves[n], FLEET)
+            )
+            for n in names
+        ]
+        uuids = {
+            node.node: [(await node.health_mock()).slot_uuid(g) for g in range(MOCK_GPUS)]
+            for node in nodes
+        }
+        services_rss = (rss_mb(os.getpid()) - own_rss) / len(names)
+        active_rss = sum(rss_mb(leaves[n].server.pid) for n in names) / len(names)
+        sent: dict[FaultKey, float] = {}
+        latencies: list[float] = []
+
+        async def inject(node: NodeServices, k: int) -> None:
+            gpu, code = plan[k]
+            sent[(node.node, uuids[node.node][gpu], code)] = time.time()
+            await node.inject_xid(gpu, code)
+
         async with anyio.create_task_group() as tg:
-
-            async def node_task(
-                leaf: object, *, task_status: anyio.abc.TaskStatus[FleetNode]
-            ) -> None:
-                async with running_node(root / "active", leaf, FLEET) as node:  # type: ignore[arg-type]
-                    task_status.started(node)
-                    await anyio.sleep_forever()
-
-            nodes: list[FleetNode] = [await tg.start(node_task, leaves[n]) for n in names]
-            active_rss = sum(rss_mb(leaves[n].server.pid) for n in names) / len(names)
-            latencies: list[float] = []
-            # Warm-up: one event per node, so every relay and route is up.
-            consumer_done = anyio.Event()
-
-            async def consumer() -> None:
-                await consume(hub, latencies, args.events + len(nodes), args.limit)
-                consumer_done.set()
-
-            tg.start_soon(consumer)
+            tg.start_soon(consume, hub, sent, latencies, args.events + len(nodes), args.limit)
             await anyio.sleep(1.0)
-            now = time.time()
+            # Warm-up: one fault per node, so every relay and route is up.
             for node in nodes:
-                await node.inject([fault_event(node.node, 10**6, now=now)])
+                await inject(node, per_node)
             for _ in range(300):
                 if len(latencies) >= len(nodes):
                     break
@@ -207,12 +230,13 @@ async def run(args: argparse.Namespace) -> int:
 
             c1, w1 = hub_cpu(hub), time.monotonic()
             interval = len(nodes) / args.rate
-            for i in range(args.events // len(nodes)):
-                now = time.time()
-                for node in nodes:
-                    await node.inject([fault_event(node.node, i, now=now)])
-                await anyio.sleep(interval)
-            want = (args.events // len(nodes)) * len(nodes)
+            for k in range(per_node):
+                start = time.monotonic()
+                async with anyio.create_task_group() as wave:
+                    for node in nodes:
+                        wave.start_soon(inject, node, k)
+                await anyio.sleep(max(0.0, interval - (time.monotonic() - start)))
+            want = per_node * len(nodes)
             for _ in range(int(args.limit / 0.05)):  # bounded: at most --limit seconds
                 if len(latencies) >= want:
                     break
@@ -237,6 +261,10 @@ async def run(args: argparse.Namespace) -> int:
         ],
         ["RSS of a bare leaf nats-server (node side)", f"{leaf_rss:.1f} MiB"],
         ["RSS of a full node nats-server (JetStream, auth)", f"{active_rss:.1f} MiB"],
+        [
+            "node services (collector + health, mock NVML) per node, in one process",
+            f"{services_rss:.1f} MiB",
+        ],
         ["events delivered / injected", f"{got} / {want} at {args.rate:g}/s"],
         ["fault-to-hub-consumer latency p50", f"{percentile(latencies, 50) * 1000:.1f} ms"],
         ["fault-to-hub-consumer latency p99", f"{percentile(latencies, 99) * 1000:.1f} ms"],
@@ -261,6 +289,9 @@ def main() -> None:
     parser.add_argument(
         "--start-limit", type=float, default=300.0, help="most seconds to start idle leaves"
     )
+    # The node services log each event they raise (WARNING for a fatal XID) and each
+    # slow drain at shutdown: not what this table is about.
+    logging.getLogger("gpulet").setLevel(logging.ERROR)
     sys.exit(anyio.run(run, parser.parse_args()))
 
 

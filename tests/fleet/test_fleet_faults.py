@@ -4,26 +4,35 @@ Setup (all real processes on 127.0.0.1):
 
 * a hub of 3 nats-servers in one JetStream cluster (deploy/nats/fleet/hub.conf),
   with the R3 stream GPU_FLEET and the fleet bucket;
-* ``NODES`` leaf nats-servers (deploy/nats/fleet-leaf.conf with node.conf and
-  auth.conf), each logged in to the hub with its own credential;
-* on each node, the real health-event path: the health service's HealthPublisher
-  (JetStream publish into the node's GPU_HEALTH) and the fleet relay (GPU_HEALTH ->
-  hub, acked), as the node's ``health`` user. The faults are the events the rule
-  engine emits for an XID 79; the NVML and rule engine are left out so that 20 nodes
-  fit on a 2-core machine next to the servers (see docs/fleet.md);
+* ``NODES`` leaf nats-servers (deploy/nats/fleet-leaf.conf with node.conf and the mock
+  overlay's auth.conf), each logged in to the hub with its own credential;
+* on each node, the node services on the mock NVML (support.fleet.NodeServices): the
+  collector and the health service (with the fleet relay and status publisher), each
+  started by ``gpulet run``'s run_agent with its own connection to the node's leaf
+  server as its own user and its own mock NVML, all in this test's process (20 nodes
+  as 40 processes do not start on 2 busy cores within the test's time: docs/fleet.md);
 * 2 ``gpulet alerts --hub`` processes sharing the durable consumer, posting each event
   to a webhook: the alert sink, which accepts an event id once and counts repeats.
+
+A fault is an XID sent to the node's mock NVML through its control plane
+(``gpulet mock inject``), which the health service sees as an NVML event, classifies
+and publishes into the node's stream, from which the relay hands it to the hub. The
+health service folds a repeat of the same XID on the same GPU into one event (its
+de-duplication window), so each fault of a node is a different (GPU, XID) pair: 8 GPUs
+times the 16 XIDs of the catalogue, 100 faults per node, 100 distinct events.
 
 The storm: ``FAULTS`` faults in four waves. After the first, the hub server leading
 GPU_FLEET is SIGKILLed; after the second it is restarted; after the third, one alerts
 replica is SIGKILLed; after the fourth it is restarted. Then: the sink accepted every
-fault exactly once, and the stream holds every fault once.
+fault exactly once (one event per fault, none twice), and the stream holds every fault
+once.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import resource
 import subprocess
 import sys
 import threading
@@ -36,11 +45,19 @@ from pathlib import Path
 import anyio
 import pytest
 
-from gpulet_common import codec, subjects
+from gpulet_common import subjects
 from gpulet_common.bus import Bus
 from gpulet_common.settings.fleet import FleetSettings
 from support.deploy import set_passwords
-from support.fleet import Hub, fault_event, running_hub, running_leaves, running_node
+from support.fleet import (
+    MOCK_GPUS,
+    Hub,
+    NodeServices,
+    fault_plan,
+    running_fleet_nodes,
+    running_hub,
+    running_leaves,
+)
 from support.waiting import wait_until
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
@@ -62,19 +79,25 @@ class Sink:
     """The alert sink: a webhook receiver that keys on event_id."""
 
     def __init__(self) -> None:
-        self.accepted: set[str] = set()
+        # event_id -> the event as posted.
+        self.accepted: dict[str, dict[str, object]] = {}
         self.received = 0
         self.repeats = 0
         self._lock = threading.Lock()
 
     def take(self, body: bytes) -> None:
-        event_id = json.loads(body)["event_id"]
+        event = json.loads(body)
+        event_id = event["event_id"]
         with self._lock:
             self.received += 1
             if event_id in self.accepted:
                 self.repeats += 1
             else:
-                self.accepted.add(event_id)
+                self.accepted[event_id] = event
+
+    def faults(self) -> int:
+        with self._lock:
+            return sum(1 for e in self.accepted.values() if e.get("kind") == "xid")
 
 
 @contextmanager
@@ -180,117 +203,160 @@ async def _wait_async(predicate: object, *, timeout_s: float, what: str) -> None
     raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
+FaultKey = tuple[str, str, int]  # node, GPU uuid, XID
+
+
+def fault_counts(events: list[dict[str, object]]) -> dict[FaultKey, int]:
+    counts: dict[FaultKey, int] = {}
+    for e in events:
+        if e.get("kind") == "xid":
+            key = (str(e["node"]), str(e["gpu_uuid"]), int(str(e["xid"])))
+            counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+async def _stored(admin: Bus) -> int:
+    """Messages in GPU_FLEET, or -1 while the cluster cannot say (leader election)."""
+    try:
+        info = await admin.jetstream.stream_info(subjects.FLEET_STREAM)
+    except Exception:
+        return -1
+    return info.state.messages
+
+
 async def test_every_fault_reaches_the_sink_once_through_hub_and_replica_crashes(
     hub: Hub, tmp_path: Path
 ) -> None:
-    nodes = [f"gpu-node-{i:02d}.example" for i in range(NODES)]
+    names = [f"gpu-node-{i:02d}.example" for i in range(NODES)]
     per_node = FAULTS // NODES
     total = per_node * NODES
+    plan = fault_plan(per_node)
     sink = Sink()
-    now = time.time()
     started = time.monotonic()
     timeline: list[str] = []
+    stored_count = 0
 
     def mark(what: str) -> None:
         timeline.append(f"{time.monotonic() - started:6.1f}s {what}")
+
+    async def wait_stored(count: int, *, timeout_s: float, what: str) -> None:
+        nonlocal stored_count
+        for _ in range(int(timeout_s / 0.25)):
+            stored_count = max(stored_count, await _stored(admin))
+            if stored_count >= count:
+                return
+            await anyio.sleep(0.25)
+        raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
     with webhook(sink) as url:
         replicas = [AlertsReplica(f"alerts-{i}", hub, url, tmp_path) for i in range(2)]
         try:
             for replica in replicas:
                 replica.start()
-            async with Bus.connect(hub.nats_settings("admin"), max_initial_attempts=5) as admin:
+            async with (
+                Bus.connect(hub.nats_settings("admin"), max_initial_attempts=5) as admin,
+                running_leaves(tmp_path, hub, names, mock=True) as leaves,
+                running_fleet_nodes(tmp_path, [leaves[n] for n in names], FLEET) as nodes,
+            ):
+                rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
+                mark(f"{NODES} leaf nodes, their collector and health services up ({rss} MiB here)")
+                uuids = {
+                    node.node: [(await node.health_mock()).slot_uuid(g) for g in range(MOCK_GPUS)]
+                    for node in nodes
+                }
+                expected = {(n, uuids[n][gpu], code) for n in names for gpu, code in plan}
                 await _wait_async(
                     lambda: _consumer_waiting(admin, 2), timeout_s=60, what="2 alerts replicas"
                 )
-                mark("2 alerts replicas pulling")
-                async with running_leaves(tmp_path, hub, nodes) as leaves:
-                    mark(f"{NODES} leaf nodes up")
+                # What the nodes published before the storm (none expected; counted).
+                baseline = max(await _stored(admin), 0)
+                mark(f"2 alerts replicas pulling; {baseline} events on the hub before")
+
+                async def inject_node(node: NodeServices, lo: int, hi: int) -> None:
+                    for gpu, code in plan[lo:hi]:
+                        await node.inject_xid(gpu, code)
+
+                async def wave(k: int) -> None:
+                    lo, hi = k * per_node // WAVES, (k + 1) * per_node // WAVES
                     async with anyio.create_task_group() as tg:
-                        fleet_nodes = [
-                            await tg.start(_node_task, tmp_path, leaves[node]) for node in nodes
-                        ]
+                        for node in nodes:
+                            tg.start_soon(inject_node, node, lo, hi)
+                    mark(f"wave {k + 1}: faults {lo}..{hi - 1} of every node injected")
 
-                        async def wave(k: int) -> None:
-                            lo, hi = k * per_node // WAVES, (k + 1) * per_node // WAVES
-                            for fn in fleet_nodes:
-                                await fn.inject(
-                                    [fault_event(fn.node, i, now=now) for i in range(lo, hi)]
-                                )
-                            mark(f"wave {k + 1}: faults {lo}..{hi - 1} of every node injected")
-
-                        await wave(0)
-                        # Kill while events flow: some relayed, most still on the way.
-                        await wait_until(
-                            lambda: sum(fn.relay.relayed for fn in fleet_nodes) >= total // 16,
-                            timeout_s=60,
-                            interval_s=0.05,
-                            what="the first relayed faults",
-                        )
-                        info = await admin.jetstream.stream_info(subjects.FLEET_STREAM)
-                        leader = info.cluster.leader if info.cluster else None
-                        victim = next(s for s in hub.servers if s.name == leader)
-                        await victim.kill()
-                        mark(f"SIGKILL {victim.name} (GPU_FLEET leader)")
-                        await wave(1)
-                        await victim.start()
-                        mark(f"restarted {victim.name}")
-                        await wave(2)
-                        # Kill a replica that is busy delivering.
-                        await wait_until(
-                            lambda: len(sink.accepted) >= total // 3,
-                            timeout_s=120,
-                            interval_s=0.05,
-                            what="a third of the faults at the sink",
-                        )
-                        replicas[0].kill()
-                        mark("SIGKILL alerts-0")
-                        await wave(3)
-                        replicas[0].start()
-                        mark("restarted alerts-0")
-
-                        await wait_until(
-                            lambda: sum(fn.relay.relayed for fn in fleet_nodes) >= total,
-                            timeout_s=180,
-                            interval_s=0.25,
-                            what="every fault relayed to the hub",
-                        )
-                        mark("every fault stored on the hub")
-                        await wait_until(
-                            lambda: len(sink.accepted) >= total,
-                            timeout_s=120,
-                            interval_s=0.25,
-                            what=f"the sink to accept {total} faults",
-                        )
-                        mark("every fault at the sink")
-                        tg.cancel_scope.cancel()
+                await wave(0)
+                # Kill while events flow: some relayed, most still on the way.
+                await wait_stored(
+                    baseline + total // 16, timeout_s=60, what="the first relayed faults"
+                )
                 info = await admin.jetstream.stream_info(subjects.FLEET_STREAM)
-                stored = []
+                leader = info.cluster.leader if info.cluster else None
+                victim = next(s for s in hub.servers if s.name == leader)
+                await victim.kill()
+                mark(f"SIGKILL {victim.name} (GPU_FLEET leader)")
+                await wave(1)
+                # The two survivors elect a leader and store on: R3 keeps its quorum.
+                await wait_stored(
+                    baseline + total * 3 // 8,
+                    timeout_s=120,
+                    what="faults stored while a hub server is down",
+                )
+                mark("faults stored with a hub server down")
+                await victim.start()
+                mark(f"restarted {victim.name}")
+                await wave(2)
+                # Kill a replica that is busy delivering.
+                await wait_until(
+                    lambda: sink.faults() >= total // 3,
+                    timeout_s=120,
+                    interval_s=0.05,
+                    what="a third of the faults at the sink",
+                )
+                replicas[0].kill()
+                mark("SIGKILL alerts-0")
+                await wave(3)
+                replicas[0].start()
+                mark("restarted alerts-0")
+
+                await wait_stored(
+                    baseline + total, timeout_s=180, what="every fault stored on the hub"
+                )
+                mark("every fault stored on the hub")
+                await wait_until(
+                    lambda: sink.faults() >= total,
+                    timeout_s=120,
+                    interval_s=0.25,
+                    what=f"the sink to accept {total} faults",
+                )
+                mark("every fault at the sink")
+                info = await admin.jetstream.stream_info(subjects.FLEET_STREAM)
+                stored: list[dict[str, object]] = []
                 for seq in range(info.state.first_seq, info.state.last_seq + 1):
                     msg = await admin.jetstream.get_msg(subjects.FLEET_STREAM, seq, direct=False)
-                    stored.append(codec.HEALTH_EVENT.decode(msg.data or b"").event_id)
+                    stored.append(json.loads(msg.data or b""))
+                await wait_until(
+                    lambda: len(sink.accepted) >= len(stored),
+                    timeout_s=60,
+                    interval_s=0.25,
+                    what="the sink to accept every stored event",
+                )
+            mark("nodes and leaves stopped")
         finally:
             for replica in replicas:
                 replica.stop()
-    expected = {f"{subjects.token(n)}-{i:06d}" for n in nodes for i in range(per_node)}
+    at_sink = fault_counts(list(sink.accepted.values()))
+    in_stream = fault_counts(stored)
+    stored_ids = [str(e["event_id"]) for e in stored]
+    others = sorted({str(e.get("kind")) for e in stored if e.get("kind") != "xid"})
     report = (
-        f"{NODES} nodes, {total} faults; sink received {sink.received} "
-        f"(repeats absorbed by event_id: {sink.repeats}); stream {len(stored)}; "
-        f"relay retries/duplicates at hub: "
-        f"{sum(fn.relay.duplicates for fn in fleet_nodes)}\n" + "\n".join(timeline)
+        f"{NODES} nodes, {total} faults injected through the mock NVML; sink received "
+        f"{sink.received} (repeats absorbed by event_id: {sink.repeats}), accepted "
+        f"{len(sink.accepted)} events, {sum(at_sink.values())} of them faults; stream "
+        f"{len(stored)} events, {sum(in_stream.values())} of them faults; other kinds: "
+        f"{others}\n" + "\n".join(timeline)
     )
     print(report)
-    assert sink.accepted == expected, report
-    assert len(stored) == total, report
-    assert set(stored) == expected, report
-
-
-async def _node_task(
-    tmp_path: Path,
-    leaf: object,
-    *,
-    task_status: anyio.abc.TaskStatus[object] = anyio.TASK_STATUS_IGNORED,
-) -> None:
-    async with running_node(tmp_path, leaf, FLEET) as node:  # type: ignore[arg-type]
-        task_status.started(node)
-        await anyio.sleep_forever()
+    # Every fault is one event, at the sink once and in the stream once.
+    assert at_sink == dict.fromkeys(expected, 1), report
+    assert in_stream == dict.fromkeys(expected, 1), report
+    assert len(stored_ids) == len(set(stored_ids)), report
+    assert set(sink.accepted) == set(stored_ids), report

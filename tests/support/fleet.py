@@ -15,26 +15,33 @@ import shutil
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import anyio
+import anyio.abc
 import msgspec
 import nats.errors
 import nats.js.errors
 from anyio.streams.memory import MemoryObjectSendStream
 
-from gpulet_common import subjects
+from gpulet_common import codec, subjects
 from gpulet_common.bus import Bus
 from gpulet_common.embedded_nats import EmbeddedNats, free_port
 from gpulet_common.fleet import hub as fleet_hub
 from gpulet_common.fleet.identity import IdentityStore, Role
-from gpulet_common.messages import HealthEvent
+from gpulet_common.messages import HealthEvent, MockInjectRequest
+from gpulet_common.mock_nvml import MockNvml
+from gpulet_common.runtime import Runtime
+from gpulet_common.settings import Settings
 from gpulet_common.settings.fleet import FleetSettings
 from gpulet_common.settings.health import StreamSettings
 from gpulet_common.settings.nats import NatsSettings
 from gpulet_health.buffer import DiskBuffer
 from gpulet_health.fleet_relay import FleetRelay, run_relay
 from gpulet_health.publisher import HealthPublisher
+from support.agent import agent_settings
 from support.deploy import NATS_DIR, inbox_prefix, password_for
 
 HUB_CONF = NATS_DIR / "fleet" / "hub.conf"
@@ -211,11 +218,18 @@ class Leaf:
 
 
 def leaf_config(
-    directory: Path, hub: Hub, creds: Path, *, leaf_urls: list[str] | None = None
+    directory: Path,
+    hub: Hub,
+    creds: Path,
+    *,
+    leaf_urls: list[str] | None = None,
+    mock: bool = False,
 ) -> Path:
+    """The node's fleet-leaf.conf; ``mock`` takes mock/auth.conf (the mock overlay's:
+    the services answer ``gpulet mock inject``) instead of auth.conf."""
     directory.mkdir(parents=True, exist_ok=True)
-    for name in ("node.conf", "auth.conf"):
-        shutil.copy(NATS_DIR / name, directory / name)
+    shutil.copy(NATS_DIR / "node.conf", directory / "node.conf")
+    shutil.copy(NATS_DIR / ("mock" if mock else ".") / "auth.conf", directory / "auth.conf")
     text = LEAF_CONF.read_text()
     urls = leaf_urls or [f"nats-leaf://127.0.0.1:{s.leaf_port}" for s in hub.servers]
     url_list = ", ".join(f'"{u}"' for u in urls)
@@ -231,14 +245,14 @@ def leaf_config(
 
 @asynccontextmanager
 async def running_leaves(
-    tmp_path: Path, hub: Hub, nodes: list[str]
+    tmp_path: Path, hub: Hub, nodes: list[str], *, mock: bool = False
 ) -> AsyncIterator[dict[str, Leaf]]:
     """One leaf nats-server per node, each with its own credential."""
     async with AsyncExitStack() as stack:
         leaves: dict[str, Leaf] = {}
         for node in nodes:
             creds = hub.creds("node", node)
-            conf = leaf_config(tmp_path / f"leaf-{node}" / "conf", hub, creds)
+            conf = leaf_config(tmp_path / f"leaf-{node}" / "conf", hub, creds, mock=mock)
             server = await stack.enter_async_context(
                 EmbeddedNats.running(
                     state_dir=tmp_path / f"leaf-{node}" / "state", config_file=conf
@@ -339,3 +353,149 @@ async def running_node(
                 tg.cancel_scope.cancel()
     finally:
         buffer.close()
+
+
+# --- a node's real services: collector and health on the mock NVML ------------------
+
+# The light settings of the fault test and the bench: many nodes share a few cores.
+# Every fault travels the NVML event path, which these do not slow down.
+LIGHT_NODE_SETTINGS = (
+    "collector.sample_period_s=5",
+    "health.tick_s=1",
+    "health.device_poll_s=5",
+    "health.event_wait_timeout_ms=500",
+    "health.kmsg.enabled=false",
+    "collector.pod_labels=false",
+)
+
+
+MOCK_GPUS = 8  # GPUs of the dgx-h100 mock scenario, which the nodes play
+
+
+def fault_plan(count: int) -> list[tuple[int, int]]:
+    """``count`` faults for one node, as (GPU, XID): distinct pairs over the XIDs of the
+    catalogue. The health service folds a repeat of the same XID on the same GPU into
+    one event (``health.dedup_window_s``), so distinct pairs are distinct events."""
+    from gpulet_health.catalogue import BUILTIN_XIDS
+
+    codes = sorted(BUILTIN_XIDS)
+    most = MOCK_GPUS * len(codes)
+    if count > most:
+        raise ValueError(f"at most {most} distinct faults a node ({count} asked)")
+    return [(i % MOCK_GPUS, codes[i // MOCK_GPUS]) for i in range(count)]
+
+
+@dataclass
+class NodeServices:
+    """One node's gpulet services, as the DaemonSet runs them: the collector and the
+    health service (with the fleet relay and status publisher), each started by
+    ``gpulet run``'s :func:`~gpulet.agent.run_agent` with its own NATS connection to
+    the node's leaf server as its own user, and its own mock NVML playing the same
+    scenario, as each container has. Faults go in through the mock's control plane
+    (``gpulet mock inject``: ``gpulet.mock.inject.<node>``, answered by both mocks),
+    sent by the node's ``operator`` user."""
+
+    node: str
+    leaf: Leaf
+    runtimes: dict[str, Runtime]
+    operator: Bus
+
+    async def inject_xid(self, gpu: int, code: int, *, timeout_s: float = 10.0) -> None:
+        reply = await self.operator.request(
+            subjects.mock_inject(self.node),
+            MockInjectRequest(gpu=gpu, fault="xid", value=float(code)),
+            codec.MOCK_INJECT_REQUEST,
+            codec.MOCK_INJECT_REPLY,
+            timeout_s=timeout_s,
+        )
+        assert reply.applied, reply.detail
+
+    async def health_mock(self) -> MockNvml:
+        handle = await self.runtimes["health"].nvml.get()
+        mock = getattr(handle.adapter, "module", None)
+        assert isinstance(mock, MockNvml), mock
+        return mock
+
+
+def node_service_settings(
+    leaf: Leaf, state_dir: Path, user: str, fleet: FleetSettings, overrides: list[str]
+) -> Settings:
+    settings = agent_settings(
+        leaf.url,
+        state_dir,
+        node=leaf.node,
+        overrides=[
+            f"nats.user={user}",
+            f"nats.password={password_for(user)}",
+            f"nats.inbox_prefix={inbox_prefix(user)}",
+            "nats.connect_timeout_s=2",
+            *LIGHT_NODE_SETTINGS,
+            *overrides,
+        ],
+    )
+    # The fleet settings as components/nats-fleet sets them: relay and status on.
+    settings.fleet = msgspec.structs.replace(fleet, relay_enabled=True, status_enabled=True)
+    return settings
+
+
+@asynccontextmanager
+async def running_node_services(
+    tmp_path: Path,
+    leaf: Leaf,
+    fleet: FleetSettings,
+    *,
+    scenario: str = "dgx-h100",
+    overrides: list[str] | None = None,
+) -> AsyncIterator[NodeServices]:
+    """The node's collector and health service running on ``leaf`` (a mock leaf: see
+    :func:`running_leaves`), each in its own task group like a container."""
+    from gpulet.agent import run_agent
+
+    state_dir = tmp_path / f"node-{leaf.node}" / "state"
+    state_dir.mkdir(parents=True, exist_ok=True)
+    operator = NatsSettings(
+        url=leaf.url,
+        user="operator",
+        password=password_for("operator"),
+        inbox_prefix=inbox_prefix("operator"),
+        connect_timeout_s=2,
+        reconnect_wait_s=0.1,
+        reconnect_max_wait_s=0.5,
+    )
+    async with (
+        Bus.connect(operator, name=f"operator-{leaf.node}", max_initial_attempts=10) as op,
+        anyio.create_task_group() as tg,
+    ):
+        runtimes: dict[str, Runtime] = {}
+        for user in ("collector", "health"):
+            settings = node_service_settings(
+                leaf,
+                state_dir,
+                user,
+                fleet,
+                [f"nvml.scenario={scenario}", *(overrides or [])],
+            )
+            runtimes[user] = await tg.start(
+                partial(run_agent, settings, [user], embedded_nats=False, handle_signals=False)
+            )
+            # The mock control subscription is on the server before any injection.
+            await runtimes[user].bus.flush()
+        yield NodeServices(leaf.node, leaf, runtimes, op)
+        tg.cancel_scope.cancel()
+
+
+@asynccontextmanager
+async def running_fleet_nodes(
+    tmp_path: Path, leaves: list[Leaf], fleet: FleetSettings, **kwargs: Any
+) -> AsyncIterator[list[NodeServices]]:
+    """:func:`running_node_services` for each leaf; started one after another, stopped
+    all at once (each stop drains its connections, which takes a moment)."""
+
+    async def hold(leaf: Leaf, *, task_status: anyio.abc.TaskStatus[NodeServices]) -> None:
+        async with running_node_services(tmp_path, leaf, fleet, **kwargs) as node:
+            task_status.started(node)
+            await anyio.sleep_forever()
+
+    async with anyio.create_task_group() as tg:
+        yield [await tg.start(hold, leaf) for leaf in leaves]
+        tg.cancel_scope.cancel()

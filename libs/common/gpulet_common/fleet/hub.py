@@ -2,12 +2,16 @@
 
 Design
 ------
-* :func:`ensure_fleet_stream`: ``GPU_FLEET`` on the hub's JetStream, ``gpu.health.*``
-  of every leaf node, replicated (``fleet.replicas``, R3 on a 3-server cluster), with
-  the limits of :class:`~gpulet_common.settings.fleet.FleetSettings`. Nodes publish
-  each event with ``Nats-Msg-Id = event_id`` (the health service does already), so the
-  server drops a repeat within ``duplicate_window_s``: a re-publish after a lost ack,
-  a replay of a node's disk buffer, the same event through two leaf connections.
+* :func:`ensure_fleet_stream`: ``GPU_FLEET`` on the hub's JetStream, ``gpu.events.*``
+  of every leaf node (each node's fleet relay, gpulet_health.fleet_relay, hands over
+  its node's ``GPU_HEALTH`` events there and acks them locally only once this stream
+  acked them; not the live ``gpu.health.*``, which a leaf carries at most once: an
+  event published while the leaf link is down would never arrive), replicated
+  (``fleet.replicas``, R3 on a 3-server cluster), with the limits of
+  :class:`~gpulet_common.settings.fleet.FleetSettings`. Each event comes with
+  ``Nats-Msg-Id = event_id``, so the server drops a repeat within
+  ``duplicate_window_s``: a re-send after a lost ack, a relay that restarted before
+  acking its node's copy.
 * :func:`ensure_fleet_bucket`: ``gpulet_fleet``, one key per node (its
   :class:`~gpulet_common.messages.NodeStatus`), written through the account's subject
   mapping ``gpu.fleet.* -> $KV.gpulet_fleet.*`` (identity.fleet_mappings).
