@@ -37,7 +37,7 @@ import anyio.abc
 from kubernetes_asyncio import client as k8s_client
 
 from gpulet_common import codec, subjects
-from gpulet_common.bus import BusError, RemoteError
+from gpulet_common.bus import BusError, Refused
 from gpulet_common.lifecycle import idle_disabled
 from gpulet_common.logutil import RateLimitedLog
 from gpulet_common.messages import HealthStateRequest, Inventory
@@ -162,7 +162,7 @@ class ReporterService:
                     codec.HEALTH_STATE,
                     timeout_s=min(interval, 2.0),
                 )
-            except RemoteError:
+            except Refused:
                 self.node_health.answered()
             except BusError as exc:
                 log.debug("health service state request unanswered: %s", exc)
