@@ -30,11 +30,9 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from gpulet_common.messages import ActiveCondition, GpuHealth
+from gpulet_common.messages import SEVERITY_RANK, UNHEALTHY_SEVERITIES, ActiveCondition, GpuHealth
 from gpulet_reporter.desired import GpuCondition, condition_reason
 
-_UNHEALTHY_SEVERITIES = frozenset({"critical", "fatal"})
-_SEVERITY_RANK = {"info": 0, "warning": 1, "critical": 2, "fatal": 3}
 _XID_CONDITION = re.compile(r"^xid:(\d+)$")
 
 
@@ -94,7 +92,7 @@ class HealthView:
 
 
 def _unhealthy(conditions: list[ActiveCondition]) -> list[ActiveCondition]:
-    return [c for c in conditions if c.severity in _UNHEALTHY_SEVERITIES]
+    return [c for c in conditions if c.severity in UNHEALTHY_SEVERITIES]
 
 
 def _condition(gpu: _GpuView, health: GpuHealth) -> GpuCondition:
@@ -106,7 +104,7 @@ def _condition(gpu: _GpuView, health: GpuHealth) -> GpuCondition:
         return GpuCondition(healthy=True, reason="Healthy", since=gpu.since, from_event=False)
     candidates = _unhealthy(health.conditions)
     if candidates:
-        worst = min(candidates, key=lambda c: (-_SEVERITY_RANK[c.severity], c.since, c.condition))
+        worst = min(candidates, key=lambda c: (-SEVERITY_RANK[c.severity], c.since, c.condition))
         reason = reason_for(
             xid=None, condition=worst.condition, kind=worst.kind, text=worst.reason, healthy=False
         )

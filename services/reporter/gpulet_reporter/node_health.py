@@ -77,7 +77,7 @@ from kubernetes_asyncio import client as k8s_client
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from gpulet_common.logutil import RateLimitedLog
-from gpulet_common.messages import GpuHealth, Inventory
+from gpulet_common.messages import UNHEALTHY_SEVERITIES, GpuHealth, Inventory
 from gpulet_common.settings.reporter import ReporterSettings
 from gpulet_reporter.debounce import Debouncer
 from gpulet_reporter.desired import JsonObj, rfc3339
@@ -98,7 +98,6 @@ REASON_UNKNOWN: Final = "GPUStateUnknown"
 STRATEGIC_PATCH: Final = "application/strategic-merge-patch+json"
 # The message lists this many GPUs, then "and N more".
 MESSAGE_GPUS_MAX: Final = 16
-_UNHEALTHY_SEVERITIES: Final = frozenset({"critical", "fatal"})
 
 Status = Literal["True", "False", "Unknown"]
 TaintPolicy = Literal["none", "all-gpus-unhealthy", "any-gpu-unhealthy"]
@@ -119,7 +118,7 @@ class NodeHealthIntent(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def _kinds(health: GpuHealth) -> str:
-    kinds = sorted({c.kind for c in health.conditions if c.severity in _UNHEALTHY_SEVERITIES})
+    kinds = sorted({c.kind for c in health.conditions if c.severity in UNHEALTHY_SEVERITIES})
     if kinds:
         return ", ".join(kinds)
     return "not present" if not health.present else "unhealthy"
