@@ -6,7 +6,7 @@ Method
 One process runs a real nats-server (child process), the collector and the health
 service against the mock NVML (``tests/health/scenarios/health-node.toml``, 5 GPUs),
 and a plain subscriber on its own NATS connection. For each fault the wall clock is
-read just before the fault is injected into the mock (``MockController.inject``) and
+read just before the fault is injected into the mock (``MockNvml.inject``) and
 again when the subscriber's callback decodes the matching event; the difference is the
 latency. Faults are injected one at a time (no queueing effects), ``--faults`` of each
 kind (default 200):

@@ -80,7 +80,7 @@ async def test_inventory_on_request_and_after_hot_add(
             assert len(answer.gpus) == 8
             with anyio.fail_after(2):
                 assert (await anext(aiter(inventories))).value.generation == answer.generation
-            reply = mock.controller.inject(MockInjectRequest(fault="hot_add"))
+            reply = mock.inject(MockInjectRequest(fault="hot_add"))
             assert reply.applied, reply.detail
             with anyio.fail_after(5):
                 grown = (await anext(aiter(inventories))).value
@@ -101,9 +101,7 @@ async def test_a_hung_gpu_does_not_delay_the_others(
     async with runtime_for(settings, adapter=adapter) as rt, anyio.create_task_group() as tg:
         async with rt.bus.subscribe(subjects.samples(settings.node_name), codec.SAMPLES) as batches:
             await tg.start(CollectorService(rt).run)
-            assert mock.controller.inject(
-                MockInjectRequest(gpu=3, fault="hang", duration_s=2.0)
-            ).applied
+            assert mock.inject(MockInjectRequest(gpu=3, fault="hang", duration_s=2.0)).applied
             seen = []
             started = time.monotonic()
             with anyio.fail_after(5):
@@ -133,7 +131,7 @@ async def test_lost_gpu_is_reported_in_samples(nats_server: EmbeddedNats, tmp_pa
     ):
         async with rt.bus.subscribe(subjects.samples(settings.node_name), codec.SAMPLES) as batches:
             await tg.start(CollectorService(rt).run)
-            assert mock.controller.inject(MockInjectRequest(gpu=5, fault="lost")).applied
+            assert mock.inject(MockInjectRequest(gpu=5, fault="lost")).applied
             with anyio.fail_after(5):
                 async for delivery in batches:
                     if delivery.value.samples[5].error == "lost":
@@ -177,7 +175,7 @@ async def test_recovers_when_nvml_vanishes_and_returns(
     async with runtime_for(settings, adapter=adapter) as rt, anyio.create_task_group() as tg:
         async with rt.bus.subscribe(subjects.samples(settings.node_name), codec.SAMPLES) as batches:
             await tg.start(CollectorService(rt).run)
-            assert mock.controller.inject(MockInjectRequest(fault="nvml_vanish")).applied
+            assert mock.inject(MockInjectRequest(fault="nvml_vanish")).applied
             with anyio.fail_after(5):
                 async for delivery in batches:
                     if all(
@@ -188,7 +186,7 @@ async def test_recovers_when_nvml_vanishes_and_returns(
             status = rt.status.get("collector")
             assert status is not None
             assert status.state == "degraded"
-            assert mock.controller.inject(MockInjectRequest(fault="nvml_return")).applied
+            assert mock.inject(MockInjectRequest(fault="nvml_return")).applied
             with anyio.fail_after(10):
                 async for delivery in batches:
                     if all(s.error is None for s in delivery.value.samples):
@@ -229,9 +227,7 @@ async def test_an_nvlink_going_down_and_up_republishes_the_inventory(
             publishes = collector.inventory_publishes
             # Two of the four links between GPU 0 and GPU 1 go down (both ends).
             for link in (0, 1):
-                reply = mock.controller.inject(
-                    MockInjectRequest(fault="nvlink_down", gpu=0, value=link)
-                )
+                reply = mock.inject(MockInjectRequest(fault="nvlink_down", gpu=0, value=link))
                 assert reply.applied, reply.detail
             with anyio.fail_after(5):
                 async for delivery in inventories:
@@ -241,7 +237,7 @@ async def test_an_nvlink_going_down_and_up_republishes_the_inventory(
             gpu0 = down.gpus[0].uuid
             assert probe.value("gpulet.gpu.nvlinks.down", UUID=gpu0) == 2
             assert probe.value("gpulet.gpu.nvlinks.up", UUID=gpu0) == 4  # of 6
-            reply = mock.controller.inject(MockInjectRequest(fault="nvlink_up", gpu=0))
+            reply = mock.inject(MockInjectRequest(fault="nvlink_up", gpu=0))
             assert reply.applied, reply.detail
             with anyio.fail_after(5):
                 async for delivery in inventories:

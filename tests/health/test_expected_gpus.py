@@ -56,7 +56,7 @@ LOST = 2
 
 def lose(slot: int) -> Callable[[MockNvml], None]:
     def prepare(mock: MockNvml) -> None:
-        reply = mock.controller.inject(MockInjectRequest(gpu=slot, fault="lost"))
+        reply = mock.inject(MockInjectRequest(gpu=slot, fault="lost"))
         assert reply.applied, reply.detail
 
     return prepare
@@ -251,7 +251,7 @@ async def test_a_lost_gpu_does_not_make_the_collector_republish_the_inventory(
 
     monkeypatch.setattr(adapter, "inventory_report", counted)
     # Lost before the collector starts: NVML still counts it, it cannot be listed.
-    assert mock.controller.inject(MockInjectRequest(gpu=5, fault="lost")).applied
+    assert mock.inject(MockInjectRequest(gpu=5, fault="lost")).applied
     try:
         async with (
             runtime_for(settings, adapter=adapter) as rt,
@@ -282,7 +282,7 @@ async def test_a_lost_gpu_does_not_make_the_collector_republish_the_inventory(
             assert collector.inventory_publishes == 1
             assert received == [7]
             # It answers again: published once more, with it.
-            assert mock.controller.inject(MockInjectRequest(gpu=5, fault="reset")).applied
+            assert mock.inject(MockInjectRequest(gpu=5, fault="reset")).applied
             await wait_until(lambda: received == [7, 8], within=10)
             seen = batches
             await wait_until(lambda: batches >= seen + 20, within=20)

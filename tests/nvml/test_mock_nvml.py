@@ -58,11 +58,11 @@ def test_mock_raises_the_real_pynvml_error_classes() -> None:
     event_set = mock.nvmlEventSetCreate()
     with pytest.raises(pynvml.NVMLError_Timeout):
         mock.nvmlEventSetWait_v2(event_set, 0)
-    mock.controller.inject(MockInjectRequest(fault="lost", gpu=0))
+    mock.inject(MockInjectRequest(fault="lost", gpu=0))
     with pytest.raises(pynvml.NVMLError_GpuIsLost) as lost:
         mock.nvmlDeviceGetTemperature(handle, pynvml.NVML_TEMPERATURE_GPU)
     assert lost.value.value == 15
-    mock.controller.inject(MockInjectRequest(fault="nvml_vanish", value=9))
+    mock.inject(MockInjectRequest(fault="nvml_vanish", value=9))
     with pytest.raises(pynvml.NVMLError_DriverNotLoaded):
         mock.nvmlInit()
 
@@ -114,7 +114,7 @@ def test_mock_return_shapes_match_pynvml() -> None:
 
     event_set = mock.nvmlEventSetCreate()
     mock.nvmlDeviceRegisterEvents(handle, EVENT_XID, event_set)
-    mock.controller.inject(MockInjectRequest(fault="xid", gpu=4, value=31))
+    mock.inject(MockInjectRequest(fault="xid", gpu=4, value=31))
     data = mock.nvmlEventSetWait_v2(event_set, 0)
     assert (data.device, data.eventType, data.eventData) == (handle, EVENT_XID, 31)
     assert data.gpuInstanceId == data.computeInstanceId == 0xFFFFFFFF
@@ -305,7 +305,7 @@ def test_faults_demo_timeline(open_mock: MockFactory, clock: ManualClock) -> Non
 
 
 def inject(mock: MockNvml, fault: str, gpu: int | None = None, **kw: Any) -> tuple[bool, str]:
-    reply = mock.controller.inject(MockInjectRequest(fault=fault, gpu=gpu, **kw))
+    reply = mock.inject(MockInjectRequest(fault=fault, gpu=gpu, **kw))
     return reply.applied, reply.detail
 
 
@@ -429,7 +429,7 @@ def test_bad_injections_are_rejected_with_a_precise_detail(
     scenario: str, request_args: dict[str, Any], expected: str
 ) -> None:
     mock = started(scenario)
-    reply = mock.controller.inject(MockInjectRequest(**request_args))
+    reply = mock.inject(MockInjectRequest(**request_args))
     assert not reply.applied
     assert expected in reply.detail
 
@@ -460,7 +460,7 @@ def test_injections_that_do_not_apply_in_the_current_state() -> None:
     assert mock.slot_state(0)["retired_pages_pending"] is True
     assert inject(mock, "reset", 0)[0]
     assert mock.slot_state(0)["retired_pages_pending"] is False
-    assert mock.controller.faults == FAULT_KINDS
+    assert mock.faults == FAULT_KINDS
 
 
 # --- NVLink down and up ------------------------------------------------------------------------

@@ -47,7 +47,7 @@ NODE, SYSTEM, SINGLE, HOSTBRIDGE = 40, 50, 10, 30
 
 
 def inject(mock: MockNvml, fault: str, gpu: int | None = None, **kw: Any) -> str:
-    reply = mock.controller.inject(MockInjectRequest(fault=fault, gpu=gpu, **kw))
+    reply = mock.inject(MockInjectRequest(fault=fault, gpu=gpu, **kw))
     assert reply.applied, reply.detail
     return reply.detail
 

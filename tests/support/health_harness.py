@@ -3,7 +3,7 @@
 ``HealthNode`` starts the collector (short sample period) and the health service on a
 Runtime whose NVML is a :class:`MockNvml` playing ``tests/health/scenarios/health-node.toml``,
 and subscribes to ``gpu.health.*`` on a *separate* NATS connection, as an alerting
-system would. Faults are injected through the mock's controller.
+system would. Faults are injected through the mock (MockNvml.inject).
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ class HealthNode:
         value: float | None = None,
         duration_s: float | None = None,
     ) -> str:
-        reply = self.mock.controller.inject(
+        reply = self.mock.inject(
             MockInjectRequest(gpu=gpu, fault=fault, value=value, duration_s=duration_s)
         )
         assert reply.applied, reply.detail

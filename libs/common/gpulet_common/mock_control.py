@@ -16,6 +16,7 @@ import anyio.abc
 from gpulet_common import codec, subjects
 from gpulet_common.bus import Delivery, Refused
 from gpulet_common.messages import MockInjectReply, MockInjectRequest
+from gpulet_common.mock_nvml import MockNvml
 from gpulet_common.runtime import Runtime
 
 log = logging.getLogger("gpulet.mock")
@@ -40,10 +41,10 @@ class MockControlService:
 
     async def _inject(self, request: Delivery[MockInjectRequest]) -> MockInjectReply:
         handle = await self._rt.nvml.get()
-        controller = getattr(getattr(handle.adapter, "module", None), "controller", None)
-        if controller is None:
+        mock = getattr(handle.adapter, "module", None)
+        if not isinstance(mock, MockNvml):
             raise Refused("not_a_mock", "this process does not run the mock NVML")
-        reply: MockInjectReply = await anyio.to_thread.run_sync(controller.inject, request.value)
+        reply = await anyio.to_thread.run_sync(mock.inject, request.value)
         log.info(
             "mock fault %s on GPU %s: %s",
             request.value.fault,

@@ -1,11 +1,10 @@
 """The mock NVML: a fake ``pynvml`` driven by scenario files, with live fault injection.
 
 Layers: :mod:`.scenario` (TOML files to checked Structs), :mod:`.mock` (the
-module-shaped fake that plays a scenario), :mod:`.controller` (live injection). The
+module-shaped fake that plays a scenario and takes live faults, :meth:`MockNvml.inject`). The
 NVML adapter uses a :class:`MockNvml` exactly as it uses ``pynvml``.
 """
 
-from gpulet_common.mock_nvml.controller import MockController
 from gpulet_common.mock_nvml.mock import (
     ManualClock,
     MockDeviceHandle,
@@ -34,7 +33,6 @@ __all__ = [
     "FaultSpec",
     "GpuSpec",
     "ManualClock",
-    "MockController",
     "MockDeviceHandle",
     "MockEventData",
     "MockEventSet",

@@ -30,6 +30,41 @@ GPUs are addressed by *slot*: their position in the scenario (hot-added GPUs tak
 next slots). NVML indices are the positions among the GPUs currently present, so
 they shift when a GPU disappears -- as they would after a re-enumeration.
 
+Live injection
+--------------
+Scenario timelines play faults at fixed times; demos and end-to-end tests also need
+to break a GPU *now* ("inject XID 79 on GPU 3 and watch the Device CR turn
+unhealthy"). :meth:`MockNvml.inject` takes a wire request
+(:class:`~gpulet_common.messages.MockInjectRequest`, from ``gpulet.mock.inject.<node>``)
+and applies the same :class:`~gpulet_common.mock_nvml.scenario.FaultSpec` the timeline
+uses, so a fault behaves identically whether scheduled or injected.
+
+Request fields by fault (``gpu`` is the scenario slot, see above):
+
+=================  ==============================================================
+fault              value / duration_s
+=================  ==============================================================
+``xid``            value = XID number (required)
+``ecc_sbe``        value = count (default 1)
+``ecc_dbe``        value = count (default 1)
+``temperature``    value = target C (absent: back to baseline); duration_s = hold
+``lost``           duration_s = how long (absent: until ``reset``)
+``fall_off_bus``   --  (XID 79, lost, GPU count drops; ``reset`` brings it back)
+``remove``         --  (GPU count drops; ``hot_add`` with gpu brings it back)
+``hot_add``        gpu absent: a new GPU; gpu = a removed slot: it comes back
+``remap_pending``  value = rows (default 1)
+``remap_failure``  --
+``hang``           duration_s = seconds every call on the GPU blocks (required)
+``clock_event``    value = clock-event reason bits (0x80 power brake; 0 ends it)
+``nvlink_down``    value = the GPU's NVLink number (absent: all its NVLinks); both
+                   ends of a link go down, each counting one NVLink recovery
+                   error; duration_s = how long (absent: until up)
+``nvlink_up``      value = the GPU's NVLink number (absent: all its NVLinks)
+``nvml_vanish``    value = NVML code 12/9/4/1 (default 12); duration_s optional
+``nvml_return``    --
+``reset``          --  (clears volatile ECC, XIDs, pending remaps, lost, hang)
+=================  ==============================================================
+
 Threading: one lock (a Condition) guards all state. No call sleeps while holding it:
 a hung GPU blocks only the threads calling into that GPU.
 """
@@ -44,10 +79,11 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
 import pynvml
 
+from gpulet_common.messages import MockInjectReply, MockInjectRequest
 from gpulet_common.mock_nvml.latency import LatencyProfile
 from gpulet_common.mock_nvml.scenario import (
     EVENT_TYPES,
@@ -65,9 +101,6 @@ from gpulet_common.mock_nvml.scenario import (
     parse_level,
     vanish_code,
 )
-
-if TYPE_CHECKING:
-    from gpulet_common.mock_nvml.controller import MockController
 
 log = logging.getLogger("gpulet.mock_nvml")
 
@@ -394,7 +427,6 @@ class MockNvml:
         self._event_sets: list[MockEventSet] = []
         self._timeline = sorted(self._scenario.timeline, key=lambda f: f.at)
         self._next_fault = 0
-        self._controller: MockController | None = None
 
         count = len(self._scenario.gpus)
         self._slots = [
@@ -421,13 +453,21 @@ class MockNvml:
         return self._scenario
 
     @property
-    def controller(self) -> MockController:
-        """The live fault injector of this mock."""
-        if self._controller is None:
-            from gpulet_common.mock_nvml.controller import MockController
+    def faults(self) -> tuple[str, ...]:
+        """The fault kinds :meth:`inject` accepts."""
+        return FAULT_KINDS
 
-            self._controller = MockController(self)
-        return self._controller
+    def inject(self, request: MockInjectRequest) -> MockInjectReply:
+        """Apply the requested fault now (see "Live injection"); never raises."""
+        fault = FaultSpec(
+            fault=request.fault, gpu=request.gpu, value=request.value, duration_s=request.duration_s
+        )
+        applied, detail = self.apply(fault)
+        if applied:
+            log.info("mock NVML fault injected: %s", detail)
+        else:
+            log.warning("mock NVML fault %r rejected: %s", request.fault, detail)
+        return MockInjectReply(applied=applied, detail=detail)
 
     @property
     def slot_count(self) -> int:
