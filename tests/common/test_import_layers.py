@@ -4,6 +4,9 @@
 * A service never imports another service's internals; what two services share lives
   in ``gpulet_common``.
 * Only the CLI (libs/cli, ``gpulet``) puts services together.
+* Inside the allocator, the decision layer (``engine/``, ``core``, ``protocol``, the
+  Koordinator book, the store) never imports the kubelet adapter (``plugin/``); the
+  engine imports only the contract (``protocol``) besides itself.
 
 Every ``import`` and ``from ... import`` is read with :mod:`ast`, including the ones
 inside functions and ``TYPE_CHECKING`` blocks, so a lazy import does not slip by.
@@ -27,8 +30,8 @@ SERVICES = {
 COMMON = ROOT / "libs" / "common" / "gpulet_common"
 
 
-def imported(package_dir: Path) -> Iterator[tuple[str, str]]:
-    """(module file relative to the repo, top-level package it imports)."""
+def imported(package_dir: Path, *, full: bool = False) -> Iterator[tuple[str, str]]:
+    """(module file relative to the repo, package it imports: top level or ``full``)."""
     for path in sorted(package_dir.rglob("*.py")):
         if path.name.endswith("_pb2.py") or path.name.endswith("_pb2_grpc.py"):
             continue
@@ -36,9 +39,13 @@ def imported(package_dir: Path) -> Iterator[tuple[str, str]]:
         for node in ast.walk(tree):
             if isinstance(node, ast.Import):
                 for alias in node.names:
-                    yield str(path.relative_to(ROOT)), alias.name.split(".")[0]
+                    yield str(path.relative_to(ROOT)), _name(alias.name, full)
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                yield str(path.relative_to(ROOT)), node.module.split(".")[0]
+                yield str(path.relative_to(ROOT)), _name(node.module, full)
+
+
+def _name(module: str, full: bool) -> str:
+    return module if full else module.split(".")[0]
 
 
 def test_the_scan_sees_imports() -> None:
@@ -59,3 +66,24 @@ def test_no_service_imports_another(service: str) -> None:
     others = (set(SERVICES) - {service}) | {"gpulet"}
     bad = sorted((f, pkg) for f, pkg in imported(SERVICES[service]) if pkg in others)
     assert bad == []
+
+
+ALLOCATOR = SERVICES["gpulet_allocator"]
+DECISION_LAYER = ("engine/", "core.py", "protocol.py", "koordinator.py", "store.py")
+
+
+def test_the_allocator_decision_layer_never_imports_the_kubelet_adapter() -> None:
+    prefix = str(ALLOCATOR.relative_to(ROOT)) + "/"
+    found = [(f.removeprefix(prefix), m) for f, m in imported(ALLOCATOR, full=True)]
+    decision = [(f, m) for f, m in found if f.startswith(DECISION_LAYER)]
+    assert any(m == "gpulet_allocator.protocol" for _, m in decision)  # the scan sees them
+    bad = sorted((f, m) for f, m in decision if m.startswith("gpulet_allocator.plugin"))
+    assert bad == []
+    engine_bad = sorted(
+        (f, m)
+        for f, m in decision
+        if f.startswith("engine/")
+        and m.startswith("gpulet_allocator")
+        and not m.startswith(("gpulet_allocator.engine", "gpulet_allocator.protocol"))
+    )
+    assert engine_bad == []
