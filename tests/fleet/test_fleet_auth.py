@@ -233,7 +233,7 @@ async def test_a_node_status_lands_under_its_own_key_only(hub: Hub, tmp_path: Pa
         await health.publish(subjects.fleet_status(N2), codec.NODE_STATUS.encode(forged))
         await health.publish(subjects.fleet_status(N1), codec.NODE_STATUS.encode(own))
         await health.flush(timeout=2)
-        views: list[fleet_hub.NodeView] = []
+        views: list[fleet_hub.FleetNodeStatus] = []
 
         async def read() -> bool:
             views[:] = await fleet_hub.read_fleet(viewer)

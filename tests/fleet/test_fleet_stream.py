@@ -158,10 +158,10 @@ async def test_fleet_status_shows_nodes_last_heard_and_unhealthy_gpus(
             clock=lambda: clock[0],
         )
 
-        async def fleet() -> list[fleet_hub.NodeView]:
+        async def fleet() -> list[fleet_hub.FleetNodeStatus]:
             return await fleet_hub.read_fleet(viewer)
 
-        async def until(predicate: object) -> list[fleet_hub.NodeView]:
+        async def until(predicate: object) -> list[fleet_hub.FleetNodeStatus]:
             for _ in range(150):
                 views = await fleet()
                 if callable(predicate) and predicate(views):

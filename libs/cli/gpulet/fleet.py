@@ -175,7 +175,7 @@ def _cmd_setup(args: argparse.Namespace, load: LoadSettings) -> int:
     return 0
 
 
-async def status(settings: Settings) -> list[hub.NodeView]:
+async def status(settings: Settings) -> list[hub.FleetNodeStatus]:
     async with Bus.connect(
         _hub_nats(settings, "viewer"), name="gpulet-fleet-status", max_initial_attempts=3
     ) as bus:

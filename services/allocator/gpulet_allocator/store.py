@@ -62,12 +62,12 @@ RETRY_MIN_S = 0.2
 RETRY_MAX_S = 5.0
 
 
-class _Header(msgspec.Struct):
+class _CheckpointHeader(msgspec.Struct):
     version: int
 
 
 _encoder = msgspec.json.Encoder()
-_header_decoder = msgspec.json.Decoder(_Header)
+_header_decoder = msgspec.json.Decoder(_CheckpointHeader)
 _decoder = msgspec.json.Decoder(StoredState)
 
 

@@ -121,7 +121,7 @@ def post_json(url: str, body: bytes, timeout_s: float) -> None:
         raise DeliveryError(f"{url}: {exc}") from exc
 
 
-class Sink(Protocol):
+class AlertSink(Protocol):
     name: str
 
     async def deliver(self, event: HealthEvent) -> None: ...
@@ -458,7 +458,7 @@ class AlertsConsumer:
         self,
         bus: Bus,
         settings: AlertSettings,
-        sinks: Sequence[Sink],
+        sinks: Sequence[AlertSink],
         *,
         meter: metrics.Meter | None = None,
         stream: str = subjects.HEALTH_STREAM,
@@ -495,7 +495,7 @@ class AlertsConsumer:
         out: TextIO | None = None,
         meter: metrics.Meter | None = None,
     ) -> AlertsConsumer:
-        sinks: list[Sink] = []
+        sinks: list[AlertSink] = []
         if settings.stdout:
             sinks.append(StdoutSink(out))
         sinks += [WebhookSink(url, timeout_s=settings.http_timeout_s) for url in settings.webhooks]
@@ -511,7 +511,7 @@ class AlertsConsumer:
         return cls(bus, settings, sinks, meter=meter)
 
     @property
-    def sinks(self) -> list[Sink]:
+    def sinks(self) -> list[AlertSink]:
         return self._sinks
 
     async def run(
@@ -647,7 +647,7 @@ class AlertsConsumer:
         pending = list(self._sinks)
         delay = self._settings.retry_initial_s
         while pending:
-            failed: list[Sink] = []
+            failed: list[AlertSink] = []
             for sink in pending:
                 try:
                     await sink.deliver(event)

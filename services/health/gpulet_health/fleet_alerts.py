@@ -34,7 +34,7 @@ from gpulet_common.bus import Bus
 from gpulet_common.messages import HealthEvent
 from gpulet_common.settings import Settings
 from gpulet_common.settings.health import AlertSettings
-from gpulet_health.alerts import AlertsConsumer, Sink
+from gpulet_health.alerts import AlertsConsumer, AlertSink
 
 DEDUP_CAPACITY = 65536
 
@@ -42,7 +42,7 @@ DEDUP_CAPACITY = 65536
 class DedupSink:
     """A sink that skips an event id it already delivered (bounded memory)."""
 
-    def __init__(self, inner: Sink, capacity: int = DEDUP_CAPACITY) -> None:
+    def __init__(self, inner: AlertSink, capacity: int = DEDUP_CAPACITY) -> None:
         self.name = inner.name
         self._inner = inner
         self._seen: OrderedDict[str, None] = OrderedDict()

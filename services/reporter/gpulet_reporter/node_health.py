@@ -47,7 +47,7 @@ Shape
 * :class:`NodeHealthKeeper` -- holds the liveness facts and the last intent; offers a
   changed intent to its own :class:`~gpulet_reporter.debounce.Debouncer` (the same
   quiet window and maximum delay as the Device's), synchronously, never blocking.
-* :class:`NodeHealthWriter` -- a :class:`~gpulet_reporter.writer.Sink` for the
+* :class:`NodeHealthWriter` -- a :class:`~gpulet_reporter.writer.WriteSink` for the
   :class:`~gpulet_reporter.writer.WriteLoop`: compares with the Node it last read and
   writes only a difference. The condition goes out as a strategic merge patch of
   ``nodes/<name>/status`` holding only our condition: the API server merges
@@ -333,7 +333,7 @@ def taints_for(observed: Iterable[Any], wanted: bool) -> list[Any] | None:
 
 
 class NodeHealthWriter:
-    """A :class:`~gpulet_reporter.writer.Sink` of :class:`NodeHealthIntent`."""
+    """A :class:`~gpulet_reporter.writer.WriteSink` of :class:`NodeHealthIntent`."""
 
     def __init__(
         self,

@@ -64,7 +64,7 @@ def _read_json(path: Path) -> JsonObj | None:
 
 
 class OfflineSink:
-    """A :class:`~gpulet_reporter.writer.Sink` that writes files and logs."""
+    """A :class:`~gpulet_reporter.writer.WriteSink` that writes files and logs."""
 
     def __init__(
         self,

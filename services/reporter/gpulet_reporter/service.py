@@ -53,7 +53,7 @@ from gpulet_reporter.metrics import ReporterMetrics
 from gpulet_reporter.node_health import NodeHealthIntent, NodeHealthKeeper, NodeHealthWriter
 from gpulet_reporter.offline import OfflineSink
 from gpulet_reporter.pcie import make_resolver
-from gpulet_reporter.writer import KubeWriter, Sink, WriteLoop
+from gpulet_reporter.writer import KubeWriter, WriteLoop, WriteSink
 
 log = logging.getLogger("gpulet.reporter")
 
@@ -94,7 +94,7 @@ class ReporterService:
         self.node_health = NodeHealthKeeper(self._node, self._settings)
         self._probe_log = RateLimitedLog(log, per_minute=1)
         self.target: KubeTarget | None = None
-        self.sink: Sink[DesiredState] | None = None
+        self.sink: WriteSink[DesiredState] | None = None
         self.loop: WriteLoop[DesiredState] | None = None
         self.node_health_writer: NodeHealthWriter | None = None
         self.node_health_loop: WriteLoop[NodeHealthIntent] | None = None
@@ -251,7 +251,7 @@ class ReporterService:
         )
         await self.node_health_loop.run()
 
-    async def _run_loop(self, sink: Sink[DesiredState]) -> None:
+    async def _run_loop(self, sink: WriteSink[DesiredState]) -> None:
         self.sink = sink
         self.loop = WriteLoop(
             sink, self.debouncer, self._settings, self.metrics, on_status=self._status

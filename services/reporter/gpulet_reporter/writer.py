@@ -105,7 +105,7 @@ class WriteError(Exception):
         self.permanent = permanent
 
 
-class Sink(Protocol[T_contra]):
+class WriteSink(Protocol[T_contra]):
     """Where desired states go: the API server, or a file in no-cluster mode."""
 
     description: str
@@ -373,7 +373,7 @@ class WriteLoop(Generic[T]):
 
     def __init__(
         self,
-        sink: Sink[T],
+        sink: WriteSink[T],
         debouncer: Debouncer[T],
         settings: ReporterSettings,
         metrics: ReporterMetrics,

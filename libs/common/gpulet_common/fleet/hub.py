@@ -86,7 +86,7 @@ async def ensure_fleet_bucket(bus: Bus, settings: FleetSettings) -> None:
 
 
 @dataclass(frozen=True)
-class NodeView:
+class FleetNodeStatus:
     key: str
     node: str
     last_heard: float  # the hub's clock
@@ -98,10 +98,10 @@ class NodeView:
         return max(0.0, now - self.last_heard)
 
 
-async def read_fleet(bus: Bus, *, timeout_s: float = 5.0) -> list[NodeView]:
+async def read_fleet(bus: Bus, *, timeout_s: float = 5.0) -> list[FleetNodeStatus]:
     """The latest status of every node in the fleet bucket, sorted by node."""
     kv = await bus.jetstream.key_value(subjects.FLEET_KV_BUCKET)
-    views: dict[str, NodeView] = {}
+    views: dict[str, FleetNodeStatus] = {}
     watcher = await kv.watchall(ignore_deletes=True)
     try:
         with anyio.fail_after(timeout_s):
@@ -127,7 +127,7 @@ async def read_fleet(bus: Bus, *, timeout_s: float = 5.0) -> list[NodeView]:
                     status = None
                 previous = views.get(entry.key)
                 if previous is None or (entry.revision or 0) > previous.revision:
-                    views[entry.key] = NodeView(
+                    views[entry.key] = FleetNodeStatus(
                         key=entry.key,
                         node=node,
                         last_heard=heard,
@@ -141,7 +141,9 @@ async def read_fleet(bus: Bus, *, timeout_s: float = 5.0) -> list[NodeView]:
     return sorted(views.values(), key=lambda v: v.node)
 
 
-def format_fleet(views: list[NodeView], *, now: float | None = None, stale_after_s: float) -> str:
+def format_fleet(
+    views: list[FleetNodeStatus], *, now: float | None = None, stale_after_s: float
+) -> str:
     """The table ``gpulet fleet status`` prints."""
     now = time.time() if now is None else now
     lines = [f"{'NODE':<32} {'LAST HEARD':>10} {'GPUS':>4} {'UNHEALTHY':>9}  DETAILS"]

@@ -67,13 +67,13 @@ class IssuedUser(msgspec.Struct, kw_only=True):
     revoked_at: int = 0
 
 
-class Ledger(msgspec.Struct, kw_only=True):
+class CredentialLedger(msgspec.Struct, kw_only=True):
     users: list[IssuedUser] = []
     # public key -> Unix time (the account's revocations).
     revocations: dict[str, int] = {}
 
 
-_LEDGER = msgspec.json.Decoder(Ledger)
+_LEDGER = msgspec.json.Decoder(CredentialLedger)
 
 
 def user_permissions(role: Role, node: str = "") -> jwt.UserNats:
@@ -194,16 +194,16 @@ class IdentityStore:
         except jwt.JwtError as exc:
             raise IdentityError(f"{self.path / rel}: {exc}") from exc
 
-    def ledger(self) -> Ledger:
+    def ledger(self) -> CredentialLedger:
         path = self.path / "ledger.json"
         if not path.exists():
-            return Ledger()
+            return CredentialLedger()
         try:
             return _LEDGER.decode(path.read_bytes())
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise IdentityError(f"{path} is corrupt: {exc}") from exc
 
-    def _save_ledger(self, ledger: Ledger) -> None:
+    def _save_ledger(self, ledger: CredentialLedger) -> None:
         text = json.dumps(msgspec.to_builtins(ledger), indent=1, sort_keys=True)
         self._write_secret("ledger.json", text + "\n")
 
@@ -220,7 +220,7 @@ class IdentityStore:
             if not (self.path / rel).exists():
                 self._write_secret(rel, jwt.seed_of(jwt.new_keypair(role)) + "\n")
         if not (self.path / "ledger.json").exists():
-            self._save_ledger(Ledger())
+            self._save_ledger(CredentialLedger())
 
     def operator_key(self) -> nkeys.KeyPair:
         return self._keypair("operator.seed")
@@ -327,7 +327,7 @@ class IdentityStore:
         return Credential(name, role, claims.sub, jwt.format_creds(token, jwt.seed_of(user)))
 
     @staticmethod
-    def _revoke_in(ledger: Ledger, user: IssuedUser, at: int) -> None:
+    def _revoke_in(ledger: CredentialLedger, user: IssuedUser, at: int) -> None:
         user.revoked_at = at
         if user.role != "sys":
             ledger.revocations[user.public_key] = at

@@ -152,7 +152,7 @@ _SUBJECT_ROLE: dict[type[_Claims], int] = {
 }
 
 
-class _Header(msgspec.Struct):
+class _JoseHeader(msgspec.Struct):
     typ: str
     alg: str
 
@@ -218,7 +218,7 @@ def _unb64(text: str) -> bytes:
         raise JwtError("malformed base64url") from exc
 
 
-_HEADER = _b64(msgspec.json.encode(_Header(typ="JWT", alg=ALGORITHM)))
+_HEADER = _b64(msgspec.json.encode(_JoseHeader(typ="JWT", alg=ALGORITHM)))
 
 
 def encode(claims: C, signer: nkeys.KeyPair, *, now: float | None = None) -> str:
@@ -254,7 +254,7 @@ def decode(token: str, kind: type[C], *, now: float | None = None) -> C:
     if len(parts) != 3:
         raise JwtError("a JWT has three dot-separated parts")
     try:
-        header = msgspec.json.decode(_unb64(parts[0]), type=_Header)
+        header = msgspec.json.decode(_unb64(parts[0]), type=_JoseHeader)
         claims = msgspec.json.decode(_unb64(parts[1]), type=kind)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise JwtError(f"malformed JWT: {exc}") from exc
