@@ -66,23 +66,19 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from datetime import datetime
 from typing import Any, Final, Literal
 
-import aiohttp
-import anyio
 import msgspec
-from kubernetes_asyncio import client as k8s_client
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from gpulet_common.logutil import RateLimitedLog
 from gpulet_common.messages import UNHEALTHY_SEVERITIES, GpuHealth, Inventory
 from gpulet_common.settings.reporter import ReporterSettings
 from gpulet_reporter.debounce import Debouncer
 from gpulet_reporter.desired import JsonObj, rfc3339
 from gpulet_reporter.metrics import ReporterMetrics
-from gpulet_reporter.writer import MAX_CONFLICT_ROUNDS, MERGE_PATCH, WriteError, api_error
+from gpulet_reporter.writer import NodeClient, api_error
 
 log = logging.getLogger("gpulet.reporter")
 
@@ -346,19 +342,21 @@ class NodeHealthWriter:
         monotonic: Callable[[], float] = time.monotonic,
         server: str = "",
     ) -> None:
-        self._api = api
-        self._core = k8s_client.CoreV1Api(api)
+        self._kube = NodeClient(
+            api, node, settings, metrics, missing="its GPU condition and taint wait"
+        )
         self._node = node
         self._settings = settings
         self._metrics = metrics
         self._clock = clock
         self._monotonic = monotonic
         self.description = f"API server {server} (node condition)" if server else "node condition"
-        self.node_object: JsonObj | None = None
-        self._read = False
         self._heartbeat_due = False
         self._last_write: float | None = None
-        self._missing_log = RateLimitedLog(log, per_minute=1)
+
+    @property
+    def node_object(self) -> JsonObj | None:
+        return self._kube.node_object
 
     @staticmethod
     def tick_interval(settings: ReporterSettings) -> float:
@@ -367,7 +365,7 @@ class NodeHealthWriter:
         return min(ticks) if ticks else 0.0
 
     async def refresh(self) -> None:
-        self._read = False
+        self._kube.node_read = False
         heartbeat = self._settings.condition_heartbeat_s
         if heartbeat > 0 and (
             self._last_write is None or self._monotonic() - self._last_write >= heartbeat / 2
@@ -375,43 +373,10 @@ class NodeHealthWriter:
             self._heartbeat_due = True
 
     async def apply(self, desired: NodeHealthIntent) -> bool:
-        if not self._read:
-            await self._read_node()
+        if not self._kube.node_read:
+            await self._kube.read_node()
         wrote = await self._apply_condition(desired)
         return await self._apply_taint(desired) or wrote
-
-    async def _call(
-        self, what: str, fn: Callable[..., Awaitable[Any]], *args: Any, **kw: Any
-    ) -> Any:
-        timeout = self._settings.api_timeout_s
-        try:
-            with anyio.fail_after(timeout + 1.0):
-                return await fn(*args, _request_timeout=timeout, **kw)
-        except ApiException:
-            raise
-        except TimeoutError as exc:
-            raise WriteError("timeout", f"{what}: no answer within {timeout:.1f}s") from exc
-        except (aiohttp.ClientError, OSError) as exc:
-            raise WriteError("connection", f"{what}: {type(exc).__name__}: {exc}") from exc
-
-    def _as_dict(self, obj: Any) -> JsonObj | None:
-        if isinstance(obj, dict):
-            return obj
-        data = self._api.sanitize_for_serialization(obj)
-        return data if isinstance(data, dict) else None
-
-    async def _read_node(self) -> None:
-        try:
-            found = await self._call("get node", self._core.read_node, self._node)
-        except ApiException as exc:
-            if exc.status != 404:
-                raise api_error(exc, "get node") from exc
-            self._missing_log.warning(
-                "node %s not found: its GPU condition and taint wait", self._node
-            )
-            found = None
-        self.node_object = self._as_dict(found) if found is not None else None
-        self._read = True
 
     async def _apply_condition(self, intent: NodeHealthIntent) -> bool:
         if self.node_object is None:
@@ -422,9 +387,9 @@ class NodeHealthWriter:
             return False
         condition = render_condition(intent, observed, now=self._clock())
         try:
-            result = await self._call(
+            result = await self._kube.call(
                 "patch node status",
-                self._core.patch_node_status,
+                self._kube.core.patch_node_status,
                 self._node,
                 {"status": {"conditions": [condition]}},
                 field_manager=self._settings.field_manager,
@@ -432,10 +397,10 @@ class NodeHealthWriter:
             )
         except ApiException as exc:
             if exc.status == 404:
-                self.node_object = None
+                self._kube.node_object = None
                 return False
             raise api_error(exc, "patch node status") from exc
-        self.node_object = self._as_dict(result)
+        self._kube.node_object = self._kube.as_dict(result)
         self._heartbeat_due = False
         self._last_write = self._monotonic()
         self._metrics.wrote("node_status", "patch")
@@ -451,48 +416,27 @@ class NodeHealthWriter:
         return True
 
     async def _apply_taint(self, intent: NodeHealthIntent) -> bool:
-        if intent.taint is None:
+        wanted = intent.taint
+        if wanted is None:
             return False
-        for _ in range(MAX_CONFLICT_ROUNDS):
-            if not self._read:
-                await self._read_node()
-            node = self.node_object
-            if node is None:
-                return False
-            taints = taints_for((node.get("spec") or {}).get("taints") or [], intent.taint)
+
+        def build(node: JsonObj) -> JsonObj | None:
+            taints = taints_for((node.get("spec") or {}).get("taints") or [], wanted)
             if taints is None:
-                return False
+                return None
             patch: JsonObj = {"spec": {"taints": taints or None}}
             version = (node.get("metadata") or {}).get("resourceVersion")
             if version:
                 patch["metadata"] = {"resourceVersion": version}
-            try:
-                result = await self._call(
-                    "patch node taints",
-                    self._core.patch_node,
-                    self._node,
-                    patch,
-                    field_manager=self._settings.field_manager,
-                    _content_type=MERGE_PATCH,
-                )
-            except ApiException as exc:
-                if exc.status == 409:
-                    self._metrics.conflict("node")
-                    self._read = False
-                    continue
-                if exc.status == 404:
-                    self.node_object = None
-                    return False
-                raise api_error(exc, "patch node taints") from exc
-            self.node_object = self._as_dict(result)
-            self._read = self.node_object is not None
-            self._metrics.wrote("node_taint", "patch")
-            log.info(
-                "node %s: taint %s:%s %s",
-                self._node,
-                TAINT_KEY,
-                TAINT_EFFECT,
-                "added" if intent.taint else "removed",
-            )
-            return True
-        raise WriteError("conflict", f"node {self._node}: {MAX_CONFLICT_ROUNDS} conflicts in a row")
+            return patch
+
+        if await self._kube.patch_node("patch node taints", build, "node_taint") is None:
+            return False
+        log.info(
+            "node %s: taint %s:%s %s",
+            self._node,
+            TAINT_KEY,
+            TAINT_EFFECT,
+            "added" if wanted else "removed",
+        )
+        return True

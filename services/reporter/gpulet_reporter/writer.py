@@ -160,8 +160,10 @@ def api_error(exc: ApiException, what: str) -> WriteError:
     return WriteError("4xx", f"{detail}: {str(body)[:500]}", permanent=True)
 
 
-class KubeWriter:
-    """The API side of one node: observed objects, compare, create/update/patch."""
+class NodeClient:
+    """API calls for one node's writers: our timeout and error mapping around every
+    request, the Node as last read, and read-modify-write merge patches of it with
+    conflict retries. The Device writer and the node-condition writer each hold one."""
 
     def __init__(
         self,
@@ -170,38 +172,20 @@ class KubeWriter:
         settings: ReporterSettings,
         metrics: ReporterMetrics,
         *,
-        clock: Callable[[], float] = time.time,
-        server: str = "",
+        missing: str,
     ) -> None:
-        self._api = api
-        self._custom = k8s_client.CustomObjectsApi(api)
-        self._core = k8s_client.CoreV1Api(api)
-        self._node = node
+        self.api = api
+        self.core = k8s_client.CoreV1Api(api)
+        self.node = node
         self._settings = settings
         self._metrics = metrics
-        self._clock = clock
-        self.description = f"API server {server}" if server else "API server"
-        self.device: JsonObj | None = None
         self.node_object: JsonObj | None = None
-        self._device_read = False
-        self._node_read = False
-        self._missing_node_log = RateLimitedLog(log, per_minute=1)
+        self.node_read = False
+        # What waits while the Node does not exist (logged at most once a minute).
+        self._missing = missing
+        self._missing_log = RateLimitedLog(log, per_minute=1)
 
-    async def refresh(self) -> None:
-        self._device_read = False
-        self._node_read = False
-
-    async def apply(self, desired: DesiredState) -> bool:
-        if not self._node_read:
-            await self._read_node()
-        wrote = await self._apply_device(desired)
-        if self._settings.node_labels:
-            wrote = await self._apply_labels(desired) or wrote
-        return wrote
-
-    # -- requests ----------------------------------------------------------------
-
-    async def _call(
+    async def call(
         self, what: str, fn: Callable[..., Awaitable[Any]], *args: Any, **kw: Any
     ) -> Any:
         timeout = self._settings.api_timeout_s
@@ -217,9 +201,110 @@ class KubeWriter:
         except (aiohttp.ClientError, OSError) as exc:
             raise WriteError("connection", f"{what}: {type(exc).__name__}: {exc}") from exc
 
+    def as_dict(self, obj: Any) -> JsonObj | None:
+        if isinstance(obj, dict):
+            return obj
+        data = self.api.sanitize_for_serialization(obj)
+        return data if isinstance(data, dict) else None
+
+    async def read_node(self) -> None:
+        try:
+            found = await self.call("get node", self.core.read_node, self.node)
+        except ApiException as exc:
+            if exc.status != 404:
+                raise api_error(exc, "get node") from exc
+            self._missing_log.warning("node %s not found: %s", self.node, self._missing)
+            found = None
+        self.node_object = self.as_dict(found) if found is not None else None
+        self.node_read = True
+
+    async def patch_node(
+        self, what: str, build: Callable[[JsonObj], JsonObj | None], metric: str
+    ) -> JsonObj | None:
+        """Merge-patch the Node with what ``build`` makes of it as last read; on a
+        conflict read it again and rebuild. Returns the patch written, or None when
+        there was nothing to write or no Node."""
+        for _ in range(MAX_CONFLICT_ROUNDS):
+            if not self.node_read:
+                await self.read_node()
+            if self.node_object is None:
+                return None
+            patch = build(self.node_object)
+            if patch is None:
+                return None
+            try:
+                result = await self.call(
+                    what,
+                    self.core.patch_node,
+                    self.node,
+                    patch,
+                    field_manager=self._settings.field_manager,
+                    _content_type=MERGE_PATCH,
+                )
+            except ApiException as exc:
+                if exc.status == 409:
+                    self._metrics.conflict("node")
+                    self.node_read = False
+                    continue
+                if exc.status == 404:
+                    self.node_object = None
+                    return None
+                raise api_error(exc, what) from exc
+            self.node_object = self.as_dict(result)
+            self.node_read = self.node_object is not None
+            self._metrics.wrote(metric, "patch")
+            return patch
+        raise WriteError("conflict", f"node {self.node}: {MAX_CONFLICT_ROUNDS} conflicts in a row")
+
+
+class KubeWriter:
+    """The API side of one node: observed objects, compare, create/update/patch."""
+
+    def __init__(
+        self,
+        api: Any,
+        node: str,
+        settings: ReporterSettings,
+        metrics: ReporterMetrics,
+        *,
+        clock: Callable[[], float] = time.time,
+        server: str = "",
+    ) -> None:
+        self._kube = NodeClient(
+            api,
+            node,
+            settings,
+            metrics,
+            missing="the Device gets no owner reference and node labels wait",
+        )
+        self._custom = k8s_client.CustomObjectsApi(api)
+        self._node = node
+        self._settings = settings
+        self._metrics = metrics
+        self._clock = clock
+        self.description = f"API server {server}" if server else "API server"
+        self.device: JsonObj | None = None
+        self._device_read = False
+
+    @property
+    def node_object(self) -> JsonObj | None:
+        return self._kube.node_object
+
+    async def refresh(self) -> None:
+        self._device_read = False
+        self._kube.node_read = False
+
+    async def apply(self, desired: DesiredState) -> bool:
+        if not self._kube.node_read:
+            await self._kube.read_node()
+        wrote = await self._apply_device(desired)
+        if self._settings.node_labels:
+            wrote = await self._apply_labels(desired) or wrote
+        return wrote
+
     async def _read_device(self) -> None:
         try:
-            found = await self._call(
+            found = await self._kube.call(
                 "get device",
                 self._custom.get_cluster_custom_object,
                 GROUP,
@@ -233,26 +318,6 @@ class KubeWriter:
             found = None
         self.device = found if isinstance(found, dict) else None
         self._device_read = True
-
-    async def _read_node(self) -> None:
-        try:
-            found = await self._call("get node", self._core.read_node, self._node)
-        except ApiException as exc:
-            if exc.status != 404:
-                raise api_error(exc, "get node") from exc
-            self._missing_node_log.warning(
-                "node %s not found: the Device gets no owner reference and node labels wait",
-                self._node,
-            )
-            found = None
-        self.node_object = self._as_dict(found) if found is not None else None
-        self._node_read = True
-
-    def _as_dict(self, obj: Any) -> JsonObj | None:
-        if isinstance(obj, dict):
-            return obj
-        data = self._api.sanitize_for_serialization(obj)
-        return data if isinstance(data, dict) else None
 
     def _node_uid(self) -> str | None:
         if self.node_object is None:
@@ -276,7 +341,7 @@ class KubeWriter:
             verb = "create" if self.device is None else "update"
             try:
                 if self.device is None:
-                    result = await self._call(
+                    result = await self._kube.call(
                         "create device",
                         self._custom.create_cluster_custom_object,
                         GROUP,
@@ -286,7 +351,7 @@ class KubeWriter:
                         field_manager=manager,
                     )
                 else:
-                    result = await self._call(
+                    result = await self._kube.call(
                         "update device",
                         self._custom.replace_cluster_custom_object,
                         GROUP,
@@ -318,38 +383,13 @@ class KubeWriter:
     # -- node labels -------------------------------------------------------------
 
     async def _apply_labels(self, desired: DesiredState) -> bool:
-        for _ in range(MAX_CONFLICT_ROUNDS):
-            if not self._node_read:
-                await self._read_node()
-            if self.node_object is None:
-                return False
-            patch = node_label_patch(desired.node_labels, self.node_object)
-            if patch is None:
-                return False
-            try:
-                result = await self._call(
-                    "patch node",
-                    self._core.patch_node,
-                    self._node,
-                    patch,
-                    field_manager=self._settings.field_manager,
-                    _content_type=MERGE_PATCH,
-                )
-            except ApiException as exc:
-                if exc.status == 409:
-                    self._metrics.conflict("node")
-                    self._node_read = False
-                    continue
-                if exc.status == 404:
-                    self.node_object = None
-                    return False
-                raise api_error(exc, "patch node") from exc
-            self.node_object = self._as_dict(result)
-            self._node_read = self.node_object is not None
-            self._metrics.wrote("node", "patch")
-            log.info("node %s: labels patched (%s)", self._node, _describe(patch))
-            return True
-        raise WriteError("conflict", f"node {self._node}: {MAX_CONFLICT_ROUNDS} conflicts in a row")
+        patch = await self._kube.patch_node(
+            "patch node", lambda node: node_label_patch(desired.node_labels, node), "node"
+        )
+        if patch is None:
+            return False
+        log.info("node %s: labels patched (%s)", self._node, _describe(patch))
+        return True
 
 
 def _describe(patch: JsonObj) -> str:
