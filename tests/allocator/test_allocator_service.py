@@ -9,7 +9,6 @@ collector uses) or from the engine's reference topologies.
 from __future__ import annotations
 
 import json
-from collections.abc import Awaitable
 
 import anyio
 import grpc
@@ -33,6 +32,7 @@ from support.allocator_stack import (
     NODE,
     allocator_stack,
     ids,
+    rpc_error,
 )
 from support.health_kv import gpu_health, health_bucket, put_health
 
@@ -49,14 +49,6 @@ def mock_inventory(scenario: str) -> Inventory:
 
 def index_of(inventory: Inventory) -> dict[str, int]:
     return {g.uuid: g.index for g in inventory.gpus}
-
-
-async def rpc_error(call: Awaitable[object]) -> grpc.aio.AioRpcError:
-    try:
-        await call
-    except grpc.aio.AioRpcError as exc:
-        return exc
-    raise AssertionError("the call succeeded")
 
 
 # --- whole GPUs -----------------------------------------------------------------------

@@ -11,7 +11,7 @@ scheduler's binding leaves them (``spec.nodeName``, ``PodScheduled``, the
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +26,8 @@ from gpulet_common.messages import Inventory
 from gpulet_common.nvml.loader import open_mock
 from gpulet_common.settings import Settings
 from gpulet_common.settings.allocator import HandshakeSettings
-from support.allocator_stack import GPU, NODE, Stack, allocator_stack, ids
-from support.kube_emulator import EVENTS, PODS, KubeEmulator
+from support.allocator_stack import GPU, NODE, Stack, allocator_stack, ids, rpc_error
+from support.kube_emulator import EVENTS, PODS, KubeEmulator, cluster_with_node
 
 pytestmark = pytest.mark.anyio
 
@@ -37,9 +37,7 @@ RATIO = "koordinator.sh/gpu-memory-ratio"
 
 @pytest.fixture
 async def emu(tmp_path: Path) -> AsyncIterator[KubeEmulator]:
-    async with KubeEmulator.running() as emulator:
-        emulator.add_node(NODE)
-        emulator.write_kubeconfig(tmp_path / "kubeconfig")
+    async with cluster_with_node(NODE, tmp_path / "kubeconfig") as emulator:
         yield emulator
 
 
@@ -130,14 +128,6 @@ async def synced(stack: Stack) -> None:
         ),
         "the pod watch to list",
     )
-
-
-async def rpc_error(call: Awaitable[object]) -> grpc.aio.AioRpcError:
-    try:
-        await call
-    except grpc.aio.AioRpcError as exc:
-        return exc
-    raise AssertionError("the call succeeded")
 
 
 def events_for(emu: KubeEmulator, pod: str) -> list[dict[str, Any]]:

@@ -37,7 +37,7 @@ from gpulet_common.messages import GpuHealth
 from gpulet_common.settings.reporter import ReporterSettings
 from support.faults import device_view, summary
 from support.health_kv import gpu_health, put_health
-from support.kube_emulator import KubeEmulator, RequestRecord
+from support.kube_emulator import KubeEmulator, RequestRecord, cluster_with_node
 from support.reporter_harness import (
     RunningReporter,
     gpu_uuid,
@@ -60,9 +60,7 @@ CONVERGE_AFTER_FAULTS_S = 10.0
 
 @pytest.fixture
 async def emulator(tmp_path: Path) -> AsyncIterator[KubeEmulator]:
-    async with KubeEmulator.running() as emu:
-        emu.add_node(NODE)
-        emu.write_kubeconfig(tmp_path / "kubeconfig")
+    async with cluster_with_node(NODE, tmp_path / "kubeconfig") as emu:
         yield emu
 
 

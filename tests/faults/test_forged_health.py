@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,7 +41,7 @@ from gpulet_common.mock_nvml import SCENARIO_DIR
 from gpulet_common.settings.nats import NatsSettings
 from gpulet_common.settings.reporter import ReporterSettings
 from support.agent import runtime_for
-from support.allocator_stack import GPU, dev_root_with, make_settings
+from support.allocator_stack import GPU, dev_root_with, make_settings, rpc_error
 from support.fake_kubelet import FakeKubelet, running_fake_kubelet
 from support.faults import device_view
 from support.health_harness import NODE, HealthNode, health_node
@@ -144,14 +144,6 @@ def _forged(uuid: str, *, healthy: bool) -> HealthEvent:
     )
 
 
-async def _refusal(call: Awaitable[object]) -> grpc.aio.AioRpcError:
-    try:
-        await call
-    except grpc.aio.AioRpcError as exc:
-        return exc
-    raise AssertionError("the call succeeded")
-
-
 async def test_a_forged_future_dated_event_changes_no_consumers_belief(
     nats_server: EmbeddedNats, tmp_path: Path
 ) -> None:
@@ -179,7 +171,7 @@ async def test_a_forged_future_dated_event_changes_no_consumers_belief(
         assert node.beliefs(FINE) == dict.fromkeys(everyone, True)
 
         # The allocator does not hand the GPU out, asked for it by name.
-        refusal = await _refusal(node.kubelet.allocate(GPU, [[node.uuid(SICK)]]))
+        refusal = await rpc_error(node.kubelet.allocate(GPU, [[node.uuid(SICK)]]))
         assert refusal.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "unhealthy_device" in (refusal.details() or "")
         # Nor when it chooses: every whole GPU that is free and healthy, and no more.

@@ -51,7 +51,7 @@ from gpulet_common.settings.nats import NatsSettings
 from gpulet_common.settings.reporter import ReporterSettings
 from support.faults import device_mismatches, device_view, duplicates, read_stream, summary
 from support.health_harness import NODE, HealthNode, health_node
-from support.kube_emulator import KubeEmulator
+from support.kube_emulator import KubeEmulator, cluster_with_node
 from support.reporter_harness import running_reporter
 
 pytestmark = pytest.mark.anyio
@@ -85,9 +85,7 @@ class Timeline:
 
 @pytest.fixture
 async def emulator(tmp_path: Path) -> AsyncIterator[KubeEmulator]:
-    async with KubeEmulator.running() as emu:
-        emu.add_node(NODE)
-        emu.write_kubeconfig(tmp_path / "kubeconfig")
+    async with cluster_with_node(NODE, tmp_path / "kubeconfig") as emu:
         yield emu
 
 

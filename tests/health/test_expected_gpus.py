@@ -47,7 +47,7 @@ from gpulet_reporter.core import ReporterCore
 from support.agent import agent_settings, mock_adapter, runtime_for
 from support.faults import DEVICES, GpuOnDevice, device_view
 from support.health_harness import NODE, HealthNode, health_node
-from support.kube_emulator import KubeEmulator
+from support.kube_emulator import KubeEmulator, cluster_with_node
 from support.reporter_harness import fast_settings, running_reporter, wait_until
 
 DGX = SCENARIO_DIR / "dgx-h100.toml"
@@ -64,9 +64,7 @@ def lose(slot: int) -> Callable[[MockNvml], None]:
 
 @pytest.fixture
 async def emulator(tmp_path: Path) -> AsyncIterator[KubeEmulator]:
-    async with KubeEmulator.running() as emu:
-        emu.add_node(NODE)
-        emu.write_kubeconfig(tmp_path / "kubeconfig")
+    async with cluster_with_node(NODE, tmp_path / "kubeconfig") as emu:
         yield emu
 
 

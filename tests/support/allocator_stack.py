@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 
 import anyio
 import anyio.abc
+import grpc
 import msgspec
 
 from gpulet_allocator import protocol as p
@@ -347,3 +348,12 @@ async def allocator_stack(
                 with anyio.CancelScope(shield=True):
                     await stack._stop(name)
             tg.cancel_scope.cancel()
+
+
+async def rpc_error(call: Awaitable[object]) -> grpc.aio.AioRpcError:
+    """The gRPC error a call that must be refused ends with."""
+    try:
+        await call
+    except grpc.aio.AioRpcError as exc:
+        return exc
+    raise AssertionError("the call succeeded")

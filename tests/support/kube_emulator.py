@@ -2316,3 +2316,12 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+@asynccontextmanager
+async def cluster_with_node(node: str, kubeconfig: Path) -> AsyncIterator[KubeEmulator]:
+    """An emulator that knows ``node``, and a kubeconfig for it written to ``kubeconfig``."""
+    async with KubeEmulator.running() as emulator:
+        emulator.add_node(node)
+        emulator.write_kubeconfig(kubeconfig)
+        yield emulator
