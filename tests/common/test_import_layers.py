@@ -15,6 +15,8 @@ inside functions and ``TYPE_CHECKING`` blocks, so a lazy import does not slip by
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -87,3 +89,16 @@ def test_the_allocator_decision_layer_never_imports_the_kubelet_adapter() -> Non
         and not m.startswith(("gpulet_allocator.engine", "gpulet_allocator.protocol"))
     )
     assert engine_bad == []
+
+
+def test_the_cli_loads_no_kubernetes_client_until_a_command_needs_it() -> None:
+    # Every sidecar is a `gpulet` process; the Kubernetes client costs ~40 MB of RSS and
+    # only the reporter and the allocator's pod watch use it.
+    code = (
+        "import sys, gpulet.cli; gpulet.cli.build_parser(); "
+        "print('kubernetes_asyncio' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    )
+    assert out.stdout.strip() == "False", out.stderr

@@ -33,14 +33,6 @@ from gpulet_common.settings import Settings
 from gpulet_reporter.desired import build_desired, render_device
 from gpulet_reporter.facts import node_facts, read_machine_type
 from gpulet_reporter.health_view import HealthView
-from gpulet_reporter.node_health import (
-    REASON_UNREACHABLE,
-    TAINT_EFFECT,
-    TAINT_KEY,
-    evaluate,
-    render_condition,
-    unknown,
-)
 from gpulet_reporter.pcie import make_resolver
 
 
@@ -97,6 +89,17 @@ async def _from_nvml(settings: Settings) -> Inventory:
 
 async def preview(settings: Settings, *, timeout_s: float = 2.0) -> dict[str, Any]:
     """The Device and node labels, as the reporter would render them with no cluster."""
+    # Here, not at the top: node_health pulls in the Kubernetes client (~40 MB), and
+    # every `gpulet` process (a collector sidecar too) imports this module's commands.
+    from gpulet_reporter.node_health import (
+        REASON_UNREACHABLE,
+        TAINT_EFFECT,
+        TAINT_KEY,
+        evaluate,
+        render_condition,
+        unknown,
+    )
+
     if settings.nats.url:
         inventory, state = await _from_agent(settings, timeout_s)
     else:
