@@ -317,13 +317,15 @@ asyncio.run(main())
 
 # Per service user: what it may subscribe to, and a publish and a subscribe it may not
 # do (deploy/nats/mock/auth.conf): only the health service publishes health events,
-# only the operator injects faults, and nobody reads another user's replies.
+# only the operator injects faults, nobody reads another user's replies, and the
+# consumers of GPU state do not read the health events.
 _ALLOWED_AND_FORBIDDEN = {
     "collector": ("gpulet.inventory.request.*", "gpu.health.{node}", "_INBOX.>"),
     "health": ("gpu.samples.*", "gpulet.mock.inject.{node}", "_INBOX.reporter.>"),
-    "reporter": ("gpu.health.*", "gpu.health.{node}", "_INBOX.allocator.>"),
+    # The consumers read the gpu_health bucket, never the health events.
+    "reporter": ("gpu.inventory.*", "gpu.health.{node}", "gpu.health.*"),
     "allocator": ("gpu.inventory.*", "gpu.health.{node}", "_INBOX.device-plugin.>"),
-    "device-plugin": ("gpu.health.*", "gpulet.health.clear.{node}", "_INBOX.allocator.>"),
+    "device-plugin": ("gpu.inventory.*", "gpulet.health.clear.{node}", "gpu.health.*"),
 }
 
 
