@@ -28,6 +28,11 @@ EndKind = Literal["recovered", "cleared"]
 M = TypeVar("M")
 
 
+def where(gpu: GpuState) -> str:
+    """How a rule's reason names the GPU: ``GPU 3``, or ``the GPU`` without an index."""
+    return f"GPU {gpu.index}" if gpu.index is not None else "the GPU"
+
+
 def memo(gpu: GpuState, name: str, make: type[M]) -> M:
     """The family ``name``'s memory of ``gpu`` (a fresh ``make()`` the first time)."""
     found = gpu.memo.get(name)

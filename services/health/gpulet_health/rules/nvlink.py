@@ -25,7 +25,7 @@ from typing import Final
 
 from gpulet_common.messages import GpuInfo
 from gpulet_health.dedup import Emit
-from gpulet_health.rules.base import Family
+from gpulet_health.rules.base import Family, where
 from gpulet_health.state import Condition, GpuState
 
 KIND: Final = "nvlink_down"
@@ -56,13 +56,12 @@ class NvLink(Family):
         # A link listed both up and down (a confused sender) counts as down.
         down = set(info.nvlinks_down)
         up = set(info.nvlinks_up) - down
-        where = f"GPU {gpu.index}" if gpu.index is not None else "the GPU"
         for link in sorted(down):
             cond = Condition(
                 condition=condition_of(link),
                 kind=KIND,
                 severity="warning",
-                reason=f"NVLink {link} of {where} is down{_peers(info)}",
+                reason=f"NVLink {link} of {where(gpu)} is down{_peers(info)}",
                 action="operator_check",
                 since=now,
                 observed_value=float(link),
@@ -76,5 +75,5 @@ class NvLink(Family):
         for name in [c for c in gpu.conditions if c.startswith(PREFIX)]:
             link_id = name[len(PREFIX) :]
             if link_id.isdigit() and int(link_id) in up:
-                out += self.kit.end(gpu, name, now, f"NVLink {link_id} of {where} is up again")
+                out += self.kit.end(gpu, name, now, f"NVLink {link_id} of {where(gpu)} is up again")
         return out

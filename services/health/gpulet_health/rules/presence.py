@@ -23,16 +23,12 @@ from collections.abc import Sequence
 from gpulet_common.messages import GpuInfo, HealthKind
 from gpulet_common.nvml.adapter import NvmlEvent
 from gpulet_health.dedup import Emit, event_id
-from gpulet_health.rules.base import Family
+from gpulet_health.rules.base import Family, where
 from gpulet_health.state import Condition, GpuState
 
 # Conditions of a GPU that is not there; clearing one of them while the GPU is not
 # present forgets the GPU (it was taken out of the node on purpose).
 GONE_CONDITIONS = frozenset({"lost", "removed", "missing"})
-
-
-def _where(gpu: GpuState) -> str:
-    return f"GPU {gpu.index}" if gpu.index is not None else "the GPU"
 
 
 class Presence(Family):
@@ -79,13 +75,13 @@ class Presence(Family):
                 kit.rescan_wanted = True
                 continue
             if not first:
-                why = f"{_where(gpu)} is no longer in the node's GPU list (NVML count dropped)"
+                why = f"{where(gpu)} is no longer in the node's GPU list (NVML count dropped)"
                 out += self._gone(gpu, now, "removed", "gpu_removed", why)
                 continue
             known = gpu.info
             what = f" ({known.name}, bus {known.pci_bus_id})" if known and known.pci_bus_id else ""
             why = (
-                f"{_where(gpu)}{what} was on this node before but is missing at start: "
+                f"{where(gpu)}{what} was on this node before but is missing at start: "
                 f"{len(gpus)} GPU(s) answer NVML (lost, fallen off the bus or removed "
                 "while the agent was down)"
             )
@@ -123,19 +119,19 @@ class Presence(Family):
         out += kit.reset_observed(gpu, now, "the device came back after being lost or removed")
         if returned:
             # Last, so that it carries the GPU's health after the recoveries.
-            out += self._added(gpu, now, f"{_where(gpu)} is back")
+            out += self._added(gpu, now, f"{where(gpu)} is back")
         kit.rescan_wanted = True
         return out
 
     def lost(self, gpu: GpuState, now: float, detail: str) -> list[Emit]:
         """The GPU is lost: unhealthy, and out of the usable GPU list (removed)."""
         self.kit.rescan_wanted = True
-        reason = f"{_where(gpu)} is lost: {detail}"
+        reason = f"{where(gpu)} is lost: {detail}"
         out = self.kit.raise_(
             gpu, Condition("lost", "gpu_lost", "critical", reason, "reboot", now), now
         )
         if gpu.present:
-            why = f"{_where(gpu)} was taken out of the GPU list: it is lost"
+            why = f"{where(gpu)} was taken out of the GPU list: it is lost"
             out += self._gone(gpu, now, "removed", "gpu_removed", why)
         return out
 
