@@ -502,3 +502,30 @@ def test_keeper_waits_at_start_then_says_why_it_does_not_know() -> None:
     # The same input again: nothing offered.
     keeper.update(make_inventory("n", 1), {}, health_seen=True)
     assert keeper.debouncer.submitted == 3
+
+
+@pytest.mark.parametrize(
+    "node",
+    [
+        {"status": ["not", "a", "mapping"], "spec": "nor this"},
+        {"status": {"conditions": {"type": "GpuletGPUHealthy"}}, "spec": {"taints": "x"}},
+        {"status": {"conditions": [1, None, "GpuletGPUHealthy"]}, "spec": {"taints": {"a": 1}}},
+        {"status": None, "spec": None, "metadata": ["rv"]},
+        {},
+    ],
+)
+def test_a_malformed_node_reads_as_having_neither_condition_nor_taint(node: Any) -> None:
+    # The Node is the API server's word: odd shapes read as absent, never raise.
+    assert nh.find_condition(node) is None
+    assert nh.node_taints(node) == []
+    assert nh.taints_for(nh.node_taints(node), True) == [
+        {"key": nh.TAINT_KEY, "effect": nh.TAINT_EFFECT}
+    ]
+    assert nh.taints_for(nh.node_taints(node), False) is None
+
+
+def test_foreign_taint_entries_of_any_shape_are_kept() -> None:
+    odd = [1, "x", {"key": nh.TAINT_KEY, "effect": "NoExecute"}, {"key": "other"}]
+    node = {"spec": {"taints": [*odd, {"key": nh.TAINT_KEY, "effect": nh.TAINT_EFFECT}]}}
+    assert nh.taints_for(nh.node_taints(node), False) == odd
+    assert nh.taints_for(nh.node_taints(node), True) is None

@@ -262,9 +262,24 @@ class NodeHealthKeeper:
 # --- writing it ----------------------------------------------------------------------
 
 
+def _field(obj: Any, *path: str) -> Any:
+    """``obj[path[0]][path[1]]...``, or None where a step is not a mapping: the Node is
+    the API server's word, and a malformed one must not end the writer."""
+    for key in path:
+        if not isinstance(obj, dict):
+            return None
+        obj = obj.get(key)
+    return obj
+
+
+def node_taints(node: JsonObj | None) -> list[Any]:
+    taints = _field(node, "spec", "taints")
+    return taints if isinstance(taints, list) else []
+
+
 def find_condition(node: JsonObj | None) -> JsonObj | None:
-    conditions = ((node or {}).get("status") or {}).get("conditions") or []
-    for condition in conditions:
+    conditions = _field(node, "status", "conditions")
+    for condition in conditions if isinstance(conditions, list) else []:
         if isinstance(condition, dict) and condition.get("type") == CONDITION_TYPE:
             return condition
     return None
@@ -421,12 +436,12 @@ class NodeHealthWriter:
             return False
 
         def build(node: JsonObj) -> JsonObj | None:
-            taints = taints_for((node.get("spec") or {}).get("taints") or [], wanted)
+            taints = taints_for(node_taints(node), wanted)
             if taints is None:
                 return None
             patch: JsonObj = {"spec": {"taints": taints or None}}
-            version = (node.get("metadata") or {}).get("resourceVersion")
-            if version:
+            version = _field(node, "metadata", "resourceVersion")
+            if isinstance(version, str) and version:
                 patch["metadata"] = {"resourceVersion": version}
             return patch
 
