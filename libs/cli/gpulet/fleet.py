@@ -56,11 +56,10 @@ def _write_out(text: str, out: str) -> None:
     if out == "-":
         sys.stdout.write(text)
         return
-    path = Path(out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.touch(mode=0o600, exist_ok=True)
-    path.chmod(0o600)
-    path.write_text(text)
+    from gpulet_common.safefile import write_atomic
+
+    # A secret: mode 0600, never written through a symlink planted at --out.
+    write_atomic(Path(out), text.encode(), mode=0o600)
 
 
 def _cmd_init(args: argparse.Namespace, _load: LoadSettings) -> int:

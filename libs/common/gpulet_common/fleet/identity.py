@@ -39,7 +39,6 @@ which must then reach the hub (:meth:`push` or a config reload with the new prel
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +49,7 @@ import nkeys
 from gpulet_common import subjects
 from gpulet_common.fleet import jwt
 from gpulet_common.fleet.roles import FLEET_ACCOUNT, ROLES, SYSTEM_ACCOUNT, Role
+from gpulet_common.safefile import write_atomic
 
 __all__ = ["FLEET_ACCOUNT", "ROLES", "SYSTEM_ACCOUNT", "Credential", "IdentityStore", "Role"]
 
@@ -174,11 +174,8 @@ class IdentityStore:
     def _write_secret(self, rel: str, text: str) -> None:
         target = self.path / rel
         target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        tmp = target.with_name(target.name + ".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, target)
+        # Mode 0600, a random temporary name, never through a symlink (safefile).
+        write_atomic(target, text.encode(), mode=0o600)
 
     def _read(self, rel: str) -> str:
         try:
