@@ -91,6 +91,7 @@ class FleetRelay:
             "gpulet.fleet.relay_retries", description="Relays to the hub that were retried"
         )
         self._fail_log = RateLimitedLog(log, per_minute=6)
+        self._malformed_log = RateLimitedLog(log, per_minute=10)
         self.relayed = 0
         self.duplicates = 0
 
@@ -141,7 +142,9 @@ class FleetRelay:
         try:
             event = HEALTH_EVENT.decode(msg.data)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            log.warning("not relaying a malformed message on %s: %s", msg.subject, exc)
+            self._malformed_log.warning(
+                "not relaying a malformed message on %s: %s", msg.subject[:200], exc
+            )
             await msg.term()
             return
         delay = self._settings.relay_retry_initial_s

@@ -37,6 +37,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Sequence
 
+from gpulet_common.logutil import RateLimitedLog
 from gpulet_common.messages import GpuHealth, GpuInfo, GpuSample, HealthEvent, HealthState
 from gpulet_common.nvml.adapter import NvmlEvent
 from gpulet_common.settings.health import HealthSettings
@@ -54,6 +55,8 @@ from gpulet_health.rules.xid import Xid
 from gpulet_health.state import STICKY_KINDS, GpuState
 
 log = logging.getLogger("gpulet.health.rules")
+# Once per NVML event for a GPU the engine does not know: rate-limited.
+_unknown_log = RateLimitedLog(log, per_minute=10)
 
 # The families between XID (first) and presence (last), in the order they see inputs.
 FAMILIES: tuple[type[Family], ...] = (
@@ -193,7 +196,7 @@ class RuleEngine(Kit):
             uuid = self.index_map().get(event.gpu_index)
         gpu = self.gpus.get(uuid) if uuid is not None else None
         if gpu is None:
-            log.warning(
+            _unknown_log.warning(
                 "NVML event %s for an unknown GPU (%s, %s): rescanning",
                 sorted(event.kinds) or hex(event.event_type),
                 event.gpu_index,
