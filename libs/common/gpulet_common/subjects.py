@@ -104,6 +104,7 @@ _NODE_SCOPED: Final = (
     "gpu.inventory.",
     "gpu.samples.",
     "gpu.health.",
+    "gpu.events.",
     "gpulet.inventory.request.",
     "gpulet.health.state.",
     "gpulet.health.clear.",

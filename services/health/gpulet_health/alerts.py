@@ -59,6 +59,7 @@ from opentelemetry import metrics
 from gpulet_common import subjects
 from gpulet_common.bus import Bus, fetch_ready
 from gpulet_common.codec import GPU_HEALTH, HEALTH_EVENT
+from gpulet_common.logutil import RateLimitedLog
 from gpulet_common.messages import GpuHealth, HealthEvent
 from gpulet_common.settings.health import AlertSettings
 
@@ -186,7 +187,7 @@ class AlertmanagerSink:
         self.active: dict[AlertKey, dict[str, Any]] = {}
         # The alerts computed for the event being delivered: computing them updates
         # the active set, so a retried POST must re-send these, not recompute.
-        self._pending: tuple[str, list[dict[str, Any]]] | None = None
+        self._pending: tuple[tuple[str, str], list[dict[str, Any]]] | None = None
 
     # --- building alerts -------------------------------------------------------------
 
@@ -437,8 +438,9 @@ class AlertmanagerSink:
 
     async def deliver(self, event: HealthEvent) -> None:
         pending = self._pending
-        if pending is None or pending[0] != event.event_id:
-            pending = self._pending = (event.event_id, self.alerts_for(event, time.time()))
+        key = (event.node, event.event_id)  # per node: the consumer proved the node
+        if pending is None or pending[0] != key:
+            pending = self._pending = (key, self.alerts_for(event, time.time()))
         await self.post(pending[1])
         self._pending = None
 
@@ -484,6 +486,8 @@ class AlertsConsumer:
         self._malformed = meter.create_counter(
             "gpulet.alerts.malformed", description="Stream messages that were not health events"
         )
+        # Once per event (and retry): rate-limited, the count in the metrics above.
+        self._event_log = RateLimitedLog(log, per_minute=20)
         self.processed = 0
 
     @classmethod
@@ -654,12 +658,12 @@ class AlertsConsumer:
                     self._delivered.add(1, {"sink": sink.name.split(" ")[0]})
                 except PermanentDeliveryError as exc:
                     self._failures.add(1, {"sink": sink.name.split(" ")[0], "permanent": True})
-                    log.error(  # noqa: TRY400 - a rejection, not a bug: no traceback
+                    self._event_log.error(
                         "%s rejected event %s for good: %s", sink.name, event.event_id, exc
                     )
                 except DeliveryError as exc:
                     self._failures.add(1, {"sink": sink.name.split(" ")[0], "permanent": False})
-                    log.warning(
+                    self._event_log.warning(
                         "%s: delivery of %s failed (%s); retrying in %.1fs",
                         sink.name,
                         event.event_id,
@@ -681,5 +685,5 @@ class AlertsConsumer:
         except (nats.errors.Error, OSError) as exc:
             # Delivered but not acked: it comes again, and every sink is idempotent
             # for a repeat (same event id, same alert labels).
-            log.warning("acking %s failed: %s", event.event_id, exc)
+            self._event_log.warning("acking %s failed: %s", event.event_id, exc)
         self.processed += 1

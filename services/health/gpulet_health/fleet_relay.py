@@ -13,7 +13,8 @@ node's stream and hands each event to the hub's stream with an acknowledgement:
   service and resumes where it stopped;
 * each event is published, in stream order, on ``gpu.events.<node>`` (which the node's
   hub user may publish; the hub's ``GPU_FLEET`` stream captures it) with
-  ``Nats-Msg-Id = event_id``, as a request: the hub's JetStream answers with a publish
+  ``Nats-Msg-Id = <node>:<event_id>`` (de-duplicated per node: one node's ids never
+  collide with another's), as a request: the hub's JetStream answers with a publish
   ack once the event is stored on a quorum of its replicas;
 * only then is the node's message acked. No ack from the hub (timeout, no responders
   while the leaf reconnects, a 503 during a leader election) -> back off
@@ -51,6 +52,7 @@ from gpulet_common.codec import HEALTH_EVENT
 from gpulet_common.logutil import RateLimitedLog
 from gpulet_common.settings.fleet import FleetSettings
 from gpulet_common.settings.nats import NatsSettings
+from gpulet_health.dedup import msg_id
 
 log = logging.getLogger("gpulet.health.fleet_relay")
 
@@ -83,6 +85,7 @@ class FleetRelay:
         self._node = node
         self._settings = settings
         self._subject = subjects.fleet_events(node)
+        self._token = subjects.token(node)
         meter = meter or metrics.get_meter("gpulet.health.fleet_relay")
         self._relayed = meter.create_counter(
             "gpulet.fleet.events_relayed", description="Health events stored by the hub"
@@ -182,7 +185,8 @@ class FleetRelay:
             self._subject,
             data,
             timeout=self._settings.relay_timeout_s,
-            headers={"Nats-Msg-Id": event_id},
+            # Scoped to this node (the subject's): gpulet_health.dedup.msg_id.
+            headers={"Nats-Msg-Id": msg_id(self._token, event_id)},
         )
         try:
             ack = json.loads(reply.data)

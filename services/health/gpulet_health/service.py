@@ -66,6 +66,7 @@ from gpulet_common.nvml.errors import GpuLostError, NvmlCallError, NvmlUnavailab
 from gpulet_common.ordering import SenderOrder
 from gpulet_common.runtime import Runtime
 from gpulet_health.buffer import DiskBuffer
+from gpulet_health.dedup import load_id_key
 from gpulet_health.events_source import (
     CountChanged,
     EventReceived,
@@ -113,7 +114,10 @@ class HealthService:
         self._rt = runtime
         self._settings = runtime.settings.health
         self._node = runtime.node
-        self.engine = RuleEngine(self._node, self._settings)
+        # The node's event-id key (gpulet_health.dedup): ids stable across restarts,
+        # unguessable by anyone else. A tiny file read, once, at construction.
+        id_key = load_id_key(Path(runtime.settings.state_dir) / "health" / "event-id.key")
+        self.engine = RuleEngine(self._node, self._settings, id_key=id_key)
         directory = self._settings.buffer.directory or str(
             Path(runtime.settings.state_dir) / "health-buffer"
         )
@@ -127,6 +131,8 @@ class HealthService:
             Path(runtime.settings.state_dir) / "health" / "gpus.json", self._node
         )
         self._known_log = RateLimitedLog(log, per_minute=2)
+        # Once per kernel log record for a PCI address not of this node: rate-limited.
+        self._kmsg_log = RateLimitedLog(log, per_minute=10)
         self.store = StateStore(
             runtime.bus,
             self._node,
@@ -140,6 +146,7 @@ class HealthService:
             publish_timeout_s=self._settings.stream.publish_timeout_s,
             ensure_stream=self._ensure_stream,
             meter=runtime.meter,
+            ids=self.engine.ids,
         )
         # The node's summary for the hub's fleet view (docs/fleet.md).
         self.fleet_status = FleetStatusPublisher(
@@ -670,7 +677,7 @@ class HealthService:
     async def _on_kmsg_xid(self, xid: KmsgXid, boot: float) -> None:
         uuid = self._pci.get(xid.pci)
         if uuid is None:
-            log.warning(
+            self._kmsg_log.warning(
                 "kernel log XID %d for PCI %04x:%02x:%02x, not a GPU of this node: ignored",
                 xid.xid,
                 *xid.pci,

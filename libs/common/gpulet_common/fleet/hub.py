@@ -9,9 +9,9 @@ Design
   event published while the leaf link is down would never arrive), replicated
   (``fleet.replicas``, R3 on a 3-server cluster), with the limits of
   :class:`~gpulet_common.settings.fleet.FleetSettings`. Each event comes with
-  ``Nats-Msg-Id = event_id``, so the server drops a repeat within
-  ``duplicate_window_s``: a re-send after a lost ack, a relay that restarted before
-  acking its node's copy.
+  ``Nats-Msg-Id = <node>:<event_id>`` (per node: gpulet_health.dedup), so the server
+  drops a repeat within ``duplicate_window_s``: a re-send after a lost ack, a relay
+  that restarted before acking its node's copy.
 * :func:`ensure_fleet_bucket`: ``gpulet_fleet``, one key per node (its
   :class:`~gpulet_common.messages.NodeStatus`), written through the account's subject
   mapping ``gpu.fleet.* -> $KV.gpulet_fleet.*`` (identity.fleet_mappings).

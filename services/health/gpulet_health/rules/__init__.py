@@ -42,7 +42,7 @@ from gpulet_common.messages import GpuHealth, GpuInfo, GpuSample, HealthEvent, H
 from gpulet_common.nvml.adapter import NvmlEvent
 from gpulet_common.settings.health import HealthSettings
 from gpulet_health.catalogue import XidCatalogue
-from gpulet_health.dedup import Deduplicator, Emit, refreshed
+from gpulet_health.dedup import Deduplicator, Emit, EventIds, refreshed
 from gpulet_health.rules.base import Family, Kit
 from gpulet_health.rules.clocks import Clocks
 from gpulet_health.rules.ecc import Ecc
@@ -78,10 +78,19 @@ class UnknownCondition(LookupError):
 
 class RuleEngine(Kit):
     def __init__(
-        self, node: str, settings: HealthSettings, catalogue: XidCatalogue | None = None
+        self,
+        node: str,
+        settings: HealthSettings,
+        catalogue: XidCatalogue | None = None,
+        *,
+        id_key: bytes | None = None,
     ) -> None:
-        super().__init__(node, settings, catalogue or XidCatalogue.from_settings(settings))
-        self._dedup = Deduplicator(settings.dedup_window_s)
+        """``id_key``: the node's event-id key (:func:`~gpulet_health.dedup.load_id_key`);
+        None: a random one (ids unique, not stable across restarts)."""
+        super().__init__(
+            node, settings, catalogue or XidCatalogue.from_settings(settings), EventIds(id_key)
+        )
+        self._dedup = Deduplicator(settings.dedup_window_s, self.ids)
         self.xid, self.presence, self.nvlink = Xid(self), Presence(self), NvLink(self)
         self.families = [
             self.xid,
