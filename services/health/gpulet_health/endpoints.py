@@ -1,0 +1,105 @@
+"""The health service's two request endpoints.
+
+* ``gpulet.health.state.<node>``: the node's current health (one GPU or all), read from
+  the rule engine; an unknown GPU is refused ``unknown_gpu``, naming the known ones.
+* ``gpulet.health.clear.<node>``: an operator clears a GPU's sticky conditions (or one
+  named condition); refused ``invalid_request``, ``unknown_gpu`` or
+  ``unknown_condition`` (naming the active ones). The resulting events are published
+  like any other, and the list of expected GPUs is updated (a cleared ``missing`` GPU
+  that is not present is forgotten).
+
+Refusals follow :mod:`gpulet_common.refusal` (through :meth:`Bus.serve`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import anyio
+import anyio.abc
+
+from gpulet_common import codec, subjects
+from gpulet_common.bus import Bus, Delivery, Refused
+from gpulet_common.messages import HealthClearRequest, HealthState, HealthStateRequest
+from gpulet_health.emit import EventStage
+from gpulet_health.rules import RuleEngine, UnknownCondition, UnknownGpu
+from gpulet_health.scan import GpuScanner
+
+log = logging.getLogger("gpulet.health")
+
+
+class HealthEndpoints:
+    def __init__(
+        self, bus: Bus, node: str, engine: RuleEngine, stage: EventStage, scanner: GpuScanner
+    ) -> None:
+        self._bus = bus
+        self._node = node
+        self._engine = engine
+        self._stage = stage
+        self._scanner = scanner
+
+    async def serve_state(
+        self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        async def answer(request: Delivery[HealthStateRequest]) -> HealthState:
+            gpu = request.value.gpu
+            try:
+                return self._engine.state(time.time(), gpu)
+            except UnknownGpu:
+                raise Refused("unknown_gpu", self._unknown_gpu(gpu or "")) from None
+
+        await self._bus.serve(
+            subjects.health_state(self._node),
+            answer,
+            codec.HEALTH_STATE_REQUEST,
+            codec.HEALTH_STATE,
+            task_status=task_status,
+        )
+
+    async def serve_clear(
+        self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        await self._bus.serve(
+            subjects.health_clear(self._node),
+            self._clear,
+            codec.HEALTH_CLEAR_REQUEST,
+            codec.HEALTH_STATE,
+            task_status=task_status,
+        )
+
+    async def _clear(self, request: Delivery[HealthClearRequest]) -> HealthState:
+        value = request.value
+        if not value.gpu.strip():
+            raise Refused("invalid_request", "gpu must be a GPU UUID or index")
+        if value.condition is not None and not value.condition.strip():
+            raise Refused("invalid_request", "condition must not be empty")
+        now = time.time()
+        try:
+            gpu, events = self._engine.clear(value.gpu, value.condition, now, value.requested_by)
+        except UnknownGpu:
+            raise Refused("unknown_gpu", self._unknown_gpu(value.gpu)) from None
+        except UnknownCondition:
+            gpu = self._engine.find(value.gpu)
+            active = ", ".join(sorted(gpu.conditions)) or "none"
+            raise Refused(
+                "unknown_condition",
+                f"GPU {value.gpu} has no active condition {value.condition!r} (active: {active})",
+            ) from None
+        log.info(
+            "%s cleared %s on GPU %s (%d condition(s))",
+            value.requested_by,
+            value.condition or "the sticky conditions",
+            gpu.uuid,
+            len([e for e in events if e.kind == "cleared"]),
+        )
+        await self._stage.emit(events)
+        await self._scanner.remember()
+        return HealthState(node=self._node, gpus=[gpu.snapshot()], updated_at=now)
+
+    def _unknown_gpu(self, ref: str) -> str:
+        known = ", ".join(
+            f"{g.index}={g.uuid}"
+            for g in sorted(self._engine.gpus.values(), key=lambda g: g.index or 0)
+        )
+        return f"no GPU {ref!r} on node {self._node} (known: {known or 'none'})"
