@@ -18,14 +18,13 @@ import anyio
 import msgspec
 import pytest
 
+from gpulet_alerting import fleet_hub
+from gpulet_alerting.fleet_alerts import hub_consumer
 from gpulet_common import codec, subjects
 from gpulet_common.bus import Bus
-from gpulet_common.fleet import hub as fleet_hub
 from gpulet_common.messages import ActiveCondition, GpuHealth, HealthState
 from gpulet_common.settings import Settings
 from gpulet_common.settings.fleet import FleetSettings
-from gpulet_health.dedup import msg_id
-from gpulet_health.fleet_alerts import hub_consumer
 from gpulet_health.fleet_status import FleetStatusPublisher
 from support.deploy import inbox_prefix, password_for, set_passwords
 from support.fleet import Hub, fault_event, running_hub, running_leaves, running_node
@@ -92,7 +91,7 @@ async def test_events_reach_the_fleet_stream_once_and_alerts_deliver_them(
                     subjects.fleet_events(NODE),
                     codec.HEALTH_EVENT.encode(events[3]),
                     timeout=5,
-                    headers={"Nats-Msg-Id": msg_id(subjects.token(NODE), events[3].event_id)},
+                    headers={"Nats-Msg-Id": subjects.event_msg_id(NODE, events[3].event_id)},
                 )
                 ack = json.loads(reply.data)
                 assert ack["stream"] == subjects.FLEET_STREAM
@@ -135,7 +134,7 @@ async def test_another_node_cannot_have_a_nodes_event_dropped_by_using_its_id(
             ),
             max_initial_attempts=5,
         ) as evil:
-            for header in (genuine.event_id, msg_id(subjects.token(attacker), genuine.event_id)):
+            for header in (genuine.event_id, subjects.event_msg_id(attacker, genuine.event_id)):
                 reply = await evil.client.request(
                     subjects.fleet_events(attacker),
                     codec.HEALTH_EVENT.encode(forged),

@@ -15,7 +15,6 @@ from gpulet_common.embedded_nats import EmbeddedNats
 from gpulet_common.messages import HealthEvent, HealthStateRequest
 from gpulet_common.settings.nats import NatsSettings
 from gpulet_health.buffer import DiskBuffer
-from gpulet_health.dedup import msg_id
 from gpulet_health.kv import StateStore
 from support.health_harness import health_node, until
 
@@ -59,7 +58,7 @@ async def test_late_consumer_replays_from_the_stream_and_ids_deduplicate(
             subjects.health(h.node),
             events[0],
             codec.HEALTH_EVENT,
-            msg_id=msg_id(subjects.token(h.node), events[0].event_id),
+            msg_id=subjects.event_msg_id(h.node, events[0].event_id),
         )
         after = await bus.jetstream.stream_info(subjects.HEALTH_STREAM)
         assert after.state.messages == info.state.messages == 3

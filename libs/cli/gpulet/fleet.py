@@ -25,9 +25,9 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import msgspec
 
+from gpulet_alerting import fleet_hub as hub
 from gpulet_common.bus import Bus, BusError
 from gpulet_common.cli_support import AddFlags, LoadSettings, bind, tool_nats
-from gpulet_common.fleet import hub
 from gpulet_common.fleet.roles import FLEET_ACCOUNT, ROLES, Role
 from gpulet_common.settings import Settings
 from gpulet_common.settings.nats import NatsSettings

@@ -144,6 +144,13 @@ def fleet_kv_key(node: str) -> str:
     return token(node)
 
 
+def event_msg_id(node: str, event_id: str) -> str:
+    """A health event's de-duplication key where several nodes meet (``Nats-Msg-Id``
+    in a stream, a consumer's memory): scoped to the node that published it, so one
+    node's ids never make another's events "duplicates"."""
+    return f"{token(node)}:{event_id}"
+
+
 def fleet_events(node: str) -> str:
     """Where a node's relay hands its health events to the hub's fleet stream."""
     return f"gpu.events.{token(node)}"

@@ -11,7 +11,8 @@ same id, and JetStream (``Nats-Msg-Id``) and consumers drop the copy; yet no one
 without the key can tell an id before it is published. A recovery's id in particular
 is not computable from its raise event: a compromised node cannot publish another
 node's future ids first and have the genuine events dropped as duplicates (issue 23).
-Consumers de-duplicate per node as well (:func:`msg_id`, ``<node>:<event id>``).
+Consumers de-duplicate per node as well (``<node>:<event id>``,
+:func:`gpulet_common.subjects.event_msg_id`).
 
 Repeat windows
 --------------
@@ -88,12 +89,6 @@ def load_id_key(path: Path) -> bytes:
     except OSError as exc:
         log.warning("cannot keep the event-id key in %s (ids change on restart): %s", path, exc)
     return key
-
-
-def msg_id(node_token: str, event_id: str) -> str:
-    """An event's de-duplication key in a stream or consumer shared by several nodes:
-    scoped to the node that published it (``Nats-Msg-Id``, the hub's consumer)."""
-    return f"{node_token}:{event_id}"
 
 
 DedupKey = tuple[str, str]  # (gpu uuid, condition or report key)

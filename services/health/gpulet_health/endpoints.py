@@ -20,24 +20,17 @@ import anyio
 import anyio.abc
 
 from gpulet_common import codec, subjects
-from gpulet_common.bus import Bus, Delivery, Refused
+from gpulet_common.bus import Delivery, Refused
 from gpulet_common.messages import HealthClearRequest, HealthState, HealthStateRequest
-from gpulet_health.emit import EventStage
-from gpulet_health.rules import RuleEngine, UnknownCondition, UnknownGpu
-from gpulet_health.scan import GpuScanner
+from gpulet_health.rules import UnknownCondition, UnknownGpu
+from gpulet_health.stages import HealthStages
 
 log = logging.getLogger("gpulet.health")
 
 
 class HealthEndpoints:
-    def __init__(
-        self, bus: Bus, node: str, engine: RuleEngine, stage: EventStage, scanner: GpuScanner
-    ) -> None:
-        self._bus = bus
-        self._node = node
-        self._engine = engine
-        self._stage = stage
-        self._scanner = scanner
+    def __init__(self, stages: HealthStages) -> None:
+        self._s = stages
 
     async def serve_state(
         self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
@@ -45,12 +38,12 @@ class HealthEndpoints:
         async def answer(request: Delivery[HealthStateRequest]) -> HealthState:
             gpu = request.value.gpu
             try:
-                return self._engine.state(time.time(), gpu)
+                return self._s.engine.state(time.time(), gpu)
             except UnknownGpu:
                 raise Refused("unknown_gpu", self._unknown_gpu(gpu or "")) from None
 
-        await self._bus.serve(
-            subjects.health_state(self._node),
+        await self._s.bus.serve(
+            subjects.health_state(self._s.node),
             answer,
             codec.HEALTH_STATE_REQUEST,
             codec.HEALTH_STATE,
@@ -60,8 +53,8 @@ class HealthEndpoints:
     async def serve_clear(
         self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
     ) -> None:
-        await self._bus.serve(
-            subjects.health_clear(self._node),
+        await self._s.bus.serve(
+            subjects.health_clear(self._s.node),
             self._clear,
             codec.HEALTH_CLEAR_REQUEST,
             codec.HEALTH_STATE,
@@ -76,11 +69,11 @@ class HealthEndpoints:
             raise Refused("invalid_request", "condition must not be empty")
         now = time.time()
         try:
-            gpu, events = self._engine.clear(value.gpu, value.condition, now, value.requested_by)
+            gpu, events = self._s.engine.clear(value.gpu, value.condition, now, value.requested_by)
         except UnknownGpu:
             raise Refused("unknown_gpu", self._unknown_gpu(value.gpu)) from None
         except UnknownCondition:
-            gpu = self._engine.find(value.gpu)
+            gpu = self._s.engine.find(value.gpu)
             active = ", ".join(sorted(gpu.conditions)) or "none"
             raise Refused(
                 "unknown_condition",
@@ -93,13 +86,13 @@ class HealthEndpoints:
             gpu.uuid,
             len([e for e in events if e.kind == "cleared"]),
         )
-        await self._stage.emit(events)
-        await self._scanner.remember()
-        return HealthState(node=self._node, gpus=[gpu.snapshot()], updated_at=now)
+        await self._s.stage.emit(events)
+        await self._s.scanner.remember()
+        return HealthState(node=self._s.node, gpus=[gpu.snapshot()], updated_at=now)
 
     def _unknown_gpu(self, ref: str) -> str:
         known = ", ".join(
             f"{g.index}={g.uuid}"
-            for g in sorted(self._engine.gpus.values(), key=lambda g: g.index or 0)
+            for g in sorted(self._s.engine.gpus.values(), key=lambda g: g.index or 0)
         )
-        return f"no GPU {ref!r} on node {self._node} (known: {known or 'none'})"
+        return f"no GPU {ref!r} on node {self._s.node} (known: {known or 'none'})"

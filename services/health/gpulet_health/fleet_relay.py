@@ -52,7 +52,6 @@ from gpulet_common.codec import HEALTH_EVENT
 from gpulet_common.logutil import RateLimitedLog
 from gpulet_common.settings.fleet import FleetSettings
 from gpulet_common.settings.nats import NatsSettings
-from gpulet_health.dedup import msg_id
 
 log = logging.getLogger("gpulet.health.fleet_relay")
 
@@ -85,7 +84,6 @@ class FleetRelay:
         self._node = node
         self._settings = settings
         self._subject = subjects.fleet_events(node)
-        self._token = subjects.token(node)
         meter = meter or metrics.get_meter("gpulet.health.fleet_relay")
         self._relayed = meter.create_counter(
             "gpulet.fleet.events_relayed", description="Health events stored by the hub"
@@ -185,8 +183,8 @@ class FleetRelay:
             self._subject,
             data,
             timeout=self._settings.relay_timeout_s,
-            # Scoped to this node (the subject's): gpulet_health.dedup.msg_id.
-            headers={"Nats-Msg-Id": msg_id(self._token, event_id)},
+            # Scoped to this node (the subject's): subjects.event_msg_id.
+            headers={"Nats-Msg-Id": subjects.event_msg_id(self._node, event_id)},
         )
         try:
             ack = json.loads(reply.data)

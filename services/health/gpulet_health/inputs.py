@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import TypeVar
 
 import anyio
 import anyio.abc
@@ -34,13 +35,12 @@ from anyio.streams.memory import MemoryObjectReceiveStream
 from opentelemetry import metrics
 
 from gpulet_common import codec, subjects
-from gpulet_common.bus import Bus
+from gpulet_common.codec import Codec
 from gpulet_common.logutil import RateLimitedLog
 from gpulet_common.messages import HealthEvent, Inventory, SampleBatch
 from gpulet_common.ordering import SenderOrder
 from gpulet_common.settings.health import HealthSettings
 from gpulet_common.telemetry import StatusBoard
-from gpulet_health.emit import EventStage
 from gpulet_health.events_source import (
     CountChanged,
     EventReceived,
@@ -59,36 +59,28 @@ from gpulet_health.kmsg import (
     boot_id,
     boot_wall_time,
 )
-from gpulet_health.rules import RuleEngine
-from gpulet_health.scan import GpuScanner
+from gpulet_health.stages import HealthStages
 
 log = logging.getLogger("gpulet.health")
 
 KMSG_COMPONENT = "health.kmsg"
+T = TypeVar("T")
 
 
 class RuleDriver:
     def __init__(
         self,
+        stages: HealthStages,
         *,
-        bus: Bus,
-        node: str,
         settings: HealthSettings,
-        engine: RuleEngine,
-        stage: EventStage,
-        scanner: GpuScanner,
         gauges: HealthGauges,
         status: StatusBoard,
         meter: metrics.Meter,
         on_nvml: Callable[[str | None], None],
     ) -> None:
         """``on_nvml(reason)``: NVML went down (a reason) or came back (None)."""
-        self._bus = bus
-        self._node = node
+        self._s = stages
         self._settings = settings
-        self._engine = engine
-        self._stage = stage
-        self._scanner = scanner
         self._gauges = gauges
         self._status = status
         self._on_nvml = on_nvml
@@ -116,7 +108,7 @@ class RuleDriver:
                 await self._handle_source(item)
 
     async def _handle_source(self, item: SourceItem) -> None:
-        engine = self._engine
+        engine = self._s.engine
         if isinstance(item, EventReceived):
             event = item.event
             xid = event.xid
@@ -126,43 +118,53 @@ class RuleDriver:
                 and not self._xid_dedup.admit("nvml", event.gpu_uuid, xid, time.monotonic())
             ):
                 return  # the kernel log reported this XID first
-            await self._stage.emit(engine.observe_nvml_event(event))
+            await self._s.stage.emit(engine.observe_nvml_event(event))
         elif isinstance(item, LostSignal):
             uuid = item.uuid
             if uuid is None and item.index is not None:
                 uuid = engine.index_map().get(item.index)
             if uuid is not None:
-                await self._stage.emit(engine.observe_lost(uuid, item.timestamp, item.detail))
+                await self._s.stage.emit(engine.observe_lost(uuid, item.timestamp, item.detail))
             # Also when NVML did not say which GPU: the scan finds out.
-            self._scanner.request()
+            self._s.scanner.request()
         elif isinstance(item, CountChanged):
             log.info("GPU count changed to %d", item.count)
-            self._scanner.request()
+            self._s.scanner.request()
         elif isinstance(item, Registered):
-            self._scanner.registered_now(item)
+            self._s.scanner.registered_now(item)
         elif isinstance(item, NvmlDown):
             self._on_nvml(item.reason)
-            await self._stage.emit(engine.observe_nvml_unavailable(item.reason, item.timestamp))
+            await self._s.stage.emit(engine.observe_nvml_unavailable(item.reason, item.timestamp))
         elif isinstance(item, NvmlUp):
             self._on_nvml(None)
-            await self._stage.emit(engine.observe_nvml_available(item.timestamp))
+            await self._s.stage.emit(engine.observe_nvml_available(item.timestamp))
             self._on_nvml(None)  # the status as of after the events
-            self._scanner.request()
+            self._s.scanner.request()
 
     # --- the collector ---------------------------------------------------------------
 
     async def consume_samples(
         self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
     ) -> None:
-        async with self._bus.subscribe(
-            subjects.samples(self._node), codec.SAMPLES, node=self._node
-        ) as stream:
+        await self._consume(
+            subjects.samples(self._s.node), codec.SAMPLES, self.on_samples, task_status
+        )
+
+    async def _consume(
+        self,
+        subject: str,
+        message_codec: Codec[T],
+        handle: Callable[[T], Awaitable[None]],
+        task_status: anyio.abc.TaskStatus[None],
+    ) -> None:
+        """Hand every message of this node's ``subject`` to ``handle``, in order."""
+        async with self._s.bus.subscribe(subject, message_codec, node=self._s.node) as stream:
             task_status.started()
             async for delivery in stream:
-                await self.on_samples(delivery.value)
+                await handle(delivery.value)
 
     async def on_samples(self, batch: SampleBatch) -> None:
-        if batch.node != self._node:
+        if batch.node != self._s.node:
             return
         if not self._sample_order.accept(batch.boot_id, batch.seq):
             self._late_samples.add(1)
@@ -170,44 +172,42 @@ class RuleDriver:
             return
         events: list[HealthEvent] = []
         for sample in batch.samples:
-            events += self._engine.observe_sample(sample)
+            events += self._s.engine.observe_sample(sample)
         if any(e.kind == "gpu_added" for e in events):
             # A lost GPU answers again: watch it before saying so.
-            await self._scanner.emit_watched(events, self._scanner.last_count)
+            await self._s.scanner.emit_watched(events, self._s.scanner.last_count)
         else:
-            await self._stage.emit(events)
+            await self._s.stage.emit(events)
 
     async def consume_inventory(
         self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
     ) -> None:
-        async with self._bus.subscribe(
-            subjects.inventory(self._node), codec.INVENTORY, node=self._node
-        ) as stream:
-            task_status.started()
-            async for delivery in stream:
-                if self.on_inventory(delivery.value):
-                    # NVLinks up and down are the collector's word (its inventory).
-                    await self._stage.emit(
-                        self._engine.observe_nvlinks(delivery.value.gpus, time.time())
-                    )
+        await self._consume(
+            subjects.inventory(self._s.node), codec.INVENTORY, self._on_inventory, task_status
+        )
+
+    async def _on_inventory(self, inventory: Inventory) -> None:
+        if self.on_inventory(inventory):
+            # NVLinks up and down are the collector's word (its inventory).
+            await self._s.stage.emit(self._s.engine.observe_nvlinks(inventory.gpus, time.time()))
 
     def on_inventory(self, inventory: Inventory) -> bool:
         """Take the collector's inventory; False when it is not this node's, degraded,
         or older than one already seen."""
-        if inventory.node != self._node or inventory.degraded_reason is not None:
+        if inventory.node != self._s.node or inventory.degraded_reason is not None:
             return False
         if not self._inventory_order.accept(inventory.boot_id, inventory.seq):
             return False  # an older one of the collector's, delivered late
         self._gauges.take_labels(inventory)
-        self._scanner.learn_pci(inventory.gpus)
+        self._s.scanner.learn_pci(inventory.gpus)
         theirs = {(g.index, g.uuid) for g in inventory.gpus}
-        ours = {(i, u) for i, u in self._engine.index_map().items()}
+        ours = {(i, u) for i, u in self._s.engine.index_map().items()}
         if theirs != ours:
             log.info(
                 "the collector's inventory (generation %d) differs from ours: rescanning",
                 inventory.generation,
             )
-            self._scanner.request()
+            self._s.scanner.request()
         return True
 
     # --- the kernel log --------------------------------------------------------------
@@ -234,7 +234,7 @@ class RuleDriver:
         boot = boot_wall_time()
         try:
             while True:
-                if not self._engine.gpus:  # nothing to tie a PCI address to yet
+                if not self._s.engine.gpus:  # nothing to tie a PCI address to yet
                     await anyio.sleep(cfg.poll_s)
                     continue
                 try:
@@ -253,7 +253,7 @@ class RuleDriver:
             reader.close()
 
     async def _on_kmsg_xid(self, xid: KmsgXid, boot: float) -> None:
-        uuid = self._scanner.pci.get(xid.pci)
+        uuid = self._s.scanner.pci.get(xid.pci)
         if uuid is None:
             self._kmsg_log.warning(
                 "kernel log XID %d for PCI %04x:%02x:%02x, not a GPU of this node: ignored",
@@ -267,4 +267,4 @@ class RuleDriver:
         logged_at = boot + xid.usec / 1e6
         ago = max(0.0, now - logged_at)
         seen_in = "from the kernel log" + (f", logged {ago:.0f} s earlier" if ago >= 2 else "")
-        await self._stage.emit(self._engine.observe_xid(uuid, xid.xid, now, seen_in=seen_in))
+        await self._s.stage.emit(self._s.engine.observe_xid(uuid, xid.xid, now, seen_in=seen_in))

@@ -42,7 +42,7 @@ from gpulet_common.codec import HEALTH_EVENT
 from gpulet_common.logutil import RateLimitedLog
 from gpulet_common.messages import HealthEvent
 from gpulet_health.buffer import DiskBuffer, Overflow
-from gpulet_health.dedup import EventIds, msg_id
+from gpulet_health.dedup import EventIds
 
 log = logging.getLogger("gpulet.health.publisher")
 
@@ -74,7 +74,6 @@ class HealthPublisher:
         self._bus = bus
         self._node = node
         self._ids = ids or EventIds()
-        self._msg_prefix = subjects.token(node)
         self._subject = subjects.health(node)
         self._buffer = buffer
         self._timeout_s = publish_timeout_s
@@ -211,7 +210,7 @@ class HealthPublisher:
                 self._subject,
                 stamped,
                 HEALTH_EVENT,
-                msg_id=msg_id(self._msg_prefix, event.event_id),
+                msg_id=subjects.event_msg_id(self._node, event.event_id),
                 timeout_s=self._timeout_s,
             )
         except (nats.errors.Error, OSError, TimeoutError) as exc:

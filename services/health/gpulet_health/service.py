@@ -40,7 +40,8 @@ task group, restores what a previous run left (KV state, expected GPUs), adopts 
 when it is (or becomes) available, and keeps the status board true. The stages live
 beside it: the scan stage (:mod:`.scan`), the rule-driving stage (:mod:`.inputs`: NVML
 events, samples, inventories, the kernel log), the publish stage (:mod:`.emit`, then
-:mod:`.publisher`), the endpoints (:mod:`.endpoints`) and the gauges (:mod:`.gauges`).
+:mod:`.publisher`), the endpoints (:mod:`.endpoints`) and the gauges (:mod:`.gauges`);
+:mod:`.stages` carries what the stages share.
 """
 
 from __future__ import annotations
@@ -73,6 +74,7 @@ from gpulet_health.kv import StateStore
 from gpulet_health.publisher import HealthPublisher
 from gpulet_health.rules import RuleEngine
 from gpulet_health.scan import GpuScanner
+from gpulet_health.stages import HealthStages
 
 log = logging.getLogger("gpulet.health")
 
@@ -129,21 +131,16 @@ class HealthService:
             on_rescan_wanted=lambda: self.scanner.request(),
         )
         self.scanner = GpuScanner(self.engine, self.stage, self.known, self._settings)
+        stages = HealthStages(runtime.bus, self._node, self.engine, self.stage, self.scanner)
         self.inputs = RuleDriver(
-            bus=runtime.bus,
-            node=self._node,
+            stages,
             settings=self._settings,
-            engine=self.engine,
-            stage=self.stage,
-            scanner=self.scanner,
             gauges=HealthGauges(self.engine, self._node, runtime.meter),
             status=runtime.status,
             meter=runtime.meter,
             on_nvml=self._nvml_changed,
         )
-        self.endpoints = HealthEndpoints(
-            runtime.bus, self._node, self.engine, self.stage, self.scanner
-        )
+        self.endpoints = HealthEndpoints(stages)
         self._nvml_down = False
         # Set when the state a previous run left could not be read (said in /readyz).
         self._restore_problem = ""

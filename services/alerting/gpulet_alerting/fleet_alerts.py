@@ -2,8 +2,8 @@
 
 Design
 ------
-The same :class:`~gpulet_health.alerts.AlertsConsumer` as on a node, pointed at the
-hub's replicated ``GPU_FLEET`` stream (gpulet_common.fleet.hub) through one durable
+The same :class:`~gpulet_alerting.consumer.AlertsConsumer` as on a node, pointed at the
+hub's replicated ``GPU_FLEET`` stream (:mod:`.fleet_hub`) through one durable
 pull consumer, ``fleet.alerts_durable``, that every replica of ``gpulet alerts --hub``
 shares. A pull consumer hands each message to one fetch, so each event goes to one
 replica; it is acked only after every sink took it. An event a replica took and did
@@ -31,13 +31,13 @@ from typing import TextIO
 import msgspec
 from opentelemetry import metrics
 
+from gpulet_alerting.consumer import AlertsConsumer
+from gpulet_alerting.sinks import AlertSink
 from gpulet_common import subjects
 from gpulet_common.bus import Bus
 from gpulet_common.messages import HealthEvent
 from gpulet_common.settings import Settings
 from gpulet_common.settings.health import AlertSettings
-from gpulet_health.alerts import AlertsConsumer, AlertSink
-from gpulet_health.dedup import msg_id
 
 DEDUP_CAPACITY = 65536
 
@@ -56,7 +56,7 @@ class DedupSink:
         # Per node: another node's event with the same id is another event. The node
         # is the one the subject proved (the consumer rejects an event that names
         # another node than its subject's gpu.events.<node>).
-        key = msg_id(subjects.token(event.node), event.event_id)
+        key = subjects.event_msg_id(event.node, event.event_id)
         if key in self._seen:
             self._seen.move_to_end(key)
             self.skipped += 1
