@@ -76,6 +76,17 @@ class CredentialLedger(msgspec.Struct, kw_only=True):
 _LEDGER = msgspec.json.Decoder(CredentialLedger)
 
 
+def _consumer_rights(stream: str) -> list[str]:
+    """What any user that reads ``stream`` through a consumer of its own publishes."""
+    return [
+        "$JS.API.INFO",
+        f"$JS.API.STREAM.INFO.{stream}",
+        f"$JS.API.CONSUMER.CREATE.{stream}",
+        f"$JS.API.CONSUMER.CREATE.{stream}.>",
+        f"$JS.API.CONSUMER.INFO.{stream}.*",
+    ]
+
+
 def user_permissions(role: Role, node: str = "") -> jwt.UserNats:
     """What a user of each role may do on the hub."""
     inbox = f"_INBOX.{role}.>"
@@ -97,12 +108,8 @@ def user_permissions(role: Role, node: str = "") -> jwt.UserNats:
         return jwt.UserNats(
             pub=jwt.Permission(
                 allow=[
-                    "$JS.API.INFO",
-                    f"$JS.API.STREAM.INFO.{stream}",
-                    f"$JS.API.CONSUMER.CREATE.{stream}",
-                    f"$JS.API.CONSUMER.CREATE.{stream}.>",
+                    *_consumer_rights(stream),
                     f"$JS.API.CONSUMER.DURABLE.CREATE.{stream}.*",
-                    f"$JS.API.CONSUMER.INFO.{stream}.*",
                     f"$JS.API.CONSUMER.MSG.NEXT.{stream}.*",
                     f"$JS.ACK.{stream}.>",
                 ]
@@ -113,16 +120,12 @@ def user_permissions(role: Role, node: str = "") -> jwt.UserNats:
         return jwt.UserNats(
             pub=jwt.Permission(
                 allow=[
-                    "$JS.API.INFO",
-                    f"$JS.API.STREAM.INFO.{kv_stream}",
+                    *_consumer_rights(kv_stream),
                     f"$JS.API.STREAM.INFO.{stream}",
                     f"$JS.API.DIRECT.GET.{kv_stream}",
                     f"$JS.API.DIRECT.GET.{kv_stream}.>",
                     f"$JS.API.STREAM.MSG.GET.{kv_stream}",
-                    f"$JS.API.CONSUMER.CREATE.{kv_stream}",
-                    f"$JS.API.CONSUMER.CREATE.{kv_stream}.>",
                     f"$JS.API.CONSUMER.DELETE.{kv_stream}.*",
-                    f"$JS.API.CONSUMER.INFO.{kv_stream}.*",
                     # Flow control replies of the bucket watch (an ordered consumer).
                     f"$JS.FC.{kv_stream}.>",
                 ]
