@@ -164,6 +164,12 @@ def _known_gpus(state: Path) -> None:
     KnownGpus(state / "gpus.json", "n1").save([gpu])
 
 
+def _event_id_key(state: Path) -> None:
+    from gpulet_health.dedup import load_id_key
+
+    assert len(load_id_key(state / "event-id.key")) == 32  # a random key when refused
+
+
 def _identity(state: Path) -> None:
     from gpulet_common.fleet.identity import IdentityStore
 
@@ -195,6 +201,7 @@ WRITERS: list[tuple[Callable[[Path], None], str, str | None]] = [
     (_buffer_cursor, "cursor.json", "cursor.tmp"),
     (_buffer_overflow, "overflow.json", "overflow.tmp"),
     (_known_gpus, "gpus.json", None),
+    (_event_id_key, "event-id.key", None),
     (_identity, "operator.seed", "operator.seed.tmp"),
     (_identity, "ledger.json", "ledger.json.tmp"),
     (_cli_creds_out, "node.creds", None),
@@ -258,7 +265,9 @@ def test_a_link_at_the_old_temporary_name_is_never_followed(
 def test_the_fleet_creds_and_seeds_are_private(tmp_path: Path) -> None:
     _identity(tmp_path)
     _cli_creds_out(tmp_path)
-    for path in (tmp_path / "operator.seed", tmp_path / "ledger.json", tmp_path / "node.creds"):
+    _event_id_key(tmp_path)
+    secrets = ("operator.seed", "ledger.json", "node.creds", "event-id.key")
+    for path in (tmp_path / name for name in secrets):
         assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
 
 
