@@ -65,6 +65,10 @@ def test_write_atomic_refuses_a_symlinked_directory(tmp_path: Path) -> None:
     with pytest.raises(UnsafePathError, match="symlink"):
         write_atomic(tmp_path / "state" / "x.json", b"evil")
     assert list(real.iterdir()) == []
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    with pytest.raises(UnsafePathError, match="symlink"):
+        open_append(tmp_path / "dangling" / "x.log")
+    assert not (tmp_path / "nowhere").exists()
 
 
 def test_write_atomic_refuses_a_directory_target(tmp_path: Path) -> None:

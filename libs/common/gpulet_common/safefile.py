@@ -62,6 +62,8 @@ def tmp_prefix(path: Path) -> str:
 
 
 def _open_dir(directory: Path, *, create: bool) -> int:
+    if directory.is_symlink():  # a dangling one too: mkdir would only say "exists"
+        raise UnsafePathError(errno.ELOOP, f"refusing to write in {directory}: it is a symlink")
     if create:
         directory.mkdir(parents=True, exist_ok=True)
     try:
