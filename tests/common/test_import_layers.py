@@ -4,6 +4,10 @@
 * A service never imports another service's internals; what two services share lives
   in ``gpulet_common``.
 * Only the CLI (libs/cli, ``gpulet``) puts services together.
+* The node's health service (``gpulet_health``) imports nothing of its consumers:
+  neither the alerting package (``gpulet_alerting``: alert delivery, the fleet hub)
+  nor the fleet's credential tooling (``gpulet_common.fleet``); and those import
+  nothing of it.
 * Inside the allocator, the decision layer (``engine/``, ``core``, ``protocol``, the
   Koordinator book, the store) never imports the kubelet adapter (``plugin/``); the
   engine imports only the contract (``protocol``) besides itself.
@@ -27,6 +31,7 @@ SERVICES = {
     "gpulet_allocator": ROOT / "services" / "allocator" / "gpulet_allocator",
     "gpulet_collector": ROOT / "services" / "collector" / "gpulet_collector",
     "gpulet_health": ROOT / "services" / "health" / "gpulet_health",
+    "gpulet_alerting": ROOT / "services" / "alerting" / "gpulet_alerting",
     "gpulet_reporter": ROOT / "services" / "reporter" / "gpulet_reporter",
 }
 COMMON = ROOT / "libs" / "common" / "gpulet_common"
@@ -68,6 +73,24 @@ def test_no_service_imports_another(service: str) -> None:
     others = (set(SERVICES) - {service}) | {"gpulet"}
     bad = sorted((f, pkg) for f, pkg in imported(SERVICES[service]) if pkg in others)
     assert bad == []
+
+
+def test_node_health_imports_nothing_of_its_consumers() -> None:
+    health = set(imported(SERVICES["gpulet_health"], full=True))
+    assert any(m.startswith("gpulet_common") for _, m in health)  # the scan sees them
+    bad = sorted(
+        (f, m)
+        for f, m in health
+        if m.split(".")[0] == "gpulet_alerting" or m.startswith("gpulet_common.fleet")
+    )
+    assert bad == []
+    # Nor the other way round: what consumes health events knows them from the wire.
+    back = sorted((f, m) for f, m in imported(SERVICES["gpulet_alerting"]) if m == "gpulet_health")
+    assert back == []
+    # And the hub's side is not in the node's packages (nor in libs/common).
+    assert not (SERVICES["gpulet_health"] / "alerts.py").exists()
+    assert not (SERVICES["gpulet_health"] / "fleet_alerts.py").exists()
+    assert not (COMMON / "fleet" / "hub.py").exists()
 
 
 ALLOCATOR = SERVICES["gpulet_allocator"]

@@ -35,6 +35,7 @@ RUN_ORDER: tuple[str, ...] = ("collector", "health", "reporter", "allocator", "d
 # `add_commands(subparsers, add_settings_flags, load_settings)`.
 COMMAND_MODULES: tuple[str, ...] = (
     "gpulet_health.cli",
+    "gpulet_alerting.cli",
     "gpulet_reporter.cli",
     "gpulet_allocator.cli",
     "gpulet.fleet",

@@ -55,8 +55,11 @@ from gpulet_allocator.protocol import ContainerAllocation, PreferredRequest
 from gpulet_common import subjects
 from gpulet_common.bus import Bus, BusError, NoResponders, Refused, RequestTimeout
 from gpulet_common.codec import Codec
+from gpulet_common.logutil import RateLimitedLog
 
 log = logging.getLogger("gpulet.device-plugin")
+# Once per failed request (a bug, but one per request): rate-limited.
+_unexpected_log = RateLimitedLog(log, per_minute=10)
 
 Q = TypeVar("Q")
 R = TypeVar("R")
@@ -236,5 +239,5 @@ def _as_bus_error(exc: Exception) -> BusError:
     """``exc`` if it is one of the tree, else an ``internal`` refusal naming it (a bug)."""
     if isinstance(exc, BusError):
         return exc
-    log.error("allocate over NATS failed unexpectedly", exc_info=exc)
+    _unexpected_log.error("allocate over NATS failed unexpectedly: %s: %s", type(exc).__name__, exc)
     return Refused("internal", f"{type(exc).__name__}: {exc}")

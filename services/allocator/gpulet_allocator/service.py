@@ -94,6 +94,8 @@ from gpulet_common.settings import Settings
 from gpulet_common.telemetry import REQUEST_LATENCY_BUCKETS_S
 
 log = logging.getLogger("gpulet.allocator")
+# Once per request whose reply cannot be sent: rate-limited (a caller controls it).
+_answer_log = RateLimitedLog(log, per_minute=10)
 
 T = TypeVar("T")
 
@@ -417,7 +419,7 @@ class AllocatorService:
         except ValueError:
             pass  # a publish, not a request: nobody to answer
         except (nats.errors.Error, OSError) as exc:
-            log.warning("cannot answer on %s: %s", req.subject, exc)
+            _answer_log.warning("cannot answer on %s: %s", req.subject[:200], exc)
 
     async def _ok(self, req: Request, endpoint: str, data: bytes, started: float) -> None:
         await self._send(req, data)

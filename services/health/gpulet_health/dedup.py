@@ -2,11 +2,17 @@
 
 Event ids
 ---------
-Every event's id is a hash of what the event *is*: node, GPU, kind, condition, the
-onset time of the condition and what happened to it (raised, repeated, ended). It is
-never random. So a republish -- from the disk buffer after an outage, or after a crash
-between publishing and recording that it was published -- carries the same id, and
-JetStream (``Nats-Msg-Id``) and consumers drop the copy.
+Every event's id is a keyed hash (HMAC-SHA256, 128 bits) of what the event *is*:
+node, GPU, kind, condition, the onset time of the condition and what happened to it
+(raised, repeated, ended), under the node's own secret key (:class:`EventIds`, kept
+0600 in the state dir by :func:`load_id_key`). So a republish -- from the disk buffer
+after an outage, or after a restart that derives the same event again -- carries the
+same id, and JetStream (``Nats-Msg-Id``) and consumers drop the copy; yet no one
+without the key can tell an id before it is published. A recovery's id in particular
+is not computable from its raise event: a compromised node cannot publish another
+node's future ids first and have the genuine events dropped as duplicates (issue 23).
+Consumers de-duplicate per node as well (``<node>:<event id>``,
+:func:`gpulet_common.subjects.event_msg_id`).
 
 Repeat windows
 --------------
@@ -27,21 +33,62 @@ items, an event with its key and what it does to the key's window.
 from __future__ import annotations
 
 import hashlib
+import hmac
+import logging
+import secrets
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal, NamedTuple
 
 import msgspec
 
 from gpulet_common.messages import HealthEvent
+from gpulet_common.safefile import write_atomic
+
+log = logging.getLogger("gpulet.health.dedup")
+
+KEY_BYTES = 32
 
 
-def event_id(*parts: object) -> str:
-    """A stable id from the parts (128 bits of SHA-256, hex)."""
-    text = "\x1f".join(
-        "" if p is None else repr(p) if isinstance(p, float) else str(p) for p in parts
-    )
-    return hashlib.sha256(text.encode()).hexdigest()[:32]
+class EventIds:
+    """Event ids: HMAC-SHA256 of the parts under the node's key (128 bits, hex).
+
+    Stable for one key (a republish has the same id), unguessable without it. A new
+    instance without a key gets a random one: unique ids, stable for its lifetime.
+    """
+
+    def __init__(self, key: bytes | None = None) -> None:
+        self._key = key if key else secrets.token_bytes(KEY_BYTES)
+
+    def __call__(self, *parts: object) -> str:
+        text = "\x1f".join(
+            "" if p is None else repr(p) if isinstance(p, float) else str(p) for p in parts
+        )
+        return hmac.new(self._key, text.encode(), hashlib.sha256).hexdigest()[:32]
+
+
+def load_id_key(path: Path) -> bytes:
+    """The node's event-id key from ``path``, made (0600, :mod:`~gpulet_common.safefile`)
+    when missing. Blocking. A key that cannot be read or kept is replaced by a random
+    one for this run (ids stay unique and unguessable; a restart may then publish an
+    event again under a new id), and the log says why."""
+    try:
+        data = path.read_bytes()
+        if len(data) >= KEY_BYTES and not path.is_symlink():
+            return data[:KEY_BYTES]
+        if data:
+            log.warning("ignoring the event-id key %s: not a key gpulet wrote", path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        log.warning("cannot read the event-id key %s: %s", path, exc)
+    key = secrets.token_bytes(KEY_BYTES)
+    try:
+        write_atomic(path, key, mode=0o600)
+    except OSError as exc:
+        log.warning("cannot keep the event-id key in %s (ids change on restart): %s", path, exc)
+    return key
 
 
 DedupKey = tuple[str, str]  # (gpu uuid, condition or report key)
@@ -72,8 +119,9 @@ class _Window:
 
 
 class Deduplicator:
-    def __init__(self, window_s: float) -> None:
+    def __init__(self, window_s: float, ids: EventIds) -> None:
         self._window_s = window_s
+        self._ids = ids
         self._windows: dict[DedupKey, _Window] = {}
 
     def apply(self, emits: Iterable[Emit]) -> list[HealthEvent]:
@@ -133,7 +181,7 @@ class Deduplicator:
         span = max(window.last - window.start, 0.0)
         summary = msgspec.structs.replace(
             template,
-            event_id=event_id(template.event_id, "repeat", window.start),
+            event_id=self._ids(template.event_id, "repeat", window.start),
             repeat_count=count,
             observed_at=window.last,
             published_at=0.0,

@@ -83,6 +83,7 @@ from typing import Any, Final
 
 import pynvml
 
+from gpulet_common.logutil import RateLimitedLog
 from gpulet_common.messages import MockInjectReply, MockInjectRequest
 from gpulet_common.mock_nvml.latency import LatencyProfile
 from gpulet_common.mock_nvml.scenario import (
@@ -103,6 +104,8 @@ from gpulet_common.mock_nvml.scenario import (
 )
 
 log = logging.getLogger("gpulet.mock_nvml")
+# One per injection request from the bus: rate-limited.
+_inject_log = RateLimitedLog(log, per_minute=30)
 
 _EV_SBE: Final = EVENT_TYPES["single_bit_ecc"]
 _EV_DBE: Final = EVENT_TYPES["double_bit_ecc"]
@@ -464,9 +467,9 @@ class MockNvml:
         )
         applied, detail = self.apply(fault)
         if applied:
-            log.info("mock NVML fault injected: %s", detail)
+            _inject_log.info("mock NVML fault injected: %s", detail)
         else:
-            log.warning("mock NVML fault %r rejected: %s", request.fault, detail)
+            _inject_log.warning("mock NVML fault %r rejected: %s", request.fault, detail)
         return MockInjectReply(applied=applied, detail=detail)
 
     @property

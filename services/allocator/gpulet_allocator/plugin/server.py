@@ -55,9 +55,12 @@ from gpulet_allocator.protocol import (
     PreferredRequest,
     ResourceSpec,
 )
+from gpulet_common.logutil import RateLimitedLog
 from gpulet_common.refusal import BusError, Refused, RequestTimeout, status_of
 
 log = logging.getLogger(__name__)
+# Once per kubelet request that fails or falls back: rate-limited.
+_rpc_log = RateLimitedLog(log, per_minute=20)
 
 T = TypeVar("T")
 Context = grpc.aio.ServicerContext[Any, Any]
@@ -175,7 +178,7 @@ class KubeletServicer(pb_grpc.DevicePluginServicer):
             if not (status in _NO_REFUSAL and self._config.preferred_fallback):
                 self._observe("GetPreferredAllocation", status, started)
                 await context.abort(status, details)
-            log.warning(
+            _rpc_log.warning(
                 "GetPreferredAllocation for %s answered locally: %s", self._spec.name, details
             )
             self._metrics.fallback(self._spec.name)
@@ -199,7 +202,9 @@ class KubeletServicer(pb_grpc.DevicePluginServicer):
             gpus = self._gpus()
             responses = [self._container_response(a, gpus) for a in allocations]
         except BusError as failure:
-            log.warning("Allocate %s %s failed: %s", self._spec.name, container_requests, failure)
+            _rpc_log.warning(
+                "Allocate %s %s failed: %s", self._spec.name, str(container_requests)[:300], failure
+            )
             status = grpc_status(failure)
             self._observe("Allocate", status, started)
             await context.abort(status, _details("Allocate", failure))
@@ -248,7 +253,7 @@ class KubeletServicer(pb_grpc.DevicePluginServicer):
         except BusError:
             raise
         except Exception as exc:
-            log.exception("%s backend for %s failed", rpc, self._spec.name)
+            _rpc_log.exception("%s backend for %s failed", rpc, self._spec.name)
             detail = f"{rpc}: allocator backend error: {type(exc).__name__}: {exc}"
             raise Refused("internal", detail) from exc
 

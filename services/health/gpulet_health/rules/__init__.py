@@ -37,11 +37,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Sequence
 
+from gpulet_common.logutil import RateLimitedLog
 from gpulet_common.messages import GpuHealth, GpuInfo, GpuSample, HealthEvent, HealthState
 from gpulet_common.nvml.adapter import NvmlEvent
 from gpulet_common.settings.health import HealthSettings
 from gpulet_health.catalogue import XidCatalogue
-from gpulet_health.dedup import Deduplicator, Emit, refreshed
+from gpulet_health.dedup import Deduplicator, Emit, EventIds, refreshed
 from gpulet_health.rules.base import Family, Kit
 from gpulet_health.rules.clocks import Clocks
 from gpulet_health.rules.ecc import Ecc
@@ -54,6 +55,8 @@ from gpulet_health.rules.xid import Xid
 from gpulet_health.state import STICKY_KINDS, GpuState
 
 log = logging.getLogger("gpulet.health.rules")
+# Once per NVML event for a GPU the engine does not know: rate-limited.
+_unknown_log = RateLimitedLog(log, per_minute=10)
 
 # The families between XID (first) and presence (last), in the order they see inputs.
 FAMILIES: tuple[type[Family], ...] = (
@@ -75,10 +78,19 @@ class UnknownCondition(LookupError):
 
 class RuleEngine(Kit):
     def __init__(
-        self, node: str, settings: HealthSettings, catalogue: XidCatalogue | None = None
+        self,
+        node: str,
+        settings: HealthSettings,
+        catalogue: XidCatalogue | None = None,
+        *,
+        id_key: bytes | None = None,
     ) -> None:
-        super().__init__(node, settings, catalogue or XidCatalogue.from_settings(settings))
-        self._dedup = Deduplicator(settings.dedup_window_s)
+        """``id_key``: the node's event-id key (:func:`~gpulet_health.dedup.load_id_key`);
+        None: a random one (ids unique, not stable across restarts)."""
+        super().__init__(
+            node, settings, catalogue or XidCatalogue.from_settings(settings), EventIds(id_key)
+        )
+        self._dedup = Deduplicator(settings.dedup_window_s, self.ids)
         self.xid, self.presence, self.nvlink = Xid(self), Presence(self), NvLink(self)
         self.families = [
             self.xid,
@@ -193,7 +205,7 @@ class RuleEngine(Kit):
             uuid = self.index_map().get(event.gpu_index)
         gpu = self.gpus.get(uuid) if uuid is not None else None
         if gpu is None:
-            log.warning(
+            _unknown_log.warning(
                 "NVML event %s for an unknown GPU (%s, %s): rescanning",
                 sorted(event.kinds) or hex(event.event_type),
                 event.gpu_index,

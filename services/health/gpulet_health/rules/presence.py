@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 from gpulet_common.messages import GpuInfo, HealthKind
 from gpulet_common.nvml.adapter import NvmlEvent
-from gpulet_health.dedup import Emit, event_id
+from gpulet_health.dedup import Emit
 from gpulet_health.rules.base import Family, where
 from gpulet_health.state import Condition, GpuState
 
@@ -96,7 +96,7 @@ class Presence(Family):
         return self.kit.raise_(gpu, cond, now)
 
     def _added(self, gpu: GpuState, now: float, reason: str) -> list[Emit]:
-        eid = event_id(self.kit.node, gpu.uuid, "added", now)
+        eid = self.kit.ids(self.kit.node, gpu.uuid, "added", now)
         event = self.kit.event(gpu, eid, now, "gpu_added", "info", reason)
         return [Emit("pass", (gpu.uuid, "added"), event)]
 

@@ -2,8 +2,8 @@
 
 Design
 ------
-The same :class:`~gpulet_health.alerts.AlertsConsumer` as on a node, pointed at the
-hub's replicated ``GPU_FLEET`` stream (gpulet_common.fleet.hub) through one durable
+The same :class:`~gpulet_alerting.consumer.AlertsConsumer` as on a node, pointed at the
+hub's replicated ``GPU_FLEET`` stream (:mod:`.fleet_hub`) through one durable
 pull consumer, ``fleet.alerts_durable``, that every replica of ``gpulet alerts --hub``
 shares. A pull consumer hands each message to one fetch, so each event goes to one
 replica; it is acked only after every sink took it. An event a replica took and did
@@ -15,7 +15,9 @@ in flight across replicas.
 That is at-least-once. "Exactly once to the sink" is the sink's part: every event
 carries its ``event_id``, the same on every redelivery, and Alertmanager (same labels,
 same alert) and a webhook receiver that keys on ``event_id`` absorb a repeat. Each
-replica also remembers the last ``DEDUP_CAPACITY`` event ids it delivered and acks a
+replica also remembers the last ``DEDUP_CAPACITY`` event ids it delivered (per
+node: ``<node>:<event_id>``, the node being the one the subject ``gpu.events.<node>``
+proves, as the node user may publish there only) and acks a
 redelivery of one of them without calling the sinks again (:class:`DedupSink`), which
 removes the repeats a lost ack would cause; the repeats a replica's death causes reach
 the other replica, and the sink's own de-duplication.
@@ -29,12 +31,13 @@ from typing import TextIO
 import msgspec
 from opentelemetry import metrics
 
+from gpulet_alerting.consumer import AlertsConsumer
+from gpulet_alerting.sinks import AlertSink
 from gpulet_common import subjects
 from gpulet_common.bus import Bus
 from gpulet_common.messages import HealthEvent
 from gpulet_common.settings import Settings
 from gpulet_common.settings.health import AlertSettings
-from gpulet_health.alerts import AlertsConsumer, AlertSink
 
 DEDUP_CAPACITY = 65536
 
@@ -50,12 +53,16 @@ class DedupSink:
         self.skipped = 0
 
     async def deliver(self, event: HealthEvent) -> None:
-        if event.event_id in self._seen:
-            self._seen.move_to_end(event.event_id)
+        # Per node: another node's event with the same id is another event. The node
+        # is the one the subject proved (the consumer rejects an event that names
+        # another node than its subject's gpu.events.<node>).
+        key = subjects.event_msg_id(event.node, event.event_id)
+        if key in self._seen:
+            self._seen.move_to_end(key)
             self.skipped += 1
             return
         await self._inner.deliver(event)
-        self._seen[event.event_id] = None
+        self._seen[key] = None
         if len(self._seen) > self._capacity:
             self._seen.popitem(last=False)
 

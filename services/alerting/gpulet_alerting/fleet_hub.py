@@ -1,4 +1,5 @@
-"""The hub side of the fleet: its stream, its bucket and the fleet view.
+"""The hub side of the fleet: its stream, its bucket and the fleet view (what
+``gpulet fleet setup`` and ``gpulet fleet status`` run, cluster-side).
 
 Design
 ------
@@ -9,12 +10,12 @@ Design
   event published while the leaf link is down would never arrive), replicated
   (``fleet.replicas``, R3 on a 3-server cluster), with the limits of
   :class:`~gpulet_common.settings.fleet.FleetSettings`. Each event comes with
-  ``Nats-Msg-Id = event_id``, so the server drops a repeat within
-  ``duplicate_window_s``: a re-send after a lost ack, a relay that restarted before
-  acking its node's copy.
+  ``Nats-Msg-Id = <node>:<event_id>`` (per node: subjects.event_msg_id), so the
+  server drops a repeat within ``duplicate_window_s``: a re-send after a lost ack, a
+  relay that restarted before acking its node's copy.
 * :func:`ensure_fleet_bucket`: ``gpulet_fleet``, one key per node (its
   :class:`~gpulet_common.messages.NodeStatus`), written through the account's subject
-  mapping ``gpu.fleet.* -> $KV.gpulet_fleet.*`` (identity.fleet_mappings).
+  mapping ``gpu.fleet.* -> $KV.gpulet_fleet.*`` (gpulet_common.fleet.identity.fleet_mappings).
 * :func:`read_fleet`: the latest status of every node with the time the *hub* stored
   it ("last heard": the server's clock, not the node's), newest status per key by
   stream sequence. A value that does not decode is reported as such, never fatal.
