@@ -908,6 +908,7 @@ REPLY_CODECS: Final[dict[str, Codec[Any]]] = {
     p.ENDPOINT_RELEASE: p.RELEASE_REPLY,
     p.ENDPOINT_STATE: p.STATE_REPLY,
     p.ENDPOINT_RESET: p.RESET_REPLY,
+    p.ENDPOINT_WITHHELD: p.WITHHELD_REPLY,
 }
 REQUEST_CODECS: Final[dict[str, Codec[Any]]] = {
     p.ENDPOINT_ALLOCATE: p.ALLOCATE_REQUEST,
@@ -916,6 +917,7 @@ REQUEST_CODECS: Final[dict[str, Codec[Any]]] = {
     p.ENDPOINT_RELEASE: p.RELEASE_REQUEST,
     p.ENDPOINT_STATE: p.STATE_REQUEST,
     p.ENDPOINT_RESET: p.RESET_REQUEST,
+    p.ENDPOINT_WITHHELD: p.WITHHELD_REQUEST,
 }
 
 
@@ -951,6 +953,7 @@ class Fuzz:
             p.ENDPOINT_RELEASE: service._on_release,
             p.ENDPOINT_STATE: service._on_state,
             p.ENDPOINT_RESET: service._on_reset,
+            p.ENDPOINT_WITHHELD: service._on_withheld,
         }
         #: Outcome ("ok" or the refusal's code) of every answer, by endpoint.
         self.tally: dict[str, Counter[str]] = {e: Counter() for e in p.ENDPOINTS}

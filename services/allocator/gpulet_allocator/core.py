@@ -496,24 +496,25 @@ class AllocatorCore:
         return uuid
 
     def _check_usable(self, claim: Claim, uuid: str, *, whole: bool) -> DeviceState:
-        state = self.ledger.device(uuid)
-        name = self._describe([uuid])
-        if not state.present:
-            self._refuse(claim, f"GPU {name} is lost (no longer in the inventory)")
-        if not state.healthy:
-            self._refuse(claim, f"GPU {name} is unhealthy")
-        if whole and state.whole_owner is not None:
-            self._refuse(
-                claim, f"GPU {name} is already held by allocation {state.whole_owner.allocation_id}"
-            )
-        if whole and state.shares:
-            holders = ", ".join(sh.owner.allocation_id for sh in state.shares)
-            self._refuse(claim, f"GPU {name} already holds shares ({holders})")
-        if not whole and state.whole_owner is not None:
-            self._refuse(
-                claim, f"GPU {name} is held whole by allocation {state.whole_owner.allocation_id}"
-            )
-        return state
+        # The ledger's one answer, refused as a decision that cannot be followed.
+        refused = self.ledger.refusal(uuid, whole=whole)
+        if refused is not None:
+            # Its message names the card by UUID; the Event names it by minor too.
+            self._refuse(claim, "GPU " + refused.message.replace(uuid, self._describe([uuid]), 1))
+        return self.ledger.device(uuid)
+
+    def withheld(self) -> dict[str, str]:
+        """Cards kubelet must not count as whole GPUs, and why: healthy, present, not
+        held whole (kubelet knows of those), yet the ledger refuses them whole -- they
+        hold shares. The device plugin lists them ``Unhealthy`` for the whole-GPU
+        resource."""
+        out: dict[str, str] = {}
+        for d in self.ledger.devices():
+            if d.present and self.ledger.refusal(d.uuid, whole=False) is None:
+                refused = self.ledger.refusal(d.uuid, whole=True)
+                if refused is not None:
+                    out[d.uuid] = refused.message
+        return out
 
     def _decided_whole(self, claim: Claim) -> list[str]:
         """The UUIDs koord-scheduler decided for a whole-GPU claim, checked usable."""

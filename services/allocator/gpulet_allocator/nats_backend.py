@@ -222,9 +222,29 @@ class NatsAllocationBackend:
         )
         return reply.containers
 
-    async def _call(self, endpoint: str, value: Q, request: Codec[Q], reply: Codec[R]) -> R:
+    async def withheld(self, epoch: str, version: int, wait_s: float) -> p.WithheldReply:
+        """The cards kubelet must not count as whole GPUs: a long poll of ``wait_s``."""
+        return await self._call(
+            p.ENDPOINT_WITHHELD,
+            p.WithheldRequest(epoch=epoch, version=version, wait_s=wait_s),
+            p.WITHHELD_REQUEST,
+            p.WITHHELD_REPLY,
+            timeout_s=wait_s + self._timeout_s,
+        )
+
+    async def _call(
+        self,
+        endpoint: str,
+        value: Q,
+        request: Codec[Q],
+        reply: Codec[R],
+        *,
+        timeout_s: float | None = None,
+    ) -> R:
         subject = subjects.allocator_endpoint(self._node, endpoint)
-        return await self._bus.request(subject, value, request, reply, timeout_s=self._timeout_s)
+        return await self._bus.request(
+            subject, value, request, reply, timeout_s=timeout_s or self._timeout_s
+        )
 
 
 def _stopping() -> RequestTimeout:

@@ -27,6 +27,7 @@ preferred  :class:`PreferredAllocation  :class:`PreferredAllocationReply`
 release    :class:`ReleaseRequest`      :class:`ReleaseReply`
 state      :class:`StateRequest`        :class:`StateReply`
 reset      :class:`ResetRequest`        :class:`ResetReply`
+withheld   :class:`WithheldRequest`     :class:`WithheldReply`
 ========== ============================ =============================================
 
 ``allocate-batch`` carries several kubelet calls in one message: the device plugin
@@ -34,6 +35,11 @@ coalesces the Allocate calls that arrive while one of its requests is in flight
 (:mod:`.nats_backend`). Each call is decided on its own, in order, exactly as if it
 had come alone; the answer lists one :class:`AllocateOutcome` per call (containers,
 or the refusal), and leaves once all of them are durable.
+
+``withheld`` tells the device plugin which cards kubelet must not count as whole GPUs
+(they hold shares), so that its whole-GPU ``ListAndWatch`` lists them ``Unhealthy``.
+It is a long poll: a request that names the current ``epoch`` and ``version`` is
+answered when the set changes, or after ``wait_s`` (at most :data:`MAX_WITHHELD_WAIT_S`).
 
 ``reset`` is the operator's: after a corrupt checkpoint the allocator refuses to
 allocate (``checkpoint_lost``) until PodResources rebuilt its record or an operator
@@ -209,6 +215,7 @@ ENDPOINT_RELEASE: Final = "release"
 ENDPOINT_STATE: Final = "state"
 ENDPOINT_ALLOCATE_BATCH: Final = "allocate-batch"
 ENDPOINT_RESET: Final = "reset"
+ENDPOINT_WITHHELD: Final = "withheld"
 ENDPOINTS: Final = (
     ENDPOINT_ALLOCATE,
     ENDPOINT_PREFERRED,
@@ -216,7 +223,10 @@ ENDPOINTS: Final = (
     ENDPOINT_STATE,
     ENDPOINT_ALLOCATE_BATCH,
     ENDPOINT_RESET,
+    ENDPOINT_WITHHELD,
 )
+# The longest a withheld long poll is held open by the allocator.
+MAX_WITHHELD_WAIT_S: Final = 30.0
 # The most kubelet calls one allocate-batch may carry (the plugin sends fewer).
 MAX_BATCH_CALLS: Final = 64
 
@@ -349,6 +359,23 @@ class ResetReply(_Body, frozen=True, kw_only=True):
     allocations: list[AllocationView] = []
 
 
+class WithheldRequest(_Body, frozen=True, kw_only=True):
+    """Which cards may not go whole; wait up to ``wait_s`` for a change past
+    ``version`` of ``epoch`` (an allocator that restarted has a new epoch)."""
+
+    epoch: str = ""
+    version: int = 0
+    wait_s: float = 0.0
+
+
+class WithheldReply(_Body, frozen=True, kw_only=True):
+    """The cards kubelet must not count as whole GPUs, each with the reason."""
+
+    epoch: str
+    version: int
+    withheld: dict[str, str] = {}
+
+
 ALLOCATE_REQUEST = Codec(AllocateRequest)
 ALLOCATE_REPLY = Codec(AllocateReply)
 ALLOCATE_BATCH_REQUEST = Codec(AllocateBatchRequest)
@@ -361,3 +388,5 @@ STATE_REQUEST = Codec(StateRequest)
 STATE_REPLY = Codec(StateReply)
 RESET_REQUEST = Codec(ResetRequest)
 RESET_REPLY = Codec(ResetReply)
+WITHHELD_REQUEST = Codec(WithheldRequest)
+WITHHELD_REPLY = Codec(WithheldReply)

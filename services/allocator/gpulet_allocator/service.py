@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import secrets
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -214,6 +215,12 @@ class AllocatorService:
             "gpulet.allocator.allocations", description="Allocations held"
         )
         self._held = 0
+        # The cards kubelet must not count as whole GPUs (core.withheld), versioned for
+        # the device plugin's long poll; a new epoch per start.
+        self._withheld: dict[str, str] = {}
+        self._withheld_epoch = secrets.token_hex(8)
+        self._withheld_version = 0
+        self._withheld_changed = anyio.Event()
         #: The running nats.micro service (for tests and the status line).
         self.micro: Service | None = None
 
@@ -272,6 +279,7 @@ class AllocatorService:
                     p.ENDPOINT_RELEASE: self._on_release,
                     p.ENDPOINT_STATE: self._on_state,
                     p.ENDPOINT_RESET: self._on_reset,
+                    p.ENDPOINT_WITHHELD: self._on_withheld,
                 }
                 for endpoint, handler in handlers.items():
                     await service.add_endpoint(
@@ -387,12 +395,23 @@ class AllocatorService:
             healthy = self.view.healthy(uuid)
             if self.core.set_health(uuid, healthy):
                 log.info("GPU %s is now %s", uuid, "healthy" if healthy else "unhealthy")
+        self._follow_withheld()
 
     def _count_held(self) -> None:
         held = self.core.ledger.count()
         if held != self._held:
             self._allocations.add(held - self._held)
             self._held = held
+        self._follow_withheld()
+
+    def _follow_withheld(self) -> None:
+        """Wake the device plugin's long polls when the withheld cards change."""
+        withheld = self.core.withheld()
+        if withheld != self._withheld:
+            self._withheld = withheld
+            self._withheld_version += 1
+            changed, self._withheld_changed = self._withheld_changed, anyio.Event()
+            changed.set()
 
     def _stats_data(self, stats: EndpointStats) -> dict[str, Any]:
         counts = self._counts.get(stats.name)
@@ -648,6 +667,38 @@ class AllocatorService:
 
         reply = p.ResetReply(accepted=True, detail=detail, allocations=kept)
         await self._answer_durably(req, endpoint, p.RESET_REPLY.encode(reply), started, undo)
+
+    async def _on_withheld(self, req: Request) -> None:
+        """The long poll of the device plugin (see :mod:`.protocol`)."""
+        endpoint = p.ENDPOINT_WITHHELD
+        started = time.perf_counter()
+        value = await self._decode(req, endpoint, p.WITHHELD_REQUEST, started)
+        if value is None:
+            return
+
+        async def answer() -> None:
+            reply = p.WithheldReply(
+                epoch=self._withheld_epoch,
+                version=self._withheld_version,
+                withheld=self._withheld,
+            )
+            await self._ok(req, endpoint, p.WITHHELD_REPLY.encode(reply), started)
+
+        current = value.epoch == self._withheld_epoch and value.version == self._withheld_version
+        if not (current and value.wait_s > 0):
+            await answer()
+            return
+        changed = self._withheld_changed
+        wait_s = min(value.wait_s, p.MAX_WITHHELD_WAIT_S)
+
+        async def when_changed() -> None:
+            with anyio.move_on_after(wait_s):
+                await changed.wait()
+            await answer()
+
+        assert self._tg is not None
+        # Not in the handler: nats.micro hands an endpoint one message at a time.
+        self._tg.start_soon(when_changed)
 
     async def _on_state(self, req: Request) -> None:
         started = time.perf_counter()

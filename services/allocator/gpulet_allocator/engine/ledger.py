@@ -121,11 +121,6 @@ class DeviceState:
     def schedulable(self) -> bool:
         return self.healthy and self.present
 
-    @property
-    def free_whole(self) -> bool:
-        """Can be handed out as a whole card right now."""
-        return self.schedulable and self.whole_owner is None and not self.shares
-
 
 @dataclass
 class _LedgerGpu:
@@ -148,10 +143,6 @@ class _LedgerGpu:
     @property
     def schedulable(self) -> bool:
         return self.present and self.healthy
-
-    @property
-    def free_whole(self) -> bool:
-        return self.schedulable and self.whole is None and not self.shares
 
 
 def _as_gpus(gpus: Inventory | Iterable[GpuInfo]) -> list[GpuInfo]:
@@ -281,7 +272,7 @@ class Ledger:
             raise self._conflict(owner, existing, f"{count} whole GPU(s)")
 
         self._check_named(must, whole=True)
-        free = [g.uuid for g in self._ordered() if g.free_whole and g.uuid in self._topology]
+        free = [u for u in self.free_whole() if u in self._topology]
         if count > len(free):
             healthy = sum(1 for g in self._gpus.values() if g.schedulable)
             raise Refused(
@@ -322,7 +313,9 @@ class Ledger:
             self._check_named([device], whole=False)
             cards = [self._card(self._gpus[device])]
         else:
-            cards = [self._card(g) for g in self._ordered() if g.schedulable and g.whole is None]
+            cards = [
+                self._card(g) for g in self._ordered() if self.refusal(g.uuid, whole=False) is None
+            ]
         rank = self._untouched_rank(cards)
         card = pick_share(cards, cores, memory_units, rank=rank, largest_card=self._largest_card())
         alloc = ShareAllocation(
@@ -364,8 +357,8 @@ class Ledger:
         return [a for k, a in sorted(self._allocs.items()) if allocation_id in (None, k[0])]
 
     def free_whole(self) -> list[str]:
-        """Healthy, present cards with no allocation at all, in index order."""
-        return [g.uuid for g in self._ordered() if g.free_whole]
+        """The cards that may go whole now (:meth:`refusal`), in index order."""
+        return [g.uuid for g in self._ordered() if self.refusal(g.uuid, whole=True) is None]
 
     def device(self, uuid: str) -> DeviceState:
         g = self._known(uuid)
@@ -385,22 +378,55 @@ class Ledger:
     def devices(self) -> list[DeviceState]:
         return [self.device(g.uuid) for g in self._ordered()]
 
+    def refusal(self, uuid: str, *, whole: bool) -> Refused | None:
+        """Why a known card may not take a new allocation now (None: it may).
+
+        ``whole``: the card as a whole GPU. This is the one answer to "may this card go
+        whole?": Allocate (:meth:`_check_named`), :meth:`preferred`, :meth:`free_whole`,
+        koord-scheduler's decisions and what the device plugin lists all ask it.
+        """
+        g = self._known(uuid)
+        if not g.present:
+            return Refused("unhealthy_device", f"{uuid} is lost (missing from the inventory)")
+        if not g.healthy:
+            return Refused("unhealthy_device", f"{uuid} is unhealthy")
+        if g.whole is not None:
+            holder = self._allocs[g.whole].owner.describe()
+            return Refused("insufficient_capacity", f"{uuid} is allocated whole to {holder}")
+        if whole and g.shares:
+            return Refused(
+                "insufficient_capacity",
+                f"{uuid} holds {len(g.shares)} share(s) and is not offered whole",
+            )
+        return None
+
     def preferred(
         self, available: Iterable[str], must_include: Iterable[str], size: int
     ) -> list[str]:
         """``GetPreferredAllocation``: ``size`` of kubelet's ``available`` IDs.
 
-        Cards the ledger knows to be busy or unhealthy are avoided while enough others
-        are offered; kubelet's list wins otherwise (a preference must be an answer).
+        Only cards that may go whole (:meth:`refusal`) are offered: a preference that
+        the Allocate after it refuses fails the pod all the same, so too few of them
+        is refused here, saying why the others cannot go.
         """
         avail = list(dict.fromkeys(available))
         must = list(dict.fromkeys(must_include))
         unknown = sorted({u for u in (*avail, *must) if u not in self._gpus})
         if unknown:
             raise Refused("unknown_device", f"unknown GPU IDs: {', '.join(unknown)}")
-        in_topo = [u for u in avail if u in self._topology]
-        good = [u for u in in_topo if self._gpus[u].free_whole or u in must]
-        pool = good if len(good) >= size else in_topo
+        for uuid in must:
+            if (refused := self.refusal(uuid, whole=True)) is not None:
+                raise refused
+        verdicts = {u: self.refusal(u, whole=True) for u in avail if u in self._topology}
+        pool = [u for u, refused in verdicts.items() if refused is None]
+        blocked = [r for r in verdicts.values() if r is not None]
+        if size > 0 and len(pool) < size:
+            why = "; ".join(r.message for r in blocked[:3])
+            raise Refused(
+                "insufficient_capacity",
+                f"asks for {size} whole GPUs but only {len(pool)} of the {len(avail)} "
+                f"offered may go whole" + (f": {why}" if why else ""),
+            )
         return list(select_whole(self._topology, pool, size, must).devices)
 
     # --- persistence ---------------------------------------------------------------
@@ -477,19 +503,8 @@ class Ledger:
         if unknown:
             raise Refused("unknown_device", f"unknown GPU IDs: {', '.join(unknown)}")
         for uuid in uuids:
-            g = self._gpus[uuid]
-            if not g.present:
-                raise Refused("unhealthy_device", f"{uuid} is lost (missing from the inventory)")
-            if not g.healthy:
-                raise Refused("unhealthy_device", f"{uuid} is unhealthy")
-            if g.whole is not None:
-                holder = self._allocs[g.whole].owner.describe()
-                raise Refused("insufficient_capacity", f"{uuid} is allocated whole to {holder}")
-            if whole and g.shares:
-                raise Refused(
-                    "insufficient_capacity",
-                    f"{uuid} holds {len(g.shares)} share(s) and is not offered whole",
-                )
+            if (refused := self.refusal(uuid, whole=whole)) is not None:
+                raise refused
 
     def _card(self, g: _LedgerGpu) -> CardFree:
         return CardFree(
