@@ -39,6 +39,13 @@ the record is lost (:mod:`.store`); the marker survives restarts. While it stand
 * otherwise an operator accepts the loss: ``gpulet allocator reset --confirm`` sends
   ``reset`` (the deploy's ``operator`` NATS user may). What was adopted is kept.
 
+Readiness
+---------
+``/readyz`` is ready only while the allocator can allocate: it is ``blocked`` (503) while
+the record is lost (above) and while the checkpoint cannot be written (a failed write,
+or the directory probed every pass of the release loop), since every Allocate is then
+refused ``checkpoint_failed``. Ready, it names the GPUs and the allocations held now.
+
 Concurrency
 -----------
 nats.micro calls a handler for one message at a time per endpoint, so every decision
@@ -194,6 +201,8 @@ class AllocatorService:
         self._committer: Committer | None = None
         self._tg: anyio.abc.TaskGroup | None = None
         self._checkpoint_error: str | None = None
+        # The last probe of the checkpoint's directory (None: writable).
+        self._probe_error: str | None = None
         self._pod_resources_log = RateLimitedLog(log, per_minute=2)
         self._pod_resources_state = ""
         # Since when (monotonic) PodResources has answered without a failure.
@@ -364,19 +373,34 @@ class AllocatorService:
         if self.core.lost is not None:
             self._rt.status.set(self.name, "blocked", self.core.lost_refusal().message)
             return
-        if self._handshake_problem and not self._checkpoint_error and self.core.ready:
-            self._rt.status.set(self.name, "degraded", self._handshake_problem)
-            return
-        if self._checkpoint_error:
-            self._rt.status.set(self.name, "degraded", self._checkpoint_error)
+        disk = self._checkpoint_error or self._probe_error
+        if disk:
+            # Every Allocate is refused (checkpoint_failed) meanwhile: not ready.
+            self._rt.status.set(
+                self.name, "blocked", f"{disk}; Allocate is refused until it can be written"
+            )
         elif not self.core.ready:
             self._rt.status.set(
                 self.name, "degraded", "waiting for the GPU inventory (is the collector running?)"
             )
+        elif self._handshake_problem:
+            self._rt.status.set(self.name, "degraded", self._handshake_problem)
         else:
             held = self.core.ledger.count()
             gpus = len(self.core.ledger.devices())
             self._rt.status.set(self.name, "ready", f"{gpus} GPUs, {held} allocations")
+
+    def _probe_checkpoint(self) -> None:
+        """Readiness must not wait for an Allocate to fail: is the checkpoint writable?"""
+        try:
+            self.checkpoint.probe()
+        except OSError as exc:
+            problem: str | None = f"cannot write the allocation checkpoint: {exc}"
+        else:
+            problem = None
+        if problem != self._probe_error:
+            self._probe_error = problem
+            self._update_status()
 
     def _on_disk(self, error: str | None) -> None:
         self._checkpoint_error = error
@@ -402,6 +426,7 @@ class AllocatorService:
         if held != self._held:
             self._allocations.add(held - self._held)
             self._held = held
+            self._update_status()
         self._follow_withheld()
 
     def _follow_withheld(self) -> None:
@@ -712,6 +737,7 @@ class AllocatorService:
     async def _release_loop(self) -> None:
         socket = Path(self._settings.pod_resources_socket)
         while True:
+            self._probe_checkpoint()
             await self.reconcile_once(socket)
             interval = self._settings.release_interval_s
             if self.core.lost is not None:

@@ -44,6 +44,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -109,6 +111,16 @@ class CheckpointFile:
     def write(self, data: bytes) -> None:
         """Atomically and durably replace the file with ``data``; raises OSError."""
         write_atomic(self.path, data)
+
+    def probe(self) -> None:
+        """Raise OSError unless a write could start now: a temporary file of the kind
+        :meth:`write` makes is created in the directory and removed (no fsync)."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(
+            prefix=tmp_prefix(self.path), suffix=".tmp", dir=self.path.parent
+        )
+        os.close(fd)
+        os.unlink(tmp)
 
     def load(self) -> Loaded:
         """Read the checkpoint; never raises. A corrupt file is quarantined (docstring)."""
