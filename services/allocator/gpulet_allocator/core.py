@@ -359,6 +359,7 @@ class AllocatorCore:
             raise Refused("not_ready", "the allocator has no GPU inventory yet")
         if not containers:
             raise Refused("invalid_request", "the request names no container")
+        _check_across(containers)
         undo: list[Undo] = []
         try:
             answers = [
@@ -390,6 +391,7 @@ class AllocatorCore:
         key = grant_key(kind, resource, ids)
         existing = self._grants.get(key)
         if existing is not None:
+            self._check_retry(existing, resource, kind, ids)
             return self._answer(existing)
         now = self._clock()
         if kind == "whole":
@@ -453,6 +455,20 @@ class AllocatorCore:
         self._place_half(key, cores, units, least=(1, units), asked=f"{units} memory units")
         self._open = _OpenHalf(allocation=key, kind="memory", at=now)
         return self._new_grant(key, resource, kind, units, key, undo, own=True)
+
+    def _check_retry(self, existing: Grant, resource: str, kind: GrantKind, ids: list[str]) -> None:
+        """A repeated device-ID set is kubelet's retry, unless the pod watch says the call
+        belongs to another pod: then the devices are already held, and that is refused
+        (with the Event), never answered with the earlier pod's allocation."""
+        if kind != "whole" and not (kind in ("core", "ratio") and self._koordinator):
+            return
+        uuids = [parse_device_id(i).gpu_uuid for i in ids] if kind == "whole" else []
+        claim = self._claim(resource, len(ids), uuids)
+        if claim is None or existing.pod == str(claim.pod):
+            return
+        what = self._describe(uuids) if uuids else f"these {len(ids)} {resource} devices"
+        holder = f" of {existing.pod}" if existing.pod else ""
+        self._refuse(claim, f"{what} already held by allocation {existing.allocation}{holder}")
 
     # --- koord-scheduler's decisions (gpulet_allocator.koordinator) ---------------------
 
@@ -1173,6 +1189,21 @@ class AllocatorCore:
         if problems:
             self.version += 1
         return problems
+
+
+def _check_across(containers: Sequence[Sequence[str]]) -> None:
+    """Kubelet gives a device to one container: a request naming one in two is refused
+    (checked per container, a repeated set would read as a retry of the first)."""
+    seen: dict[str, int] = {}
+    for n, ids in enumerate(containers):
+        for device_id in ids:
+            first = seen.setdefault(device_id, n)
+            if first != n:
+                raise Refused(
+                    "invalid_request",
+                    f"device {device_id[:100]!r} is named by containers {first} and {n} of "
+                    "one request; a device goes to one container",
+                )
 
 
 def _pods(view: AllocationView) -> str:
