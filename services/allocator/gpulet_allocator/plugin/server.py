@@ -55,7 +55,7 @@ from gpulet_allocator.protocol import (
     PreferredRequest,
     ResourceSpec,
 )
-from gpulet_common.refusal import BusError, Refused, RequestTimeout, status_of
+from gpulet_common.refusal import BusError, Refused, RequestTimeout, bounded, one_line, status_of
 
 log = logging.getLogger(__name__)
 
@@ -176,7 +176,9 @@ class KubeletServicer(pb_grpc.DevicePluginServicer):
                 self._observe("GetPreferredAllocation", status, started)
                 await context.abort(status, details)
             log.warning(
-                "GetPreferredAllocation for %s answered locally: %s", self._spec.name, details
+                "GetPreferredAllocation for %s answered locally: %s",
+                self._spec.name,
+                bounded(one_line(details)),
             )
             self._metrics.fallback(self._spec.name)
             answers = self._fallback_preferred(requests)
@@ -199,7 +201,14 @@ class KubeletServicer(pb_grpc.DevicePluginServicer):
             gpus = self._gpus()
             responses = [self._container_response(a, gpus) for a in allocations]
         except BusError as failure:
-            log.warning("Allocate %s %s failed: %s", self._spec.name, container_requests, failure)
+            # Counts, not the IDs: a request may be megabytes (the caller's, bounded here).
+            log.warning(
+                "Allocate of %s for %d container(s) (%d IDs) failed: %s",
+                self._spec.name,
+                len(container_requests),
+                sum(len(c) for c in container_requests),
+                bounded(one_line(str(failure))),
+            )
             status = grpc_status(failure)
             self._observe("Allocate", status, started)
             await context.abort(status, _details("Allocate", failure))
