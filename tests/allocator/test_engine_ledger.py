@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import pytest
 
-from gpulet_allocator.engine.ledger import (
+from gpulet_allocator.decide.engine.ledger import (
     Ledger,
     Owner,
     ShareAllocation,

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpulet_allocator.koordinator import (
+from gpulet_allocator.decide.koordinator import (
     ANNOTATION_DEVICE_ALLOCATED,
     Decision,
     GpuEntry,

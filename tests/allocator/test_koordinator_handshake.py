@@ -20,8 +20,8 @@ import grpc.aio
 import msgspec
 import pytest
 
-from gpulet_allocator.koordinator import ANNOTATION_DEVICE_ALLOCATED
-from gpulet_allocator.pod_watch import EVENT_REASON
+from gpulet_allocator.decide.koordinator import ANNOTATION_DEVICE_ALLOCATED
+from gpulet_allocator.service.pod_watch import EVENT_REASON
 from gpulet_common.messages import Inventory
 from gpulet_common.nvml.loader import open_mock
 from gpulet_common.settings import Settings

@@ -12,8 +12,13 @@ from typing import Any
 
 import pytest
 
-from gpulet_allocator.core import AllocatorCore
-from gpulet_allocator.koordinator import ANNOTATION_DEVICE_ALLOCATED, PodBook, PodKey, watched_pod
+from gpulet_allocator.decide.core import AllocatorCore
+from gpulet_allocator.decide.koordinator import (
+    ANNOTATION_DEVICE_ALLOCATED,
+    PodBook,
+    PodKey,
+    watched_pod,
+)
 from gpulet_common.messages import Inventory
 from gpulet_common.refusal import Refused
 from gpulet_common.settings.allocator import ResourceNames

@@ -4,7 +4,7 @@ A card holding a fractional share cannot be handed out whole. Kubelet has no "bu
 state, so the whole-GPU resource lists such a card ``Unhealthy`` while it holds a
 share (its share resources stay ``Healthy``); ``GetPreferredAllocation`` never offers
 it, ``Allocate`` refuses it, and the answer comes from the one function behind them
-all (:meth:`~gpulet_allocator.engine.Ledger.refusal`).
+all (:meth:`~gpulet_allocator.decide.engine.Ledger.refusal`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from gpulet_allocator import protocol as p
-from gpulet_allocator.engine import Ledger, Owner
+from gpulet_allocator.decide.engine import Ledger, Owner
 from gpulet_allocator.kubelet_api.deviceplugin.v1beta1 import api_pb2 as dp
 from gpulet_common.refusal import Refused
 from gpulet_common.settings import Settings

@@ -74,8 +74,9 @@ from nats.aio.msg import Msg
 from nats.micro.request import Request
 
 from gpulet_allocator import protocol as p
-from gpulet_allocator.core import AllocatorCore, StoredState, Undo
-from gpulet_allocator.engine import ShareAllocation, WholeAllocation
+from gpulet_allocator.decide.books import Undo
+from gpulet_allocator.decide.core import AllocatorCore
+from gpulet_allocator.decide.engine import ShareAllocation, WholeAllocation
 from gpulet_allocator.protocol import (
     CORES_PER_GPU,
     ContainerAllocation,
@@ -83,7 +84,8 @@ from gpulet_allocator.protocol import (
     memory_units,
 )
 from gpulet_allocator.service import AllocatorService
-from gpulet_allocator.store import CheckpointFile
+from gpulet_allocator.state.checkpoint import CheckpointFile
+from gpulet_allocator.state.records import StoredState
 from gpulet_common import codec, subjects
 from gpulet_common.bus import Bus
 from gpulet_common.codec import Codec
@@ -458,8 +460,9 @@ Calls = list[p.AllocateRequest]
 # Each example's batches draw their calls from this many of its allocate variants.
 BATCH_POOL: Final = 40
 # Containers per call of a batch whose answer cannot fit one NATS message (1 MiB):
-# 64 calls x 100 containers x ~250 bytes per answered container.
-TOO_LARGE_CONTAINERS: Final = 100
+# 64 calls x 85 containers x ~250 bytes per answered container (and a request, of
+# distinct memory IDs, that stays under the 1 MiB a request may take).
+TOO_LARGE_CONTAINERS: Final = 85
 
 
 @dataclass(frozen=True)
@@ -1083,7 +1086,7 @@ class Fuzz:
 
     def start_twin(self) -> None:
         # The twin shares the health source (the service's NodeView), not a copy of it.
-        health_of = self.core._health_of
+        health_of = self.core.books.health_of
         self.twin = copy.deepcopy(self.core, {id(health_of): health_of})
         self.divergences = []
 
@@ -1096,7 +1099,7 @@ class Fuzz:
         twin, self.twin = self.twin, None
         assert twin is not None
         ended = time.monotonic()
-        window = self.core._join_window_s
+        window = self.core.joiner.window_s
         if any(started <= at + window <= ended for at in open_half) or ended - started > window:
             self.twin_skipped += 1
             return
@@ -1194,7 +1197,7 @@ class Fuzz:
                 self.judge(endpoint, request, None)
         elif endpoint == p.ENDPOINT_ALLOCATE_BATCH:
             started = time.monotonic()
-            open_half = (self.core._open.at,) if self.core._open else ()
+            open_half = (self.core.joiner.open.at,) if self.core.joiner.open else ()
             self.start_twin()
             await self.call(endpoint, values)
             self.finish_twin(started, open_half)
@@ -1255,7 +1258,7 @@ def _decided(core: AllocatorCore) -> bytes:
     state = core.snapshot()
     allocations = sorted(state.allocations, key=lambda a: a.owner.allocation_id)
     grants = [msgspec.structs.replace(g, created_at=0.0) for g in state.grants]
-    open_half = (core._open.allocation, core._open.kind) if core._open else None
+    open_half = (core.joiner.open.allocation, core.joiner.open.kind) if core.joiner.open else None
     return msgspec.json.encode((allocations, grants, open_half))
 
 

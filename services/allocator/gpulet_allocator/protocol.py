@@ -1,7 +1,8 @@
 """The allocator contract: what the device plugin and the allocator both speak.
 
-Neutral ground: the decision layer (:mod:`.core`, :mod:`.engine`) and the kubelet
-adapter (:mod:`.plugin`) both import this module, and it imports neither of them.
+Neutral ground: the decision core (:mod:`gpulet_allocator.decide`) and the kubelet
+adapters (:mod:`gpulet_allocator.kubelet`) both import this module, and it imports
+neither of them (only the Koordinator resource names, :mod:`~gpulet_allocator.decide.koordinator`).
 It holds
 
 * the share units (:data:`CORES_PER_GPU` core units per card, memory units of
@@ -32,9 +33,10 @@ withheld   :class:`WithheldRequest`     :class:`WithheldReply`
 
 ``allocate-batch`` carries several kubelet calls in one message: the device plugin
 coalesces the Allocate calls that arrive while one of its requests is in flight
-(:mod:`.nats_backend`). Each call is decided on its own, in order, exactly as if it
-had come alone; the answer lists one :class:`AllocateOutcome` per call (containers,
-or the refusal), and leaves once all of them are durable.
+(:mod:`gpulet_allocator.kubelet.deviceplugin.nats_backend`). Each call is decided on
+its own, in order, exactly as if it had come alone; the answer lists one
+:class:`AllocateOutcome` per call (containers, or the refusal), and leaves once all
+of them are durable.
 
 ``withheld`` tells the device plugin which cards kubelet must not count as whole GPUs
 (they hold shares), so that its whole-GPU ``ListAndWatch`` lists them ``Unhealthy``.
@@ -67,7 +69,7 @@ from typing import Final, Literal
 
 import msgspec
 
-from gpulet_allocator.koordinator import RES_GPU_CORE, RES_GPU_MEMORY_RATIO
+from gpulet_allocator.decide.koordinator import RES_GPU_CORE, RES_GPU_MEMORY_RATIO
 from gpulet_common.codec import Codec
 from gpulet_common.messages import ErrorReply
 from gpulet_common.podresources import SHARE_SEPARATOR

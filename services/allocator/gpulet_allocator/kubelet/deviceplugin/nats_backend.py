@@ -1,12 +1,12 @@
-"""The device plugin's :class:`~.plugin.backend.AllocationBackend` over NATS.
+"""The device plugin's :class:`~.backend.AllocationBackend` over NATS.
 
 Why
 ---
 The plugin speaks kubelet's gRPC; the allocator decides. This forwards each call as
 one request on the :class:`~gpulet_common.bus.Bus` to
-``gpulet.allocator.<node>.<endpoint>`` (contract: :mod:`.protocol`), so it carries the
-trace context and its reply is decoded totally and counted when malformed. Every
-outcome is already in the one exception tree (:mod:`gpulet_common.refusal`), and
+``gpulet.allocator.<node>.<endpoint>`` (contract: :mod:`gpulet_allocator.protocol`),
+so it carries the trace context and its reply is decoded totally and counted when
+malformed. Every outcome is already in the one exception tree (:mod:`gpulet_common.refusal`), and
 passes through untouched:
 
 - no allocator listening (NATS answers "no responders" at once), no reply within

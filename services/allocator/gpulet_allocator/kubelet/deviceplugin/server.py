@@ -6,7 +6,7 @@ Kubelet talks to one plugin endpoint per resource, so each resource gets its own
 grpc.aio server on its own unix socket (``gpulet-<resource>.sock``, mode 0600:
 whoever can connect can ask for GPUs). The service itself stays thin:
 
-- ``ListAndWatch`` follows a :class:`~.state.DeviceListSource` and sends the full
+- ``ListAndWatch`` follows a :class:`~.devicelist.DeviceListSource` and sends the full
   list first and then after every change of that resource's list; it returns (status
   OK) as soon as the server stops instead of being cut off by the grace timeout.
 - ``Allocate`` and ``GetPreferredAllocation`` are delegated to an
@@ -34,6 +34,7 @@ import re
 import stat
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -41,14 +42,14 @@ import anyio
 import grpc
 import grpc.aio
 
+from gpulet_allocator.kubelet.deviceplugin.backend import AllocationBackend
+from gpulet_allocator.kubelet.deviceplugin.config import PluginConfig
+from gpulet_allocator.kubelet.deviceplugin.devicelist import DeviceListSource, DeviceSnapshot
+from gpulet_allocator.kubelet.deviceplugin.devnodes import DeviceNodes
+from gpulet_allocator.kubelet.deviceplugin.metrics import PluginMetrics
+from gpulet_allocator.kubelet.deviceplugin.resources import PluginDevice, PluginGpu, build_devices
 from gpulet_allocator.kubelet_api.deviceplugin.v1beta1 import api_pb2 as pb
 from gpulet_allocator.kubelet_api.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
-from gpulet_allocator.plugin.backend import AllocationBackend
-from gpulet_allocator.plugin.config import PluginConfig
-from gpulet_allocator.plugin.devnodes import DeviceNodes
-from gpulet_allocator.plugin.metrics import PluginMetrics
-from gpulet_allocator.plugin.resources import PluginDevice, PluginGpu, build_devices
-from gpulet_allocator.plugin.state import DeviceListSource, DeviceSnapshot
 from gpulet_allocator.protocol import (
     ContainerAllocation,
     DeviceSpec,
@@ -107,26 +108,30 @@ def _details(rpc: str, failure: BusError) -> str:
 _NO_REFUSAL = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL})
 
 
+@dataclass(frozen=True, slots=True)
+class ServerParts:
+    """What serving one resource needs: the resource, where its devices come from, who
+    decides, the settings, the device files and the metrics."""
+
+    spec: ResourceSpec
+    source: DeviceListSource
+    backend: AllocationBackend
+    config: PluginConfig
+    nodes: DeviceNodes
+    metrics: PluginMetrics
+
+
 class KubeletServicer(pb_grpc.DevicePluginServicer):
     """``v1beta1.DevicePlugin`` for one resource."""
 
-    def __init__(
-        self,
-        spec: ResourceSpec,
-        source: DeviceListSource,
-        backend: AllocationBackend,
-        config: PluginConfig,
-        nodes: DeviceNodes,
-        stopping: anyio.Event,
-        metrics: PluginMetrics,
-    ) -> None:
-        self._spec = spec
-        self._source = source
-        self._backend = backend
-        self._config = config
-        self._nodes = nodes
+    def __init__(self, parts: ServerParts, stopping: anyio.Event) -> None:
+        self._spec = parts.spec
+        self._source = parts.source
+        self._backend = parts.backend
+        self._config = parts.config
+        self._nodes = parts.nodes
         self._stopping = stopping
-        self._metrics = metrics
+        self._metrics = parts.metrics
         self._gpus_of: DeviceSnapshot | None = None
         self._gpus_by_uuid: dict[str, PluginGpu] = {}
 
@@ -359,21 +364,11 @@ def fallback_preference(request: PreferredRequest, numa: dict[str, int | None]) 
 class ResourceServer:
     """The gRPC server and socket file of one resource; restartable."""
 
-    def __init__(
-        self,
-        spec: ResourceSpec,
-        source: DeviceListSource,
-        backend: AllocationBackend,
-        config: PluginConfig,
-        nodes: DeviceNodes,
-        metrics: PluginMetrics,
-    ) -> None:
-        self.spec = spec
-        self._source = source
-        self._backend = backend
+    def __init__(self, parts: ServerParts) -> None:
+        self.spec = spec = parts.spec
+        self._parts = parts
+        config = parts.config
         self._config = config
-        self._nodes = nodes
-        self._metrics = metrics
         self.endpoint = socket_name(config.socket_prefix, spec.name)
         self.socket_path = Path(config.plugin_dir) / self.endpoint
         self._server: grpc.aio.Server | None = None
@@ -400,15 +395,7 @@ class ResourceServer:
         self._stopping = anyio.Event()
         server = grpc.aio.server()
         pb_grpc.add_DevicePluginServicer_to_server(
-            KubeletServicer(
-                self.spec,
-                self._source,
-                self._backend,
-                self._config,
-                self._nodes,
-                self._stopping,
-                self._metrics,
-            ),
+            KubeletServicer(self._parts, self._stopping),
             server,
         )
         server.add_insecure_port(f"unix://{self.socket_path}")

@@ -24,7 +24,7 @@ Every device carries its GPU's health and NUMA node, so a GPU turning unhealthy
 withdraws all of its shares too (NVIDIA #1929 is about replicas that did not).
 
 A card holding shares may not go whole (the allocator's one answer,
-:meth:`~gpulet_allocator.engine.Ledger.refusal`). Kubelet has no "busy" state, so
+:meth:`~gpulet_allocator.decide.engine.Ledger.refusal`). Kubelet has no "busy" state, so
 such a card's whole-GPU device is listed ``Unhealthy`` while it holds shares: kubelet
 then stops counting it as an allocatable ``nvidia.com/gpu`` and the scheduler does not
 send a pod there that admission would refuse. Its share devices stay ``Healthy``.

@@ -2,7 +2,7 @@
 
 Design
 ------
-**File.** One JSON document, :class:`~gpulet_allocator.core.StoredState`: the
+**File.** One JSON document, :class:`~gpulet_allocator.state.records.StoredState`: the
 ledger's allocations (the engine's tagged union, ``"type": "whole"`` /
 ``"share"``) plus the grants that map kubelet's requests to them. Both must change
 together, so they share one file. Writing is atomic and durable
@@ -55,7 +55,7 @@ import anyio
 import anyio.abc
 import msgspec
 
-from gpulet_allocator.core import STATE_VERSION, StoredState
+from gpulet_allocator.state.records import STATE_VERSION, StoredState
 from gpulet_common.statefile import quarantine, tmp_prefix, write_atomic
 
 log = logging.getLogger("gpulet.allocator.store")

@@ -10,8 +10,8 @@ the free capacity of every card. Layers:
 * :mod:`.topology`, :mod:`.whole`, :mod:`.shares` decide *where*; they are pure
   functions of what the ledger hands them.
 * The ledger decides *whether*: it validates the request, enforces the invariants and
-  records the result. It never does I/O; the service's :mod:`gpulet_allocator.store`
-  persists what it holds (through :mod:`gpulet_allocator.core`) and restores it at start.
+  records the result. It never does I/O; the service's :mod:`gpulet_allocator.state.checkpoint`
+  persists what it holds (through :mod:`gpulet_allocator.decide.core`) and restores it at start.
 * The service around it (gRPC device plugin, NATS API) serialises calls; the ledger
   is not thread-safe by itself.
 
@@ -53,7 +53,7 @@ class Owner(msgspec.Struct, frozen=True, kw_only=True):
 
     ``allocation_id`` is any stable key of the request the caller has: kubelet's
     Allocate names no pod, so the allocator uses the hash of the first grant's device
-    IDs (:func:`gpulet_allocator.core.grant_key`), which is also the allocation's ID.
+    IDs (:func:`gpulet_allocator.decide.core.grant_key`), which is also the allocation's ID.
     Namespace and name are informational. On disk the field keeps its first name,
     ``allocation_id``, so that every checkpoint written before still loads.
     """
@@ -239,7 +239,7 @@ class Ledger:
     ) -> WholeAllocation:
         """``count`` whole GPUs: the given ``devices``, or the best set containing
         ``must_include`` (see :mod:`.whole`)."""
-        self._check_owner(owner)
+        _check_owner(owner)
         must = list(dict.fromkeys(must_include))
         if devices is not None:
             if len(set(devices)) != len(devices):
@@ -269,7 +269,7 @@ class Ledger:
                 and set(must) <= set(existing.devices)
             ):
                 return existing
-            raise self._conflict(owner, existing, f"{count} whole GPU(s)")
+            raise _conflict(owner, existing, f"{count} whole GPU(s)")
 
         self._check_named(must, whole=True)
         free = [u for u in self.free_whole() if u in self._topology]
@@ -294,7 +294,7 @@ class Ledger:
         device: str | None = None,
     ) -> ShareAllocation:
         """A share of one card, best-fit (see :mod:`.shares`), or on ``device``."""
-        self._check_owner(owner)
+        _check_owner(owner)
         validate_share(cores, memory_units, self._largest_card())
         existing = self._allocs.get(owner.key)
         if existing is not None:
@@ -305,17 +305,15 @@ class Ledger:
                 and device in (None, existing.device)
             ):
                 return existing
-            raise self._conflict(
+            raise _conflict(
                 owner, existing, f"a share of {cores} core units and {memory_units} memory units"
             )
 
         if device is not None:
             self._check_named([device], whole=False)
-            cards = [self._card(self._gpus[device])]
+            cards = [_card(self._gpus[device])]
         else:
-            cards = [
-                self._card(g) for g in self._ordered() if self.refusal(g.uuid, whole=False) is None
-            ]
+            cards = [_card(g) for g in self._ordered() if self.refusal(g.uuid, whole=False) is None]
         rank = self._untouched_rank(cards)
         card = pick_share(cards, cores, memory_units, rank=rank, largest_card=self._largest_card())
         alloc = ShareAllocation(
@@ -432,7 +430,7 @@ class Ledger:
     # --- persistence ---------------------------------------------------------------
 
     def snapshot(self) -> list[Allocation]:
-        """Every allocation, for the checkpoint (:mod:`gpulet_allocator.store`)."""
+        """Every allocation, for the checkpoint (:mod:`gpulet_allocator.state.checkpoint`)."""
         return self.allocations()
 
     def restore(self, allocations: Iterable[Allocation]) -> list[str]:
@@ -493,11 +491,6 @@ class Ledger:
             raise Refused("unknown_device", f"unknown GPU ID: {uuid}")
         return g
 
-    @staticmethod
-    def _check_owner(owner: Owner) -> None:
-        if not owner.allocation_id:
-            raise Refused("invalid_request", "the owner needs an allocation ID (request key)")
-
     def _check_named(self, uuids: Sequence[str], *, whole: bool) -> None:
         unknown = sorted(u for u in uuids if u not in self._gpus)
         if unknown:
@@ -505,15 +498,6 @@ class Ledger:
         for uuid in uuids:
             if (refused := self.refusal(uuid, whole=whole)) is not None:
                 raise refused
-
-    def _card(self, g: _LedgerGpu) -> CardFree:
-        return CardFree(
-            uuid=g.uuid,
-            index=g.index,
-            cores_free=CORES_PER_GPU - g.cores_used,
-            memory_free=g.memory_units - g.memory_used,
-            memory_total=g.memory_units,
-        )
 
     def _largest_card(self) -> tuple[str, int] | None:
         present = [g for g in self._ordered() if g.present]
@@ -531,19 +515,6 @@ class Ledger:
         free = [u for u in self.free_whole() if u in self._topology]
         order = fragment_order(self._topology, free)
         return {u: i for i, u in enumerate(order)}
-
-    def _conflict(self, owner: Owner, existing: Allocation, wanted: str) -> Refused:
-        if isinstance(existing, WholeAllocation):
-            held = f"whole GPUs {', '.join(existing.devices)}"
-        else:
-            held = (
-                f"a share of {existing.device} ({existing.cores} core units, "
-                f"{existing.memory_units} memory units)"
-            )
-        return Refused(
-            "invalid_request",
-            f"{owner.describe()} already holds {held}; release it before asking for {wanted}",
-        )
 
     def _record(self, alloc: Allocation) -> None:
         # The checks are unreachable by construction (callers validated first); they
@@ -571,3 +542,32 @@ class Ledger:
                 self._gpus[uuid].whole = None
         else:
             self._gpus[alloc.device].shares.pop(key, None)
+
+
+def _check_owner(owner: Owner) -> None:
+    if not owner.allocation_id:
+        raise Refused("invalid_request", "the owner needs an allocation ID (request key)")
+
+
+def _card(g: _LedgerGpu) -> CardFree:
+    return CardFree(
+        uuid=g.uuid,
+        index=g.index,
+        cores_free=CORES_PER_GPU - g.cores_used,
+        memory_free=g.memory_units - g.memory_used,
+        memory_total=g.memory_units,
+    )
+
+
+def _conflict(owner: Owner, existing: Allocation, wanted: str) -> Refused:
+    if isinstance(existing, WholeAllocation):
+        held = f"whole GPUs {', '.join(existing.devices)}"
+    else:
+        held = (
+            f"a share of {existing.device} ({existing.cores} core units, "
+            f"{existing.memory_units} memory units)"
+        )
+    return Refused(
+        "invalid_request",
+        f"{owner.describe()} already holds {held}; release it before asking for {wanted}",
+    )

@@ -3,7 +3,7 @@
 Flow
 ----
 1. Follow the node's inventory and health (:class:`~gpulet_common.nodeview.NodeView`,
-   the health service's KV state) into a :class:`~.state.DeviceList`: every
+   the health service's KV state) into a :class:`~.devicelist.DeviceList`: every
    ``ListAndWatch`` stream then sends the new list when a GPU turns unhealthy *and*
    when it recovers.
 2. Wait for kubelet's device-plugin directory. Where there is none (``gpulet run`` on
@@ -14,7 +14,7 @@ Flow
    ``withheld`` long poll): their whole-GPU device is listed ``Unhealthy`` while they
    do (see :mod:`.resources`). Without an answer the last known set stays.
 4. Run the :class:`~.manager.DevicePluginManager` with the NATS backend
-   (:class:`~gpulet_allocator.nats_backend.NatsAllocationBackend`): it serves one
+   (:class:`~.nats_backend.NatsAllocationBackend`): it serves one
    socket per resource, registers with kubelet and re-registers after kubelet
    restarts. The status says whether kubelet accepted the registration.
 """
@@ -27,11 +27,11 @@ import os
 import anyio
 import anyio.abc
 
-from gpulet_allocator.nats_backend import NatsAllocationBackend
-from gpulet_allocator.plugin.manager import DevicePluginManager
-from gpulet_allocator.plugin.metrics import PluginMetrics
-from gpulet_allocator.plugin.resources import plugin_gpus_from_inventory
-from gpulet_allocator.plugin.state import DeviceList
+from gpulet_allocator.kubelet.deviceplugin.devicelist import DeviceList
+from gpulet_allocator.kubelet.deviceplugin.manager import DevicePluginManager
+from gpulet_allocator.kubelet.deviceplugin.metrics import PluginMetrics
+from gpulet_allocator.kubelet.deviceplugin.nats_backend import NatsAllocationBackend
+from gpulet_allocator.kubelet.deviceplugin.resources import plugin_gpus_from_inventory
 from gpulet_allocator.protocol import MAX_WITHHELD_WAIT_S
 from gpulet_common.bus import BusError
 from gpulet_common.lifecycle import idle_disabled
