@@ -191,35 +191,31 @@ class Handshake:
             self.refuse(claim, "the annotation decides no GPU for this container")
         assert self.book is not None
         limits = self._decided_limits(claim)
-        for other in claim.share_resources:
-            existing = self.book.allocation_of(claim, other)
-            if existing is not None and books.ledger.get(existing) is not None:
-                grant = books.grant(
-                    key,
-                    resource,
-                    kind,
-                    len(ids),
-                    existing,
-                    pod=str(claim.pod),
-                    container=claim.container,
-                    limits=limits,
-                )
-                books.new_grant(grant, undo)
-                self.mark(claim, existing, undo)
-                return grant
-        self._place_decided(claim, key)
+        book = self.book
+        joined = next(
+            (
+                a
+                for other in claim.share_resources
+                if (a := book.allocation_of(claim, other)) is not None
+                and books.ledger.get(a) is not None
+            ),
+            None,
+        )
+        if joined is None:
+            self._place_decided(claim, key)
+        allocation = joined or key
         grant = books.grant(
             key,
             resource,
             kind,
             len(ids),
-            key,
+            allocation,
             pod=str(claim.pod),
             container=claim.container,
             limits=limits,
         )
-        books.new_grant(grant, undo, own=True)
-        self.mark(claim, key, undo)
+        books.new_grant(grant, undo, own=joined is None)
+        self.mark(claim, allocation, undo)
         return grant
 
     def _place_decided(self, claim: Claim, key: str) -> None:
