@@ -34,7 +34,7 @@ import re
 import stat
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -108,6 +108,19 @@ def _details(rpc: str, failure: BusError) -> str:
 _NO_REFUSAL = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL})
 
 
+@dataclass(slots=True)
+class StreamStop:
+    """Ends the ``ListAndWatch`` streams of a server that is stopping."""
+
+    stopped: bool = False
+    waiting: set[anyio.CancelScope] = field(default_factory=set)
+
+    def stop(self) -> None:
+        self.stopped = True
+        for scope in list(self.waiting):
+            scope.cancel()
+
+
 @dataclass(frozen=True, slots=True)
 class ServerParts:
     """What serving one resource needs: the resource, where its devices come from, who
@@ -124,13 +137,13 @@ class ServerParts:
 class KubeletServicer(pb_grpc.DevicePluginServicer):
     """``v1beta1.DevicePlugin`` for one resource."""
 
-    def __init__(self, parts: ServerParts, stopping: anyio.Event) -> None:
+    def __init__(self, parts: ServerParts, stop: StreamStop) -> None:
         self._spec = parts.spec
         self._source = parts.source
         self._backend = parts.backend
         self._config = parts.config
         self._nodes = parts.nodes
-        self._stopping = stopping
+        self._stop = stop
         self._metrics = parts.metrics
         self._gpus_of: DeviceSnapshot | None = None
         self._gpus_by_uuid: dict[str, PluginGpu] = {}
@@ -239,18 +252,22 @@ class KubeletServicer(pb_grpc.DevicePluginServicer):
         return self._gpus_by_uuid
 
     async def _next_change(self, version: int) -> DeviceSnapshot | None:
-        """The next snapshot, or None once the server is stopping."""
-        result: DeviceSnapshot | None = None
-        async with anyio.create_task_group() as tg:
+        """The next snapshot, or None once the server is stopping.
 
-            async def cancel_on_stop() -> None:
-                await self._stopping.wait()
-                tg.cancel_scope.cancel()
-
-            tg.start_soon(cancel_on_stop)
-            result = await self._source.wait_for_change(version)
-            tg.cancel_scope.cancel()
-        return result
+        Waited for in this task, under a cancel scope the server's stop cancels: no
+        helper task per change, whose start and cancellation cost the stream two more
+        turns of a busy event loop before kubelet heard of a GPU turning unhealthy.
+        """
+        stop = self._stop
+        if stop.stopped:
+            return None
+        with anyio.CancelScope() as scope:
+            stop.waiting.add(scope)
+            try:
+                return await self._source.wait_for_change(version)
+            finally:
+                stop.waiting.discard(scope)
+        return None
 
     async def _call_backend(self, rpc: str, call: Callable[[], Awaitable[list[T]]]) -> list[T]:
         timeout = self._config.backend_timeout_s
@@ -372,7 +389,7 @@ class ResourceServer:
         self.endpoint = socket_name(config.socket_prefix, spec.name)
         self.socket_path = Path(config.plugin_dir) / self.endpoint
         self._server: grpc.aio.Server | None = None
-        self._stopping: anyio.Event | None = None
+        self._stop: StreamStop | None = None
         self._socket_id: tuple[int, int] | None = None
 
     @property
@@ -392,10 +409,10 @@ class ResourceServer:
             raise RuntimeError(f"{self.endpoint} is already serving")
         # A leftover from a previous run makes bind fail with EADDRINUSE.
         self.socket_path.unlink(missing_ok=True)
-        self._stopping = anyio.Event()
+        self._stop = StreamStop()
         server = grpc.aio.server()
         pb_grpc.add_DevicePluginServicer_to_server(
-            KubeletServicer(self._parts, self._stopping),
+            KubeletServicer(self._parts, self._stop),
             server,
         )
         server.add_insecure_port(f"unix://{self.socket_path}")
@@ -412,8 +429,8 @@ class ResourceServer:
         server, self._server = self._server, None
         if server is None:
             return
-        if self._stopping is not None:
-            self._stopping.set()
+        if self._stop is not None:
+            self._stop.stop()
         await server.stop(self._config.stop_grace_s)
         # gRPC unlinks the path on stop, but only remove what is still ours.
         if self.socket_intact():
