@@ -9,6 +9,7 @@ all (:meth:`~gpulet_allocator.decide.engine.Ledger.refusal`).
 
 from __future__ import annotations
 
+import anyio
 import grpc
 import pytest
 
@@ -103,3 +104,29 @@ def test_the_ledger_gives_one_answer_for_every_path() -> None:
     # A share may still go where shares are.
     assert ledger.refusal(u[0], whole=False) is None
     assert ledger.refusal(u[1], whole=False) is not None
+
+
+async def test_withheld_long_polls_are_bounded(settings: Settings) -> None:
+    """A flood of long polls does not pile up: past MAX_WAITING they are answered now."""
+    from gpulet_allocator.service.withheld import MAX_WAITING
+
+    async with allocator_stack(
+        settings, inventory=reference.nvlink_pairs_8(), start_plugin=False
+    ) as stack:
+        first = await stack.ask(
+            p.ENDPOINT_WITHHELD, p.WithheldRequest(), p.WITHHELD_REQUEST, p.WITHHELD_REPLY
+        )
+        assert first.withheld == {}
+        wait = p.WithheldRequest(epoch=first.epoch, version=first.version, wait_s=30)
+        answered = 0
+
+        async def poll() -> None:
+            nonlocal answered
+            await stack.ask(p.ENDPOINT_WITHHELD, wait, p.WITHHELD_REQUEST, p.WITHHELD_REPLY)
+            answered += 1
+
+        with anyio.move_on_after(1.5):
+            async with anyio.create_task_group() as tg:
+                for _ in range(MAX_WAITING + 6):
+                    tg.start_soon(poll)
+        assert answered == 6

@@ -6,7 +6,8 @@ shares: :meth:`~gpulet_allocator.decide.core.AllocatorCore.withheld`).
 ``withheld`` endpoint: a request that names the current epoch and version is held until
 the set changes or ``wait_s`` passes (at most
 :data:`~gpulet_allocator.protocol.MAX_WITHHELD_WAIT_S`), so the device plugin's
-``ListAndWatch`` learns of a change at once without polling.
+``ListAndWatch`` learns of a change at once without polling. At most
+:data:`MAX_WAITING` are held at once; more are answered at once.
 """
 
 from __future__ import annotations
@@ -22,6 +23,10 @@ from nats.micro.request import Request
 from gpulet_allocator import protocol as p
 from gpulet_allocator.service.replies import Replies
 
+# Long polls held open at once; past that a request is answered at once (a flood of
+# them must not pile up tasks; the device plugin keeps one).
+MAX_WAITING = 64
+
 
 class WithheldFeed:
     def __init__(self, replies: Replies, withheld: Callable[[], dict[str, str]]) -> None:
@@ -31,6 +36,7 @@ class WithheldFeed:
         self._epoch = secrets.token_hex(8)
         self._version = 0
         self._changed = anyio.Event()
+        self._waiting = 0
 
     def follow(self) -> None:
         """Read the core's set again; wake the long polls when it changed."""
@@ -57,15 +63,19 @@ class WithheldFeed:
             await self._replies.ok(req, endpoint, p.WITHHELD_REPLY.encode(reply), started)
 
         current = value.epoch == self._epoch and value.version == self._version
-        if not (current and value.wait_s > 0):
+        if not (current and value.wait_s > 0) or self._waiting >= MAX_WAITING:
             await answer()
             return
         changed = self._changed
         wait_s = min(value.wait_s, p.MAX_WITHHELD_WAIT_S)
 
         async def when_changed() -> None:
-            with anyio.move_on_after(wait_s):
-                await changed.wait()
-            await answer()
+            try:
+                with anyio.move_on_after(wait_s):
+                    await changed.wait()
+                await answer()
+            finally:
+                self._waiting -= 1
 
+        self._waiting += 1
         tg.start_soon(when_changed)
