@@ -193,7 +193,10 @@ def _show(value: Any) -> str:
 
 
 def parse_decision(annotation: Any) -> Decision | InvalidDecision | None:
-    """The GPU decision in an annotation value; None when it decides no GPU."""
+    """The GPU decision in an annotation value; None when there is none for GPUs (no
+    annotation, or no ``gpu`` key). A ``gpu`` key that decides nothing (null, an
+    empty list) is an :class:`InvalidDecision`: a pod that asks for a GPU under it is
+    refused, not given a card gpulet picks."""
     if annotation is None:
         return None
     if not isinstance(annotation, str):
@@ -206,13 +209,15 @@ def parse_decision(annotation: Any) -> Decision | InvalidDecision | None:
         return _bad(f"not JSON ({exc})")
     if not isinstance(doc, dict):
         return _bad("not a JSON object keyed by device type")
-    gpus = doc.get("gpu")
-    if gpus is None:
+    if "gpu" not in doc:
         return None
+    gpus = doc["gpu"]
+    if gpus is None or gpus == []:
+        # Present, yet deciding nothing: never read as "no decision", which would let
+        # gpulet pick a card the scheduler did not account (docs/koordinator.md).
+        return _bad(f'"gpu" is {_show(gpus)}: the annotation decides no GPU')
     if not isinstance(gpus, list):
         return _bad('"gpu" is not a list')
-    if not gpus:
-        return None
     if len(gpus) > MAX_ENTRIES:
         return _bad(f"{len(gpus)} GPU entries, more than any node has ({MAX_ENTRIES})")
     entries: list[GpuEntry] = []

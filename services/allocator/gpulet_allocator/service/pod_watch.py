@@ -1,4 +1,5 @@
-"""This node's pods, watched into the :class:`~.koordinator.PodBook`; Events out.
+"""This node's pods, watched into the core's
+:class:`~gpulet_allocator.decide.koordinator.PodBook`; Events out.
 
 Why a watch
 -----------
@@ -19,8 +20,9 @@ Protocol, as client-go's reflector does it
 3. ``410 Gone`` (the version is older than the server's history) or an ERROR event:
    back to 1. A connection failure: back off (full jitter, up to 30 s), then 1.
 
-Every object is decoded by :func:`~.koordinator.watched_pod`, which never raises; a
-line that is not JSON is skipped and counted. Nothing here can end the allocator.
+Every object is decoded by :func:`~gpulet_allocator.decide.koordinator.watched_pod`,
+which never raises; a line that is not JSON is skipped and counted. Nothing here can
+end the allocator.
 
 Events
 ------
@@ -51,7 +53,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from kubernetes_asyncio import client as k8s_client
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from gpulet_allocator.koordinator import PodBook, PodKey, watched_pod
+from gpulet_allocator.decide.koordinator import PodBook, PodKey, watched_pod
 from gpulet_common.kube import (
     SERVICE_ACCOUNT_DIR,
     KubeConfigError,

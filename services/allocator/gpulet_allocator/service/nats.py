@@ -1,43 +1,43 @@
-"""The allocator service: decides which GPUs a container gets, over NATS.
+"""The allocator service: the decision core served over NATS.
 
 Flow
 ----
-1. Load the checkpoint (:mod:`.store`) into the :class:`~.core.AllocatorCore`, so a
-1. Load the checkpoint (:mod:`.store`) into the :class:`~.core.AllocatorCore`, so a
-   kubelet retry after our restart gets the same GPUs. Entries that break an invariant
-   are refused and the file rewritten. A corrupt file fails closed (see "Lost record"
-   below).
+1. Load the checkpoint (:mod:`gpulet_allocator.state.checkpoint`) into the
+   :class:`~gpulet_allocator.decide.core.AllocatorCore`, so a kubelet retry after our
+   restart gets the same GPUs. Entries that break an invariant are refused and the
+   file rewritten. A corrupt file fails closed (see "Lost record" below).
 2. Follow the node's inventory and health (:class:`~gpulet_common.nodeview.NodeView`,
    the health service's KV state): unhealthy and lost GPUs take no new allocation,
    recovered ones do again. The ledger holds the only copy of each GPU's health;
    an Allocate reads it in memory and never waits on NATS.
-3. Serve the ``nats.micro`` service :data:`~.protocol.SERVICE_NAME` with the
-   endpoints ``allocate``, ``allocate-batch``, ``preferred``, ``release`` and ``state`` under
-   ``gpulet.allocator.<node>`` (contract: :mod:`.protocol`). It shows up in
-   ``$SRV.PING/INFO/STATS``; each endpoint's ``data`` in STATS counts answers by
-   outcome and refusals by code.
+3. Serve the ``nats.micro`` service :data:`~gpulet_allocator.protocol.SERVICE_NAME`
+   with its endpoints under ``gpulet.allocator.<node>`` (contract:
+   :mod:`gpulet_allocator.protocol`). It shows up in ``$SRV.PING/INFO/STATS``; each
+   endpoint's ``data`` in STATS counts answers by outcome and refusals by code
+   (:mod:`.replies`). ``withheld`` is the device plugin's long poll of the cards that
+   may not go whole.
 4. Every ``release_interval_s``, ask kubelet's PodResources API which containers are
-   alive and release the allocations of the others (:meth:`~.core.AllocatorCore.reconcile`).
-5. With ``allocator.handshake.enabled``, watch this node's pods
-   (:mod:`.pod_watch`) into the core's :class:`~.koordinator.PodBook`, so calls that
-   belong to a pod koord-scheduler decided for follow that decision, and refused
-   decisions become Kubernetes Events on the pod (docs/koordinator.md).
+   alive and release the allocations of the others (:mod:`.release`).
+5. With ``allocator.handshake.enabled``, watch this node's pods into the core's book
+   and post refused decisions as Events (:mod:`.handshake`, docs/koordinator.md).
 
 Lost record
 -----------
 A corrupt checkpoint is kept under a unique name and replaced by a marker that says
-the record is lost (:mod:`.store`); the marker survives restarts. While it stands:
+the record is lost (:mod:`gpulet_allocator.state.checkpoint`); the marker survives
+restarts. While it stands, ``allocate`` and ``allocate-batch`` are refused with
+``checkpoint_lost``, a message that says why and what ends it; ``/readyz`` answers 503
+with the same text (component state ``blocked``). PodResources rebuilds the record
+(:mod:`.release`), or an operator accepts the loss: ``gpulet allocator reset
+--confirm`` sends ``reset`` (the deploy's ``operator`` NATS user may). What was
+adopted is kept.
 
-* ``allocate`` and ``allocate-batch`` are refused with ``checkpoint_lost``, a message
-  that says why and what ends it; ``/readyz`` answers 503 with the same text
-  (component state ``blocked``);
-* PodResources is asked every ``min(release_interval_s, 5 s)``; each answer's
-  whole-GPU containers are adopted (:meth:`~.core.AllocatorCore.adopt`). The record
-  counts as rebuilt once PodResources has answered for ``release_grace_s`` (a kubelet
-  that just restarted may list no pods for a moment) and the latest answer held
-  nothing that cannot be placed (a share: kubelet does not know its card);
-* otherwise an operator accepts the loss: ``gpulet allocator reset --confirm`` sends
-  ``reset`` (the deploy's ``operator`` NATS user may). What was adopted is kept.
+Readiness
+---------
+``/readyz`` is ready only while the allocator can allocate: it is ``blocked`` (503) while
+the record is lost (above) and while the checkpoint cannot be written (a failed write,
+or the directory probed every pass of the release loop), since every Allocate is then
+refused ``checkpoint_failed``. Ready, it names the GPUs and the allocations held now.
 
 Concurrency
 -----------
@@ -46,71 +46,54 @@ is taken in arrival order, synchronously, on the event loop: the ledger never se
 two requests at once. The answer, however, may only leave once the change is durable;
 that wait runs in a task of the service's task group, so the next request is decided
 while the checkpoint is written and one write covers them all (group commit, see
-:mod:`.store`). nats.micro's ``processing_time`` therefore measures the decision, not
-the fsync. Malformed requests are answered ``malformed_request`` and counted; a
-handler bug is answered by nats.micro with a 500 (``num_errors``).
+:mod:`gpulet_allocator.state.checkpoint`). nats.micro's ``processing_time`` therefore
+measures the decision, not the fsync. Malformed requests are answered
+``malformed_request`` and counted; a handler bug is answered by nats.micro with a 500
+(``num_errors``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
 
 import anyio
 import anyio.abc
-import msgspec
 import nats.errors
 import nats.micro
-from kubernetes_asyncio import client as k8s_client
 from nats.micro.request import Request
-from nats.micro.service import EndpointStats, Service
+from nats.micro.service import Service
 
 from gpulet_allocator import protocol as p
-from gpulet_allocator.core import AllocatorCore, HeldDevices, Undo
-from gpulet_allocator.koordinator import RES_GPU_CORE, RES_GPU_MEMORY_RATIO, PodBook, PodKey
-from gpulet_allocator.pod_watch import EventWriter, PodWatch, kube_configuration
-from gpulet_allocator.podresources import (
-    PodResourcesUnavailable,
-    held_devices,
-    list_pod_resources,
-    live_grants,
+from gpulet_allocator.decide.books import Undo
+from gpulet_allocator.decide.core import AllocatorCore
+from gpulet_allocator.service.handshake import HandshakeRunner, pod_book
+from gpulet_allocator.service.release import PodResourcesFollower
+from gpulet_allocator.service.replies import Replies
+from gpulet_allocator.service.status import AllocatorStatus
+from gpulet_allocator.service.withheld import WithheldFeed
+from gpulet_allocator.state.checkpoint import (
+    CheckpointError,
+    CheckpointFile,
+    Committer,
+    Loaded,
+    encode,
 )
-from gpulet_allocator.store import CheckpointError, CheckpointFile, Committer, Loaded, encode
 from gpulet_common import __version__, subjects
-from gpulet_common.codec import Codec
-from gpulet_common.kube import KubeConfigError
 from gpulet_common.lifecycle import idle_disabled
-from gpulet_common.logutil import RateLimitedLog
 from gpulet_common.messages import ErrorReply
 from gpulet_common.nodeview import NodeChange, NodeView
-from gpulet_common.refusal import Refused, bounded, one_line, refusal
+from gpulet_common.refusal import Refused, bounded, one_line
 from gpulet_common.runtime import Runtime
 from gpulet_common.settings import Settings
-from gpulet_common.telemetry import REQUEST_LATENCY_BUCKETS_S
 
 log = logging.getLogger("gpulet.allocator")
 # Once per request whose reply cannot be sent: rate-limited (a caller controls it).
-_answer_log = RateLimitedLog(log, per_minute=10)
-
-T = TypeVar("T")
 
 UNREADABLE_RETRY_MIN_S = 1.0
 UNREADABLE_RETRY_MAX_S = 30.0
-# While the record is lost, PodResources is asked at least this often.
-LOST_RETRY_S = 5.0
-
-# A refusal quotes the request (unknown IDs, resource names), so a hostile request
-# made it as large as itself, and it travels twice (body and header). nats-py checks
-# only the body against the server's max_payload: a 900 KB request of unknown IDs got
-# a 1.8 MB answer, the server closed the allocator's connection and the service
-# died. Bounded once here for every refusal; the header and the log get one line.
-# Endpoints whose refusals fail a pod's admission: logged as warnings.
-_ALLOCATING = frozenset({p.ENDPOINT_ALLOCATE, p.ENDPOINT_ALLOCATE_BATCH})
 
 
 def checkpoint_path(settings: Settings) -> Path:
@@ -118,33 +101,6 @@ def checkpoint_path(settings: Settings) -> Path:
     if configured:
         return Path(configured)
     return Path(settings.state_dir) / "allocator" / "allocations.json"
-
-
-@dataclass(slots=True)
-class _Counts:
-    ok: int = 0
-    rejected: int = 0
-    malformed: int = 0
-    codes: dict[str, int] = field(default_factory=dict)
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "ok": self.ok,
-            "rejected": self.rejected,
-            "malformed": self.malformed,
-            "codes": dict(self.codes),
-        }
-
-
-@dataclass(slots=True)
-class _RefusalEvents:
-    """Refused scheduler decisions to the Event writer, once there is one."""
-
-    writer: EventWriter | None = None
-
-    def __call__(self, pod: PodKey, message: str) -> None:
-        if self.writer is not None:
-            self.writer.post(pod, message)
 
 
 class AllocatorService:
@@ -159,24 +115,7 @@ class AllocatorService:
             runtime.bus, self._node, retry_s=self._settings.request_retry_s, who="allocator"
         )
         self.view.listen(self._on_view)
-        handshake = self._settings.handshake
-        #: Refused decisions become Events on their pod (set up in run()).
-        self.events: EventWriter | None = None
-        # What the core calls on a refusal: holds only the writer, not the service.
-        self._refusals = _RefusalEvents()
-        self.pod_watch: PodWatch | None = None
-        self._handshake_problem = ""
-        book = None
-        if handshake.enabled:
-            koordinator = plugin.profile == "koordinator"
-            book = PodBook(
-                self._node,
-                whole_resource=plugin.resources.gpu,
-                core_resource=RES_GPU_CORE if koordinator else plugin.resources.core,
-                share_resources=(RES_GPU_CORE, RES_GPU_MEMORY_RATIO)
-                if koordinator
-                else (plugin.resources.core, plugin.resources.memory),
-            )
+        self.handshake = HandshakeRunner(self._node, self._settings, self._update_status)
         self.core = AllocatorCore(
             node=self._node,
             names=plugin.resources,
@@ -187,37 +126,54 @@ class AllocatorService:
             release_grace_s=self._settings.release_grace_s,
             health_of=self.view.healthy,
             profile=plugin.profile,
-            book=book,
-            on_refusal=self._refusals,
+            book=pod_book(self._node, self._settings),
+            on_refusal=self.handshake.refusals,
         )
         self.checkpoint = CheckpointFile(checkpoint_path(runtime.settings))
-        self._counts = {e: _Counts() for e in p.ENDPOINTS}
+        replies = Replies(runtime.meter, lambda: runtime.bus.client.max_payload)
+        self._decode, self._ok, self._reject = replies.decode, replies.ok, replies.reject
+        self._count_refusal, self._too_large = replies.count_refusal, replies.too_large
+        self._stats_data = replies.stats_data
         self._committer: Committer | None = None
         self._tg: anyio.abc.TaskGroup | None = None
-        self._checkpoint_error: str | None = None
-        self._pod_resources_log = RateLimitedLog(log, per_minute=2)
-        self._pod_resources_state = ""
-        # Since when (monotonic) PodResources has answered without a failure.
-        self._pod_resources_since: float | None = None
+        #: What ``/readyz`` says of the allocator (:mod:`.status`).
+        self.status = AllocatorStatus(runtime.status, self.name, self.checkpoint)
         meter = runtime.meter
-        self._requests = meter.create_counter(
-            "gpulet.allocator.requests", description="Allocator requests by endpoint and outcome"
-        )
-        self._latency = meter.create_histogram(
-            "gpulet.allocator.request_duration",
-            unit="s",
-            description="From receiving a request to sending its (durable) answer",
-            explicit_bucket_boundaries_advisory=REQUEST_LATENCY_BUCKETS_S,
-        )
-        self._released = meter.create_counter(
+        released = meter.create_counter(
             "gpulet.allocator.released", description="Allocations released, by reason"
         )
+        self._released = released
         self._allocations = meter.create_up_down_counter(
             "gpulet.allocator.allocations", description="Allocations held"
         )
         self._held = 0
+        self.pod_resources = PodResourcesFollower(
+            self.core,
+            self._settings,
+            released=released,
+            on_change=self._on_record_change,
+            committer=lambda: self._committer,
+        )
+        #: The cards kubelet must not count as whole GPUs, for the device plugin.
+        self.withheld = WithheldFeed(replies, self.core.withheld)
         #: The running nats.micro service (for tests and the status line).
         self.micro: Service | None = None
+
+    async def reconcile_once(self, socket: Path | None = None) -> int:
+        """One PodResources pass; returns how many allocations it released."""
+        return await self.pod_resources.reconcile_once(socket)
+
+    def _probe_checkpoint(self) -> None:
+        if self.status.probe():
+            self._update_status()
+
+    def _on_disk(self, error: str | None) -> None:
+        self.status.checkpoint_error = error
+        self._update_status()
+
+    def _on_record_change(self) -> None:
+        self._count_held()
+        self._update_status()
 
     # --- lifecycle ------------------------------------------------------------------------
 
@@ -274,6 +230,7 @@ class AllocatorService:
                     p.ENDPOINT_RELEASE: self._on_release,
                     p.ENDPOINT_STATE: self._on_state,
                     p.ENDPOINT_RESET: self._on_reset,
+                    p.ENDPOINT_WITHHELD: self._on_withheld,
                 }
                 for endpoint, handler in handlers.items():
                     await service.add_endpoint(
@@ -284,9 +241,9 @@ class AllocatorService:
                     )
                 # Endpoints are only reachable once the server has the subscriptions.
                 await self._rt.bus.flush()
-                tg.start_soon(self._release_loop)
+                tg.start_soon(self.pod_resources.run, self._probe_checkpoint)
                 if self.core.book is not None:
-                    tg.start_soon(self._handshake)
+                    tg.start_soon(self.handshake.run, self.core.book)
                 self._update_status()
                 started()
                 await anyio.sleep_forever()
@@ -320,61 +277,8 @@ class AllocatorService:
 
     # --- koord-scheduler's decisions ---------------------------------------------------
 
-    def _on_handshake_state(self, problem: str) -> None:
-        if problem != self._handshake_problem:
-            self._handshake_problem = problem
-            self._update_status()
-
-    async def _handshake(self) -> None:
-        """The pod watch and the Event writer; failures degrade, never end, the service.
-
-        Until the watch has listed, and while the API server is away, the book holds
-        what it last knew and calls it cannot match are decided by gpulet as before.
-        """
-        settings = self._settings.handshake
-        book = self.core.book
-        assert book is not None
-        delay = UNREADABLE_RETRY_MIN_S
-        while True:
-            try:
-                configuration = await kube_configuration(settings)
-            except KubeConfigError as exc:
-                self._on_handshake_state(f"no pod watch: {exc}")
-                log.warning("koord-scheduler handshake: %s; again in %.0fs", exc, delay)
-                await anyio.sleep(delay)
-                delay = min(delay * 2, UNREADABLE_RETRY_MAX_S)
-                continue
-            break
-        async with k8s_client.ApiClient(configuration) as api:
-            self.events = EventWriter(api, self._node, settings)
-            self._refusals.writer = self.events
-            self.pod_watch = PodWatch(api, book, settings, on_state=self._on_handshake_state)
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(self.events.run)
-                await tg.start(self.pod_watch.run)
-                log.info("following koord-scheduler's decisions on the pods of %s", self._node)
-
     def _update_status(self) -> None:
-        if self.core.lost is not None:
-            self._rt.status.set(self.name, "blocked", self.core.lost_refusal().message)
-            return
-        if self._handshake_problem and not self._checkpoint_error and self.core.ready:
-            self._rt.status.set(self.name, "degraded", self._handshake_problem)
-            return
-        if self._checkpoint_error:
-            self._rt.status.set(self.name, "degraded", self._checkpoint_error)
-        elif not self.core.ready:
-            self._rt.status.set(
-                self.name, "degraded", "waiting for the GPU inventory (is the collector running?)"
-            )
-        else:
-            held = self.core.ledger.count()
-            gpus = len(self.core.ledger.devices())
-            self._rt.status.set(self.name, "ready", f"{gpus} GPUs, {held} allocations")
-
-    def _on_disk(self, error: str | None) -> None:
-        self._checkpoint_error = error
-        self._update_status()
+        self.status.update(self.core, self.handshake.problem)
 
     def _on_view(self, change: NodeChange) -> None:
         inventory = self.view.inventory
@@ -389,71 +293,17 @@ class AllocatorService:
             healthy = self.view.healthy(uuid)
             if self.core.set_health(uuid, healthy):
                 log.info("GPU %s is now %s", uuid, "healthy" if healthy else "unhealthy")
+        self.withheld.follow()
 
     def _count_held(self) -> None:
         held = self.core.ledger.count()
         if held != self._held:
             self._allocations.add(held - self._held)
             self._held = held
-
-    def _stats_data(self, stats: EndpointStats) -> dict[str, Any]:
-        counts = self._counts.get(stats.name)
-        return counts.as_dict() if counts else {}
+            self._update_status()
+        self.withheld.follow()
 
     # --- request plumbing ---------------------------------------------------------------
-
-    async def _decode(
-        self, req: Request, endpoint: str, codec: Codec[T], started: float
-    ) -> T | None:
-        """The request body, or None once a malformed one has been answered."""
-        try:
-            return codec.decode(req.data)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            problem = f"{codec.type.__name__}: {exc}"
-        await self._reject(req, endpoint, "malformed_request", problem, started)
-        return None
-
-    async def _send(self, req: Request, data: bytes, headers: dict[str, str] | None = None) -> None:
-        try:
-            await req.respond(data, headers=headers)
-        except ValueError:
-            pass  # a publish, not a request: nobody to answer
-        except (nats.errors.Error, OSError) as exc:
-            _answer_log.warning("cannot answer on %s: %s", req.subject[:200], exc)
-
-    async def _ok(self, req: Request, endpoint: str, data: bytes, started: float) -> None:
-        await self._send(req, data)
-        self._counts[endpoint].ok += 1
-        self._record(endpoint, "ok", started)
-
-    def _count_refusal(self, endpoint: str, code: str, message: str) -> None:
-        """Count and log one refusal that is being sent."""
-        counts = self._counts[endpoint]
-        if code == "malformed_request":
-            counts.malformed += 1
-        else:
-            counts.rejected += 1
-        counts.codes[code] = counts.codes.get(code, 0) + 1
-        log.log(
-            logging.WARNING if endpoint in _ALLOCATING else logging.INFO,
-            "%s refused: %s: %s",
-            endpoint,
-            code,
-            one_line(bounded(message)),
-        )
-
-    async def _reject(
-        self, req: Request, endpoint: str, code: str, message: str, started: float
-    ) -> None:
-        self._count_refusal(endpoint, code, message)
-        body, headers = refusal(code, message)
-        await self._send(req, body, headers)
-        self._record(endpoint, code, started)
-
-    def _record(self, endpoint: str, outcome: str, started: float) -> None:
-        attributes = {"endpoint": endpoint, "outcome": outcome}
-        self._requests.add(1, attributes)
-        self._latency.record(time.perf_counter() - started, {"endpoint": endpoint})
 
     async def _answer_durably(
         self,
@@ -493,22 +343,6 @@ class AllocatorService:
             await self._ok(req, endpoint, data, started)
 
         self._tg.start_soon(when_durable)
-
-    def _too_large(self, data: bytes, containers: int) -> str | None:
-        """Why ``data`` cannot be sent as an answer, if it cannot.
-
-        A request for thousands of containers (never kubelet's: 5,000 of one GPU do)
-        got an answer larger than the server's max_payload: nats-py refused to send
-        it, the caller timed out, and the allocation stayed. Refused instead (and, for
-        allocate, undone).
-        """
-        limit = self._rt.bus.client.max_payload
-        if len(data) <= limit:
-            return None
-        return (
-            f"the answer for {containers} containers would take {len(data)} bytes, more "
-            f"than the {limit} NATS carries in one message: ask for fewer containers"
-        )
 
     # --- endpoints ------------------------------------------------------------------------
 
@@ -651,6 +485,10 @@ class AllocatorService:
         reply = p.ResetReply(accepted=True, detail=detail, allocations=kept)
         await self._answer_durably(req, endpoint, p.RESET_REPLY.encode(reply), started, undo)
 
+    async def _on_withheld(self, req: Request) -> None:
+        assert self._tg is not None
+        await self.withheld.on_request(req, self._tg)
+
     async def _on_state(self, req: Request) -> None:
         started = time.perf_counter()
         if await self._decode(req, p.ENDPOINT_STATE, p.STATE_REQUEST, started) is None:
@@ -659,88 +497,3 @@ class AllocatorService:
         await self._ok(req, p.ENDPOINT_STATE, p.STATE_REPLY.encode(reply), started)
 
     # --- releasing allocations of pods that are gone -------------------------------------
-
-    async def _release_loop(self) -> None:
-        socket = Path(self._settings.pod_resources_socket)
-        while True:
-            await self.reconcile_once(socket)
-            interval = self._settings.release_interval_s
-            if self.core.lost is not None:
-                interval = min(interval, LOST_RETRY_S)
-            await anyio.sleep(interval)
-
-    async def reconcile_once(self, socket: Path | None = None) -> int:
-        """One PodResources pass; returns how many allocations it released."""
-        socket = socket or Path(self._settings.pod_resources_socket)
-        try:
-            response = await list_pod_resources(socket, self._settings.pod_resources_timeout_s)
-        except PodResourcesUnavailable as exc:
-            self._pod_resources_since = None
-            state = "failing" if await anyio.Path(socket).exists() else "absent"
-            if state != self._pod_resources_state:
-                if state == "absent":
-                    log.info(
-                        "no PodResources API at %s: allocations are released only by "
-                        "explicit release requests",
-                        socket,
-                    )
-                else:
-                    self._pod_resources_log.warning("PodResources List failed: %s", exc)
-            self._pod_resources_state = state
-            if self.core.lost is not None:
-                self.core.rebuild_blocker = (
-                    f"kubelet's PodResources API at {socket} cannot rebuild it ({exc})"
-                )
-                self._update_status()
-            return 0
-        if self._pod_resources_state != "ok":
-            log.info("following PodResources at %s", socket)
-            self._pod_resources_state = "ok"
-        now = anyio.current_time()
-        if self._pod_resources_since is None:
-            self._pod_resources_since = now
-        if self.core.lost is not None:
-            self._rebuild(
-                held_devices(response, self.core.kind_of), now - self._pod_resources_since
-            )
-        released = self.core.reconcile(live_grants(response, self.core.kind_of))
-        if released:
-            self._released.add(len(released), {"reason": "pod_gone"})
-            self._count_held()
-            self._update_status()
-        committer = self._committer
-        if committer is not None and committer.durable < self.core.version:
-            # A failure is logged by the committer, which keeps retrying.
-            with contextlib.suppress(CheckpointError):
-                await committer.wait(self.core.version)
-        return len(released)
-
-    def _rebuild(self, held: list[HeldDevices], answering_s: float) -> None:
-        """One step of rebuilding a lost record from a PodResources answer."""
-        core = self.core
-        adoption = core.adopt(held)
-        if adoption.adopted:
-            log.warning(
-                "rebuilding the lost allocation record: adopted %d whole-GPU allocation(s) "
-                "kubelet's PodResources lists",
-                adoption.adopted,
-            )
-            self._count_held()
-        grace = self._settings.release_grace_s
-        if not adoption.complete:
-            core.rebuild_blocker = f"kubelet's PodResources cannot rebuild it: {adoption.blocker()}"
-        elif answering_s < grace:
-            core.rebuild_blocker = (
-                f"rebuilding it from kubelet's PodResources ({core.ledger.count()} allocation(s) "
-                f"so far): PodResources must answer for {grace:g} s (release_grace_s) before "
-                "its pod list is trusted"
-            )
-        else:
-            reason = core.end_loss()
-            log.warning(
-                "the lost allocation record (%s) was rebuilt from kubelet's PodResources: "
-                "%d allocation(s); allocating again",
-                reason,
-                core.ledger.count(),
-            )
-        self._update_status()

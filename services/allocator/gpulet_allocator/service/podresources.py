@@ -5,20 +5,22 @@ Why
 Kubelet never tells a device plugin that a pod went away. Its PodResources API
 (``v1.PodResourcesLister/List`` on ``/var/lib/kubelet/pod-resources/kubelet.sock``)
 lists, for every live pod and container, the device IDs it holds per resource: hashed
-the way :func:`gpulet_allocator.core.grant_key` hashes Allocate's IDs, those are the
+the way :func:`gpulet_allocator.decide.books.grant_key` hashes Allocate's IDs, those are the
 live grants. The call itself (:func:`gpulet_common.podresources.list_pod_resources`,
 bounded by a deadline; a missing socket means "no kubelet here") is shared with the
 collector, which labels GPU metrics with the pods holding them.
 
 The same answer, as :func:`held_devices`, is what rebuilds a lost allocation record
-(:meth:`gpulet_allocator.core.AllocatorCore.adopt`).
+(:meth:`gpulet_allocator.decide.core.AllocatorCore.adopt`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from gpulet_allocator.core import GrantKind, HeldDevices, PodRef, grant_key
+from gpulet_allocator.decide.books import grant_key
+from gpulet_allocator.decide.record import HeldDevices, PodRef
+from gpulet_allocator.state.records import GrantKind
 from gpulet_common.kubelet_api.podresources.v1 import api_pb2 as pr
 from gpulet_common.podresources import PodResourcesUnavailable, list_pod_resources
 

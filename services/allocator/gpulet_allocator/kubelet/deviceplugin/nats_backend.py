@@ -1,12 +1,12 @@
-"""The device plugin's :class:`~.plugin.backend.AllocationBackend` over NATS.
+"""The device plugin's :class:`~.backend.AllocationBackend` over NATS.
 
 Why
 ---
 The plugin speaks kubelet's gRPC; the allocator decides. This forwards each call as
 one request on the :class:`~gpulet_common.bus.Bus` to
-``gpulet.allocator.<node>.<endpoint>`` (contract: :mod:`.protocol`), so it carries the
-trace context and its reply is decoded totally and counted when malformed. Every
-outcome is already in the one exception tree (:mod:`gpulet_common.refusal`), and
+``gpulet.allocator.<node>.<endpoint>`` (contract: :mod:`gpulet_allocator.protocol`),
+so it carries the trace context and its reply is decoded totally and counted when
+malformed. Every outcome is already in the one exception tree (:mod:`gpulet_common.refusal`), and
 passes through untouched:
 
 - no allocator listening (NATS answers "no responders" at once), no reply within
@@ -18,7 +18,10 @@ passes through untouched:
   the plugin looks up in :data:`~gpulet_common.refusal.STATUS` (``not_ready``:
   ``UNAVAILABLE``, ``invalid_core_units``: ``INVALID_ARGUMENT``, a 500: ``INTERNAL``),
   with a message that starts with the code, so the reason reaches
-  ``kubectl describe pod`` verbatim.
+  ``kubectl describe pod`` verbatim;
+- a request too large for one NATS message (a 3 MB device ID): the bus refuses it,
+  ``invalid_request`` ("request too large"), which kubelet gets as
+  ``INVALID_ARGUMENT``. A caller's error never reads as an outage.
 
 Coalescing
 ----------
@@ -31,9 +34,12 @@ calls go through a bounded queue to one sender, which keeps one request out at a
 time: when it is answered, the sender takes every call waiting (at most
 :data:`MAX_BATCH`) and sends them as one ``allocate-batch``, or alone when only one
 waits. A lone call therefore waits for nothing, and a burst forms batches by itself,
-as large as the allocator is slow. (Measured with 50 concurrent calls on 2 cores,
-allowing 4 requests out made smaller batches and cost the plugin and the allocator
-50-90 % more CPU per call.) The allocator decides each call
+as large as the allocator is slow, but never larger than half a NATS message
+(:meth:`~NatsAllocationBackend._batch_bytes`): a call that is larger goes alone, so
+one oversized call is refused for itself, never for the calls beside it. (Measured
+with 50 concurrent calls on 2 cores, allowing 4 requests out made smaller batches and
+cost the plugin and the allocator 50-90 % more CPU per call.) The allocator decides
+each call
 on its own, so batching changes neither the answers nor the refusals. A batch
 endpoint that nobody serves (an older allocator) makes the sender fall back to one
 request per call. Without :meth:`~NatsAllocationBackend.run` (tests, tools), every
@@ -80,6 +86,8 @@ class _Queued:
     """One Allocate call waiting for the sender, and then for its outcome."""
 
     request: p.AllocateRequest
+    # Its encoded size: a batch never grows past what one NATS message carries.
+    size: int = 0
     done: anyio.Event = field(default_factory=anyio.Event)
     containers: list[ContainerAllocation] | None = None
     failure: BusError | None = None
@@ -128,9 +136,16 @@ class NatsAllocationBackend:
         self, resource: str, container_requests: list[list[str]]
     ) -> list[ContainerAllocation]:
         request = p.AllocateRequest(resource=resource, containers=container_requests)
-        if self._queue is None or len(container_requests) > MAX_BATCH_CONTAINERS:
+        size = len(p.ALLOCATE_REQUEST.encode(request))
+        if (
+            self._queue is None
+            or len(container_requests) > MAX_BATCH_CONTAINERS
+            or size > self._batch_bytes()
+        ):
+            # Alone: a request too large for NATS is then refused for itself (the bus
+            # says invalid_request), never for the calls it would have been sent with.
             return await self._allocate_alone(request)
-        queued = _Queued(request)
+        queued = _Queued(request, size)
         try:
             await self._queue.send(queued)
             await queued.done.wait()
@@ -147,12 +162,18 @@ class NatsAllocationBackend:
     async def _send_queued(self, receive: MemoryObjectReceiveStream[_Queued]) -> None:
         async for first in receive:
             # The calls that came while the previous request was out go together.
-            batch = [first]
+            batch, size, limit = [first], first.size, self._batch_bytes()
             while len(batch) < MAX_BATCH:
                 try:
-                    batch.append(receive.receive_nowait())
+                    queued = receive.receive_nowait()
                 except anyio.WouldBlock:
                     break
+                if size + queued.size > limit:
+                    # Full: this one opens the next batch (sent after this one).
+                    await self._send(batch)
+                    batch, size = [], 0
+                batch.append(queued)
+                size += queued.size
             await self._send(batch)
 
     async def _send(self, batch: list[_Queued]) -> None:
@@ -167,6 +188,11 @@ class NatsAllocationBackend:
             for queued in batch:
                 if not queued.done.is_set():
                     queued.fail(_stopping())
+
+    def _batch_bytes(self) -> int:
+        """What the calls of one allocate-batch may take: half a NATS message, the
+        rest is room for the batch's own framing."""
+        return self._bus.client.max_payload // 2
 
     async def _send_each(self, calls: list[_Queued]) -> None:
         async with anyio.create_task_group() as tg:
@@ -225,9 +251,29 @@ class NatsAllocationBackend:
         )
         return reply.containers
 
-    async def _call(self, endpoint: str, value: Q, request: Codec[Q], reply: Codec[R]) -> R:
+    async def withheld(self, epoch: str, version: int, wait_s: float) -> p.WithheldReply:
+        """The cards kubelet must not count as whole GPUs: a long poll of ``wait_s``."""
+        return await self._call(
+            p.ENDPOINT_WITHHELD,
+            p.WithheldRequest(epoch=epoch, version=version, wait_s=wait_s),
+            p.WITHHELD_REQUEST,
+            p.WITHHELD_REPLY,
+            timeout_s=wait_s + self._timeout_s,
+        )
+
+    async def _call(
+        self,
+        endpoint: str,
+        value: Q,
+        request: Codec[Q],
+        reply: Codec[R],
+        *,
+        timeout_s: float | None = None,
+    ) -> R:
         subject = subjects.allocator_endpoint(self._node, endpoint)
-        return await self._bus.request(subject, value, request, reply, timeout_s=self._timeout_s)
+        return await self._bus.request(
+            subject, value, request, reply, timeout_s=timeout_s or self._timeout_s
+        )
 
 
 def _stopping() -> RequestTimeout:

@@ -23,6 +23,12 @@ amount comes from koord-scheduler's annotation instead (docs/koordinator.md).
 Every device carries its GPU's health and NUMA node, so a GPU turning unhealthy
 withdraws all of its shares too (NVIDIA #1929 is about replicas that did not).
 
+A card holding shares may not go whole (the allocator's one answer,
+:meth:`~gpulet_allocator.decide.engine.Ledger.refusal`). Kubelet has no "busy" state, so
+such a card's whole-GPU device is listed ``Unhealthy`` while it holds shares: kubelet
+then stops counting it as an allocatable ``nvidia.com/gpu`` and the scheduler does not
+send a pod there that admission would refuse. Its share devices stay ``Healthy``.
+
 Layers
 ------
 Pure data and functions, no gRPC and no I/O: :mod:`.server` turns
@@ -64,6 +70,9 @@ class PluginGpu(msgspec.Struct, frozen=True, kw_only=True):
     memory_total_bytes: int
     numa_node: int | None = None
     healthy: bool = True
+    # Holds shares, so it may not go whole (the allocator says; ``withheld``): listed
+    # Unhealthy for the whole-GPU resource only, Healthy for its shares.
+    withheld: bool = False
 
 
 class PluginDevice(msgspec.Struct, frozen=True, kw_only=True):
@@ -93,8 +102,9 @@ def build_devices(kind: ResourceKind, gpus: Iterable[PluginGpu]) -> list[PluginD
             ids = [
                 memory_device_id(gpu.uuid, n) for n in range(memory_units(gpu.memory_total_bytes))
             ]
+        healthy = gpu.healthy and not (kind is ResourceKind.WHOLE and gpu.withheld)
         devices.extend(
-            PluginDevice(id=i, gpu_uuid=gpu.uuid, healthy=gpu.healthy, numa_node=gpu.numa_node)
+            PluginDevice(id=i, gpu_uuid=gpu.uuid, healthy=healthy, numa_node=gpu.numa_node)
             for i in ids
         )
     return devices
@@ -108,9 +118,9 @@ def build_inventory(
 
 
 def plugin_gpus_from_inventory(
-    gpus: Iterable[GpuInfo], unhealthy: Collection[str] = ()
+    gpus: Iterable[GpuInfo], unhealthy: Collection[str] = (), withheld: Collection[str] = ()
 ) -> list[PluginGpu]:
-    """Adapt the collector's inventory plus the set of unhealthy UUIDs."""
+    """Adapt the collector's inventory plus the unhealthy and the withheld UUIDs."""
     return [
         PluginGpu(
             uuid=g.uuid,
@@ -120,6 +130,7 @@ def plugin_gpus_from_inventory(
             # NVML reports -1 when the platform has no NUMA information.
             numa_node=g.numa_node if g.numa_node is not None and g.numa_node >= 0 else None,
             healthy=g.uuid not in unhealthy,
+            withheld=g.uuid in withheld,
         )
         for g in gpus
     ]

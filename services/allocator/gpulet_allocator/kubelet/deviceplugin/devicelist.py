@@ -26,7 +26,7 @@ from typing import Protocol
 import anyio
 import msgspec
 
-from gpulet_allocator.plugin.resources import PluginGpu
+from gpulet_allocator.kubelet.deviceplugin.resources import PluginGpu
 
 
 class DeviceSnapshot(msgspec.Struct, frozen=True, kw_only=True):

@@ -15,7 +15,7 @@ Refusals are :class:`gpulet_common.refusal.Refused` with a code of the one table
   fragmentation-aware); :mod:`.shares` -- gpu-manager units and best-fit packing.
 * :mod:`.ledger` -- the allocation state, its invariants and idempotency.
 
-The on-disk copy of the ledger is the service's (:mod:`gpulet_allocator.store`); the
+The on-disk copy of the ledger is the service's (:mod:`gpulet_allocator.state.checkpoint`); the
 reference machine topologies used by tests and benches are the tests' oracle
 (``tests/support/reference.py``). Nothing here knows about gRPC, NATS or asyncio;
 the plugin and service layers call in.

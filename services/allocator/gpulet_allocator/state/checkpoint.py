@@ -2,7 +2,7 @@
 
 Design
 ------
-**File.** One JSON document, :class:`~gpulet_allocator.core.StoredState`: the
+**File.** One JSON document, :class:`~gpulet_allocator.state.records.StoredState`: the
 ledger's allocations (the engine's tagged union, ``"type": "whole"`` /
 ``"share"``) plus the grants that map kubelet's requests to them. Both must change
 together, so they share one file. Writing is atomic and durable
@@ -44,6 +44,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,7 +55,7 @@ import anyio
 import anyio.abc
 import msgspec
 
-from gpulet_allocator.core import STATE_VERSION, StoredState
+from gpulet_allocator.state.records import STATE_VERSION, StoredState
 from gpulet_common.statefile import quarantine, tmp_prefix, write_atomic
 
 log = logging.getLogger("gpulet.allocator.store")
@@ -109,6 +111,16 @@ class CheckpointFile:
     def write(self, data: bytes) -> None:
         """Atomically and durably replace the file with ``data``; raises OSError."""
         write_atomic(self.path, data)
+
+    def probe(self) -> None:
+        """Raise OSError unless a write could start now: a temporary file of the kind
+        :meth:`write` makes is created in the directory and removed (no fsync)."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(
+            prefix=tmp_prefix(self.path), suffix=".tmp", dir=self.path.parent
+        )
+        os.close(fd)
+        os.unlink(tmp)
 
     def load(self) -> Loaded:
         """Read the checkpoint; never raises. A corrupt file is quarantined (docstring)."""

@@ -6,7 +6,7 @@ Kubelet talks to one plugin endpoint per resource, so each resource gets its own
 grpc.aio server on its own unix socket (``gpulet-<resource>.sock``, mode 0600:
 whoever can connect can ask for GPUs). The service itself stays thin:
 
-- ``ListAndWatch`` follows a :class:`~.state.DeviceListSource` and sends the full
+- ``ListAndWatch`` follows a :class:`~.devicelist.DeviceListSource` and sends the full
   list first and then after every change of that resource's list; it returns (status
   OK) as soon as the server stops instead of being cut off by the grace timeout.
 - ``Allocate`` and ``GetPreferredAllocation`` are delegated to an
@@ -34,6 +34,7 @@ import re
 import stat
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -41,14 +42,14 @@ import anyio
 import grpc
 import grpc.aio
 
+from gpulet_allocator.kubelet.deviceplugin.backend import AllocationBackend
+from gpulet_allocator.kubelet.deviceplugin.config import PluginConfig
+from gpulet_allocator.kubelet.deviceplugin.devicelist import DeviceListSource, DeviceSnapshot
+from gpulet_allocator.kubelet.deviceplugin.devnodes import DeviceNodes
+from gpulet_allocator.kubelet.deviceplugin.metrics import PluginMetrics
+from gpulet_allocator.kubelet.deviceplugin.resources import PluginDevice, PluginGpu, build_devices
 from gpulet_allocator.kubelet_api.deviceplugin.v1beta1 import api_pb2 as pb
 from gpulet_allocator.kubelet_api.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
-from gpulet_allocator.plugin.backend import AllocationBackend
-from gpulet_allocator.plugin.config import PluginConfig
-from gpulet_allocator.plugin.devnodes import DeviceNodes
-from gpulet_allocator.plugin.metrics import PluginMetrics
-from gpulet_allocator.plugin.resources import PluginDevice, PluginGpu, build_devices
-from gpulet_allocator.plugin.state import DeviceListSource, DeviceSnapshot
 from gpulet_allocator.protocol import (
     ContainerAllocation,
     DeviceSpec,
@@ -56,7 +57,7 @@ from gpulet_allocator.protocol import (
     ResourceSpec,
 )
 from gpulet_common.logutil import RateLimitedLog
-from gpulet_common.refusal import BusError, Refused, RequestTimeout, status_of
+from gpulet_common.refusal import BusError, Refused, RequestTimeout, bounded, one_line, status_of
 
 log = logging.getLogger(__name__)
 # Once per kubelet request that fails or falls back: rate-limited.
@@ -110,26 +111,43 @@ def _details(rpc: str, failure: BusError) -> str:
 _NO_REFUSAL = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL})
 
 
+@dataclass(slots=True)
+class StreamStop:
+    """Ends the ``ListAndWatch`` streams of a server that is stopping."""
+
+    stopped: bool = False
+    waiting: set[anyio.CancelScope] = field(default_factory=set)
+
+    def stop(self) -> None:
+        self.stopped = True
+        for scope in list(self.waiting):
+            scope.cancel()
+
+
+@dataclass(frozen=True, slots=True)
+class ServerParts:
+    """What serving one resource needs: the resource, where its devices come from, who
+    decides, the settings, the device files and the metrics."""
+
+    spec: ResourceSpec
+    source: DeviceListSource
+    backend: AllocationBackend
+    config: PluginConfig
+    nodes: DeviceNodes
+    metrics: PluginMetrics
+
+
 class KubeletServicer(pb_grpc.DevicePluginServicer):
     """``v1beta1.DevicePlugin`` for one resource."""
 
-    def __init__(
-        self,
-        spec: ResourceSpec,
-        source: DeviceListSource,
-        backend: AllocationBackend,
-        config: PluginConfig,
-        nodes: DeviceNodes,
-        stopping: anyio.Event,
-        metrics: PluginMetrics,
-    ) -> None:
-        self._spec = spec
-        self._source = source
-        self._backend = backend
-        self._config = config
-        self._nodes = nodes
-        self._stopping = stopping
-        self._metrics = metrics
+    def __init__(self, parts: ServerParts, stop: StreamStop) -> None:
+        self._spec = parts.spec
+        self._source = parts.source
+        self._backend = parts.backend
+        self._config = parts.config
+        self._nodes = parts.nodes
+        self._stop = stop
+        self._metrics = parts.metrics
         self._gpus_of: DeviceSnapshot | None = None
         self._gpus_by_uuid: dict[str, PluginGpu] = {}
 
@@ -179,7 +197,9 @@ class KubeletServicer(pb_grpc.DevicePluginServicer):
                 self._observe("GetPreferredAllocation", status, started)
                 await context.abort(status, details)
             _rpc_log.warning(
-                "GetPreferredAllocation for %s answered locally: %s", self._spec.name, details
+                "GetPreferredAllocation for %s answered locally: %s",
+                self._spec.name,
+                bounded(one_line(details)),
             )
             self._metrics.fallback(self._spec.name)
             answers = self._fallback_preferred(requests)
@@ -202,8 +222,13 @@ class KubeletServicer(pb_grpc.DevicePluginServicer):
             gpus = self._gpus()
             responses = [self._container_response(a, gpus) for a in allocations]
         except BusError as failure:
+            # Counts, not the IDs: a request may be megabytes (the caller's, bounded here).
             _rpc_log.warning(
-                "Allocate %s %s failed: %s", self._spec.name, str(container_requests)[:300], failure
+                "Allocate of %s for %d container(s) (%d IDs) failed: %s",
+                self._spec.name,
+                len(container_requests),
+                sum(len(c) for c in container_requests),
+                bounded(one_line(str(failure))),
             )
             status = grpc_status(failure)
             self._observe("Allocate", status, started)
@@ -230,18 +255,22 @@ class KubeletServicer(pb_grpc.DevicePluginServicer):
         return self._gpus_by_uuid
 
     async def _next_change(self, version: int) -> DeviceSnapshot | None:
-        """The next snapshot, or None once the server is stopping."""
-        result: DeviceSnapshot | None = None
-        async with anyio.create_task_group() as tg:
+        """The next snapshot, or None once the server is stopping.
 
-            async def cancel_on_stop() -> None:
-                await self._stopping.wait()
-                tg.cancel_scope.cancel()
-
-            tg.start_soon(cancel_on_stop)
-            result = await self._source.wait_for_change(version)
-            tg.cancel_scope.cancel()
-        return result
+        Waited for in this task, under a cancel scope the server's stop cancels: no
+        helper task per change, whose start and cancellation cost the stream two more
+        turns of a busy event loop before kubelet heard of a GPU turning unhealthy.
+        """
+        stop = self._stop
+        if stop.stopped:
+            return None
+        with anyio.CancelScope() as scope:
+            stop.waiting.add(scope)
+            try:
+                return await self._source.wait_for_change(version)
+            finally:
+                stop.waiting.discard(scope)
+        return None
 
     async def _call_backend(self, rpc: str, call: Callable[[], Awaitable[list[T]]]) -> list[T]:
         timeout = self._config.backend_timeout_s
@@ -355,25 +384,15 @@ def fallback_preference(request: PreferredRequest, numa: dict[str, int | None]) 
 class ResourceServer:
     """The gRPC server and socket file of one resource; restartable."""
 
-    def __init__(
-        self,
-        spec: ResourceSpec,
-        source: DeviceListSource,
-        backend: AllocationBackend,
-        config: PluginConfig,
-        nodes: DeviceNodes,
-        metrics: PluginMetrics,
-    ) -> None:
-        self.spec = spec
-        self._source = source
-        self._backend = backend
+    def __init__(self, parts: ServerParts) -> None:
+        self.spec = spec = parts.spec
+        self._parts = parts
+        config = parts.config
         self._config = config
-        self._nodes = nodes
-        self._metrics = metrics
         self.endpoint = socket_name(config.socket_prefix, spec.name)
         self.socket_path = Path(config.plugin_dir) / self.endpoint
         self._server: grpc.aio.Server | None = None
-        self._stopping: anyio.Event | None = None
+        self._stop: StreamStop | None = None
         self._socket_id: tuple[int, int] | None = None
 
     @property
@@ -393,18 +412,10 @@ class ResourceServer:
             raise RuntimeError(f"{self.endpoint} is already serving")
         # A leftover from a previous run makes bind fail with EADDRINUSE.
         self.socket_path.unlink(missing_ok=True)
-        self._stopping = anyio.Event()
+        self._stop = StreamStop()
         server = grpc.aio.server()
         pb_grpc.add_DevicePluginServicer_to_server(
-            KubeletServicer(
-                self.spec,
-                self._source,
-                self._backend,
-                self._config,
-                self._nodes,
-                self._stopping,
-                self._metrics,
-            ),
+            KubeletServicer(self._parts, self._stop),
             server,
         )
         server.add_insecure_port(f"unix://{self.socket_path}")
@@ -421,8 +432,8 @@ class ResourceServer:
         server, self._server = self._server, None
         if server is None:
             return
-        if self._stopping is not None:
-            self._stopping.set()
+        if self._stop is not None:
+            self._stop.stop()
         await server.stop(self._config.stop_grace_s)
         # gRPC unlinks the path on stop, but only remove what is still ours.
         if self.socket_intact():

@@ -10,8 +10,8 @@ the free capacity of every card. Layers:
 * :mod:`.topology`, :mod:`.whole`, :mod:`.shares` decide *where*; they are pure
   functions of what the ledger hands them.
 * The ledger decides *whether*: it validates the request, enforces the invariants and
-  records the result. It never does I/O; the service's :mod:`gpulet_allocator.store`
-  persists what it holds (through :mod:`gpulet_allocator.core`) and restores it at start.
+  records the result. It never does I/O; the service's :mod:`gpulet_allocator.state.checkpoint`
+  persists what it holds (through :mod:`gpulet_allocator.decide.core`) and restores it at start.
 * The service around it (gRPC device plugin, NATS API) serialises calls; the ledger
   is not thread-safe by itself.
 
@@ -53,7 +53,7 @@ class Owner(msgspec.Struct, frozen=True, kw_only=True):
 
     ``allocation_id`` is any stable key of the request the caller has: kubelet's
     Allocate names no pod, so the allocator uses the hash of the first grant's device
-    IDs (:func:`gpulet_allocator.core.grant_key`), which is also the allocation's ID.
+    IDs (:func:`gpulet_allocator.decide.core.grant_key`), which is also the allocation's ID.
     Namespace and name are informational. On disk the field keeps its first name,
     ``allocation_id``, so that every checkpoint written before still loads.
     """
@@ -121,11 +121,6 @@ class DeviceState:
     def schedulable(self) -> bool:
         return self.healthy and self.present
 
-    @property
-    def free_whole(self) -> bool:
-        """Can be handed out as a whole card right now."""
-        return self.schedulable and self.whole_owner is None and not self.shares
-
 
 @dataclass
 class _LedgerGpu:
@@ -148,10 +143,6 @@ class _LedgerGpu:
     @property
     def schedulable(self) -> bool:
         return self.present and self.healthy
-
-    @property
-    def free_whole(self) -> bool:
-        return self.schedulable and self.whole is None and not self.shares
 
 
 def _as_gpus(gpus: Inventory | Iterable[GpuInfo]) -> list[GpuInfo]:
@@ -248,7 +239,7 @@ class Ledger:
     ) -> WholeAllocation:
         """``count`` whole GPUs: the given ``devices``, or the best set containing
         ``must_include`` (see :mod:`.whole`)."""
-        self._check_owner(owner)
+        _check_owner(owner)
         must = list(dict.fromkeys(must_include))
         if devices is not None:
             if len(set(devices)) != len(devices):
@@ -278,10 +269,10 @@ class Ledger:
                 and set(must) <= set(existing.devices)
             ):
                 return existing
-            raise self._conflict(owner, existing, f"{count} whole GPU(s)")
+            raise _conflict(owner, existing, f"{count} whole GPU(s)")
 
         self._check_named(must, whole=True)
-        free = [g.uuid for g in self._ordered() if g.free_whole and g.uuid in self._topology]
+        free = [u for u in self.free_whole() if u in self._topology]
         if count > len(free):
             healthy = sum(1 for g in self._gpus.values() if g.schedulable)
             raise Refused(
@@ -303,7 +294,7 @@ class Ledger:
         device: str | None = None,
     ) -> ShareAllocation:
         """A share of one card, best-fit (see :mod:`.shares`), or on ``device``."""
-        self._check_owner(owner)
+        _check_owner(owner)
         validate_share(cores, memory_units, self._largest_card())
         existing = self._allocs.get(owner.key)
         if existing is not None:
@@ -314,15 +305,15 @@ class Ledger:
                 and device in (None, existing.device)
             ):
                 return existing
-            raise self._conflict(
+            raise _conflict(
                 owner, existing, f"a share of {cores} core units and {memory_units} memory units"
             )
 
         if device is not None:
             self._check_named([device], whole=False)
-            cards = [self._card(self._gpus[device])]
+            cards = [_card(self._gpus[device])]
         else:
-            cards = [self._card(g) for g in self._ordered() if g.schedulable and g.whole is None]
+            cards = [_card(g) for g in self._ordered() if self.refusal(g.uuid, whole=False) is None]
         rank = self._untouched_rank(cards)
         card = pick_share(cards, cores, memory_units, rank=rank, largest_card=self._largest_card())
         alloc = ShareAllocation(
@@ -364,8 +355,8 @@ class Ledger:
         return [a for k, a in sorted(self._allocs.items()) if allocation_id in (None, k[0])]
 
     def free_whole(self) -> list[str]:
-        """Healthy, present cards with no allocation at all, in index order."""
-        return [g.uuid for g in self._ordered() if g.free_whole]
+        """The cards that may go whole now (:meth:`refusal`), in index order."""
+        return [g.uuid for g in self._ordered() if self.refusal(g.uuid, whole=True) is None]
 
     def device(self, uuid: str) -> DeviceState:
         g = self._known(uuid)
@@ -385,28 +376,61 @@ class Ledger:
     def devices(self) -> list[DeviceState]:
         return [self.device(g.uuid) for g in self._ordered()]
 
+    def refusal(self, uuid: str, *, whole: bool) -> Refused | None:
+        """Why a known card may not take a new allocation now (None: it may).
+
+        ``whole``: the card as a whole GPU. This is the one answer to "may this card go
+        whole?": Allocate (:meth:`_check_named`), :meth:`preferred`, :meth:`free_whole`,
+        koord-scheduler's decisions and what the device plugin lists all ask it.
+        """
+        g = self._known(uuid)
+        if not g.present:
+            return Refused("unhealthy_device", f"{uuid} is lost (missing from the inventory)")
+        if not g.healthy:
+            return Refused("unhealthy_device", f"{uuid} is unhealthy")
+        if g.whole is not None:
+            holder = self._allocs[g.whole].owner.describe()
+            return Refused("insufficient_capacity", f"{uuid} is allocated whole to {holder}")
+        if whole and g.shares:
+            return Refused(
+                "insufficient_capacity",
+                f"{uuid} holds {len(g.shares)} share(s) and is not offered whole",
+            )
+        return None
+
     def preferred(
         self, available: Iterable[str], must_include: Iterable[str], size: int
     ) -> list[str]:
         """``GetPreferredAllocation``: ``size`` of kubelet's ``available`` IDs.
 
-        Cards the ledger knows to be busy or unhealthy are avoided while enough others
-        are offered; kubelet's list wins otherwise (a preference must be an answer).
+        Only cards that may go whole (:meth:`refusal`) are offered: a preference that
+        the Allocate after it refuses fails the pod all the same, so too few of them
+        is refused here, saying why the others cannot go.
         """
         avail = list(dict.fromkeys(available))
         must = list(dict.fromkeys(must_include))
         unknown = sorted({u for u in (*avail, *must) if u not in self._gpus})
         if unknown:
             raise Refused("unknown_device", f"unknown GPU IDs: {', '.join(unknown)}")
-        in_topo = [u for u in avail if u in self._topology]
-        good = [u for u in in_topo if self._gpus[u].free_whole or u in must]
-        pool = good if len(good) >= size else in_topo
+        for uuid in must:
+            if (refused := self.refusal(uuid, whole=True)) is not None:
+                raise refused
+        verdicts = {u: self.refusal(u, whole=True) for u in avail if u in self._topology}
+        pool = [u for u, refused in verdicts.items() if refused is None]
+        blocked = [r for r in verdicts.values() if r is not None]
+        if size > 0 and len(pool) < size:
+            why = "; ".join(r.message for r in blocked[:3])
+            raise Refused(
+                "insufficient_capacity",
+                f"asks for {size} whole GPUs but only {len(pool)} of the {len(avail)} "
+                f"offered may go whole" + (f": {why}" if why else ""),
+            )
         return list(select_whole(self._topology, pool, size, must).devices)
 
     # --- persistence ---------------------------------------------------------------
 
     def snapshot(self) -> list[Allocation]:
-        """Every allocation, for the checkpoint (:mod:`gpulet_allocator.store`)."""
+        """Every allocation, for the checkpoint (:mod:`gpulet_allocator.state.checkpoint`)."""
         return self.allocations()
 
     def restore(self, allocations: Iterable[Allocation]) -> list[str]:
@@ -467,38 +491,13 @@ class Ledger:
             raise Refused("unknown_device", f"unknown GPU ID: {uuid}")
         return g
 
-    @staticmethod
-    def _check_owner(owner: Owner) -> None:
-        if not owner.allocation_id:
-            raise Refused("invalid_request", "the owner needs an allocation ID (request key)")
-
     def _check_named(self, uuids: Sequence[str], *, whole: bool) -> None:
         unknown = sorted(u for u in uuids if u not in self._gpus)
         if unknown:
             raise Refused("unknown_device", f"unknown GPU IDs: {', '.join(unknown)}")
         for uuid in uuids:
-            g = self._gpus[uuid]
-            if not g.present:
-                raise Refused("unhealthy_device", f"{uuid} is lost (missing from the inventory)")
-            if not g.healthy:
-                raise Refused("unhealthy_device", f"{uuid} is unhealthy")
-            if g.whole is not None:
-                holder = self._allocs[g.whole].owner.describe()
-                raise Refused("insufficient_capacity", f"{uuid} is allocated whole to {holder}")
-            if whole and g.shares:
-                raise Refused(
-                    "insufficient_capacity",
-                    f"{uuid} holds {len(g.shares)} share(s) and is not offered whole",
-                )
-
-    def _card(self, g: _LedgerGpu) -> CardFree:
-        return CardFree(
-            uuid=g.uuid,
-            index=g.index,
-            cores_free=CORES_PER_GPU - g.cores_used,
-            memory_free=g.memory_units - g.memory_used,
-            memory_total=g.memory_units,
-        )
+            if (refused := self.refusal(uuid, whole=whole)) is not None:
+                raise refused
 
     def _largest_card(self) -> tuple[str, int] | None:
         present = [g for g in self._ordered() if g.present]
@@ -516,19 +515,6 @@ class Ledger:
         free = [u for u in self.free_whole() if u in self._topology]
         order = fragment_order(self._topology, free)
         return {u: i for i, u in enumerate(order)}
-
-    def _conflict(self, owner: Owner, existing: Allocation, wanted: str) -> Refused:
-        if isinstance(existing, WholeAllocation):
-            held = f"whole GPUs {', '.join(existing.devices)}"
-        else:
-            held = (
-                f"a share of {existing.device} ({existing.cores} core units, "
-                f"{existing.memory_units} memory units)"
-            )
-        return Refused(
-            "invalid_request",
-            f"{owner.describe()} already holds {held}; release it before asking for {wanted}",
-        )
 
     def _record(self, alloc: Allocation) -> None:
         # The checks are unreachable by construction (callers validated first); they
@@ -556,3 +542,32 @@ class Ledger:
                 self._gpus[uuid].whole = None
         else:
             self._gpus[alloc.device].shares.pop(key, None)
+
+
+def _check_owner(owner: Owner) -> None:
+    if not owner.allocation_id:
+        raise Refused("invalid_request", "the owner needs an allocation ID (request key)")
+
+
+def _card(g: _LedgerGpu) -> CardFree:
+    return CardFree(
+        uuid=g.uuid,
+        index=g.index,
+        cores_free=CORES_PER_GPU - g.cores_used,
+        memory_free=g.memory_units - g.memory_used,
+        memory_total=g.memory_units,
+    )
+
+
+def _conflict(owner: Owner, existing: Allocation, wanted: str) -> Refused:
+    if isinstance(existing, WholeAllocation):
+        held = f"whole GPUs {', '.join(existing.devices)}"
+    else:
+        held = (
+            f"a share of {existing.device} ({existing.cores} core units, "
+            f"{existing.memory_units} memory units)"
+        )
+    return Refused(
+        "invalid_request",
+        f"{owner.describe()} already holds {held}; release it before asking for {wanted}",
+    )

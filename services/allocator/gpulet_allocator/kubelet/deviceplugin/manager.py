@@ -34,14 +34,14 @@ import grpc
 import grpc.aio
 from anyio.abc import TaskStatus
 
+from gpulet_allocator.kubelet.deviceplugin.backend import AllocationBackend
+from gpulet_allocator.kubelet.deviceplugin.config import PluginConfig
+from gpulet_allocator.kubelet.deviceplugin.devicelist import DeviceListSource
+from gpulet_allocator.kubelet.deviceplugin.devnodes import DeviceNodes
+from gpulet_allocator.kubelet.deviceplugin.metrics import PluginMetrics
+from gpulet_allocator.kubelet.deviceplugin.server import ResourceServer, ServerParts
 from gpulet_allocator.kubelet_api.deviceplugin.v1beta1 import api_pb2 as pb
 from gpulet_allocator.kubelet_api.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
-from gpulet_allocator.plugin.backend import AllocationBackend
-from gpulet_allocator.plugin.config import PluginConfig
-from gpulet_allocator.plugin.devnodes import DeviceNodes
-from gpulet_allocator.plugin.metrics import PluginMetrics
-from gpulet_allocator.plugin.server import ResourceServer
-from gpulet_allocator.plugin.state import DeviceListSource
 from gpulet_allocator.protocol import resource_specs
 
 log = logging.getLogger(__name__)
@@ -98,7 +98,7 @@ class DevicePluginManager:
         nodes = device_nodes or DeviceNodes(config.dev_root, config.host_dev)
         calls = metrics or PluginMetrics()
         self.servers = [
-            ResourceServer(spec, source, backend, config, nodes, calls)
+            ResourceServer(ServerParts(spec, source, backend, config, nodes, calls))
             for spec in resource_specs(
                 config.resources, shares=config.shares, profile=config.profile
             )

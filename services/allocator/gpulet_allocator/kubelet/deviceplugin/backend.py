@@ -5,7 +5,7 @@ Why
 The plugin only speaks kubelet's protocol; *which* GPU a container gets is decided by
 the allocator service (topology-aware, with a checkpoint). The plugin asks through an
 :class:`AllocationBackend` and never knows how it is reached: in production it is
-:class:`~gpulet_allocator.nats_backend.NatsAllocationBackend`, a NATS request on the
+:class:`~.nats_backend.NatsAllocationBackend`, a NATS request on the
 :class:`~gpulet_common.bus.Bus` in the types of the allocator contract
 (:mod:`gpulet_allocator.protocol`).
 

@@ -3,15 +3,18 @@
 Flow
 ----
 1. Follow the node's inventory and health (:class:`~gpulet_common.nodeview.NodeView`,
-   the health service's KV state) into a :class:`~.state.DeviceList`: every
+   the health service's KV state) into a :class:`~.devicelist.DeviceList`: every
    ``ListAndWatch`` stream then sends the new list when a GPU turns unhealthy *and*
    when it recovers.
 2. Wait for kubelet's device-plugin directory. Where there is none (``gpulet run`` on
    a laptop, a node without kubelet) the service stays up, *degraded*, saying why on
    the status board (``/readyz``), and checks again every few seconds instead of
    crashing the agent.
-3. Run the :class:`~.manager.DevicePluginManager` with the NATS backend
-   (:class:`~gpulet_allocator.nats_backend.NatsAllocationBackend`): it serves one
+3. Follow which cards hold shares and so may not go whole (the allocator's
+   ``withheld`` long poll): their whole-GPU device is listed ``Unhealthy`` while they
+   do (see :mod:`.resources`). Without an answer the last known set stays.
+4. Run the :class:`~.manager.DevicePluginManager` with the NATS backend
+   (:class:`~.nats_backend.NatsAllocationBackend`): it serves one
    socket per resource, registers with kubelet and re-registers after kubelet
    restarts. The status says whether kubelet accepted the registration.
 """
@@ -24,11 +27,13 @@ import os
 import anyio
 import anyio.abc
 
-from gpulet_allocator.nats_backend import NatsAllocationBackend
-from gpulet_allocator.plugin.manager import DevicePluginManager
-from gpulet_allocator.plugin.metrics import PluginMetrics
-from gpulet_allocator.plugin.resources import plugin_gpus_from_inventory
-from gpulet_allocator.plugin.state import DeviceList
+from gpulet_allocator.kubelet.deviceplugin.devicelist import DeviceList
+from gpulet_allocator.kubelet.deviceplugin.manager import DevicePluginManager
+from gpulet_allocator.kubelet.deviceplugin.metrics import PluginMetrics
+from gpulet_allocator.kubelet.deviceplugin.nats_backend import NatsAllocationBackend
+from gpulet_allocator.kubelet.deviceplugin.resources import plugin_gpus_from_inventory
+from gpulet_allocator.protocol import MAX_WITHHELD_WAIT_S
+from gpulet_common.bus import BusError
 from gpulet_common.lifecycle import idle_disabled
 from gpulet_common.messages import GpuInfo
 from gpulet_common.nodeview import NodeChange, NodeView
@@ -41,6 +46,9 @@ DIR_POLL_INTERVALS = 4
 RESTART_DELAY_S = 5.0
 # sun_path holds 108 bytes, the terminating NUL included.
 MAX_SOCKET_PATH = 107
+# The withheld long poll: how long one request waits, and the back-off when it fails.
+WITHHELD_WAIT_S = MAX_WITHHELD_WAIT_S / 2
+WITHHELD_RETRY_MAX_S = 5.0
 
 
 class DevicePluginService:
@@ -53,6 +61,8 @@ class DevicePluginService:
         self.state = DeviceList()
         self._gpus: list[GpuInfo] = []
         self._have_inventory = False
+        # Cards holding shares (the allocator's answer): not offered whole.
+        self._withheld: frozenset[str] = frozenset()
         self.view = NodeView(
             runtime.bus,
             runtime.node,
@@ -75,6 +85,7 @@ class DevicePluginService:
         async with anyio.create_task_group() as tg:
             await tg.start(self.view.run)
             await tg.start(backend.run)
+            tg.start_soon(self._follow_withheld, backend)
             # Said before "started", so the status board never shows a ready plugin
             # that kubelet cannot see.
             if not await self._plugin_dir_exists():
@@ -152,6 +163,31 @@ class DevicePluginService:
             else:
                 self._waiting_for_kubelet()
 
+    async def _follow_withheld(self, backend: NatsAllocationBackend) -> None:
+        """Keep the withheld cards in step with the allocator (a long poll)."""
+        epoch, version = "", 0
+        delay = self._settings.request_retry_s
+        while True:
+            try:
+                reply = await backend.withheld(epoch, version, WITHHELD_WAIT_S)
+            except BusError as exc:
+                log.debug("withheld cards unknown (%s); asking again in %.1f s", exc, delay)
+                await anyio.sleep(delay)
+                delay = min(delay * 2, WITHHELD_RETRY_MAX_S)
+                continue
+            delay = self._settings.request_retry_s
+            if (reply.epoch, reply.version) == (epoch, version):
+                # Nothing changed (the poll's time ran out): a breath, never a hot loop.
+                await anyio.sleep(0.05)
+                continue
+            epoch, version = reply.epoch, reply.version
+            withheld = frozenset(reply.withheld)
+            if withheld != self._withheld:
+                for uuid in sorted(withheld - self._withheld):
+                    log.info("GPU %s not offered whole: %s", uuid, reply.withheld[uuid])
+                self._withheld = withheld
+                self._publish()
+
     def _on_view(self, change: NodeChange) -> None:
         inventory = self.view.inventory
         if change.inventory and inventory is not None:
@@ -163,6 +199,9 @@ class DevicePluginService:
             else:
                 self._have_inventory = True
                 self._gpus = list(inventory.gpus)
+        self._publish()
+
+    def _publish(self) -> None:
         gpus = self._gpus
         if self._have_inventory:
             # A GPU the health service reports not present (lost, or missing since the
@@ -175,5 +214,6 @@ class DevicePluginService:
                 for u, h in sorted(self.view.healths().items())
                 if not h.present and h.info is not None and h.info.uuid == u and u not in listed
             ]
-        if self.state.publish(plugin_gpus_from_inventory(gpus, self.view.unhealthy())):
+        plugin_gpus = plugin_gpus_from_inventory(gpus, self.view.unhealthy(), self._withheld)
+        if self.state.publish(plugin_gpus):
             log.debug("device list version %d", self.state.snapshot().version)
