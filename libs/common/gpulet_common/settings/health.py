@@ -190,7 +190,9 @@ class HealthSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # XIDs reported (severity and action from the catalogue) that never make the GPU
     # unhealthy. Default: NVIDIA's device plugin skip list.
     app_xids: list[int] = msgspec.field(default_factory=lambda: list(DEFAULT_APP_XIDS))
-    # Per-XID classification replacing the built-in catalogue (TOML: [health.xid_overrides.74]).
+    # Per-XID classification replacing the built-in catalogue's severity and action (and
+    # description, if given) for that code; `gpulet health xid N` shows the result
+    # (TOML: [health.xid_overrides.74]; JSON: {"74": {"severity": "warning"}}).
     xid_overrides: dict[int, XidRule] = {}
     # XIDs in neither the catalogue nor the overrides: like NVIDIA's device plugin,
     # which treats every XID outside its skip list as fatal for the GPU.
@@ -213,3 +215,8 @@ class HealthSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     buffer: BufferSettings = msgspec.field(default_factory=BufferSettings)
     alerts: AlertSettings = msgspec.field(default_factory=AlertSettings)
     kmsg: KmsgSettings = msgspec.field(default_factory=KmsgSettings)
+
+    def __post_init__(self) -> None:
+        negative = sorted(code for code in self.xid_overrides if code < 0)
+        if negative:
+            raise ValueError(f"xid_overrides: XID numbers are 0 or more, not {negative[0]}")
