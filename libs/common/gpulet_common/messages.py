@@ -257,6 +257,9 @@ class HealthEvent(_Message, frozen=True, kw_only=True):
     # How many identical faults were folded into this event by de-duplication.
     repeat_count: Annotated[int, msgspec.Meta(ge=1)] = 1
     observed_at: float
+    # By-product XIDs (45, and 43 after another fault) counted as evidence for this
+    # event's fault, never published as faults of their own. Added after schema version 1.
+    evidence_count: NonNegative = 0
     published_at: float = 0.0
     # When the condition this event raises, repeats or ends began. On recovered and
     # cleared events also the kind and severity the condition had, so a consumer that
@@ -275,6 +278,8 @@ class ActiveCondition(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=T
     action: Action = "none"
     sticky: bool = False
     since: float = 0.0
+    # By-product XIDs counted as evidence for this condition (added after version 1).
+    evidence_count: NonNegative = 0
 
 
 class GpuHealth(msgspec.Struct, frozen=True, kw_only=True):

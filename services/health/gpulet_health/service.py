@@ -682,7 +682,9 @@ class HealthService:
         logged_at = boot + xid.usec / 1e6
         ago = max(0.0, now - logged_at)
         seen_in = "from the kernel log" + (f", logged {ago:.0f} s earlier" if ago >= 2 else "")
-        await self._emit(self.engine.observe_xid(uuid, xid.xid, now, seen_in=seen_in))
+        await self._emit(
+            self.engine.observe_xid(uuid, xid.xid, now, seen_in=seen_in, detail=xid.detail)
+        )
 
     async def _ask_collector(self) -> None:
         # The reply is also published on gpu.inventory.<node>, where we listen.

@@ -59,6 +59,8 @@ class Condition:
     observed_value: float | None = None
     threshold: float | None = None
     xid: int | None = None
+    # By-product XIDs (45, 43 after it) counted as evidence for this condition.
+    evidence: int = 0
 
     @property
     def unhealthy(self) -> bool:
@@ -74,6 +76,7 @@ class Condition:
             action=self.action,
             sticky=self.sticky,
             since=self.since,
+            evidence_count=self.evidence,
         )
 
 
@@ -170,6 +173,7 @@ class GpuState:
                 sticky=c.sticky,
                 message=c.message,
                 xid=xid,
+                evidence=c.evidence_count,
             )
         state.updated_at = health.updated_at
         return state

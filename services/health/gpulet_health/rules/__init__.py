@@ -41,7 +41,7 @@ from gpulet_common.messages import GpuHealth, GpuInfo, GpuSample, HealthEvent, H
 from gpulet_common.nvml.adapter import NvmlEvent
 from gpulet_common.settings.health import HealthSettings
 from gpulet_health.catalogue import XidCatalogue
-from gpulet_health.dedup import Deduplicator, Emit, refreshed
+from gpulet_health.dedup import DedupKey, Deduplicator, Emit, refreshed
 from gpulet_health.rules.base import Family, Kit
 from gpulet_health.rules.clocks import Clocks
 from gpulet_health.rules.ecc import Ecc
@@ -205,11 +205,17 @@ class RuleEngine(Kit):
         return self._dedup.apply([e for f in self.families for e in f.nvml_event(gpu, event, now)])
 
     def observe_xid(
-        self, uuid: str, code: int, now: float, *, seen_in: str = ""
+        self, uuid: str, code: int, now: float, *, seen_in: str = "", detail: str = ""
     ) -> list[HealthEvent]:
-        """An XID on a GPU; ``seen_in`` says where, when not from an NVML event."""
+        """An XID on a GPU; ``seen_in`` says where, when not from an NVML event;
+        ``detail``: the kernel log's text after the code (pid, name, message)."""
         gpu = self.gpus.get(uuid)
-        return self._dedup.apply(self.xid.observe(gpu, code, now, seen_in)) if gpu else []
+        if gpu is None:
+            return []
+        return self._dedup.apply(self.xid.observe(gpu, code, now, seen_in, detail))
+
+    def absorb(self, key: DedupKey, variant: str, now: float) -> bool:
+        return self._dedup.absorb(key, variant, now)
 
     def observe_sample(self, sample: GpuSample) -> list[HealthEvent]:
         gpu = self.gpus.get(sample.uuid)
