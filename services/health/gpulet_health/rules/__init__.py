@@ -202,7 +202,16 @@ class RuleEngine(Kit):
             self.rescan_wanted = True
             return []
         now = event.timestamp
-        return self._dedup.apply([e for f in self.families for e in f.nvml_event(gpu, event, now)])
+        kinds = event.kinds
+        return self._dedup.apply(
+            [
+                e
+                for f in self.families
+                if type(f).nvml_event is not Family.nvml_event
+                and (f.event_kinds is None or f.event_kinds & kinds)
+                for e in f.nvml_event(gpu, event, now)
+            ]
+        )
 
     def observe_xid(
         self, uuid: str, code: int, now: float, *, seen_in: str = "", detail: str = ""

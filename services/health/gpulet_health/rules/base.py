@@ -211,6 +211,9 @@ class Family:
     """One rule family: override the inputs it watches; each returns what it emits."""
 
     name: ClassVar[str]
+    # The NVML event kinds its nvml_event watches (None: every event); the engine hands
+    # it only those, so a storm of one kind costs the other families nothing.
+    event_kinds: ClassVar[frozenset[str] | None] = None
 
     def __init__(self, kit: Kit) -> None:
         self.kit = kit

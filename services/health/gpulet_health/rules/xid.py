@@ -75,6 +75,7 @@ class _Memo:
 
 class Xid(Family):
     name = "xid"
+    event_kinds = frozenset({"xid"})
 
     def nvml_event(self, gpu: GpuState, event: NvmlEvent, now: float) -> list[Emit]:
         return self.observe(gpu, event.event_data, now) if "xid" in event.kinds else []
