@@ -113,7 +113,7 @@ class HealthService:
         self._rt = runtime
         self._settings = runtime.settings.health
         self._node = runtime.node
-        self.engine = RuleEngine(self._node, self._settings)
+        self.engine = RuleEngine(self._node, self._settings, boot_id=boot_id())
         directory = self._settings.buffer.directory or str(
             Path(runtime.settings.state_dir) / "health-buffer"
         )

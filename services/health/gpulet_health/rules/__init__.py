@@ -13,7 +13,9 @@ log; operator clears and the housekeeping tick.
 Rule families, one module each, whose docstrings state their rules (defaults in
 :mod:`gpulet_common.settings.health`): :mod:`.xid`, :mod:`.ecc`, :mod:`.remap`,
 :mod:`.thermal`, :mod:`.clocks`, :mod:`.link_errors` (PCIe and NVLink error-counter
-rates), :mod:`.nvlink` (links down, from the collector's inventory:
+rates), :mod:`.recovery` (the driver's recovery action holding a GPU until evidence:
+:meth:`RuleEngine.observe_recovery_action`, and XID 154 from the kernel log),
+:mod:`.nvlink` (links down, from the collector's inventory:
 :meth:`RuleEngine.observe_nvlinks`), :mod:`.presence` (the GPU list, lost, removed and
 missing GPUs, NVML unavailable). The engine hands every input to the families, in the
 order of :data:`FAMILIES`, and passes what they emit through the de-duplication stage
@@ -42,12 +44,14 @@ from gpulet_common.nvml.adapter import NvmlEvent
 from gpulet_common.settings.health import HealthSettings
 from gpulet_health.catalogue import XidCatalogue
 from gpulet_health.dedup import DedupKey, Deduplicator, Emit, refreshed
+from gpulet_health.recovery import from_xid_154
 from gpulet_health.rules.base import Family, Kit
 from gpulet_health.rules.clocks import Clocks
 from gpulet_health.rules.ecc import Ecc
 from gpulet_health.rules.link_errors import LinkErrors
 from gpulet_health.rules.nvlink import NvLink
 from gpulet_health.rules.presence import GONE_CONDITIONS, Presence
+from gpulet_health.rules.recovery import XID_RECOVERY, Recovery
 from gpulet_health.rules.remap import Remap
 from gpulet_health.rules.thermal import Thermal
 from gpulet_health.rules.xid import Xid
@@ -75,14 +79,22 @@ class UnknownCondition(LookupError):
 
 class RuleEngine(Kit):
     def __init__(
-        self, node: str, settings: HealthSettings, catalogue: XidCatalogue | None = None
+        self,
+        node: str,
+        settings: HealthSettings,
+        catalogue: XidCatalogue | None = None,
+        *,
+        boot_id: str = "",
     ) -> None:
         super().__init__(node, settings, catalogue or XidCatalogue.from_settings(settings))
+        self.boot_id = boot_id
         self._dedup = Deduplicator(settings.dedup_window_s)
         self.xid, self.presence, self.nvlink = Xid(self), Presence(self), NvLink(self)
+        self.recovery = Recovery(self)
         self.families = [
             self.xid,
             *(family(self) for family in FAMILIES),
+            self.recovery,
             self.nvlink,
             self.presence,
         ]
@@ -221,7 +233,20 @@ class RuleEngine(Kit):
         gpu = self.gpus.get(uuid)
         if gpu is None:
             return []
-        return self._dedup.apply(self.xid.observe(gpu, code, now, seen_in, detail))
+        emits: list[Emit] = []
+        if code == XID_RECOVERY:  # the kernel log's form of the recovery action
+            value = from_xid_154(detail)
+            if value is not None:
+                emits += self.recovery.observe(gpu, value, now)
+        emits += self.xid.observe(gpu, code, now, seen_in, detail)
+        return self._dedup.apply(emits)
+
+    def observe_recovery_action(
+        self, uuid: str, value: int | None, now: float
+    ) -> list[HealthEvent]:
+        """NVML field 230 read for a GPU (None: the driver does not report it)."""
+        gpu = self.gpus.get(uuid)
+        return self._dedup.apply(self.recovery.observe(gpu, value, now)) if gpu else []
 
     def absorb(self, key: DedupKey, variant: str, now: float) -> bool:
         return self._dedup.absorb(key, variant, now)

@@ -47,6 +47,9 @@ class Kit:
 
     def __init__(self, node: str, settings: HealthSettings, catalogue: XidCatalogue) -> None:
         self.node = node
+        # The node's boot id (/proc/sys/kernel/random/boot_id), given by the service:
+        # a hold until a reboot compares it (rules/recovery.py). Empty: not known.
+        self.boot_id = ""
         self.settings = settings
         self.catalogue = catalogue
         self.gpus: dict[str, GpuState] = {}

@@ -38,11 +38,19 @@ import collections
 import re
 from dataclasses import dataclass, field
 
+import msgspec
+
 from gpulet_common.nvml.adapter import NvmlEvent
 from gpulet_health.dedup import DedupKey, Emit
 from gpulet_health.rules.base import Family, memo
 from gpulet_health.state import Condition, GpuState
 
+# What an XID condition says where the driver does not report the recovery action.
+NO_RECOVERY_FIELD = (
+    "the driver reports no recovery action (NVML field 230, R570+): the GPU returns to "
+    "service on a GPU reset seen or gpulet health clear, as before"
+)
+UNSUPPORTED = "unsupported"
 # XIDs that follow other faults: evidence for them, not faults of their own.
 BYPRODUCT_XIDS: frozenset[int] = frozenset({43, 45})
 # XID 45 never counts for the repeat rule (nor do the application XIDs).
@@ -106,7 +114,10 @@ class Xid(Family):
         if not raises and not verdict.application and code != PREEMPTIVE_CLEANUP:
             out += self._repeats(gpu, mine, code, now)
         where = f"; {seen_in}" if seen_in else ""
-        message = "; ".join(p for p in (var, f"classified by {info.source}") if p)
+        no_field = raises and gpu.recovery == UNSUPPORTED
+        message = "; ".join(
+            p for p in (var, f"classified by {info.source}", NO_RECOVERY_FIELD * no_field) if p
+        )
         if not raises:
             why = "an application error" if verdict.application else info.severity
             emits = self.kit.report(
@@ -139,7 +150,15 @@ class Xid(Family):
                 now,
                 repeats=True,
             )
-        return [e._replace(variant=var) if e.op in ("raise", "offer") else e for e in emits] + out
+        recovery = gpu.recovery if gpu.recovery != UNSUPPORTED else ""
+        return [
+            e._replace(
+                variant=var, event=msgspec.structs.replace(e.event, recovery_action=recovery)
+            )
+            if e.op in ("raise", "offer")
+            else e
+            for e in emits
+        ] + out
 
     def _fault_before(self, gpu: GpuState, mine: _Memo, now: float) -> _Fault | None:
         """The fault a by-product XID follows: the last other XID on the GPU within the
