@@ -3,14 +3,19 @@ it governs in the rule engine: on evidence, never on a timer."""
 
 from __future__ import annotations
 
-import msgspec
+from pathlib import Path
 
+import msgspec
+import pytest
+
+from gpulet_common.embedded_nats import EmbeddedNats
 from gpulet_common.messages import GpuInfo, HealthEvent, MockInjectRequest
 from gpulet_common.mock_nvml import MockNvml
 from gpulet_common.mock_nvml.scenario import scenario_from_toml
 from gpulet_common.settings.health import HealthSettings
 from gpulet_health import recovery
 from gpulet_health.rules import RuleEngine
+from support.health_harness import SCENARIO, health_node, on, samples_pass
 
 NODE = "n1"
 T0 = 1_700_000_000.0
@@ -139,3 +144,27 @@ def test_drivers_without_the_field_keep_todays_behaviour_and_say_so() -> None:
     assert gpu.healthy
     # An unknown value escalates: held like a reboot.
     assert recovery.kind(recovery.action_name(99)) == "reboot"
+
+
+@pytest.mark.anyio
+async def test_the_service_reads_the_action_with_an_xid_and_holds_the_gpu_until_reset(
+    nats_server: EmbeddedNats, tmp_path: Path
+) -> None:
+    """End to end on the mock (an R570 driver): the XID event's read of field 230 raises
+    the hold; a GPU reset seen and the field back to NONE (read again every
+    device_poll_s, no event comes with it) end it."""
+    scenario = tmp_path / "r570.toml"
+    scenario.write_text(f'base = "{SCENARIO}"\n[system]\ndriver_version = "570.86.10"\n')
+    async with health_node(nats_server.url, tmp_path, scenario=scenario) as h:
+        h.inject("ecc_sbe", gpu=0, value=2)  # a reset then shows: volatile counters go back
+        await samples_pass(h)
+        h.inject("recovery_action", gpu=0, value=1)
+        h.inject("xid", gpu=0, value=154)
+        [held] = await h.log.wait_for(on(h, 0, "xid", "recovery_action"))
+        assert (held.action, held.healthy) == ("reset_gpu", False)
+        [xid] = await h.log.wait_for(lambda e: e.xid == 154 and e.condition == "")
+        assert xid.recovery_action == "gpu_reset"
+        h.inject("reset", gpu=0)
+        [back] = await h.log.wait_for(on(h, 0, "recovered", "recovery_action"), within=10)
+        assert back.healthy
+        assert "GPU reset was seen" in back.reason

@@ -494,7 +494,7 @@ class HealthService:
                 and not self._xid_dedup.admit("nvml", event.gpu_uuid, xid, time.monotonic())
             ):
                 return  # the kernel log reported this XID first
-            await self._emit(engine.observe_nvml_event(event))
+            await self._emit(engine.observe_nvml_event(event, item.recovery))
         elif isinstance(item, LostSignal):
             uuid = item.uuid
             if uuid is None and item.index is not None:

@@ -199,7 +199,9 @@ class RuleEngine(Kit):
     def observe_nvml_available(self, now: float) -> list[HealthEvent]:
         return self._dedup.apply(self.presence.nvml_available(now))
 
-    def observe_nvml_event(self, event: NvmlEvent) -> list[HealthEvent]:
+    def observe_nvml_event(self, event: NvmlEvent, recovery: int | None = -1) -> list[HealthEvent]:
+        """An NVML event; ``recovery``: the GPU's recovery action (field 230) read with it
+        (None: the driver does not report it; -1: not read)."""
         uuid = event.gpu_uuid
         if uuid not in self.gpus and event.gpu_index is not None:
             uuid = self.index_map().get(event.gpu_index)
@@ -215,8 +217,10 @@ class RuleEngine(Kit):
             return []
         now = event.timestamp
         kinds = event.kinds
+        emits = self.recovery.observe(gpu, recovery, now) if recovery != -1 else []
         return self._dedup.apply(
-            [
+            emits
+            + [
                 e
                 for f in self.families
                 if type(f).nvml_event is not Family.nvml_event
