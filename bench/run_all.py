@@ -18,6 +18,7 @@ BENCHES: list[tuple[str, list[str], list[str]]] = [
     # name, full arguments, quick arguments
     ("collector_cost.py", [], ["--periods", "500", "--steady", "5", "--messages", "5000"]),
     ("health_latency.py", [], ["--faults", "50"]),
+    ("health_storm.py", [], ["--seconds", "5", "--idle", "2"]),
     ("allocation_quality.py", [], []),
     ("inventory_scale.py", [], ["--repeat", "3"]),
     ("nats_restart.py", ["--rounds", "10"], ["--rounds", "3"]),
