@@ -223,17 +223,17 @@ def test_overrides_from_json_config_and_errors_name_what_is_allowed(tmp_path: Pa
         assert says in caught.value.problem, (overrides, caught.value.problem)
 
 
-def _gpulet(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "gpulet", "health", "xid", *args],
-        capture_output=True,
-        text=True,
-        check=False,
-        env={"PATH": "/usr/bin:/bin", "HOME": str(ROOT)},
-    )
+def test_gpulet_health_xid_prints_an_entry_and_the_table(tmp_path: Path) -> None:
+    def _gpulet(*args: str) -> subprocess.CompletedProcess[str]:
+        # A bare environment: no GPULET_* setting or config file of the caller's.
+        return subprocess.run(
+            [sys.executable, "-m", "gpulet", "health", "xid", *args],
+            capture_output=True,
+            text=True,
+            check=False,
+            env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)},
+        )
 
-
-def test_gpulet_health_xid_prints_an_entry_and_the_table() -> None:
     one = _gpulet("45")
     assert one.returncode == 0, one.stderr
     assert "PREEMPTIVE_REMOVAL" in one.stdout
