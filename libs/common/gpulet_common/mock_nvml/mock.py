@@ -678,12 +678,12 @@ class MockNvml:
         if kind == "reset":
             self.recovery.on_reset(slot.slot)
             return self._reset(slot, name)
+        if not slot.present:
+            return False, f"{name} is not present"
         if kind == "recovery_action":
             applied, detail = self.recovery.inject(slot.slot, fault.value)
             sent = self._emit(slot, RECOVERY_EVENT, 0) if applied else 0
             return applied, f"{detail} (event delivered to {sent} event sets)"
-        if not slot.present:
-            return False, f"{name} is not present"
         spec = slot.spec
         count = int(fault.value) if fault.value is not None else 1
         if kind == "xid":
