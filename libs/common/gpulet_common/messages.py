@@ -257,6 +257,14 @@ class HealthEvent(_Message, frozen=True, kw_only=True):
     # How many identical faults were folded into this event by de-duplication.
     repeat_count: Annotated[int, msgspec.Meta(ge=1)] = 1
     observed_at: float
+    # By-product XIDs (45, and 43 after another fault) counted as evidence for this
+    # event's fault, never published as faults of their own. Added after schema version 1.
+    evidence_count: NonNegative = 0
+    # The GPU's recovery action as the driver last reported it (NVML field 230, R570+):
+    # none, gpu_reset, node_reboot, drain_p2p, drain_and_reset, recover_imex_domain,
+    # bus_reset, system_reboot or unknown_<n>; empty where it was never read or the
+    # driver does not report it. Added after schema version 1.
+    recovery_action: str = ""
     published_at: float = 0.0
     # When the condition this event raises, repeats or ends began. On recovered and
     # cleared events also the kind and severity the condition had, so a consumer that
@@ -275,6 +283,11 @@ class ActiveCondition(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=T
     action: Action = "none"
     sticky: bool = False
     since: float = 0.0
+    # By-product XIDs counted as evidence for this condition (added after version 1).
+    evidence_count: NonNegative = 0
+    # The node's boot id when it was raised, for a hold until a reboot (added after
+    # version 1; empty for other conditions).
+    boot_id: str = ""
 
 
 class GpuHealth(msgspec.Struct, frozen=True, kw_only=True):

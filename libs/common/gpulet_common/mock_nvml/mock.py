@@ -86,6 +86,9 @@ import pynvml
 from gpulet_common.logutil import RateLimitedLog
 from gpulet_common.messages import MockInjectReply, MockInjectRequest
 from gpulet_common.mock_nvml.latency import LatencyProfile
+from gpulet_common.mock_nvml.recovery import EVENT_BIT as RECOVERY_EVENT
+from gpulet_common.mock_nvml.recovery import FIELD_ID as RECOVERY_FIELD
+from gpulet_common.mock_nvml.recovery import RecoveryModel
 from gpulet_common.mock_nvml.scenario import (
     EVENT_TYPES,
     FAULT_KINDS,
@@ -428,6 +431,7 @@ class MockNvml:
         self._vanished_until = 0.0
         self._vanish_code = pynvml.NVML_ERROR_LIBRARY_NOT_FOUND
         self._event_sets: list[MockEventSet] = []
+        self.recovery = RecoveryModel(self._scenario.system.driver_version)
         self._timeline = sorted(self._scenario.timeline, key=lambda f: f.at)
         self._next_fault = 0
 
@@ -675,9 +679,14 @@ class MockNvml:
         slot = self._slots[fault.gpu]
         name = f"GPU {slot.slot} ({slot.spec.uuid})"
         if kind == "reset":
+            self.recovery.on_reset(slot.slot)
             return self._reset(slot, name)
         if not slot.present:
             return False, f"{name} is not present"
+        if kind == "recovery_action":
+            applied, detail = self.recovery.inject(slot.slot, fault.value)
+            sent = self._emit(slot, RECOVERY_EVENT, 0) if applied else 0
+            return applied, f"{detail} (event delivered to {sent} event sets)"
         spec = slot.spec
         count = int(fault.value) if fault.value is not None else 1
         if kind == "xid":
@@ -1120,6 +1129,8 @@ class MockNvml:
             return self._energy_mj(slot, now)
         if field_id == pynvml.NVML_FI_DEV_PCIE_REPLAY_COUNTER:
             return slot.pcie_replays
+        if field_id == RECOVERY_FIELD:
+            return self.recovery.field(slot.slot)
         nvlink_errors = {
             pynvml.NVML_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL: 0,
             pynvml.NVML_FI_DEV_NVLINK_CRC_DATA_ERROR_COUNT_TOTAL: 1,

@@ -95,6 +95,7 @@ FAULT_KINDS: Final = (
     "nvml_vanish",
     "nvml_return",
     "reset",
+    "recovery_action",
 )
 NODE_FAULTS: Final = frozenset({"nvml_vanish", "nvml_return"})
 # Faults that need a GPU; hot_add takes one optionally (re-adding a removed GPU).
