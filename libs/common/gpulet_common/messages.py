@@ -97,6 +97,26 @@ class GpuInfo(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=True):
     nvlinks_down: NvLinkIds = []
 
 
+class UnreadableGpu(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=True):
+    """A GPU that NVML counts but whose identity could not be read (lost, or failing).
+
+    Real NVML keeps a GPU that fell into GPU_IS_LOST in ``nvmlDeviceGetCount``; its
+    handle or its calls fail. It is reported by its NVML index with whatever identity
+    could still be read. Added after schema version 1.
+    """
+
+    index: NonNegative
+    uuid: str | None = None
+    pci_bus_id: str | None = None
+    name: str | None = None
+    # True when NVML said GPU_IS_LOST; False for another failure.
+    lost: bool = False
+    reason: str = ""
+
+
+UnreadableGpus = Annotated[list[UnreadableGpu], msgspec.Meta(max_length=64)]
+
+
 class Inventory(_Message, frozen=True, kw_only=True):
     """Everything a consumer needs to know about a node's GPUs."""
 
@@ -115,6 +135,11 @@ class Inventory(_Message, frozen=True, kw_only=True):
     # these, never by ``published_at``; 0 / "" is a sender that does not sequence.
     seq: NonNegative = 0
     boot_id: str = ""
+    # NVML's GPU count (``nvmlDeviceGetCount``) when the inventory was built, and the
+    # GPUs it counts that could not be listed in ``gpus``; None / [] from a collector
+    # that does not say. Added after schema version 1.
+    nvml_count: NonNegative | None = None
+    unreadable: UnreadableGpus = []
 
 
 # --- samples -----------------------------------------------------------------------

@@ -62,10 +62,11 @@ from gpulet_common.messages import (
     SampleBatch,
 )
 from gpulet_common.nvml.adapter import NvmlAdapter
-from gpulet_common.nvml.errors import GpuLostError, NvmlCallError, NvmlUnavailable
+from gpulet_common.nvml.errors import NvmlUnavailable
 from gpulet_common.ordering import SenderOrder
 from gpulet_common.runtime import Runtime
 from gpulet_health.buffer import DiskBuffer
+from gpulet_health.counted import GpuScan, scan_gpus
 from gpulet_health.events_source import (
     CountChanged,
     EventReceived,
@@ -369,23 +370,8 @@ class HealthService:
 
     # --- GPU scans -------------------------------------------------------------------
 
-    def _scan_blocking(
-        self, adapter: NvmlAdapter
-    ) -> tuple[int, list[GpuInfo], list[tuple[int, str | None]]]:
-        # Handles cached by index are stale after a re-enumeration: start afresh, as
-        # the adapter's own inventory does.
-        adapter.invalidate()
-        count = adapter.device_count()
-        found: list[GpuInfo] = []
-        lost: list[tuple[int, str | None]] = []
-        for index in range(count):
-            try:
-                found.append(adapter.gpu_info(index))
-            except GpuLostError as exc:
-                lost.append((index, exc.uuid))
-            except NvmlCallError as exc:
-                log.warning("GPU %d left out of the health scan: %s", index, exc)
-        return count, found, lost
+    def _scan_blocking(self, adapter: NvmlAdapter) -> GpuScan:
+        return scan_gpus(adapter)
 
     async def _scan(self, why: str) -> None:
         adapter = self._adapter
@@ -396,7 +382,7 @@ class HealthService:
         scanned_at = time.time()
         try:
             with anyio.fail_after(SCAN_TIMEOUT_S):
-                count, found, lost = await anyio.to_thread.run_sync(
+                scan = await anyio.to_thread.run_sync(
                     self._scan_blocking, adapter, abandon_on_cancel=True
                 )
         except TimeoutError:
@@ -406,6 +392,7 @@ class HealthService:
             log.warning("GPU scan (%s) failed: %s", why, exc.reason)
             return
         now = time.time()
+        count, found, lost = scan.count, scan.found, scan.lost
         self._last_scan_count = count
         self._learn_pci(found)
         events: list[HealthEvent] = []
@@ -417,6 +404,7 @@ class HealthService:
                     uuid, now, "GPU_IS_LOST while reading its identity", scanned_at=scanned_at
                 )
         events += self.engine.observe_inventory(found, now, scanned_at=scanned_at)
+        events += self.engine.observe_unreadable(scan.unreadable, count, found, now)
         log.debug(
             "GPU scan (%s): %d GPUs, %d answering, %d lost", why, count, len(found), len(lost)
         )

@@ -361,7 +361,10 @@ class _Slot:
         self.handle = MockDeviceHandle(slot)
         self.present = True
         self.fell_off = False
-        self.lost_until = 0.0
+        self.lost_until = math.inf if spec.lost_at_start else 0.0
+        # While lost: whether nvmlDeviceGetHandleByIndex still gives the handle (and
+        # nvmlDeviceGetPciInfo still answers), as GpuSpec.lost_at_start = "calls" says.
+        self.lost_keeps_handle = spec.lost_at_start == "calls"
         self.hang_until = 0.0
         self.ecc_volatile = [0, 0]  # corrected, uncorrected
         self.ecc_aggregate = [0, 0]
@@ -575,8 +578,11 @@ class MockNvml:
             raise _err(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         return self._slots[handle.slot]
 
-    def _enter(self, handle: Any) -> tuple[_Slot, float]:
-        """Gate a device call: NVML there, GPU not hung (else block), GPU not lost."""
+    def _enter(self, handle: Any, *, probe: bool = False) -> tuple[_Slot, float]:
+        """Gate a device call: NVML there, GPU not hung (else block), GPU not lost.
+
+        ``probe``: a call that a GPU lost with ``lost_keeps_handle`` still answers
+        (getting its handle, its PCI info)."""
         with self._cond:
             now = self._advance()
             self._gate(now)
@@ -589,7 +595,7 @@ class MockNvml:
             with self._cond:
                 now = self._advance()
                 self._gate(now)
-        if not slot.present or slot.lost(now):
+        if not slot.present or (slot.lost(now) and not (probe and slot.lost_keeps_handle)):
             raise _err(pynvml.NVML_ERROR_GPU_IS_LOST)
         return slot, now
 
@@ -793,6 +799,7 @@ class MockNvml:
         if not slot.present and not slot.fell_off:
             return False, f"{name} was removed; hot_add brings it back"
         slot.ecc_volatile = [0, 0]
+        slot.lost_keeps_handle = False
         # The PCIe and NVLink error counters start again from 0 too.
         slot.pcie_replays, slot.nvlink_errors = 0, [0, 0, 0, 0]
         slot.remap_pending = False
@@ -876,7 +883,7 @@ class MockNvml:
             if not 0 <= index < len(self._enumerated):
                 raise _err(pynvml.NVML_ERROR_INVALID_ARGUMENT)
             handle = self._enumerated[index].handle
-        self._enter(handle)
+        self._enter(handle, probe=True)
         return handle
 
     def _find(self, match: Callable[[_Slot], bool]) -> MockDeviceHandle:
@@ -934,7 +941,7 @@ class MockNvml:
         return module_id
 
     def nvmlDeviceGetPciInfo(self, handle: Any) -> MockPciInfo:
-        spec = self._enter(handle)[0].spec
+        spec = self._enter(handle, probe=True)[0].spec
         return MockPciInfo(spec.bus_id, spec.pci_device_id)
 
     def nvmlDeviceGetPciInfo_v3(self, handle: Any) -> MockPciInfo:

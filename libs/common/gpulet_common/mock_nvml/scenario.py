@@ -185,6 +185,12 @@ class GpuSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
     # Tensor-pipe activity in percent, answered by GPM (compute capability 9.0 and
     # later; older GPUs answer GPM as unsupported).
     tensor_util_pct: int = 0
+    # Lost before the mock starts (a GPU that fell into GPU_IS_LOST before the agent
+    # did). NVML still counts it, as real NVML does. "handle": nvmlDeviceGetHandleByIndex
+    # fails with GPU_IS_LOST, so only its index is known. "calls": the handle is given
+    # and nvmlDeviceGetPciInfo still answers, every other call on it fails with
+    # GPU_IS_LOST. "" : not lost. A ``reset`` fault brings it back.
+    lost_at_start: Literal["", "handle", "calls"] = ""
 
     @property
     def memory_total_bytes(self) -> int:
@@ -660,7 +666,7 @@ def _check_timeline(scenario: Scenario, count: int, source: str) -> None:
 def hot_add_spec(template: GpuSpec, overrides: dict[str, Any] | None) -> GpuSpec:
     """A new GPU: a copy of ``template`` without its identity, with ``overrides``."""
     tree = msgspec.to_builtins(template)
-    for key in ("uuid", "bus_id", "minor", "serial", "board_id", "module_id"):
+    for key in ("uuid", "bus_id", "minor", "serial", "board_id", "module_id", "lost_at_start"):
         tree.pop(key, None)
     tree.update(overrides or {})
     try:

@@ -41,11 +41,14 @@ caches are plain ``dict.get`` calls, which are atomic. Two threads sampling the
 
 Inventory when a GPU misbehaves
 -------------------------------
-A GPU whose identity (handle, UUID) cannot be read, or that is lost, is *skipped*
-and logged: without a UUID it cannot be addressed by anyone downstream. A GPU whose
-secondary fields fail (serial, thresholds, ...) is included with those fields
-``None``. A topology query that fails gives ``level=None`` for that pair. The skipped
-GPUs and why are returned by :meth:`NvmlAdapter.inventory_report`.
+A GPU whose identity (handle, UUID) cannot be read, or that is lost, is left out of
+``gpus`` and logged: without a UUID it cannot be addressed like the others. It is not
+dropped: real NVML still counts a lost GPU, so the inventory carries NVML's count
+(``nvml_count``) and lists such a GPU in ``unreadable`` by index, with whatever
+identity could still be read (:meth:`NvmlAdapter.unreadable`), for the health service
+to raise. A GPU whose secondary fields fail (serial, thresholds, ...) is included with
+those fields ``None``. A topology query that fails gives ``level=None`` for that pair.
+The skipped GPUs and why are also returned by :meth:`NvmlAdapter.inventory_report`.
 
 The hot path
 ------------
@@ -100,6 +103,7 @@ from gpulet_common.messages import (
     GpuSample,
     Inventory,
     PeerLink,
+    UnreadableGpu,
 )
 from gpulet_common.nvml.errors import (
     NVML_ERROR_FUNCTION_NOT_FOUND,
@@ -911,6 +915,7 @@ class NvmlAdapter:
         count = self.device_count()
         self.invalidate()
         skipped: dict[int, str] = {}
+        unreadable: list[UnreadableGpu] = []
         found: list[tuple[_GpuHandle, GpuInfo]] = []
         for index in range(count):
             try:
@@ -919,6 +924,7 @@ class NvmlAdapter:
             except (GpuLostError, NvmlCallError) as exc:
                 log.warning("GPU %d left out of the inventory: %s", index, exc)
                 skipped[index] = str(exc)
+                unreadable.append(self.unreadable(index, exc))
 
         links: list[_LinkScan] = []
         for gpu, _ in found:
@@ -977,8 +983,46 @@ class NvmlAdapter:
             gpus=gpus,
             nvml_backend=self.backend,
             published_at=time.time(),
+            nvml_count=count,
+            unreadable=unreadable,
         )
         return inventory, skipped
+
+    def unreadable(self, index: int, error: NvmlError) -> UnreadableGpu:
+        """What can still be read of a GPU that NVML counts but that could not be listed.
+
+        A lost GPU stays in ``nvmlDeviceGetCount``; its handle, or the calls on it,
+        fail with GPU_IS_LOST. Each identity field is tried on its own (a driver may
+        still answer the PCI info it knew from the probe); what fails stays None.
+        """
+        uuid = error.uuid if isinstance(error, GpuLostError) else None
+        bus = name = None
+        handle = self._try(self._f_handle_by_index, index)
+        if handle is not None:
+            if uuid is None:
+                text = self._try(self._f_uuid, handle)
+                uuid = _text(text) if text else None
+            pci = self._try(self._f_pci, handle)
+            bus = _text(pci.busId) if pci is not None else None
+            text = self._try(self._f_name, handle)
+            name = _text(text) if text else None
+        return UnreadableGpu(
+            index=index,
+            uuid=uuid,
+            pci_bus_id=bus,
+            name=name,
+            lost=isinstance(error, GpuLostError),
+            reason=str(error),
+        )
+
+    def _try(self, fn: Callable[..., Any] | None, *args: Any) -> Any:
+        """A best-effort call: None when missing or failing (any NVML error)."""
+        if fn is None:
+            return None
+        try:
+            return fn(*args)
+        except self._error_type:
+            return None
 
     # --- samples -------------------------------------------------------------------
 
