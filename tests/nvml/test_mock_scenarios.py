@@ -14,7 +14,8 @@ from gpulet_common.mock_nvml import (
     resolve_scenario,
     scenario_from_toml,
 )
-from gpulet_common.mock_nvml.scenario import level_matrix, nvlink_matrix, parse_cpu_list
+from gpulet_common.mock_nvml.scenario import parse_cpu_list
+from gpulet_common.mock_nvml.topology import level_matrix, nvlink_matrix
 
 SHIPPED = {
     "a100-pcie": (1, "NVIDIA A100-PCIE-40GB"),

@@ -12,12 +12,14 @@ Flow
    that overran is skipped rather than queued.
 4. When the GPU count changes (hot-add, removal) the inventory is rebuilt and
    republished with a new ``generation``. The count is NVML's (``nvmlDeviceGetCount``),
-   compared with the count the inventory was built from, not with the GPUs it lists:
-   a lost GPU is still counted by NVML but cannot be listed, and comparing with the
-   list rebuilt and republished the inventory every period. While a GPU is left out
-   (lost), the inventory is rebuilt every ``SKIPPED_RETRY_S`` to see it come back, and
-   published only if it changed: the inventory is published on real change only
-   (plus the unsolicited ``inventory_republish_s`` and answers to requests).
+   compared with the count the inventory was built from, not with the GPUs it lists: a
+   lost GPU is still counted by NVML but cannot be listed, and comparing with the list
+   rebuilt and republished the inventory every period. Such a GPU is not dropped: the
+   inventory carries NVML's count (``nvml_count``) and lists it in ``unreadable``, by
+   index with what identity could still be read, for the health service to raise. While
+   a GPU is left out (lost), the inventory is rebuilt every ``SKIPPED_RETRY_S`` to see
+   it come back, and published only if it changed: the inventory is published on real
+   change only (plus the unsolicited ``inventory_republish_s`` and answers to requests).
 5. Every ``slow_period_s`` a period also reads the slow fields (energy, PCIe
    replays, NVLink counters, GPM activity: milliseconds per GPU on real NVML); other
    periods repeat their last values. Such a period also re-reads the state of every
