@@ -6,9 +6,11 @@ An XID is the driver's error code for a GPU fault. The number alone says little;
 operators need a *severity* (does the GPU stay usable?) and a *recommended action*
 (restart the application, reset the GPU, reboot, send the board for inspection).
 
-The built-in table comes from the classification of NVIDIA's NVSentinel and of the
-GPUd project (see ``/work/shared/reference/nvml-and-health.md`` in the design notes);
-where the two disagree the table says so and takes the safer reading. Three layers
+The built-in table comes from NVIDIA's XID catalogue
+(https://docs.nvidia.com/deploy/xid-errors/index.html) as classified by NVIDIA's
+NVSentinel (https://github.com/NVIDIA/NVSentinel) and by the GPUd project
+(https://github.com/leptonai/gpud, ``pkg/nvidia-query/xid/xid.go``); where the two
+disagree the table says so and takes the safer reading. Three layers
 decide how an XID is treated, in this order:
 
 1. ``health.xid_overrides``: an operator's entry for a code replaces the built-in one.
