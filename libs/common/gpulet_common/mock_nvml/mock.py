@@ -27,10 +27,13 @@ Pieces, one concern each
 * :mod:`.readings`: samples, field values and GPM;
 * :mod:`.events`: event sets, registration, the wait, delivering events;
 * :mod:`.faults`: what each fault does (the fault model; :mod:`.faultspec` checks them);
+* :mod:`.mig`: MIG mode, GPU and compute instances, MIG device handles (on the
+  identity and readings pieces, whose calls it extends to MIG handles; the tables
+  come from the scenario, :mod:`.migspec`);
 * :mod:`.latency`: the cost of each call on a real GPU, spent per call when asked;
 * :mod:`.shapes`: the return shapes of ``pynvml``.
 
-A new concern (MIG's GPU and compute instances, say) is a new piece beside these.
+A new concern is a new piece beside these.
 
 State and time
 --------------
@@ -93,16 +96,15 @@ from pathlib import Path
 
 from gpulet_common.mock_nvml.device import ManualClock
 from gpulet_common.mock_nvml.faults import MockFaults
-from gpulet_common.mock_nvml.identity import MockInventory
 from gpulet_common.mock_nvml.latency import LatencyProfile
-from gpulet_common.mock_nvml.readings import MockReadings
+from gpulet_common.mock_nvml.mig import MockMig
 from gpulet_common.mock_nvml.scenario import Scenario, load_scenario
 from gpulet_common.mock_nvml.shapes import MockDeviceHandle, MockEventData, MockEventSet
 
 __all__ = ["ManualClock", "MockDeviceHandle", "MockEventData", "MockEventSet", "MockNvml"]
 
 
-class MockNvml(MockInventory, MockReadings, MockFaults):
+class MockNvml(MockMig, MockFaults):
     """A module-like fake of ``pynvml`` playing a scenario (see the module docstring)."""
 
     def __init__(

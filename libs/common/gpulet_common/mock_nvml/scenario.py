@@ -47,6 +47,7 @@ import msgspec
 from gpulet_common.config import deep_merge
 from gpulet_common.errors import UsageError
 from gpulet_common.mock_nvml.faultspec import FaultSpec, check_fault
+from gpulet_common.mock_nvml.migspec import MigSpec, check_mig
 from gpulet_common.mock_nvml.topology import (
     NVLINK_MAX_LINKS,
     TopologySpec,
@@ -148,6 +149,8 @@ class GpuSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
     # and nvmlDeviceGetPciInfo still answers, every other call on it fails with
     # GPU_IS_LOST. "" : not lost. A ``reset`` fault brings it back.
     lost_at_start: Literal["", "handle", "calls"] = ""
+    # MIG (see mock_nvml/migspec.py); None: the GPU has no MIG at all.
+    mig: MigSpec | None = None
 
     @property
     def memory_total_bytes(self) -> int:
@@ -384,6 +387,10 @@ def _complete(scenario: Scenario) -> Scenario:
             raise ScenarioError(source, entry, "memory_used_mib must be within memory_total_mib")
         if spec.nvswitch_links < 0:
             raise ScenarioError(source, f"{entry}.nvswitch_links", "must be >= 0")
+        if spec.mig is not None:
+            problem = check_mig(spec.mig, spec.memory_total_mib)
+            if problem is not None:
+                raise ScenarioError(source, f"{entry}.mig", problem)
     uuids = [g.uuid for g in gpus]
     if len(set(uuids)) != len(uuids):
         raise ScenarioError(source, "gpus", "two GPUs have the same uuid")

@@ -28,11 +28,12 @@ Pieces, one concern each
 * :mod:`.inventory` (:class:`~.inventory.InventoryReader`): the node's GPUs, and the
   GPUs NVML counts that cannot be read;
 * :mod:`.sampling` (:class:`~.sampling.Sampler`): samples, field values and GPM;
-* :mod:`.events` (:class:`~.events.EventReader`): event registration and the wait.
+* :mod:`.events` (:class:`~.events.EventReader`): event registration and the wait;
+* :mod:`.mig` (:class:`~.mig.MigReader`): MIG mode and MIG devices, added to each GPU's
+  facts through the base's ``_extend_info`` hook.
 
 Each piece binds the NVML functions it calls and keeps its own caches; a new concern
-(GPU and compute instances of MIG, say) is a new piece beside these, listed in the
-bases of :class:`NvmlAdapter`.
+is a new piece beside these, listed in the bases of :class:`NvmlAdapter`.
 
 Threading
 ---------
@@ -64,6 +65,7 @@ from gpulet_common.nvml.events import (
     handle_key,
 )
 from gpulet_common.nvml.inventory import InventoryReader
+from gpulet_common.nvml.mig import MigReader
 from gpulet_common.nvml.sampling import (
     CLOCK_EVENT_HW_POWER_BRAKE,
     CLOCK_EVENT_HW_SLOWDOWN,
@@ -114,7 +116,7 @@ __all__ = [
 ]
 
 
-class NvmlAdapter(InventoryReader, Sampler, EventReader):
+class NvmlAdapter(MigReader, InventoryReader, Sampler, EventReader):
     """Typed, thread-safe access to NVML (real ``pynvml`` or the mock): every piece."""
 
     def __init__(self, nvml_module: Any, backend: Backend = "nvml") -> None:

@@ -31,6 +31,7 @@ from typing import Any, Final, Literal
 
 import msgspec
 
+from gpulet_common.messages import GpuInfo
 from gpulet_common.nvml.errors import (
     NVML_ERROR_FUNCTION_NOT_FOUND,
     NVML_ERROR_GPU_IS_LOST,
@@ -317,12 +318,16 @@ class NvmlCalls:
             self._field_failed(gpu, bit, fn, exc)
             return None
 
-    def _opt(self, gpu: GpuHandle, fn: Callable[..., Any] | None, *args: Any) -> Any:
-        """An inventory field: like _read but not cached, and other errors are logged."""
+    def _opt(
+        self, gpu: GpuHandle, fn: Callable[..., Any] | None, *args: Any, on: Any = None
+    ) -> Any:
+        """An inventory field: like _read but not cached, and other errors are logged.
+
+        ``on``: call it on another handle of the GPU (a MIG device's) than its own."""
         if fn is None:
             return None
         try:
-            return fn(gpu.handle, *args)
+            return fn(gpu.handle if on is None else on, *args)
         except self._error_type as exc:
             code = self._code(exc)
             if code in FIELD_UNSUPPORTED:
@@ -335,6 +340,11 @@ class NvmlCalls:
                 raise self._translate(exc, name, gpu.index, gpu.uuid) from exc
             log.warning("GPU %d (%s): %s failed: %s", gpu.index, gpu.uuid, name, exc)
             return None
+
+    def _extend_info(self, gpu: GpuHandle, info: GpuInfo) -> GpuInfo:
+        """What a piece adds to a GPU's static facts (:mod:`.mig`); each piece that
+        overrides it calls ``super()`` first."""
+        return info
 
     def uuid_of(self, index: int) -> str:
         """The UUID of the GPU at ``index`` (cached)."""

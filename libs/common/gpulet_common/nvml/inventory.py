@@ -89,7 +89,7 @@ class InventoryReader(NvLinkReader):
         slowdown = opt(gpu, threshold, self._c_threshold_slowdown)
         gpu_max = opt(gpu, threshold, self._c_threshold_gpu_max)
         mem_max = opt(gpu, threshold, self._c_threshold_mem_max)
-        return GpuInfo(
+        info = GpuInfo(
             uuid=gpu.uuid,
             index=gpu.index,
             minor=int(minor) if minor is not None else None,
@@ -114,6 +114,7 @@ class InventoryReader(NvLinkReader):
             supported_events=int(supported_events) if supported_events is not None else None,
             module_id=int(module_id) if module_id is not None else None,
         )
+        return self._extend_info(gpu, info)
 
     def _cpu_affinity(self, gpu: GpuHandle) -> list[int]:
         words = self._opt(gpu, self._f_affinity_scope, _CPU_SET_WORDS, self._c_affinity_scope_node)
