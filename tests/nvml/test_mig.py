@@ -18,6 +18,7 @@ import pytest
 
 from gpulet_common.messages import GpuInfo, MigDevice
 from gpulet_common.mock_nvml import MockNvml, Scenario, load_scenario, scenario_from_toml
+from gpulet_common.mock_nvml.faultspec import FaultSpec
 from gpulet_common.mock_nvml.migspec import parse_profile
 from gpulet_common.nvml import NvmlAdapter
 from gpulet_common.nvml.mig import profile_gb, profile_name
@@ -271,3 +272,26 @@ def test_a_pending_mode_and_a_wrong_layout() -> None:
     with pytest.raises(ValueError, match="MIG profile"):
         scenario_from_toml(bad)
     assert load_scenario("a100-mig-mixed").gpus[2].mig is not None
+
+
+def test_the_mig_fault_changes_a_layout_and_refuses_a_wrong_one() -> None:
+    mock = MockNvml("a100-mig-mixed")
+    adapter = NvmlAdapter(mock, backend="mock")
+    adapter.init()
+    before = adapter.gpu_info(2)
+    assert not adapter.mig_changed(before)
+    layout = {"mode": "enabled", "devices": [{"gi": 1, "profile": "7g.40gb"}]}
+    assert mock.apply(FaultSpec(fault="mig", gpu=2, spec=layout))[0]
+    assert adapter.mig_changed(before)
+    assert [d.profile for d in adapter.gpu_info(2).mig_devices] == ["7g.40gb"]
+    too_big = {
+        "mode": "enabled",
+        "devices": [{"gi": 1, "profile": "7g.40gb"}, {"gi": 2, "profile": "1g.5gb"}],
+    }
+    applied, detail = mock.apply(FaultSpec(fault="mig", gpu=2, spec=too_big))
+    assert not applied
+    assert "slices" in detail
+    assert "needs spec" in mock.apply(FaultSpec(fault="mig", gpu=2))[1]
+    t4 = MockNvml("t4")
+    applied, detail = t4.apply(FaultSpec(fault="mig", gpu=0, spec=layout))
+    assert (applied, "has no MIG" in detail) == (False, True)

@@ -294,6 +294,11 @@ class MockCore:
         """Apply a checked fault as of mock time ``start`` (lock held): :mod:`.faults`."""
         raise NotImplementedError
 
+    def _apply_more(self, fault: FaultSpec, start: float) -> tuple[bool, str] | None:
+        """A fault of another piece (:mod:`.mig`), or None; each override that does not
+        know the fault hands it on to ``super()``."""
+        return None
+
     # --- time, gating, timeline -----------------------------------------------
 
     def _now(self) -> float:

@@ -14,7 +14,7 @@ from typing import Any, Final
 
 from gpulet_common.mock_nvml.device import Link, Ramp, Slot
 from gpulet_common.mock_nvml.events import EV_DBE, EV_SBE, EV_XID, MockEvents
-from gpulet_common.mock_nvml.faultspec import FAULT_KINDS, FaultSpec, vanish_code
+from gpulet_common.mock_nvml.faultspec import ALL_FAULT_KINDS, FaultSpec, vanish_code
 from gpulet_common.mock_nvml.scenario import fill_identity, hot_add_spec
 
 _XID_FALLEN_OFF_BUS: Final = 79
@@ -151,7 +151,10 @@ class MockFaults(MockEvents):
             return True, f"{name} reports clock-event reasons {slot.clock_events:#x}" + (
                 f" for {duration:g}s" if duration is not None else ""
             )
-        return False, f"unknown fault {kind!r} (known: {', '.join(FAULT_KINDS)})"
+        more = self._apply_more(fault, start)
+        if more is not None:
+            return more
+        return False, f"unknown fault {kind!r} (known: {', '.join(ALL_FAULT_KINDS)})"
 
     def _link_ends(self, slot: Slot, link: int) -> list[tuple[Slot, Link]]:
         """Both ends of one link: the k-th link from A to B is the k-th from B to A

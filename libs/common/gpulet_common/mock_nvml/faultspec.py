@@ -37,9 +37,13 @@ FAULT_KINDS: Final = (
     "nvml_return",
     "reset",
 )
+# Faults that carry a table (``spec``): from the timeline or MockNvml.apply only, as a
+# live injection request (gpulet.mock.inject.<node>) carries none.
+SPEC_FAULTS: Final = ("mig",)
+ALL_FAULT_KINDS: Final = (*FAULT_KINDS, *SPEC_FAULTS)
 NODE_FAULTS: Final = frozenset({"nvml_vanish", "nvml_return"})
 # Faults that need a GPU; hot_add takes one optionally (re-adding a removed GPU).
-GPU_FAULTS: Final = frozenset(FAULT_KINDS) - NODE_FAULTS - {"hot_add"}
+GPU_FAULTS: Final = frozenset(ALL_FAULT_KINDS) - NODE_FAULTS - {"hot_add"}
 
 # nvml_vanish: which NVML error every call returns while NVML is gone.
 VANISH_ERRORS: Final[dict[str, int]] = {
@@ -72,7 +76,8 @@ class FaultSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     back_s: float = 0.0
     # nvml_vanish: a name of VANISH_ERRORS, instead of a numeric value.
     error: str | None = None
-    # hot_add of a new GPU: GpuSpec fields overriding a copy of the first GPU.
+    # hot_add of a new GPU: GpuSpec fields overriding a copy of the first GPU; mig: the
+    # GPU's new MIG table (instances created or destroyed, a mode change).
     spec: dict[str, Any] | None = None
 
 
@@ -87,8 +92,8 @@ def check_fault(fault: FaultSpec, gpu_count: int, *, live: bool) -> str | None:
     applies now (e.g. removing a GPU already removed) is decided when applying it.
     """
     kind = fault.fault
-    if kind not in FAULT_KINDS:
-        return f"unknown fault {kind!r} (known: {', '.join(FAULT_KINDS)})"
+    if kind not in ALL_FAULT_KINDS:
+        return f"unknown fault {kind!r} (known: {', '.join(ALL_FAULT_KINDS)})"
     if kind in GPU_FAULTS and fault.gpu is None:
         return f"fault {kind!r} needs a gpu"
     if kind not in NODE_FAULTS and fault.gpu is not None and not 0 <= fault.gpu < gpu_count:
@@ -98,8 +103,10 @@ def check_fault(fault: FaultSpec, gpu_count: int, *, live: bool) -> str | None:
         return "'at' must be >= 0"
     if fault.duration_s is not None and not fault.duration_s >= 0:
         return "duration_s must be >= 0"
-    if fault.spec is not None and kind != "hot_add":
-        return "'spec' is only for hot_add"
+    if fault.spec is not None and kind not in ("hot_add", "mig"):
+        return "'spec' is only for hot_add and mig"
+    if kind == "mig" and fault.spec is None:
+        return "fault 'mig' needs spec = the GPU's new MIG table (mode, pending, devices)"
     value = fault.value
     if kind == "xid":
         if not _whole(value) or value is None or value < 0:

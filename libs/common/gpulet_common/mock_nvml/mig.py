@@ -10,27 +10,35 @@ table answers NOT_SUPPORTED for the mode and 0 for the maximum MIG device count,
 T4 does on real NVML.
 
 A pending mode that differs from the current one (``pending`` in the table) is what
-``nvmlDeviceGetMigMode`` reports until the GPU is reset; the mock keeps it pending.
+``nvmlDeviceGetMigMode`` reports until the GPU is reset; the mock keeps it pending. The
+fault ``mig`` replaces a GPU's table while the mock runs (instances created or
+destroyed, a mode change), for the collector to see without a restart.
 """
 
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final
 
+import msgspec
 import pynvml
 
 from gpulet_common.mock_nvml.device import Slot, err
+from gpulet_common.mock_nvml.faultspec import FaultSpec
 from gpulet_common.mock_nvml.identity import MockInventory
 from gpulet_common.mock_nvml.migspec import (
     SMS_PER_SLICE,
+    MigSpec,
     Profile,
+    check_mig,
     memory_mib,
     mig_uuid,
     parse_profile,
 )
 from gpulet_common.mock_nvml.readings import MockReadings
+from gpulet_common.mock_nvml.scenario import Scenario
 from gpulet_common.mock_nvml.shapes import MockDeviceHandle, MockMemory
 
 # GPU instance profile ids by slices (nvml.h); the media-extension ones by slices too.
@@ -135,11 +143,46 @@ class MockDeviceAttributes:
 
 class MockMig(MockInventory, MockReadings):
     """``nvmlDeviceGetMigMode`` ... ``nvmlGpuInstanceGetInfo``; MIG handles in the
-    identity and memory calls."""
+    identity and memory calls; the ``mig`` fault."""
+
+    def __init__(
+        self,
+        scenario: Scenario,
+        *,
+        clock: Callable[[], float] | None = None,
+        jitter: bool | None = None,
+    ) -> None:
+        super().__init__(scenario, clock=clock, jitter=jitter)
+        # MIG tables changed since the start (fault ``mig``), by slot.
+        self._mig_now: dict[int, MigSpec] = {}
+
+    def _mig_spec(self, slot: Slot) -> MigSpec | None:
+        return self._mig_now.get(slot.slot, slot.spec.mig)
+
+    def _apply_more(self, fault: FaultSpec, start: float) -> tuple[bool, str] | None:
+        if fault.fault != "mig":
+            return super()._apply_more(fault, start)
+        assert fault.gpu is not None  # check_fault: it names a GPU
+        slot = self._slots[fault.gpu]
+        name = f"GPU {slot.slot} ({slot.spec.uuid})"
+        if slot.spec.mig is None:
+            return False, f"{name} ({slot.spec.name}) has no MIG"
+        try:
+            spec = msgspec.convert(fault.spec, MigSpec)
+        except msgspec.ValidationError as exc:
+            return False, f"MIG table for {name}: {exc}"
+        problem = check_mig(spec, slot.spec.memory_total_mib)
+        if problem is not None:
+            return False, f"MIG table for {name}: {problem}"
+        self._mig_now[slot.slot] = spec
+        return (
+            True,
+            f"{name}: MIG {spec.mode} (pending {spec.pending_mode}), {len(spec.devices)} device(s)",
+        )
 
     def _mig_table(self, slot: Slot) -> list[MigEntry]:
         """The slot's MIG devices in slot order (GPU instance, then compute instance)."""
-        mig = slot.spec.mig
+        mig = self._mig_spec(slot)
         if mig is None or mig.mode != "enabled":
             return []
         entries: list[MigEntry] = []
@@ -170,7 +213,7 @@ class MockMig(MockInventory, MockReadings):
     def _mig_slot(self, device: Any) -> Slot:
         """The parent GPU of a MIG call (a full GPU handle), with MIG support."""
         slot, _ = self._enter(device)
-        if slot.spec.mig is None:
+        if self._mig_spec(slot) is None:
             raise err(pynvml.NVML_ERROR_NOT_SUPPORTED)
         return slot
 
@@ -183,18 +226,19 @@ class MockMig(MockInventory, MockReadings):
     # --- the parent GPU ---------------------------------------------------------------
 
     def nvmlDeviceGetMigMode(self, device: Any) -> list[int]:
-        mig = self._mig_slot(device).spec.mig
+        mig = self._mig_spec(self._mig_slot(device))
         assert mig is not None
         on, off = pynvml.NVML_DEVICE_MIG_ENABLE, pynvml.NVML_DEVICE_MIG_DISABLE
         return [on if mig.mode == "enabled" else off, on if mig.pending_mode == "enabled" else off]
 
     def nvmlDeviceGetMaxMigDeviceCount(self, device: Any) -> int:
         slot, _ = self._enter(device)
-        return slot.spec.mig.max_devices if slot.spec.mig is not None else 0
+        mig = self._mig_spec(slot)
+        return mig.max_devices if mig is not None else 0
 
     def nvmlDeviceGetMigDeviceHandleByIndex(self, device: Any, index: int) -> MockMigHandle:
         slot = self._mig_slot(device)
-        mig = slot.spec.mig
+        mig = self._mig_spec(slot)
         assert mig is not None
         if not 0 <= index < mig.max_devices:
             raise err(pynvml.NVML_ERROR_INVALID_ARGUMENT)

@@ -133,6 +133,8 @@ def check_mig(spec: MigSpec, total_mib: int) -> str | None:
             return f"{where}: the compute instances take more than GPU instance {device.gi}"
         if profile_gb(memory_mib(profile, total_mib), total_mib * 1024 * 1024) != profile.gb:
             return f"{where}: {profile.gb} GB does not fit this GPU's memory"
-    if sum(g for g, _ in instances.values()) > 8:
-        return "the GPU instances take more than the GPU's slices"
+    # Seven compute slices (an 8-slice profile, where a GPU has one, takes the GPU alone).
+    slices = sum(g for g, _ in instances.values())
+    if slices > 7 and not (slices == 8 and len(instances) == 1):
+        return f"the GPU instances take {slices} slices, more than the GPU's 7"
     return None

@@ -83,6 +83,8 @@ fault              value / duration_s
 ``nvml_vanish``    value = NVML code 12/9/4/1 (default 12); duration_s optional
 ``nvml_return``    --
 ``reset``          --  (clears volatile ECC, XIDs, pending remaps, lost, hang)
+``mig``            spec = the GPU's new ``[gpus.mig]`` table (timeline, or
+                   :meth:`MockNvml.apply`: a bus request carries no spec)
 =================  ==============================================================
 
 Threading: one lock (a Condition) guards all state. No call sleeps while holding it:

@@ -2,7 +2,8 @@
 
 What is read
 ------------
-For every GPU of the inventory (:meth:`MigReader._extend_info`):
+For every GPU of the inventory (:meth:`MigReader._extend_info`), and again when the
+collector looks for a layout change (:meth:`MigReader.mig_changed`, on its slow period):
 
 * ``nvmlDeviceGetMaxMigDeviceCount``: MIG-capable when > 0 (7 on A100/H100/B200, 0 on
   a T4 or an L40S);
@@ -94,7 +95,25 @@ class MigReader(NvmlCalls):
         )
 
     def _extend_info(self, gpu: GpuHandle, info: GpuInfo) -> GpuInfo:
-        info = super()._extend_info(gpu, info)
+        return self._with_mig(gpu, super()._extend_info(gpu, info))
+
+    def mig_changed(self, info: GpuInfo) -> bool:
+        """Whether a MIG-capable GPU's MIG state differs from ``info``'s: instances
+        created or destroyed, a mode change. Raises as the inventory does (a lost GPU)."""
+        if not info.mig_capable:
+            return False
+        gpu = self._gpus.get(info.index) or self._load(info.index)
+        if gpu.uuid != info.uuid:
+            return True
+        bare = msgspec.structs.replace(info, mig_mode=None, mig_mode_pending=None, mig_devices=[])
+        now = self._with_mig(gpu, bare)
+        return (now.mig_mode, now.mig_mode_pending, now.mig_devices) != (
+            info.mig_mode,
+            info.mig_mode_pending,
+            info.mig_devices,
+        )
+
+    def _with_mig(self, gpu: GpuHandle, info: GpuInfo) -> GpuInfo:
         max_count = self._opt(gpu, self._f_max_mig)
         mode = self._opt(gpu, self._f_mig_mode)
         fields: dict[str, Any] = {}
