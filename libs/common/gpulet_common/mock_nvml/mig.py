@@ -18,7 +18,6 @@ destroyed, a mode change), for the collector to see without a restart.
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -38,7 +37,6 @@ from gpulet_common.mock_nvml.migspec import (
     parse_profile,
 )
 from gpulet_common.mock_nvml.readings import MockReadings
-from gpulet_common.mock_nvml.scenario import Scenario
 from gpulet_common.mock_nvml.shapes import MockDeviceHandle, MockMemory
 
 # GPU instance profile ids by slices (nvml.h); the media-extension ones by slices too.
@@ -145,14 +143,8 @@ class MockMig(MockInventory, MockReadings):
     """``nvmlDeviceGetMigMode`` ... ``nvmlGpuInstanceGetInfo``; MIG handles in the
     identity and memory calls; the ``mig`` fault."""
 
-    def __init__(
-        self,
-        scenario: Scenario,
-        *,
-        clock: Callable[[], float] | None = None,
-        jitter: bool | None = None,
-    ) -> None:
-        super().__init__(scenario, clock=clock, jitter=jitter)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         # MIG tables changed since the start (fault ``mig``), by slot.
         self._mig_now: dict[int, MigSpec] = {}
 

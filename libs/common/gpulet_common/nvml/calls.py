@@ -333,13 +333,18 @@ class NvmlCalls:
             if code in FIELD_UNSUPPORTED:
                 return None
             name = getattr(fn, "__name__", "nvml")
-            if (
-                code in (NVML_ERROR_GPU_IS_LOST, NVML_ERROR_RESET_REQUIRED)
-                or code in UNAVAILABLE_AFTER_INIT
-            ):
-                raise self._translate(exc, name, gpu.index, gpu.uuid) from exc
+            self._raise_if_gone(gpu, exc, name)
             log.warning("GPU %d (%s): %s failed: %s", gpu.index, gpu.uuid, name, exc)
             return None
+
+    def _raise_if_gone(self, gpu: GpuHandle, exc: BaseException, function: str) -> None:
+        """Raise the translated error when ``exc`` says the GPU is lost or needs a reset,
+        or NVML itself is gone: what no single field read may swallow."""
+        code = self._code(exc)
+        if code in (NVML_ERROR_GPU_IS_LOST, NVML_ERROR_RESET_REQUIRED) or (
+            code in UNAVAILABLE_AFTER_INIT
+        ):
+            raise self._translate(exc, function, gpu.index, gpu.uuid) from exc
 
     def _extend_info(self, gpu: GpuHandle, info: GpuInfo) -> GpuInfo:
         """What a piece adds to a GPU's static facts (:mod:`.mig`); each piece that

@@ -36,18 +36,13 @@ import msgspec
 from gpulet_common.messages import GpuInfo, MigDevice
 from gpulet_common.nvml.calls import (
     FIELD_UNSUPPORTED,
-    UNAVAILABLE_AFTER_INIT,
     Backend,
     GpuHandle,
     NvmlCalls,
     log,
     text,
 )
-from gpulet_common.nvml.errors import (
-    NVML_ERROR_GPU_IS_LOST,
-    NVML_ERROR_INVALID_ARGUMENT,
-    NVML_ERROR_RESET_REQUIRED,
-)
+from gpulet_common.nvml.errors import NVML_ERROR_INVALID_ARGUMENT
 
 # NVML_ERROR_NOT_FOUND: an empty MIG slot.
 NVML_ERROR_NOT_FOUND: Final = 6
@@ -196,10 +191,3 @@ class MigReader(NvmlCalls):
             return False
         details = self._opt(gpu, self._f_gi_info, on=instance)
         return details is not None and int(details.profileId) in self._c_media_profiles
-
-    def _raise_if_gone(self, gpu: GpuHandle, exc: BaseException, function: str) -> None:
-        code = self._code(exc)
-        if code in (NVML_ERROR_GPU_IS_LOST, NVML_ERROR_RESET_REQUIRED) or (
-            code in UNAVAILABLE_AFTER_INIT
-        ):
-            raise self._translate(exc, function, gpu.index, gpu.uuid) from exc
