@@ -16,9 +16,10 @@ Rule families, one module each, whose docstrings state their rules (defaults in
 rates), :mod:`.nvlink` (links down, from the collector's inventory:
 :meth:`RuleEngine.observe_nvlinks`), :mod:`.presence` (the GPU list, lost, removed and
 missing GPUs, NVML unavailable), and :mod:`.unreadable` (GPUs NVML counts that do not
-answer and that the node has no record of). The engine hands every input to the families, in the
-order of :data:`FAMILIES`, and passes what they emit through the de-duplication stage
-(:meth:`.Deduplicator.apply`): repeats are folded after the rules, never inside them.
+answer and that the node has no record of: :meth:`RuleEngine.observe_unreadable`). The
+engine hands every input to the families, in the order of :data:`FAMILIES`, and passes
+what they emit through the de-duplication stage (:meth:`.Deduplicator.apply`): repeats
+are folded after the rules, never inside them.
 
 Adding a family: a module with a :class:`~.base.Family` subclass that overrides the
 inputs it watches (``sample``, ``nvml_event``, ``tick``, ``reset``) and changes
