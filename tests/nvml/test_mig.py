@@ -20,7 +20,7 @@ from gpulet_common.messages import GpuInfo, MigDevice
 from gpulet_common.mock_nvml import MockNvml, Scenario, load_scenario, scenario_from_toml
 from gpulet_common.mock_nvml.faultspec import FaultSpec
 from gpulet_common.mock_nvml.migspec import parse_profile
-from gpulet_common.nvml import NvmlAdapter
+from gpulet_common.nvml import HEALTH_EVENT_MASK, NvmlAdapter
 from gpulet_common.nvml.mig import profile_gb, profile_name
 
 GPU = 0x1000
@@ -295,3 +295,31 @@ def test_the_mig_fault_changes_a_layout_and_refuses_a_wrong_one() -> None:
     t4 = MockNvml("t4")
     applied, detail = t4.apply(FaultSpec(fault="mig", gpu=0, spec=layout))
     assert (applied, "has no MIG" in detail) == (False, True)
+
+
+def test_an_xid_on_one_mig_device_carries_its_instance_ids() -> None:
+    mock = MockNvml("a100-mig-mixed")
+    adapter = NvmlAdapter(mock, backend="mock")
+    adapter.init()
+    event_set = adapter.create_event_set()
+    assert adapter.register_events(event_set, 0, HEALTH_EVENT_MASK)
+    assert mock.apply(FaultSpec(fault="xid", gpu=0, value=43, gi=1, ci=0))[0]
+    assert mock.apply(FaultSpec(fault="xid", gpu=0, value=79))[0]
+    on_device = adapter.wait_event(event_set, 0)
+    whole_gpu = adapter.wait_event(event_set, 0)
+    assert on_device is not None
+    assert whole_gpu is not None
+    assert (on_device.xid, on_device.gpu_instance_id, on_device.compute_instance_id) == (43, 1, 0)
+    assert (whole_gpu.xid, whole_gpu.gpu_instance_id, whole_gpu.compute_instance_id) == (
+        79,
+        None,
+        None,
+    )
+    for wrong in (
+        FaultSpec(fault="xid", gpu=0, value=43, gi=1),
+        FaultSpec(fault="ecc_sbe", gpu=0, gi=1, ci=0),
+        FaultSpec(fault="xid", gpu=0, value=43, gi=-1, ci=0),
+    ):
+        applied, detail = mock.apply(wrong)
+        assert not applied
+        assert "gi and ci" in detail

@@ -31,11 +31,18 @@ _MAX_WAIT_ROUNDS: Final = 100_000
 class MockEvents(MockCore):
     """``nvmlEventSetCreate`` ... ``nvmlEventSetFree``, and delivering events."""
 
-    def _emit(self, slot: Slot, event_type: int, data: int) -> int:
+    def _emit(
+        self, slot: Slot, event_type: int, data: int, instance: tuple[int, int] | None = None
+    ) -> int:
+        """Queue an event in every set registered for it; ``instance``: the (gi, ci) of
+        the MIG device it belongs to (None: the whole GPU)."""
         delivered = 0
         for event_set in self._event_sets:
             if not event_set.freed and event_set.registered.get(slot.slot, 0) & event_type:
-                event_set.queue.append(MockEventData(slot.handle, event_type, data))
+                event = MockEventData(slot.handle, event_type, data)
+                if instance is not None:
+                    event.gpuInstanceId, event.computeInstanceId = instance
+                event_set.queue.append(event)
                 delivered += 1
         return delivered
 

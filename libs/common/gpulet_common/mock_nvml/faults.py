@@ -80,8 +80,10 @@ class MockFaults(MockEvents):
         if kind == "xid":
             xid = int(fault.value or 0)
             slot.xids.append(xid)
-            delivered = self._emit(slot, EV_XID, xid)
-            return True, f"XID {xid} on {name} (delivered to {delivered} event sets)"
+            instance = (fault.gi, fault.ci or 0) if fault.gi is not None else None
+            delivered = self._emit(slot, EV_XID, xid, instance)
+            where = f"MIG device gi={instance[0]} ci={instance[1]} of " if instance else ""
+            return True, f"XID {xid} on {where}{name} (delivered to {delivered} event sets)"
         if kind in ("ecc_sbe", "ecc_dbe"):
             if not spec.ecc_enabled:
                 return False, f"ECC is not enabled on {name}"

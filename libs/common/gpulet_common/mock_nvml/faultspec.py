@@ -74,6 +74,10 @@ class FaultSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     from_c: float | None = msgspec.field(default=None, name="from")
     ramp_s: float = 0.0
     back_s: float = 0.0
+    # xid on one MIG device: its GPU-instance and compute-instance ids (the event data
+    # carries them; absent: the whole GPU).
+    gi: int | None = None
+    ci: int | None = None
     # nvml_vanish: a name of VANISH_ERRORS, instead of a numeric value.
     error: str | None = None
     # hot_add of a new GPU: GpuSpec fields overriding a copy of the first GPU; mig: the
@@ -107,6 +111,12 @@ def check_fault(fault: FaultSpec, gpu_count: int, *, live: bool) -> str | None:
         return "'spec' is only for hot_add and mig"
     if kind == "mig" and fault.spec is None:
         return "fault 'mig' needs spec = the GPU's new MIG table (mode, pending, devices)"
+    if (fault.gi is None) != (fault.ci is None) or (fault.gi is not None and kind != "xid"):
+        return "gi and ci go together, and only with fault 'xid' (an XID on one MIG device)"
+    if fault.gi is not None and not (
+        0 <= fault.gi < 0xFFFFFFFF and 0 <= (fault.ci or 0) < 0xFFFFFFFF
+    ):
+        return "gi and ci must be >= 0"
     value = fault.value
     if kind == "xid":
         if not _whole(value) or value is None or value < 0:

@@ -64,7 +64,8 @@ Request fields by fault (``gpu`` is the scenario slot, see above):
 =================  ==============================================================
 fault              value / duration_s
 =================  ==============================================================
-``xid``            value = XID number (required)
+``xid``            value = XID number (required); gi and ci (timeline, or
+                   :meth:`MockNvml.apply`): on that MIG device only
 ``ecc_sbe``        value = count (default 1)
 ``ecc_dbe``        value = count (default 1)
 ``temperature``    value = target C (absent: back to baseline); duration_s = hold

@@ -62,6 +62,10 @@ EVENT_KINDS: Final[dict[int, EventKind]] = {
 }
 
 
+# nvmlEventData_t's gpuInstanceId / computeInstanceId when the event is the whole GPU's.
+_NO_INSTANCE: Final = 0xFFFFFFFF
+
+
 class NvmlEvent(msgspec.Struct, frozen=True, kw_only=True):
     """One NVML event, with the GPU resolved to its index and UUID.
 
@@ -76,6 +80,10 @@ class NvmlEvent(msgspec.Struct, frozen=True, kw_only=True):
     # The XID number for XID events, 0 otherwise.
     event_data: int
     timestamp: float
+    # The MIG device the event belongs to (the event data's GPU-instance and
+    # compute-instance ids); None: the whole GPU (NVML's 0xFFFFFFFF) or not said.
+    gpu_instance_id: int | None = None
+    compute_instance_id: int | None = None
 
     @property
     def xid(self) -> int | None:
@@ -86,6 +94,14 @@ class NvmlEvent(msgspec.Struct, frozen=True, kw_only=True):
     def kinds(self) -> frozenset[EventKind]:
         """The event's types by name (an unknown bit has none)."""
         return frozenset(name for bit, name in EVENT_KINDS.items() if self.event_type & bit)
+
+
+def _instance_id(data: Any, field: str) -> int | None:
+    """A MIG instance id of event data; None for NVML's "none" (0xFFFFFFFF) or absent."""
+    value = getattr(data, field, None)
+    if not isinstance(value, int) or value == _NO_INSTANCE:
+        return None
+    return value
 
 
 def handle_key(handle: Any) -> Any:
@@ -186,6 +202,8 @@ class EventReader(NvmlCalls):
             event_type=int(data.eventType),
             event_data=int(data.eventData),
             timestamp=time.time(),
+            gpu_instance_id=_instance_id(data, "gpuInstanceId"),
+            compute_instance_id=_instance_id(data, "computeInstanceId"),
         )
 
     def _identify(self, handle: Any) -> tuple[int | None, str | None]:
