@@ -16,7 +16,7 @@ from gpulet_common.mock_nvml import (
     load_scenario,
     scenario_from_toml,
 )
-from gpulet_common.mock_nvml.scenario import FaultSpec, check_fault
+from gpulet_common.mock_nvml.faultspec import FaultSpec, check_fault
 from gpulet_common.nvml import (
     EVENT_GPU_UNAVAILABLE,
     EVENT_XID,

@@ -17,9 +17,11 @@ rates), :mod:`.recovery` (the driver's recovery action holding a GPU until evide
 :meth:`RuleEngine.observe_recovery_action`, and XID 154 from the kernel log),
 :mod:`.nvlink` (links down, from the collector's inventory:
 :meth:`RuleEngine.observe_nvlinks`), :mod:`.presence` (the GPU list, lost, removed and
-missing GPUs, NVML unavailable). The engine hands every input to the families, in the
-order of :data:`FAMILIES`, and passes what they emit through the de-duplication stage
-(:meth:`.Deduplicator.apply`): repeats are folded after the rules, never inside them.
+missing GPUs, NVML unavailable), and :mod:`.unreadable` (GPUs NVML counts that do not
+answer and that the node has no record of: :meth:`RuleEngine.observe_unreadable`). The
+engine hands every input to the families, in the order of :data:`FAMILIES`, and passes
+what they emit through the de-duplication stage (:meth:`.Deduplicator.apply`): repeats
+are folded after the rules, never inside them.
 
 Adding a family: a module with a :class:`~.base.Family` subclass that overrides the
 inputs it watches (``sample``, ``nvml_event``, ``tick``, ``reset``) and changes
@@ -40,7 +42,14 @@ import logging
 from collections.abc import Iterable, Sequence
 
 from gpulet_common.logutil import RateLimitedLog
-from gpulet_common.messages import GpuHealth, GpuInfo, GpuSample, HealthEvent, HealthState
+from gpulet_common.messages import (
+    GpuHealth,
+    GpuInfo,
+    GpuSample,
+    HealthEvent,
+    HealthState,
+    UnreadableGpu,
+)
 from gpulet_common.nvml.adapter import NvmlEvent
 from gpulet_common.settings.health import HealthSettings
 from gpulet_health.catalogue import XidCatalogue
@@ -55,6 +64,7 @@ from gpulet_health.rules.presence import GONE_CONDITIONS, Presence
 from gpulet_health.rules.recovery import XID_RECOVERY, Recovery
 from gpulet_health.rules.remap import Remap
 from gpulet_health.rules.thermal import Thermal
+from gpulet_health.rules.unreadable import Unreadable, is_placeholder
 from gpulet_health.rules.xid import Xid
 from gpulet_health.state import STICKY_KINDS, GpuState
 
@@ -99,6 +109,7 @@ class RuleEngine(Kit):
         self._dedup = Deduplicator(settings.dedup_window_s, self.ids)
         self.xid, self.presence, self.nvlink = Xid(self), Presence(self), NvLink(self)
         self.recovery = Recovery(self)
+        self.unreadable = Unreadable(self)
         self.families = [
             self.xid,
             *(family(self) for family in FAMILIES),
@@ -161,7 +172,11 @@ class RuleEngine(Kit):
     def expected(self) -> list[GpuInfo]:
         """Every GPU this node is known to have (present or not), as last described."""
         return sorted(
-            (g.info for g in self.gpus.values() if g.info is not None),
+            (
+                g.info
+                for g in self.gpus.values()
+                if g.info is not None and not is_placeholder(g.uuid)
+            ),
             key=lambda i: (i.index, i.uuid),
         )
 
@@ -178,6 +193,13 @@ class RuleEngine(Kit):
         scan is asked for.
         """
         return self._dedup.apply(self.presence.inventory(gpus, now, scanned_at))
+
+    def observe_unreadable(
+        self, gpus: Sequence[UnreadableGpu], count: int, found: Sequence[GpuInfo], now: float
+    ) -> list[HealthEvent]:
+        """The GPUs NVML counts that do not answer, after the scan's GPU list
+        (:meth:`observe_inventory`): :mod:`.unreadable`."""
+        return self._dedup.apply(self.unreadable.observe(gpus, count, found, now))
 
     def observe_nvlinks(self, gpus: Sequence[GpuInfo], now: float) -> list[HealthEvent]:
         """The GPUs of the collector's inventory: their NVLinks up and down
