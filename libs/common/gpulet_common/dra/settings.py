@@ -44,9 +44,11 @@ class DraSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, froz
     # The slice writer's debounce, as the reporter's Device writer.
     quiet_window_s: Seconds = 0.5
     max_delay_s: Seconds = 2.0
-    # Re-list the node's slices this often (a deletion by kubelet or an operator is
-    # repaired within it even when the watch is down).
-    resync_s: PositiveSeconds = 5.0
+    # A watch on the node's slices repairs a deletion (kubelet deletes a node's slices
+    # when it starts) or an edit within the debounce; the slices are also re-listed
+    # this often, which repairs them even when the watch is down.
+    resync_s: PositiveSeconds = 60.0
+    watch_timeout_s: PositiveSeconds = 300.0
     api_timeout_s: PositiveSeconds = 10.0
     backoff_base_s: PositiveSeconds = 0.2
     backoff_max_s: PositiveSeconds = 30.0
