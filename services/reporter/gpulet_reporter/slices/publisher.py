@@ -15,7 +15,9 @@ Flow
   deleted or changed (kubelet deletes a node's slices when it starts): it forgets the
   observation and submits the last input again, so the pool is back within the
   debounce. The loop's reconcile timer (``resync_s``) re-lists even when the watch is
-  down. Watch lines are decoded totally; one bad line is counted, never fatal.
+  down. Each time a watch opens (the first, or again after it ended or failed) the
+  slices are read again too, since nothing tells what happened while none was open. Watch lines are
+  decoded totally; one bad line is counted, never fatal.
 
 An inventory that NVML could not read (``degraded_reason``) is not published: it would
 delete the pool on a transient NVML failure; the last pool stays until a usable one
@@ -88,6 +90,7 @@ class SlicePublisher:
         self._held: frozenset[str] = frozenset()
         self.last: SliceInput | None = None
         self.watch_events = 0
+        self.watches = 0
         self.repairs = 0
         self.bad_lines = 0
         self._log = RateLimitedLog(log, per_minute=4)
@@ -168,6 +171,10 @@ class SlicePublisher:
         try:
             if response.status != 200:
                 raise ApiException(status=response.status, reason=str(response.reason))
+            # Whatever happened while no watch was open (before the first, during a
+            # back-off) sent no event: now that one is open, read the slices again.
+            self.watches += 1
+            self._repair("a watch opened")
             async for line in response.content:
                 if line.strip():
                     self._on_line(line)

@@ -1,0 +1,98 @@
+"""The DRA plugin's checkpoint: which claims it prepared, and what it answered.
+
+Why: kubelet calls Unprepare after our restarts too, possibly after the claim object
+is gone from the API server; and it may call Prepare again for a claim already
+prepared, expecting the same answer. So each prepared claim is written down (atomic
+replace through :func:`gpulet_common.statefile.write_atomic`) before Prepare answers,
+and removed after Unprepare released it.
+
+Unprepare does not depend on the checkpoint: the ledger releases by claim UID and the
+CDI spec's path is the UID's. The checkpoint makes Prepare's repeat answer cheap and
+lets an operator see what is prepared. A checkpoint that does not decode is kept
+aside (:func:`~gpulet_common.statefile.quarantine`) and the plugin starts empty; it
+never fails to start over it.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Annotated
+
+import msgspec
+
+from gpulet_common.statefile import quarantine, write_atomic
+
+log = logging.getLogger("gpulet.dra.checkpoint")
+
+SCHEMA_VERSION = 1
+MAX_CLAIMS = 4096
+
+
+class PreparedDevice(msgspec.Struct, frozen=True, kw_only=True):
+    requests: list[str] = []
+    pool: str
+    device: str
+    cdi_ids: list[str] = []
+
+
+class PreparedClaim(msgspec.Struct, frozen=True, kw_only=True):
+    uid: str
+    namespace: str
+    name: str
+    allocation: str = ""
+    devices: list[PreparedDevice] = []
+
+
+class Checkpoint(msgspec.Struct, kw_only=True):
+    schema_version: int = SCHEMA_VERSION
+    claims: Annotated[dict[str, PreparedClaim], msgspec.Meta(max_length=MAX_CLAIMS)] = {}
+
+
+_ENCODER = msgspec.json.Encoder()
+_DECODER = msgspec.json.Decoder(Checkpoint)
+
+
+class CheckpointFile:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.claims: dict[str, PreparedClaim] = {}
+
+    def load(self) -> None:
+        try:
+            data = self.path.read_bytes()
+        except FileNotFoundError:
+            self.claims = {}
+            return
+        problem = ""
+        try:
+            loaded = _DECODER.decode(data)
+        except msgspec.DecodeError as exc:
+            problem = str(exc)
+        else:
+            if any(uid != claim.uid for uid, claim in loaded.claims.items()):
+                problem = "a claim is filed under another UID"
+        if problem:
+            kept = quarantine(self.path)
+            log.warning("DRA checkpoint %s unreadable (%s): kept as %s", self.path, problem, kept)
+            self.claims = {}
+            return
+        self.claims = dict(loaded.claims)
+
+    def _save(self, claims: dict[str, PreparedClaim]) -> None:
+        """Write ``claims``, then hold them (a failed write changes nothing)."""
+        write_atomic(self.path, _ENCODER.encode(Checkpoint(claims=claims)))
+        self.claims = claims
+
+    def put(self, claim: PreparedClaim) -> None:
+        """Raises OSError (nothing changed then)."""
+        if self.claims.get(claim.uid) == claim:
+            return
+        self._save({**self.claims, claim.uid: claim})
+
+    def drop(self, uid: str) -> bool:
+        """Raises OSError (nothing changed then)."""
+        if uid not in self.claims:
+            return False
+        self._save({k: v for k, v in self.claims.items() if k != uid})
+        return True
