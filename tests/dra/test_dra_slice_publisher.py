@@ -7,6 +7,7 @@ comes with the control-plane fixture of issue 25.
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -251,3 +252,53 @@ async def test_the_emulator_refuses_what_the_server_would(emu: KubeEmulator) -> 
             )
         assert unknown.value.status == 422
         assert slices(emu) == []
+
+
+async def test_server_defaults_are_no_difference(emu: KubeEmulator) -> None:
+    """A server that writes fields back at their zero value (bindsToNode: false,
+    taints: []) or a quantity in another form must not cost a write per resync."""
+    async with publishing(emu) as pub:
+        pub.submit(SliceInput(make_inventory(NODE, 1)))
+        await published(emu, 1)
+        (body,) = slices(emu)
+        device = body["spec"]["devices"][0]
+        device["bindsToNode"] = False
+        device["taints"] = []
+        device["capacity"]["memory"]["value"] = "85899345920"  # 80Gi in bytes
+        emu.put_object(RESOURCE_SLICES, body)
+        repairs = pub.repairs
+        await wait_until(lambda: pub.repairs > repairs, what="the edit noticed")
+        await wait_until(lambda: pub.writer.listed and not pub.debouncer.pending, what="re-read")
+        writes = slice_writes(emu)
+        await pub.writer.refresh()
+        pub.debouncer.submit(SliceInput(make_inventory(NODE, 1)))
+        await wait_until(lambda: pub.writer.listed and not pub.debouncer.pending, what="again")
+        assert slice_writes(emu) == writes
+        assert slices(emu)[0]["spec"]["devices"][0]["bindsToNode"] is False
+
+
+async def test_watch_lines_are_decoded_totally(emu: KubeEmulator) -> None:
+    async with k8s_client.ApiClient(k8s_client.Configuration(host=emu.url)) as api:
+        publisher = SlicePublisher(api, NODE, FAST)
+    other = {"metadata": {"name": "s"}, "spec": {"nodeName": "other"}}
+    lines = [
+        b"not json",
+        b"[]",
+        b'{"type": "ADDED"}',
+        b'{"type": "ADDED", "object": []}',
+        b'{"type": "DELETED", "object": {"metadata": "x", "spec": 1}}',
+        b'{"type": "MODIFIED", "object": {"metadata": {"name": 5}}}',
+        json.dumps({"type": "MODIFIED", "object": other}).encode(),
+        b'{"type": "BOOKMARK", "object": {"metadata": {"resourceVersion": "9"}}}',
+        b"\xff\xfe",
+    ]
+    for line in lines:
+        publisher._on_line(line)
+    assert publisher.repairs == 0
+    assert publisher.bad_lines == 5
+    # Ours, unknown to the writer: a repair.
+    publisher._on_line(
+        b'{"type": "ADDED", "object": {"metadata": {"name": "s", "resourceVersion": "3"},'
+        b' "spec": {"nodeName": "node-a", "driver": "gpu.gpulet.io"}}}'
+    )
+    assert publisher.repairs == 1

@@ -61,10 +61,20 @@ class SliceInput:
     held: frozenset[str] = frozenset()
 
 
+_EMPTY: Final[tuple[Any, ...]] = (None, False, "", [], {})
+
+
 def canonical(value: Any, key: str = "") -> Any:
-    """A body with every whole-number quantity written one way, for comparisons."""
+    """A body as compared: every whole-number quantity written one way, and fields at
+    their zero value (``false``, empty lists and maps) left out, as a server that
+    defaults them returns them (``bindsToNode: false``, ``taints: []``). gpulet never
+    renders a zero value, so a taint that must go is still a difference."""
     if isinstance(value, dict):
-        return {k: canonical(v, k) for k, v in value.items()}
+        return {
+            k: canonical(v, k)
+            for k, v in value.items()
+            if not any(v is e or (type(v) is type(e) and v == e) for e in _EMPTY)
+        }
     if isinstance(value, list):
         return [canonical(v) for v in value]
     if isinstance(value, str) and key in ("value", "default", "min", "max", "step"):
