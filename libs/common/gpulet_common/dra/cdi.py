@@ -151,12 +151,16 @@ def build_spec(
     }
 
 
-def write_file_atomic(directory: str | Path, name: str, data: bytes, mode: int = SPEC_MODE) -> None:
+def write_file_atomic(
+    directory: str | Path, name: str, data: bytes, mode: int = SPEC_MODE, *, durable: bool = True
+) -> None:
     """Replace ``directory/name`` with ``data`` atomically, following no symlink.
 
     The directory is made if missing (``0o755``) and then opened with ``O_NOFOLLOW``:
     a symlink in its place is refused (OSError ELOOP/ENOTDIR). ``name`` must be a
-    plain file name. Raises OSError.
+    plain file name. ``durable`` False skips the two fsyncs: readers still see the old
+    or the new file, but a power loss may leave the old one (or an empty one). Raises
+    OSError.
     """
     if not name or "/" in name or name in (".", ".."):
         raise ValueError(f"not a plain file name: {name!r}")
@@ -174,13 +178,15 @@ def write_file_atomic(directory: str | Path, name: str, data: bytes, mode: int =
             with os.fdopen(fd, "wb") as fh:
                 fh.write(data)
                 fh.flush()
-                os.fsync(fh.fileno())
+                if durable:
+                    os.fsync(fh.fileno())
             os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
         except BaseException:
             with contextlib.suppress(OSError):
                 os.unlink(tmp, dir_fd=dir_fd)
             raise
-        os.fsync(dir_fd)
+        if durable:
+            os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
 
