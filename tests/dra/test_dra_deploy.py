@@ -64,7 +64,7 @@ def test_rbac_is_what_the_publisher_and_prepare_use(docs: list[dict[str, Any]]) 
     ]
     rules = {tuple(r["resources"]): sorted(r["verbs"]) for r in role["rules"]}
     assert rules == {
-        ("resourceslices",): sorted(["get", "list", "watch", "create", "update", "delete"]),
+        ("resourceslices",): sorted(["list", "watch", "create", "update", "delete"]),
         ("resourceclaims",): ["get"],
     }
     (binding,) = [
