@@ -9,6 +9,9 @@ change of the :class:`~.contract.HealthSource`, and never end the stream ourselv
 (kubelet retries a closed stream every 5 s; an Unimplemented answer makes it retry
 for ever). The same servicer serves ``v1alpha1`` (what the Go helper advertises),
 ``v1beta1`` and ``v1``: their messages differ only in the fields v1alpha1 lacks.
+
+:class:`NodeViewHealth` is the production source: the node read model, the one the
+device plugin's ListAndWatch and the slices' taints read too.
 """
 
 from __future__ import annotations
@@ -18,15 +21,18 @@ from collections.abc import AsyncIterator
 from types import ModuleType
 from typing import Any, Final
 
+import anyio
 import grpc.aio
 
-from gpulet_allocator.kubelet.dra.contract import DeviceHealth, HealthSource
+from gpulet_allocator.kubelet.dra.contract import DeviceHealth, Health, HealthSource
+from gpulet_common.dra.devices import device_name
 from gpulet_common.kubelet_api.dra_health.v1 import api_pb2 as health_v1
 from gpulet_common.kubelet_api.dra_health.v1 import api_pb2_grpc as health_v1_grpc
 from gpulet_common.kubelet_api.dra_health.v1alpha1 import api_pb2 as health_v1alpha1
 from gpulet_common.kubelet_api.dra_health.v1alpha1 import api_pb2_grpc as health_v1alpha1_grpc
 from gpulet_common.kubelet_api.dra_health.v1beta1 import api_pb2 as health_v1beta1
 from gpulet_common.kubelet_api.dra_health.v1beta1 import api_pb2_grpc as health_v1beta1_grpc
+from gpulet_common.nodeview import NodeChange, NodeView
 
 MAX_MESSAGE: Final = 1024
 VERSIONS: Final = (
@@ -77,3 +83,47 @@ def add_health_servicers(server: grpc.aio.Server, source: HealthSource) -> list[
         pb_grpc.add_DRAResourceHealthServicer_to_server(servicer, server)
         servicers.append(servicer)
     return servicers
+
+
+class NodeViewHealth:
+    """:class:`~.contract.HealthSource` from the node read model: every GPU of the
+    inventory as ``gpu-<minor>`` of ``pool``, healthy unless the health service says
+    otherwise (the same rule as :meth:`NodeView.healthy`), the active conditions'
+    reasons as the message, the health service's ``updated_at`` as the time."""
+
+    def __init__(self, view: NodeView, pool: str) -> None:
+        self._view = view
+        self._pool = pool
+        self.version = 0
+        self._changed = anyio.Event()
+        view.listen(self._on_change)
+
+    def _on_change(self, _change: NodeChange) -> None:
+        self.version += 1
+        self._changed.set()
+        self._changed = anyio.Event()
+
+    def device_health(self) -> list[DeviceHealth]:
+        inventory = self._view.inventory
+        if inventory is None:
+            return []
+        out = []
+        for gpu in sorted(inventory.gpus, key=lambda g: g.index):
+            health = self._view.health(gpu.uuid)
+            state: Health = "healthy" if self._view.healthy(gpu.uuid) else "unhealthy"
+            message = ""
+            since = 0.0
+            if health is not None:
+                since = health.updated_at
+                message = "; ".join(
+                    f"{c.condition or c.kind}: {c.reason}" for c in health.conditions
+                )
+                if not health.present:
+                    message = "GPU not present" + (f"; {message}" if message else "")
+            out.append(DeviceHealth(self._pool, device_name(gpu), state, since, message))
+        return out
+
+    async def wait_changed(self, version: int) -> int:
+        while version >= 0 and version == self.version:
+            await self._changed.wait()
+        return self.version
