@@ -15,6 +15,10 @@ as the device plugin, so a GPU never has two owners, whichever adapter asked:
   ``unhealthy``...). A refusal leaves nothing reserved.
 * :meth:`~DecisionCore.release_claim` releases whatever the claim holds; releasing a
   claim that holds nothing is not an error (False).
+* A device that allows multiple allocations is always allocated with a
+  ``consumedCapacity`` (the request policy's default when the claim names none, i.e.
+  all of it): a :class:`ClaimDevice` whose share covers the device's whole cores and
+  memory is a whole GPU to the core, and should be recorded as one.
 
 :class:`ClaimReader` -- ``GET`` one ResourceClaim (the raw JSON object, decoded by
 :mod:`.claims`, never trusted): None when it does not exist; raises
