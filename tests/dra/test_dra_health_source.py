@@ -8,8 +8,9 @@ import pytest
 
 from gpulet_allocator.kubelet.dra.health import NodeViewHealth
 from gpulet_common import codec, subjects
-from gpulet_common.bus import Bus
+from gpulet_common.bus import Bus, Delivery
 from gpulet_common.embedded_nats import EmbeddedNats
+from gpulet_common.messages import Inventory, InventoryRequest
 from gpulet_common.nodeview import NodeView
 from gpulet_common.settings.nats import NatsSettings
 from support.health_kv import gpu_health, health_bucket, put_health
@@ -29,12 +30,24 @@ async def test_health_follows_the_node_view(nats_server: EmbeddedNats) -> None:
         Bus.connect(settings, name="plugin", max_initial_attempts=5) as reader,
         anyio.create_task_group() as tg,
     ):
+
+        async def answer(_request: Delivery[InventoryRequest]) -> Inventory:
+            return inventory
+
         await health_bucket(writer)
         view = NodeView(reader, NODE, retry_s=0.05, who="dra health")
         source = NodeViewHealth(view, NODE)
         assert source.device_health() == []  # no inventory yet: nothing to claim
+        # The collector answers the view's request (a publish could race the view's
+        # subscription on another connection).
+        await tg.start(
+            writer.serve,
+            subjects.inventory_request(NODE),
+            answer,
+            codec.INVENTORY_REQUEST,
+            codec.INVENTORY,
+        )
         await tg.start(view.run)
-        await writer.publish(subjects.inventory(NODE), inventory, codec.INVENTORY)
         await wait_until(lambda: len(source.device_health()) == 2, what="inventory")
         assert {(d.device, d.health) for d in source.device_health()} == {
             ("gpu-0", "healthy"),
