@@ -265,11 +265,17 @@ async def test_server_defaults_are_no_difference(emu: KubeEmulator) -> None:
         device["bindsToNode"] = False
         device["taints"] = []
         device["capacity"]["memory"]["value"] = "85899345920"  # 80Gi in bytes
-        emu.put_object(RESOURCE_SLICES, body)
-        repairs = pub.repairs
-        await wait_until(lambda: pub.repairs > repairs, what="the edit noticed")
-        await wait_until(lambda: pub.writer.listed and not pub.debouncer.pending, what="re-read")
+        await wait_until(lambda: pub.watches >= 1 and not pub.debouncer.pending, what="watch")
         writes = slice_writes(emu)
+        repairs = pub.repairs
+        stored = emu.put_object(RESOURCE_SLICES, body)
+        name, version = stored["metadata"]["name"], stored["metadata"]["resourceVersion"]
+        # The watch sees an equal slice: held as observed, no re-read, no write.
+        await wait_until(
+            lambda: pub.writer.observed[name]["metadata"]["resourceVersion"] == version,
+            what="the edit observed",
+        )
+        assert pub.repairs == repairs
         await pub.writer.refresh()
         pub.debouncer.submit(SliceInput(make_inventory(NODE, 1)))
         await wait_until(lambda: pub.writer.listed and not pub.debouncer.pending, what="again")

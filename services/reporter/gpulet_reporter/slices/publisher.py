@@ -14,7 +14,9 @@ Flow
 * A watch on the node's slices of our driver notices a slice that someone else
   deleted or changed (kubelet deletes a node's slices when it starts): it forgets the
   observation and submits the last input again, so the pool is back within the
-  debounce. The loop's reconcile timer (``resync_s``) re-lists even when the watch is
+  debounce. A watched slice that is exactly what gpulet last applied (its own write,
+  seen before the write's answer) is taken as observed, without a re-read. The loop's
+  reconcile timer (``resync_s``) re-lists even when the watch is
   down. Each time a watch opens (the first, or again after it ended or failed) the
   slices are read again too, since nothing tells what happened while none was open. Watch lines are
   decoded totally; one bad line is counted, never fatal.
@@ -201,9 +203,13 @@ class SlicePublisher:
             return  # not ours, whatever the server's selector let through
         held = self.writer.observed.get(name)
         if kind == "DELETED":
-            if held is not None or self.writer.pool is not None:
+            # One we still want (a surplus slice we deleted ourselves is not wanted).
+            if name in self.writer.wanted or self.writer.pool is None:
                 self._repair(f"{name} was deleted")
             return
         version = meta.get("resourceVersion")
-        if held is None or (held.get("metadata") or {}).get("resourceVersion") != version:
-            self._repair(f"{name} changed outside gpulet ({kind})")
+        if held is not None and (held.get("metadata") or {}).get("resourceVersion") == version:
+            return
+        if self.writer.accept_if_ours(name, obj):
+            return  # our own write, seen before its answer: no re-read needed
+        self._repair(f"{name} changed outside gpulet ({kind})")

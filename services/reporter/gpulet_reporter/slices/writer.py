@@ -148,6 +148,8 @@ class SliceWriter:
         self.pool: dra_pool.Pool | None = None
         self.ignored = 0
         self.writes = 0
+        # The slices of the pool last applied, by name (what the API should hold).
+        self.wanted: dict[str, JsonObj] = {}
 
     async def refresh(self) -> None:
         self.listed = False
@@ -227,6 +229,16 @@ class SliceWriter:
         owners = meta.get("ownerReferences")
         return owners is not None and owners != held.get("ownerReferences")
 
+    def accept_if_ours(self, name: str, item: Any) -> bool:
+        """A watched slice that is exactly what we last applied (our own write, seen
+        before its answer reached us): held as observed, True. Else False."""
+        want = self.wanted.get(name)
+        body = _ours(item, self.node, self._settings.driver)
+        if want is None or body is None or self._differs(want, body):
+            return False
+        self.observed[name] = body
+        return True
+
     async def apply(self, desired: SliceInput) -> bool:
         if not self._kube.node_read:
             await self._kube.read_node()
@@ -254,6 +266,9 @@ class SliceWriter:
 
     async def _write(self, built: dra_pool.Pool) -> bool:
         wanted = {body["metadata"]["name"]: body for body in built.slices}
+        # The target, before the first request: the watch may report our own writes
+        # (and deletions of surplus slices) before their answers reach us.
+        self.wanted = wanted
         wrote = False
         manager = self._settings.field_manager
         for name, body in wanted.items():
