@@ -24,6 +24,7 @@ BENCHES: list[tuple[str, list[str], list[str]]] = [
     ("inventory_scale.py", [], ["--repeat", "3"]),
     ("nats_restart.py", ["--rounds", "10"], ["--rounds", "3"]),
     ("allocate_roundtrip.py", [], ["--quick"]),
+    ("dra.py", [], ["--quick"]),
     (
         "reporter_fleet.py",
         ["--nodes", "1000", "--duration", "60"],
