@@ -106,6 +106,10 @@ STATUS: Final[dict[str, Status]] = {
     "insufficient_capacity": _FULL,
     # A named device is unhealthy or lost.
     "unhealthy_device": _STATE,
+    # A GPU with MIG enabled (only its MIG devices run containers), or with a pending
+    # MIG mode change: never given whole nor shared (issue 27).
+    "mig_enabled": _STATE,
+    "mig_pending": _STATE,
     # koord-scheduler's decision for the pod cannot be honoured (unhealthy, held or
     # unknown GPU, kubelet's IDs differ, the annotation is malformed); never answered
     # with another card instead.

@@ -93,6 +93,9 @@ class ResourceKind(enum.StrEnum):
     CORE = "core"
     MEMORY = "memory"
     RATIO = "ratio"
+    # A MIG resource of the mixed strategy (nvidia.com/mig-<profile>): the device
+    # plugin's only; its IDs are MIG UUIDs, whole-kind IDs to the allocator.
+    MIG = "mig"
 
 
 class ResourceSpec(msgspec.Struct, frozen=True, kw_only=True):

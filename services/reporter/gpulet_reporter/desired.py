@@ -42,6 +42,12 @@ Choices the Koordinator types leave open, documented once here:
   the GPU's own bus (``pci0000:3b``): distinct per GPU, so a scheduler never believes two
   GPUs share a root complex when we could not check.
 * ``minor`` falls back to the NVML index when NVML has no minor number (mock GPUs).
+* A GPU with MIG enabled, or a pending MIG mode change (:mod:`gpulet_common.migrules`),
+  is written ``health: false`` with the ``Healthy`` condition's reason ``MIGEnabled``
+  / ``MIGPending`` (a health fault, when there is one, keeps its own reason): Koordinator
+  has no MIG model, and koord-scheduler places neither whole-GPU nor shared requests on
+  an unhealthy device. The entry's ``labels`` describe it: ``gpulet.io/mig-mode`` and
+  ``gpulet.io/mig-devices`` (``<profile>@<gi>/<ci>``, comma-separated, by gi/ci).
 * ``moduleID`` is NVML's module id (``nvmlDeviceGetModuleId``; a real H100 SXM says 4),
   left out where NVML does not support it or gives a value outside int32.
 """
@@ -56,6 +62,7 @@ from typing import Any, Final
 import msgspec
 
 from gpulet_common.messages import GpuInfo, Inventory
+from gpulet_common.migrules import MIG_PENDING, parent_block
 from gpulet_reporter.labels import KOORD_LABELS, NodeFacts, device_labels, node_labels
 
 JsonObj = dict[str, Any]
@@ -73,6 +80,9 @@ RES_MEMORY: Final = "koordinator.sh/gpu-memory"
 RES_MEMORY_RATIO: Final = "koordinator.sh/gpu-memory-ratio"
 
 CONDITION_HEALTHY: Final = "Healthy"
+ENTRY_LABEL_MIG_MODE: Final = "gpulet.io/mig-mode"
+ENTRY_LABEL_MIG_DEVICES: Final = "gpulet.io/mig-devices"
+_ENTRY_LABELS: Final = (ENTRY_LABEL_MIG_MODE, ENTRY_LABEL_MIG_DEVICES)
 REASON_HEALTHY: Final = "Healthy"
 REASON_UNHEALTHY: Final = "Unhealthy"
 
@@ -111,6 +121,8 @@ class DesiredGpu(msgspec.Struct, frozen=True, kw_only=True):
     module_id: int | None = None
     # None: no health source has spoken about this GPU yet.
     condition: GpuCondition | None = None
+    # The entry's labels we own (MIG: mode and devices); empty: none.
+    labels: dict[str, str] = {}
 
 
 class DesiredState(msgspec.Struct, frozen=True, kw_only=True):
@@ -234,7 +246,10 @@ def build_desired(
                 module_id=gpu.module_id
                 if gpu.module_id is not None and 0 <= gpu.module_id < 2**31
                 else None,
-                condition=health.get(gpu.uuid) if gpu.uuid in listed else _absent(health, gpu),
+                condition=_mig_condition(
+                    gpu, health.get(gpu.uuid) if gpu.uuid in listed else _absent(health, gpu)
+                ),
+                labels=_mig_labels(gpu),
             )
         )
     gpus.sort(key=lambda g: (g.minor, g.uuid))
@@ -244,6 +259,30 @@ def build_desired(
         device_labels=device_labels(inventory),
         node_labels=node_labels(inventory, gfd=gfd_labels, facts=facts),
     )
+
+
+def _mig_condition(gpu: GpuInfo, known: GpuCondition | None) -> GpuCondition | None:
+    """A MIG-enabled (or pending) GPU is unschedulable for koord-scheduler; a health
+    fault keeps its own reason."""
+    block = parent_block(gpu)
+    if block is None or (known is not None and not known.healthy):
+        return known
+    reason = "MIGPending" if block[0] == MIG_PENDING else "MIGEnabled"
+    return GpuCondition(healthy=False, reason=reason, message=block[1])
+
+
+def _mig_labels(gpu: GpuInfo) -> dict[str, str]:
+    if gpu.mig_mode is None:
+        return {}
+    labels: dict[str, str] = {ENTRY_LABEL_MIG_MODE: gpu.mig_mode}
+    if gpu.mig_mode_pending is not None and gpu.mig_mode_pending != gpu.mig_mode:
+        labels[ENTRY_LABEL_MIG_MODE] += f"-pending-{gpu.mig_mode_pending}"
+    devices = sorted(gpu.mig_devices, key=lambda d: (d.gpu_instance_id, d.compute_instance_id))
+    if devices:
+        labels[ENTRY_LABEL_MIG_DEVICES] = ",".join(
+            f"{d.profile}@{d.gpu_instance_id}/{d.compute_instance_id}" for d in devices
+        )
+    return labels
 
 
 def _absent(health: Mapping[str, GpuCondition], gpu: GpuInfo) -> GpuCondition:
@@ -379,6 +418,17 @@ def _render_gpu(gpu: DesiredGpu, seen: JsonObj | None, now: float) -> JsonObj:
         if not (isinstance(c, dict) and c.get("type") == CONDITION_HEALTHY)
     ]
     entry["conditions"] = [condition, *others]
+    seen_labels = entry.get("labels")
+    labels = {
+        k: v
+        for k, v in (seen_labels if isinstance(seen_labels, dict) else {}).items()
+        if k not in _ENTRY_LABELS
+    }
+    labels.update(gpu.labels)
+    if labels:
+        entry["labels"] = labels
+    else:
+        entry.pop("labels", None)
     if gpu.pcie_id or gpu.bus_id:
         entry["topology"] = {
             "socketID": -1,

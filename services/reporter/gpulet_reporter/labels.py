@@ -26,6 +26,7 @@ from typing import Any, Final
 import msgspec
 
 from gpulet_common.messages import Inventory
+from gpulet_common.migrules import parent_block
 
 JsonObj = dict[str, Any]
 
@@ -52,6 +53,9 @@ GFD_REPLICAS: Final = "nvidia.com/gpu.replicas"
 MACHINE_UNKNOWN: Final = "unknown"
 # The resource GFD's sharing labels describe.
 WHOLE_GPU_RESOURCE: Final = "nvidia.com/gpu"
+# How many GPUs MIG keeps from being handed out whole or shared (MIG enabled, or a mode
+# change pending: gpulet_common.migrules); absent when none.
+LABEL_MIG_WITHHELD: Final = "gpulet.io/mig.withheld-gpus"
 
 _LABEL_VALUE_MAX = 63
 _LABEL_BAD = re.compile(r"[^A-Za-z0-9_.-]+")
@@ -131,6 +135,9 @@ def node_labels(
     the GPU Operator's label, which GPU DaemonSets (ours included) select on.
     """
     labels = device_labels(inventory)
+    withheld = sum(1 for g in inventory.gpus if parent_block(g) is not None)
+    if withheld:
+        labels[LABEL_MIG_WITHHELD] = str(withheld)
     if not gfd:
         return labels
     facts = facts or NodeFacts()

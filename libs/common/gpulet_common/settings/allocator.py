@@ -118,6 +118,9 @@ class PluginConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     host_dev: str = "/dev"
     # Hand kubelet device specs for /dev/nvidiaN and the control devices that exist.
     pass_device_specs: bool = True
+    # The driver's MIG capability files (gpu<minor>/mig/gi<g>[/ci<c>]/access): a MIG
+    # device also gets the /dev/nvidia-caps/nvidia-cap<n> nodes they name, where it exists.
+    mig_capabilities_root: str = "/proc/driver/nvidia/capabilities"
 
 
 class MpsSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -185,6 +188,10 @@ class AllocatorSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     # Ask the collector (inventory) and the health service (state) this often until
     # they answer, so the start order of the services does not matter.
     request_retry_s: PositiveSeconds = 2.0
+    # NVIDIA's --mig-strategy: "none" (no MIG device offered), "single" (MIG devices as
+    # resources.gpu, if the layout is valid by NVIDIA's rules) or "mixed"
+    # (nvidia.com/mig-<profile> per profile). A MIG-enabled GPU is never offered whole.
+    mig_strategy: Literal["none", "single", "mixed"] = "none"
     # CUDA MPS limits of shares.
     mps: MpsSettings = MpsSettings()
     # CDI device names in Allocate answers.

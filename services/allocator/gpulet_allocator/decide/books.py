@@ -86,6 +86,10 @@ class Books:
         self.ledger.update_inventory(inventory.gpus)
         for uuid in self.gpus:
             self.ledger.set_health(uuid, self.health_of(uuid))
+        for g in inventory.gpus:
+            for mig in g.mig_devices if g.mig_mode == "enabled" else ():
+                if self.ledger.is_mig(mig.uuid):
+                    self.ledger.set_health(mig.uuid, self.health_of(mig.uuid))
         return True
 
     def set_health(self, uuid: str, healthy: bool) -> bool:

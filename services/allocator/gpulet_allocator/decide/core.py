@@ -46,12 +46,19 @@ ours. Share IDs (``<uuid>::core-<n>``, ``<uuid>::mem-<n>``) are only counted, as
 gpu-manager does: N core IDs are N core units wherever kubelet took them from, and the
 allocator places the share itself (:mod:`.joining`); 150 core units are refused
 (``invalid_core_units``).
+
+**MIG** (:mod:`gpulet_allocator.mig`): a MIG-enabled GPU is refused whole and shared
+by the ledger's one answer. Under the ``single`` and ``mixed`` strategies MIG UUIDs are
+whole-kind IDs of the resource the strategy offers them under (``nvidia.com/gpu``, or
+``nvidia.com/mig-<profile>``); a MIG UUID under any other resource, or not offered by
+the strategy (``none``, an invalid single layout), is refused as ``unknown_device``.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import cast
 
 from gpulet_allocator.decide import checks
 from gpulet_allocator.decide.answers import Answers
@@ -63,6 +70,7 @@ from gpulet_allocator.decide.koordinator import PodBook
 from gpulet_allocator.decide.record import Adoption, HeldDevices, PodRef, Record
 from gpulet_allocator.decide.release import Releases
 from gpulet_allocator.decide.views import allocation_views, gpu_views
+from gpulet_allocator.mig import MigPlan, MigStrategy, mig_plan, mig_resource_prefix
 from gpulet_allocator.protocol import (
     AllocationView,
     ContainerAllocation,
@@ -97,11 +105,18 @@ class AllocatorCore:
         profile: str = "gpulet",
         book: PodBook | None = None,
         on_refusal: RefusalHook | None = None,
+        mig_strategy: MigStrategy = "none",
     ) -> None:
         self.node = node
+        self.names = names
+        self.mig_strategy: MigStrategy = mig_strategy
+        #: What the MIG strategy offers of the current inventory.
+        self.mig = MigPlan(strategy=mig_strategy)
         self.books = Books(clock=clock, wall_clock=wall_clock, health_of=health_of)
         self._kinds: dict[str, GrantKind] = {
-            spec.name: spec.kind.value
+            # resource_specs never gives the plugin's MIG kind (mixed MIG resources
+            # are whole-kind here: kind_of).
+            spec.name: cast(GrantKind, spec.kind.value)
             for spec in resource_specs(names, shares=shares, profile=profile)
         }
         self.handshake = Handshake(
@@ -170,17 +185,46 @@ class AllocatorCore:
     # --- inputs ---------------------------------------------------------------------------
 
     def kind_of(self, resource: str) -> GrantKind | None:
-        return self._kinds.get(resource)
+        kind = self._kinds.get(resource)
+        if kind is None and self._mig_resource(resource):
+            return "whole"
+        return kind
+
+    def _mig_resource(self, resource: str) -> bool:
+        prefix = mig_resource_prefix(self.names.gpu)
+        return self.mig_strategy == "mixed" and resource.startswith(prefix) and resource != prefix
 
     def resource_kind(self, resource: str) -> GrantKind:
-        kind = self._kinds.get(resource)
+        kind = self.kind_of(resource)
         if kind is None:
             served = ", ".join(sorted(self._kinds))
             raise Refused("unknown_resource", f"{resource!r} is not served here ({served})")
         return kind
 
     def update_inventory(self, inventory: Inventory) -> bool:
-        return self.books.update_inventory(inventory)
+        if not self.books.update_inventory(inventory):
+            return False
+        self.mig = mig_plan(inventory.gpus, self.mig_strategy, self.names.gpu)
+        return True
+
+    def check_mig_pool(self, resource: str, uuids: Sequence[str]) -> None:
+        """MIG UUIDs only under the resource their strategy offers them as; a MIG
+        resource takes its MIG devices only."""
+        for uuid in uuids:
+            offer = self.mig.offers.get(uuid)
+            if offer is not None and offer.resource == resource:
+                continue
+            if offer is not None:
+                why = f"a {offer.resource} device"
+            elif self.ledger.is_mig(uuid):
+                why = f"a MIG device, not offered under the {self.mig_strategy!r} MIG strategy"
+                if self.mig.invalid:
+                    why += f" (invalid single layout: {self.mig.invalid})"
+            elif self._mig_resource(resource):
+                why = "not a MIG device"
+            else:
+                continue
+            raise Refused("unknown_device", f"{uuid} is not a {resource} device: {why}")
 
     def set_health(self, uuid: str, healthy: bool) -> bool:
         return self.books.set_health(uuid, healthy)
@@ -240,6 +284,7 @@ class AllocatorCore:
             return existing
         if kind == "whole":
             uuids = [parse_device_id(i).gpu_uuid for i in ids]
+            self.check_mig_pool(resource, uuids)
             claim = self.handshake.whole_claim(resource, uuids)
             books.ledger.allocate_whole(Owner(allocation_id=key), devices=uuids)
             self.joiner.close()
@@ -260,14 +305,23 @@ class AllocatorCore:
             return [checks.preferred_share(r) for r in requests]
         if not self.ready:
             raise Refused("not_ready", "the allocator has no GPU inventory yet")
-        return [self.handshake.preferred(resource, r) or self._preferred_one(r) for r in requests]
+        return [
+            self.handshake.preferred(resource, r) or self._preferred_one(resource, r)
+            for r in requests
+        ]
 
-    def _preferred_one(self, request: PreferredRequest) -> list[str]:
+    def _preferred_one(self, resource: str, request: PreferredRequest) -> list[str]:
         unknown_must = [u for u in request.must_include if not self.books.known_gpu(u)]
         if unknown_must:
             raise Refused("unknown_device", f"unknown GPU IDs: {', '.join(unknown_must)}")
         # Unknown offers are left out rather than failing the hint for the whole node.
-        available = [u for u in request.available if u in self.ledger.topology]
+        self.check_mig_pool(resource, request.must_include)
+        available = [
+            u
+            for u in request.available
+            if u in self.ledger.topology
+            or (u in self.mig.offers and self.mig.offers[u].resource == resource)
+        ]
         return self.ledger.preferred(available, request.must_include, request.size)
 
     # --- release --------------------------------------------------------------------------

@@ -128,6 +128,7 @@ class AllocatorService:
             profile=plugin.profile,
             book=pod_book(self._node, self._settings),
             on_refusal=self.handshake.refusals,
+            mig_strategy=self._settings.mig_strategy,
         )
         self.checkpoint = CheckpointFile(checkpoint_path(runtime.settings))
         replies = Replies(runtime.meter, lambda: runtime.bus.client.max_payload)

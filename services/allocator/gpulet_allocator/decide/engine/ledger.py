@@ -20,7 +20,12 @@ Invariants, checked on every mutation (and property-tested):
 * a card holds either one whole allocation or shares, never both;
 * the shares of a card never exceed 100 core units nor the card's memory units;
 * unhealthy or lost (absent from the inventory) cards take no *new* allocation, but
-  what they already hold stays recorded until released -- the pod still runs there.
+  what they already hold stays recorded until released -- the pod still runs there;
+* a MIG-enabled GPU, or one with a pending MIG mode change, takes no new allocation,
+  whole or shared (:func:`gpulet_common.migrules.parent_block`: ``mig_enabled`` /
+  ``mig_pending``); its MIG devices are cards of their own (``parent`` set), each
+  taken whole by one allocation at most (a :class:`WholeAllocation` naming MIG UUIDs),
+  never shared, and unusable while their parent is unhealthy or lost.
 
 **Idempotency.** Allocating again under a key that already holds an equivalent
 allocation returns the recorded one and changes nothing. After a restart the
@@ -34,92 +39,27 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-import msgspec
-
 from gpulet_allocator.protocol import CORES_PER_GPU
 from gpulet_allocator.protocol import memory_units as units_of_bytes
 from gpulet_common.messages import GpuInfo, Inventory
+from gpulet_common.migrules import parent_block
 from gpulet_common.refusal import Refused
 
+from .entries import Allocation, DeviceState, Owner, RequestKey, ShareAllocation, WholeAllocation
 from .shares import CardFree, classify_cores, pick_share, validate_share
 from .topology import Topology
 from .whole import fragment_order, select_whole
 
-RequestKey = tuple[str, str]
-
-
-class Owner(msgspec.Struct, frozen=True, kw_only=True):
-    """Who holds an allocation. ``(allocation_id, container)`` is the request key.
-
-    ``allocation_id`` is any stable key of the request the caller has: kubelet's
-    Allocate names no pod, so the allocator uses the hash of the first grant's device
-    IDs (:func:`gpulet_allocator.decide.core.grant_key`), which is also the allocation's ID.
-    Namespace and name are informational. On disk the field keeps its first name,
-    ``allocation_id``, so that every checkpoint written before still loads.
-    """
-
-    allocation_id: str = msgspec.field(name="pod_uid")
-    container: str = ""
-    namespace: str = ""
-    name: str = ""
-
-    @property
-    def key(self) -> RequestKey:
-        return (self.allocation_id, self.container)
-
-    def describe(self) -> str:
-        who = (
-            f"{self.namespace}/{self.name} ({self.allocation_id})"
-            if self.name
-            else self.allocation_id
-        )
-        return f"pod {who} container {self.container!r}"
-
-
-class WholeAllocation(msgspec.Struct, frozen=True, kw_only=True, tag="whole"):
-    """Whole GPUs, in index order."""
-
-    owner: Owner
-    devices: tuple[str, ...]
-
-
-class ShareAllocation(msgspec.Struct, frozen=True, kw_only=True, tag="share"):
-    """``cores`` core units and ``memory_units`` x 256 MiB of one GPU."""
-
-    owner: Owner
-    device: str
-    cores: int
-    memory_units: int
-
-
-Allocation = WholeAllocation | ShareAllocation
-
-
-@dataclass(frozen=True)
-class DeviceState:
-    """A read-only view of one card."""
-
-    uuid: str
-    index: int
-    healthy: bool
-    present: bool
-    memory_units: int
-    cores_used: int
-    memory_used: int
-    whole_owner: Owner | None
-    shares: tuple[ShareAllocation, ...]
-
-    @property
-    def cores_free(self) -> int:
-        return 0 if self.whole_owner else CORES_PER_GPU - self.cores_used
-
-    @property
-    def memory_free(self) -> int:
-        return 0 if self.whole_owner else self.memory_units - self.memory_used
-
-    @property
-    def schedulable(self) -> bool:
-        return self.healthy and self.present
+# The entries live in .entries; importers of this module find them here too.
+__all__ = [
+    "Allocation",
+    "DeviceState",
+    "Ledger",
+    "Owner",
+    "RequestKey",
+    "ShareAllocation",
+    "WholeAllocation",
+]
 
 
 @dataclass
@@ -131,6 +71,10 @@ class _LedgerGpu:
     healthy: bool = True
     whole: RequestKey | None = None
     shares: dict[RequestKey, ShareAllocation] = field(default_factory=dict)
+    # A MIG device: its parent GPU's UUID ("" for a GPU).
+    parent: str = ""
+    # A GPU that MIG keeps out of the whole and share pools: (refusal code, why).
+    mig_block: tuple[str, str] | None = None
 
     @property
     def cores_used(self) -> int:
@@ -172,7 +116,14 @@ class Ledger:
         for info in _as_gpus(gpus):
             unique.setdefault(info.uuid, info)
         infos = list(unique.values())
-        seen = set(unique)
+        migs = {
+            d.uuid: (info, d)
+            for info in infos
+            if info.mig_mode == "enabled"
+            for d in info.mig_devices
+            if d.uuid not in unique
+        }
+        seen = set(unique) | set(migs)
         for g in self._gpus.values():
             if g.uuid not in seen:
                 g.present = False
@@ -185,6 +136,16 @@ class Ledger:
                 )
             else:
                 state.present, state.index, state.memory_units = True, info.index, units
+            self._gpus[info.uuid].mig_block = parent_block(info)
+        for uuid, (parent, mig) in migs.items():
+            state = self._gpus.get(uuid)
+            units = units_of_bytes(mig.memory_total_bytes)
+            if state is None:
+                state = self._gpus[uuid] = _LedgerGpu(
+                    uuid=uuid, index=parent.index, memory_units=units
+                )
+            state.present, state.index, state.memory_units = True, parent.index, units
+            state.parent = parent.uuid
         self._topology = Topology.from_gpus(infos)
 
     def set_health(self, uuid: str, healthy: bool) -> bool:
@@ -272,6 +233,8 @@ class Ledger:
             raise _conflict(owner, existing, f"{count} whole GPU(s)")
 
         self._check_named(must, whole=True)
+        if any(self._gpus[u].parent for u in must):
+            return self._allocate_mig(owner, must, count)
         free = [u for u in self.free_whole() if u in self._topology]
         if count > len(free):
             healthy = sum(1 for g in self._gpus.values() if g.schedulable)
@@ -282,6 +245,22 @@ class Ledger:
             )
         chosen = select_whole(self._topology, free, count, must).devices
         alloc = WholeAllocation(owner=owner, devices=chosen)
+        self._record(alloc)
+        return alloc
+
+    def _allocate_mig(self, owner: Owner, named: list[str], count: int) -> WholeAllocation:
+        # MIG devices have no topology between them: kubelet's pick (or the named
+        # ones) is taken as it is, and a MIG device never goes with a GPU.
+        if any(not self._gpus[u].parent for u in named):
+            raise Refused(
+                "invalid_request", "a request takes MIG devices or GPUs, never both at once"
+            )
+        if len(named) != count:
+            raise Refused(
+                "invalid_request",
+                f"MIG devices are named one by one: {count} asked, {len(named)} named",
+            )
+        alloc = WholeAllocation(owner=owner, devices=tuple(named))
         self._record(alloc)
         return alloc
 
@@ -355,8 +334,22 @@ class Ledger:
         return [a for k, a in sorted(self._allocs.items()) if allocation_id in (None, k[0])]
 
     def free_whole(self) -> list[str]:
-        """The cards that may go whole now (:meth:`refusal`), in index order."""
-        return [g.uuid for g in self._ordered() if self.refusal(g.uuid, whole=True) is None]
+        """The GPUs (not MIG devices) that may go whole now (:meth:`refusal`), in index order."""
+        return [
+            g.uuid
+            for g in self._ordered()
+            if not g.parent and self.refusal(g.uuid, whole=True) is None
+        ]
+
+    def free_mig(self) -> list[str]:
+        """The MIG devices that may be given now, in index order."""
+        return [
+            g.uuid for g in self._ordered() if g.parent and self.refusal(g.uuid, whole=True) is None
+        ]
+
+    def is_mig(self, uuid: str) -> bool:
+        g = self._gpus.get(uuid)
+        return g is not None and bool(g.parent)
 
     def device(self, uuid: str) -> DeviceState:
         g = self._known(uuid)
@@ -371,6 +364,7 @@ class Ledger:
             memory_used=g.memory_units if g.whole else g.memory_used,
             whole_owner=owner,
             shares=tuple(s for _, s in sorted(g.shares.items())),
+            parent=g.parent,
         )
 
     def devices(self) -> list[DeviceState]:
@@ -381,13 +375,27 @@ class Ledger:
 
         ``whole``: the card as a whole GPU. This is the one answer to "may this card go
         whole?": Allocate (:meth:`_check_named`), :meth:`preferred`, :meth:`free_whole`,
-        koord-scheduler's decisions and what the device plugin lists all ask it.
+        koord-scheduler's decisions and what the device plugin lists all ask it. A GPU
+        that MIG keeps out (``mig_enabled``, ``mig_pending``) is refused here too, whole
+        and shared; a MIG device goes whole only.
         """
         g = self._known(uuid)
         if not g.present:
             return Refused("unhealthy_device", f"{uuid} is lost (missing from the inventory)")
         if not g.healthy:
             return Refused("unhealthy_device", f"{uuid} is unhealthy")
+        if g.mig_block is not None:
+            return Refused(*g.mig_block)
+        if g.parent:
+            parent = self._gpus.get(g.parent)
+            if parent is None or not parent.present:
+                return Refused("unhealthy_device", f"{uuid}: its GPU {g.parent} is lost")
+            if not parent.healthy:
+                return Refused("unhealthy_device", f"{uuid}: its GPU {g.parent} is unhealthy")
+            if not whole:
+                return Refused(
+                    "invalid_request", f"{uuid} is a MIG device: it is given whole, never shared"
+                )
         if g.whole is not None:
             holder = self._allocs[g.whole].owner.describe()
             return Refused("insufficient_capacity", f"{uuid} is allocated whole to {holder}")
@@ -415,6 +423,8 @@ class Ledger:
         for uuid in must:
             if (refused := self.refusal(uuid, whole=True)) is not None:
                 raise refused
+        if any(self._gpus[u].parent for u in (*avail, *must)):
+            return self._preferred_mig(avail, must, size)
         verdicts = {u: self.refusal(u, whole=True) for u in avail if u in self._topology}
         pool = [u for u, refused in verdicts.items() if refused is None]
         blocked = [r for r in verdicts.values() if r is not None]
@@ -426,6 +436,18 @@ class Ledger:
                 f"offered may go whole" + (f": {why}" if why else ""),
             )
         return list(select_whole(self._topology, pool, size, must).devices)
+
+    def _preferred_mig(self, avail: list[str], must: list[str], size: int) -> list[str]:
+        # MIG devices: the required ones, then the free ones in index order.
+        pool = [u for u in avail if u not in must and self.refusal(u, whole=True) is None]
+        chosen = must + pool
+        if len(chosen) < size:
+            raise Refused(
+                "insufficient_capacity",
+                f"asks for {size} MIG devices but only {len(chosen)} of the {len(avail)} "
+                "offered may be given",
+            )
+        return chosen[: max(size, 0)]
 
     # --- persistence ---------------------------------------------------------------
 
@@ -500,7 +522,7 @@ class Ledger:
                 raise refused
 
     def _largest_card(self) -> tuple[str, int] | None:
-        present = [g for g in self._ordered() if g.present]
+        present = [g for g in self._ordered() if g.present and not g.parent]
         if not present:
             return None
         top = max(present, key=lambda g: (g.memory_units, -g.index))

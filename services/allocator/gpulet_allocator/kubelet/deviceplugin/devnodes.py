@@ -12,6 +12,12 @@ uvm-tools files are often absent, which is why NVIDIA checks them one by one too
 container with the host's /dev mounted there, a tmp dir in tests); ``host_dev`` is
 what kubelet must be told (the host's ``/dev``).
 
+A MIG device also needs the capability nodes of its GPU instance and compute
+instance: the driver names them in ``<capabilities>/gpu<minor>/mig/gi<g>/access`` and
+``.../gi<g>/ci<c>/access`` (``DeviceFileMinor: <n>`` of ``nvidia-caps/nvidia-cap<n>``),
+where ``/proc/driver/nvidia/capabilities`` exists (``capabilities``, injectable for
+tests). A file that is missing, unreadable or malformed gives no spec.
+
 Each answer is remembered for ``recheck_s`` (1 s by default): a stat per file per
 Allocate was 7 % of the plugin's CPU under a burst of calls, while the files only
 appear or vanish when the driver is (re)loaded or ``nvidia-modprobe`` creates the uvm
@@ -40,7 +46,9 @@ class DeviceNodes:
         *,
         recheck_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
+        capabilities: str | Path = "/proc/driver/nvidia/capabilities",
     ) -> None:
+        self.capabilities = Path(capabilities)
         self.dev_root = Path(dev_root)
         self.host_dev = PurePosixPath(host_dev)
         self.permissions = permissions
@@ -84,6 +92,16 @@ class DeviceNodes:
         gpu = self.gpu_specs(minors)
         return [*gpu, *self.control_specs()] if gpu else []
 
+    def mig_specs(self, minor: int, gi: int, ci: int) -> list[DeviceSpec]:
+        """The capability nodes of MIG device gi/ci of GPU ``minor`` that exist."""
+        base = self.capabilities / f"gpu{minor}" / "mig" / f"gi{gi}"
+        specs: list[DeviceSpec] = []
+        for access in (base / "access", base / f"ci{ci}" / "access"):
+            cap = _cap_minor(access)
+            if cap is not None and (spec := self._spec(f"nvidia-caps/nvidia-cap{cap}")):
+                specs.append(spec)
+        return specs
+
     def existing(self, specs: Sequence[DeviceSpec]) -> list[DeviceSpec]:
         """Drop specs under ``host_dev`` whose file is missing; keep others as given."""
         kept: list[DeviceSpec] = []
@@ -95,3 +113,17 @@ class DeviceNodes:
                 continue
             kept.append(spec)
         return kept
+
+
+def _cap_minor(path: Path) -> int | None:
+    """``DeviceFileMinor: <n>`` of a capability file; None if missing or malformed."""
+    try:
+        with open(path, "rb") as f:
+            text = f.read(4096).decode("ascii", "replace")
+    except OSError:
+        return None
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "DeviceFileMinor" and value.strip().isdigit():
+            return int(value.strip())
+    return None

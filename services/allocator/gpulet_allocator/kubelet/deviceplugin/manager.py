@@ -20,13 +20,15 @@ Layers
 :class:`DevicePluginManager` owns the :class:`~.server.ResourceServer` s and runs in
 the caller's task group: ``await tg.start(manager.run)`` returns once every resource is
 registered; cancelling it (or :meth:`DevicePluginManager.stop`) stops the servers with
-a short grace and removes the sockets.
+a short grace and removes the sockets. ``mig_specs`` are the mixed MIG strategy's
+resources (one per profile on the node), served and registered like the others.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
 from pathlib import Path
 
 import anyio
@@ -42,7 +44,7 @@ from gpulet_allocator.kubelet.deviceplugin.metrics import PluginMetrics
 from gpulet_allocator.kubelet.deviceplugin.server import ResourceServer, ServerParts
 from gpulet_allocator.kubelet_api.deviceplugin.v1beta1 import api_pb2 as pb
 from gpulet_allocator.kubelet_api.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
-from gpulet_allocator.protocol import resource_specs
+from gpulet_allocator.protocol import ResourceSpec, resource_specs
 
 log = logging.getLogger(__name__)
 
@@ -93,15 +95,19 @@ class DevicePluginManager:
         *,
         device_nodes: DeviceNodes | None = None,
         metrics: PluginMetrics | None = None,
+        mig_specs: Sequence[ResourceSpec] = (),
     ) -> None:
         self.config = config
-        nodes = device_nodes or DeviceNodes(config.dev_root, config.host_dev)
+        nodes = device_nodes or DeviceNodes(
+            config.dev_root, config.host_dev, capabilities=config.mig_capabilities_root
+        )
         calls = metrics or PluginMetrics()
         self.servers = [
             ResourceServer(ServerParts(spec, source, backend, config, nodes, calls))
-            for spec in resource_specs(
-                config.resources, shares=config.shares, profile=config.profile
-            )
+            for spec in [
+                *resource_specs(config.resources, shares=config.shares, profile=config.profile),
+                *mig_specs,
+            ]
         ]
         self.kubelet_socket = Path(config.plugin_dir) / config.kubelet_socket
         self._state = {

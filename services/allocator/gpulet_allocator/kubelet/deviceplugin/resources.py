@@ -29,6 +29,12 @@ such a card's whole-GPU device is listed ``Unhealthy`` while it holds shares: ku
 then stops counting it as an allocatable ``nvidia.com/gpu`` and the scheduler does not
 send a pod there that admission would refuse. Its share devices stay ``Healthy``.
 
+A GPU with MIG enabled or a pending MIG mode change (``mig_block``) is not listed at
+all, under any resource and any strategy (:mod:`gpulet_allocator.mig`). Its MIG devices
+that the strategy offers (``mig``) are listed under their resource (the whole-GPU one
+under ``single``, ``nvidia.com/mig-<profile>`` under ``mixed``), ID = the MIG UUID,
+healthy while both the MIG device and its GPU are.
+
 Layers
 ------
 Pure data and functions, no gRPC and no I/O: :mod:`.server` turns
@@ -44,6 +50,7 @@ from typing import Final
 
 import msgspec
 
+from gpulet_allocator.mig import MigPlan, parent_block
 from gpulet_allocator.protocol import (
     CORES_PER_GPU,
     RATIO_UNITS_PER_GPU,
@@ -60,6 +67,16 @@ HEALTHY: Final = "Healthy"
 UNHEALTHY: Final = "Unhealthy"
 
 
+class PluginMig(msgspec.Struct, frozen=True, kw_only=True):
+    """One MIG device the strategy offers, under ``resource``."""
+
+    uuid: str
+    resource: str
+    gpu_instance_id: int
+    compute_instance_id: int
+    healthy: bool = True
+
+
 class PluginGpu(msgspec.Struct, frozen=True, kw_only=True):
     """What the plugin needs to know about one physical GPU."""
 
@@ -73,6 +90,10 @@ class PluginGpu(msgspec.Struct, frozen=True, kw_only=True):
     # Holds shares, so it may not go whole (the allocator says; ``withheld``): listed
     # Unhealthy for the whole-GPU resource only, Healthy for its shares.
     withheld: bool = False
+    # MIG enabled or a mode change pending (why): the GPU itself is not listed.
+    mig_block: str = ""
+    # Its MIG devices the strategy offers.
+    mig: tuple[PluginMig, ...] = ()
 
 
 class PluginDevice(msgspec.Struct, frozen=True, kw_only=True):
@@ -88,10 +109,24 @@ class PluginDevice(msgspec.Struct, frozen=True, kw_only=True):
         return HEALTHY if self.healthy else UNHEALTHY
 
 
-def build_devices(kind: ResourceKind, gpus: Iterable[PluginGpu]) -> list[PluginDevice]:
+def build_devices(
+    kind: ResourceKind, gpus: Iterable[PluginGpu], resource: str = ""
+) -> list[PluginDevice]:
     """The devices of one resource, in GPU index order (kubelet shows them that way)."""
     devices: list[PluginDevice] = []
     for gpu in sorted(gpus, key=lambda g: (g.index, g.uuid)):
+        devices.extend(
+            PluginDevice(
+                id=m.uuid,
+                gpu_uuid=gpu.uuid,
+                healthy=m.healthy and gpu.healthy,
+                numa_node=gpu.numa_node,
+            )
+            for m in gpu.mig
+            if m.resource == resource
+        )
+        if gpu.mig_block or kind is ResourceKind.MIG:
+            continue
         if kind is ResourceKind.WHOLE:
             ids = [gpu.uuid]
         elif kind is ResourceKind.CORE:
@@ -114,13 +149,36 @@ def build_inventory(
     specs: Sequence[ResourceSpec], gpus: Sequence[PluginGpu]
 ) -> dict[str, list[PluginDevice]]:
     """Device lists of every served resource, keyed by resource name."""
-    return {spec.name: build_devices(spec.kind, gpus) for spec in specs}
+    return {spec.name: build_devices(spec.kind, gpus, spec.name) for spec in specs}
+
+
+def mig_resource_specs(plan: MigPlan, gpu_resource: str) -> tuple[ResourceSpec, ...]:
+    """The resources the mixed strategy's MIG devices need beside the whole-GPU one."""
+    return tuple(
+        ResourceSpec(name=n, kind=ResourceKind.MIG, preferred_allocation=True)
+        for n in plan.resources(gpu_resource)
+    )
 
 
 def plugin_gpus_from_inventory(
-    gpus: Iterable[GpuInfo], unhealthy: Collection[str] = (), withheld: Collection[str] = ()
+    gpus: Iterable[GpuInfo],
+    unhealthy: Collection[str] = (),
+    withheld: Collection[str] = (),
+    mig: MigPlan | None = None,
 ) -> list[PluginGpu]:
-    """Adapt the collector's inventory plus the unhealthy and the withheld UUIDs."""
+    """Adapt the collector's inventory plus the unhealthy and the withheld UUIDs, and
+    the MIG devices ``mig`` offers (unhealthy ones by their MIG UUID)."""
+    offers: dict[str, list[PluginMig]] = {}
+    for o in (mig.offers if mig is not None else {}).values():
+        offers.setdefault(o.parent_uuid, []).append(
+            PluginMig(
+                uuid=o.uuid,
+                resource=o.resource,
+                gpu_instance_id=o.gpu_instance_id,
+                compute_instance_id=o.compute_instance_id,
+                healthy=o.uuid not in unhealthy,
+            )
+        )
     return [
         PluginGpu(
             uuid=g.uuid,
@@ -131,6 +189,8 @@ def plugin_gpus_from_inventory(
             numa_node=g.numa_node if g.numa_node is not None and g.numa_node >= 0 else None,
             healthy=g.uuid not in unhealthy,
             withheld=g.uuid in withheld,
+            mig_block=block[1] if (block := parent_block(g)) else "",
+            mig=tuple(offers.get(g.uuid, ())),
         )
         for g in gpus
     ]

@@ -47,7 +47,12 @@ from gpulet_allocator.kubelet.deviceplugin.config import PluginConfig
 from gpulet_allocator.kubelet.deviceplugin.devicelist import DeviceListSource, DeviceSnapshot
 from gpulet_allocator.kubelet.deviceplugin.devnodes import DeviceNodes
 from gpulet_allocator.kubelet.deviceplugin.metrics import PluginMetrics
-from gpulet_allocator.kubelet.deviceplugin.resources import PluginDevice, PluginGpu, build_devices
+from gpulet_allocator.kubelet.deviceplugin.resources import (
+    PluginDevice,
+    PluginGpu,
+    PluginMig,
+    build_devices,
+)
 from gpulet_allocator.kubelet_api.deviceplugin.v1beta1 import api_pb2 as pb
 from gpulet_allocator.kubelet_api.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
 from gpulet_allocator.protocol import (
@@ -150,6 +155,7 @@ class KubeletServicer(pb_grpc.DevicePluginServicer):
         self._metrics = parts.metrics
         self._gpus_of: DeviceSnapshot | None = None
         self._gpus_by_uuid: dict[str, PluginGpu] = {}
+        self._migs: dict[str, PluginMig] = {}
 
     # --- kubelet-facing RPCs -------------------------------------------------------
 
@@ -164,7 +170,7 @@ class KubeletServicer(pb_grpc.DevicePluginServicer):
         snapshot: DeviceSnapshot | None = self._source.snapshot()
         sent: list[PluginDevice] | None = None
         while snapshot is not None:
-            devices = build_devices(self._spec.kind, snapshot.gpus)
+            devices = build_devices(self._spec.kind, snapshot.gpus, self._spec.name)
             # Other resources' changes move the version too; kubelet needs only ours.
             if devices != sent:
                 yield pb.ListAndWatchResponse(devices=to_pb_devices(devices))
@@ -247,10 +253,20 @@ class KubeletServicer(pb_grpc.DevicePluginServicer):
         self._metrics.call(rpc, self._spec.name, code, time.perf_counter() - started)
 
     def _gpus(self) -> dict[str, PluginGpu]:
-        """The node's GPUs by UUID, rebuilt only when the snapshot changed."""
+        """The node's GPUs by UUID (and by the UUID of each MIG device offered, with the
+        MIG device), rebuilt only when the snapshot changed."""
         snapshot = self._source.snapshot()
         if snapshot is not self._gpus_of:
             self._gpus_by_uuid = {g.uuid: g for g in snapshot.gpus}
+            self._migs = {m.uuid: m for g in snapshot.gpus for m in g.mig}
+            self._gpus_by_uuid.update(
+                {
+                    m.uuid: g
+                    for g in snapshot.gpus
+                    for m in g.mig
+                    if m.uuid not in self._gpus_by_uuid
+                }
+            )
             self._gpus_of = snapshot
         return self._gpus_by_uuid
 
@@ -290,6 +306,7 @@ class KubeletServicer(pb_grpc.DevicePluginServicer):
         self, allocation: ContainerAllocation, gpus: dict[str, PluginGpu]
     ) -> pb.ContainerAllocateResponse:
         minors: list[int] = []
+        caps: list[DeviceSpec] = []
         for uuid in allocation.gpus:
             gpu = gpus.get(uuid)
             if gpu is None:
@@ -299,9 +316,14 @@ class KubeletServicer(pb_grpc.DevicePluginServicer):
                 )
             if gpu.minor is not None:
                 minors.append(gpu.minor)
+                if (mig := self._migs.get(uuid)) is not None:
+                    caps += self._nodes.mig_specs(
+                        gpu.minor, mig.gpu_instance_id, mig.compute_instance_id
+                    )
         specs: list[DeviceSpec] = []
         if self._config.pass_device_specs:
             specs.extend(self._nodes.specs_for_gpus(minors))
+            specs.extend(caps)
         specs.extend(self._nodes.existing(allocation.devices))
         unique: dict[str, DeviceSpec] = {}
         for spec in specs:
@@ -328,7 +350,8 @@ class KubeletServicer(pb_grpc.DevicePluginServicer):
 
     def _fallback_preferred(self, requests: Sequence[PreferredRequest]) -> list[list[str]]:
         numa = {
-            d.id: d.numa_node for d in build_devices(self._spec.kind, self._source.snapshot().gpus)
+            d.id: d.numa_node
+            for d in build_devices(self._spec.kind, self._source.snapshot().gpus, self._spec.name)
         }
         return [fallback_preference(r, numa) for r in requests]
 

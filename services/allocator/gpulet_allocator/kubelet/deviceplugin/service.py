@@ -17,6 +17,10 @@ Flow
    (:class:`~.nats_backend.NatsAllocationBackend`): it serves one
    socket per resource, registers with kubelet and re-registers after kubelet
    restarts. The status says whether kubelet accepted the registration.
+5. MIG (:mod:`gpulet_allocator.mig`, ``allocator.mig_strategy``): a MIG-enabled GPU
+   is not listed (said once per change in the log); the strategy's MIG devices are.
+   Under ``mixed`` each profile is a resource of its own: when the set of profiles on
+   the node changes, the manager is started again with the new set.
 """
 
 from __future__ import annotations
@@ -31,8 +35,12 @@ from gpulet_allocator.kubelet.deviceplugin.devicelist import DeviceList
 from gpulet_allocator.kubelet.deviceplugin.manager import DevicePluginManager
 from gpulet_allocator.kubelet.deviceplugin.metrics import PluginMetrics
 from gpulet_allocator.kubelet.deviceplugin.nats_backend import NatsAllocationBackend
-from gpulet_allocator.kubelet.deviceplugin.resources import plugin_gpus_from_inventory
-from gpulet_allocator.protocol import MAX_WITHHELD_WAIT_S
+from gpulet_allocator.kubelet.deviceplugin.resources import (
+    mig_resource_specs,
+    plugin_gpus_from_inventory,
+)
+from gpulet_allocator.mig import MigPlan, mig_plan, parent_block
+from gpulet_allocator.protocol import MAX_WITHHELD_WAIT_S, ResourceSpec
 from gpulet_common.bus import BusError
 from gpulet_common.lifecycle import idle_disabled
 from gpulet_common.messages import GpuInfo
@@ -71,6 +79,12 @@ class DevicePluginService:
         )
         self.view.listen(self._on_view)
         self._metrics = PluginMetrics(runtime.meter)
+        self._mig = MigPlan(strategy=self._settings.mig_strategy)
+        self._mig_said: dict[str, str] = {}
+        self._mig_invalid_said = ""
+        #: The mixed strategy's MIG resources the inventory needs (set on change).
+        self.mig_specs: tuple[ResourceSpec, ...] = ()
+        self._specs_changed = anyio.Event()
         #: The running manager, once kubelet's directory exists (for tests).
         self.manager: DevicePluginManager | None = None
 
@@ -95,14 +109,20 @@ class DevicePluginService:
             task_status.started()
             while True:
                 await self._wait_for_plugin_dir()
+                self._specs_changed = anyio.Event()
                 manager = DevicePluginManager(
-                    self._config, self.state, backend, metrics=self._metrics
+                    self._config,
+                    self.state,
+                    backend,
+                    metrics=self._metrics,
+                    mig_specs=self.mig_specs,
                 )
                 self.manager = manager
                 failure: str | None = None
                 try:
                     async with anyio.create_task_group() as inner:
                         inner.start_soon(self._report, manager)
+                        inner.start_soon(self._restart_on_new_specs, inner.cancel_scope)
                         try:
                             await manager.run()
                         except (OSError, RuntimeError) as exc:
@@ -163,6 +183,36 @@ class DevicePluginService:
             else:
                 self._waiting_for_kubelet()
 
+    async def _restart_on_new_specs(self, scope: anyio.CancelScope) -> None:
+        await self._specs_changed.wait()
+        log.info(
+            "MIG resources now %s: serving them anew",
+            ", ".join(s.name for s in self.mig_specs) or "none",
+        )
+        scope.cancel()
+
+    def _follow_mig(self, gpus: list[GpuInfo]) -> None:
+        """Work out the MIG plan; say why a GPU is not offered, once per change."""
+        names = self._config.resources
+        self._mig = mig_plan(gpus, self._settings.mig_strategy, names.gpu)
+        said: dict[str, str] = {}
+        for g in gpus:
+            if (block := parent_block(g)) is not None:
+                said[g.uuid] = block[1]
+                if self._mig_said.get(g.uuid) != block[1]:
+                    log.warning("GPU %s not offered (%s): %s", g.index, block[0], block[1])
+        self._mig_said = said
+        if self._mig.invalid != self._mig_invalid_said and self._mig.invalid:
+            log.warning(
+                "MIG strategy single: invalid layout, no MIG device offered: %s",
+                self._mig.invalid,
+            )
+        self._mig_invalid_said = self._mig.invalid
+        specs = mig_resource_specs(self._mig, names.gpu)
+        if specs != self.mig_specs:
+            self.mig_specs = specs
+            self._specs_changed.set()
+
     async def _follow_withheld(self, backend: NatsAllocationBackend) -> None:
         """Keep the withheld cards in step with the allocator (a long poll)."""
         epoch, version = "", 0
@@ -199,6 +249,7 @@ class DevicePluginService:
             else:
                 self._have_inventory = True
                 self._gpus = list(inventory.gpus)
+                self._follow_mig(self._gpus)
         self._publish()
 
     def _publish(self) -> None:
@@ -214,6 +265,8 @@ class DevicePluginService:
                 for u, h in sorted(self.view.healths().items())
                 if not h.present and h.info is not None and h.info.uuid == u and u not in listed
             ]
-        plugin_gpus = plugin_gpus_from_inventory(gpus, self.view.unhealthy(), self._withheld)
+        plugin_gpus = plugin_gpus_from_inventory(
+            gpus, self.view.unhealthy(), self._withheld, self._mig
+        )
         if self.state.publish(plugin_gpus):
             log.debug("device list version %d", self.state.snapshot().version)
