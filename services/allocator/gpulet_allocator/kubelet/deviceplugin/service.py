@@ -84,7 +84,8 @@ class DevicePluginService:
         self._mig_invalid_said = ""
         #: The mixed strategy's MIG resources the inventory needs (set on change).
         self.mig_specs: tuple[ResourceSpec, ...] = ()
-        self._specs_changed = anyio.Event()
+        # Set when mig_specs change while a manager serves (created by the run loop).
+        self._specs_changed: anyio.Event | None = None
         #: The running manager, once kubelet's directory exists (for tests).
         self.manager: DevicePluginManager | None = None
 
@@ -184,6 +185,7 @@ class DevicePluginService:
                 self._waiting_for_kubelet()
 
     async def _restart_on_new_specs(self, scope: anyio.CancelScope) -> None:
+        assert self._specs_changed is not None
         await self._specs_changed.wait()
         log.info(
             "MIG resources now %s: serving them anew",
@@ -211,7 +213,8 @@ class DevicePluginService:
         specs = mig_resource_specs(self._mig, names.gpu)
         if specs != self.mig_specs:
             self.mig_specs = specs
-            self._specs_changed.set()
+            if self._specs_changed is not None:
+                self._specs_changed.set()
 
     async def _follow_withheld(self, backend: NatsAllocationBackend) -> None:
         """Keep the withheld cards in step with the allocator (a long poll)."""
