@@ -12,7 +12,8 @@ through ``ListAndWatch`` are checked against a table written from the scenario f
 
 Then: NVIDIA's three single-layout rules, one test each; Allocate of a MIG device
 through kubelet (the MIG UUID in NVIDIA_VISIBLE_DEVICES, the parent's device node and
-the capability nodes); a MIG device is never given twice.
+the capability nodes); a MIG device is never given twice; health per MIG device (a
+fault on one MIG device, then on its GPU) as ListAndWatch and Allocate show it.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import cast
 
 import anyio
 import msgspec
@@ -32,9 +34,12 @@ from gpulet_allocator.kubelet.deviceplugin.resources import (
     mig_resource_specs,
     plugin_gpus_from_inventory,
 )
+from gpulet_allocator.kubelet_api.deviceplugin.v1beta1 import api_pb2 as dp
 from gpulet_allocator.mig import MigStrategy, mig_plan
 from gpulet_allocator.protocol import ContainerAllocation, PreferredRequest, resource_specs
-from gpulet_common.messages import Inventory
+from gpulet_common.bus import Bus
+from gpulet_common.messages import GpuHealth, Inventory
+from gpulet_common.nodeview import NodeView
 from gpulet_common.nvml.loader import open_mock
 from gpulet_common.refusal import Refused
 from gpulet_common.settings.allocator import ResourceNames
@@ -76,6 +81,14 @@ EXPECTED: dict[str, dict[MigStrategy, dict[str, int]]] = {
     },
 }
 CASES = [(s, st) for s, by in EXPECTED.items() for st in by]
+
+
+_STATES: dict[int, DeviceList] = {}
+
+
+def kubelet_state(core: AllocatorCore) -> DeviceList:
+    """The device list the plugin serving ``core`` follows."""
+    return _STATES[id(core)]
 
 
 class CoreBackend:
@@ -122,6 +135,7 @@ async def serving(
     plan = mig_plan(inv.gpus, strategy, GPU)
     mig_specs = mig_resource_specs(plan, GPU)
     state = DeviceList(plugin_gpus_from_inventory(inv.gpus, mig=plan))
+    _STATES[id(core)] = state
     resources = [*(s.name for s in resource_specs(NAMES)), *(s.name for s in mig_specs)]
     manager = DevicePluginManager(
         config(plugin_dir, dev, caps), state, CoreBackend(core), mig_specs=mig_specs
@@ -247,3 +261,65 @@ async def test_allocate_a_mig_device_through_kubelet(plugin_dir: Path, tmp_path:
         # The preference of the MIG resource offers only free MIG devices.
         [preferred] = await kubelet.preferred(resource, [([s.uuid for s in small], [], 1)])
         assert preferred == [small[1].uuid]
+
+
+# --- health per MIG device -------------------------------------------------------------
+
+
+def _view_with(healths: list[GpuHealth]) -> NodeView:
+    view = NodeView(cast(Bus, None), "n")
+    view._replace({h.gpu_uuid: (1, h) for h in healths})
+    return view
+
+
+@pytest.mark.anyio
+async def test_list_and_watch_shows_a_mig_device_fault_and_a_gpu_fault(
+    plugin_dir: Path, tmp_path: Path
+) -> None:
+    inv = inventory("a100-mig-mixed")
+    gpu0 = inv.gpus[0]
+    gi1 = next(d for d in gpu0.mig_devices if d.gpu_instance_id == 1)
+    others = {d.uuid for d in gpu0.mig_devices} - {gi1.uuid}
+    plan = mig_plan(inv.gpus, "mixed", GPU)
+    resources = {plan.offers[d.uuid].resource for d in gpu0.mig_devices}
+    async with serving(inv, "mixed", plugin_dir, tmp_path) as (kubelet, core, _resources):
+        state = kubelet_state(core)
+
+        async def health_seen(view: NodeView) -> dict[str, str]:
+            state.publish(plugin_gpus_from_inventory(inv.gpus, view.unhealthy(), mig=plan))
+            for device in (gpu0.uuid, *(d.uuid for d in gpu0.mig_devices)):
+                core.set_health(device, view.healthy(device))
+            seen: dict[str, str] = {}
+            listed = build_inventory(mig_resource_specs(plan, GPU), state.snapshot().gpus)
+            for resource in resources:
+                want = {d.id: d.health for d in listed[resource]}
+
+                def arrived(devices: list[dp.Device], want: dict[str, str] = want) -> bool:
+                    return {d.ID: d.health for d in devices} == want
+
+                await kubelet.wait_devices(resource, arrived)
+                seen.update({d.ID: d.health for d in kubelet.devices(resource)})
+            return seen
+
+        # gi 1 / ci 0 only: that MIG device Unhealthy, the others and the GPU not.
+        only = GpuHealth(gpu_uuid=gpu0.uuid, unhealthy_mig_devices=[gi1.uuid])
+        view = _view_with([only])
+        assert view.healthy(gpu0.uuid)
+        assert not view.healthy(gi1.uuid)
+        seen = await health_seen(view)
+        assert seen[gi1.uuid] == "Unhealthy"
+        assert {seen[u] for u in others} == {"Healthy"}
+        with pytest.raises(Refused) as refused:
+            core.allocate("nvidia.com/mig-3g.20gb", [[gi1.uuid]])
+        assert refused.value.code == "unhealthy_device"
+        # A GPU-wide fault: every MIG device of the GPU.
+        view = _view_with([GpuHealth(gpu_uuid=gpu0.uuid, healthy=False)])
+        seen = await health_seen(view)
+        assert {seen[d.uuid] for d in gpu0.mig_devices} == {"Unhealthy"}
+        small = next(iter(others))
+        with pytest.raises(Refused) as whole_gpu:
+            core.allocate(plan.offers[small].resource, [[small]])
+        assert whole_gpu.value.code == "unhealthy_device"
+        # Recovered: all back.
+        seen = await health_seen(_view_with([GpuHealth(gpu_uuid=gpu0.uuid)]))
+        assert {seen[d.uuid] for d in gpu0.mig_devices} == {"Healthy"}

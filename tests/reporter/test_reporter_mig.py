@@ -10,15 +10,17 @@ from __future__ import annotations
 
 import msgspec
 
-from gpulet_common.messages import Inventory
+from gpulet_common.messages import ActiveCondition, GpuHealth, Inventory
 from gpulet_common.nvml.loader import open_mock
 from gpulet_reporter.desired import (
     ENTRY_LABEL_MIG_DEVICES,
     ENTRY_LABEL_MIG_MODE,
+    ENTRY_LABEL_MIG_UNHEALTHY,
     GpuCondition,
     build_desired,
     render_devices,
 )
+from gpulet_reporter.health_view import HealthView
 from gpulet_reporter.labels import LABEL_MIG_WITHHELD
 
 
@@ -72,3 +74,45 @@ def test_a_gpu_without_mig_keeps_no_mig_label() -> None:
     entries = render_devices(build_desired(inv, {}), None, now=1.0)
     assert all("labels" not in e for e in entries)
     assert LABEL_MIG_WITHHELD not in build_desired(inv, {}).node_labels
+
+
+def test_a_mig_device_fault_is_described_and_leaves_the_gpu_as_it_was() -> None:
+    inv = inventory("a100-mig-mixed")
+    gpu0 = inv.gpus[0]
+    gi1 = next(d for d in gpu0.mig_devices if d.gpu_instance_id == 1)
+    fault = ActiveCondition(
+        condition=f"xid:79@{gi1.uuid}",
+        kind="xid",
+        severity="fatal",
+        reason="XID 79: fell off",
+        mig_device=gi1.uuid,
+    )
+    view = HealthView()
+    view.apply(
+        gpu0.uuid,
+        GpuHealth(gpu_uuid=gpu0.uuid, conditions=[fault], unhealthy_mig_devices=[gi1.uuid]),
+    )
+    condition = view.get(gpu0.uuid)
+    assert condition is not None
+    assert condition.healthy
+    assert condition.unhealthy_mig == (gi1.uuid,)
+    entries = {
+        e["id"]: e for e in render_devices(build_desired(inv, view.snapshot()), None, now=1.0)
+    }
+    # Still MIGEnabled for koord-scheduler, and the faulty MIG device named.
+    assert entries[gpu0.uuid]["conditions"][0]["reason"] == "MIGEnabled"
+    assert entries[gpu0.uuid]["labels"][ENTRY_LABEL_MIG_UNHEALTHY] == "3g.20gb@1/0"
+    # A GPU-wide fault beside it: the GPU's reason is the GPU-wide one.
+    gpu_wide = ActiveCondition(condition="xid:48", kind="xid", severity="fatal", reason="XID 48")
+    view.apply(
+        gpu0.uuid,
+        GpuHealth(
+            gpu_uuid=gpu0.uuid,
+            healthy=False,
+            conditions=[fault, gpu_wide],
+            unhealthy_mig_devices=[gi1.uuid],
+        ),
+    )
+    condition = view.get(gpu0.uuid)
+    assert condition is not None
+    assert condition.reason == "Xid48"

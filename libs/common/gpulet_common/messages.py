@@ -354,6 +354,9 @@ class ActiveCondition(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=T
     # The node's boot id when it was raised, for a hold until a reboot (added after
     # version 1; empty for other conditions).
     boot_id: str = ""
+    # The MIG device (its UUID) the condition is confined to: a fault that named a GPU
+    # and compute instance. Empty: the whole GPU. Added after schema version 1.
+    mig_device: str = ""
 
 
 class GpuHealth(msgspec.Struct, frozen=True, kw_only=True):
@@ -369,6 +372,10 @@ class GpuHealth(msgspec.Struct, frozen=True, kw_only=True):
     # present any more can still be named (the reporter keeps it in the Device).
     # Added after schema version 1; null from older health services.
     info: GpuInfo | None = None
+    # MIG devices (UUIDs) an unhealthy condition confined to them marks unhealthy; the
+    # GPU itself stays as ``healthy`` says. An unhealthy GPU makes every MIG device on
+    # it unhealthy too (consumers apply that). Added after schema version 1.
+    unhealthy_mig_devices: list[str] = []
 
 
 class HealthState(_Message, frozen=True, kw_only=True):

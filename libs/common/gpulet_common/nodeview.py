@@ -123,12 +123,21 @@ class NodeView:
         return dict(self._health)
 
     def healthy(self, uuid: str) -> bool:
-        """Healthy and present; a GPU the health service never named counts as healthy."""
+        """Healthy and present; a GPU the health service never named counts as healthy.
+
+        A MIG device's UUID is unhealthy while its GPU lists it among its
+        ``unhealthy_mig_devices`` (its GPU's own health is its GPU's)."""
         health = self._health.get(uuid)
-        return health is None or (health.healthy and health.present)
+        if health is None:
+            return not any(uuid in h.unhealthy_mig_devices for h in self._health.values())
+        return health.healthy and health.present
 
     def unhealthy(self) -> set[str]:
-        return {u for u, h in self._health.items() if not (h.healthy and h.present)}
+        """The unhealthy or absent GPUs, and the MIG devices marked on their own."""
+        out = {u for u, h in self._health.items() if not (h.healthy and h.present)}
+        for h in self._health.values():
+            out.update(h.unhealthy_mig_devices)
+        return out
 
     # --- the loop --------------------------------------------------------------------------
 

@@ -63,6 +63,8 @@ class Condition:
     evidence: int = 0
     # The node's boot id when it was raised (a hold until a reboot compares it).
     boot_id: str = ""
+    # The MIG device (UUID) the condition is confined to; "" the whole GPU.
+    mig_device: str = ""
 
     @property
     def unhealthy(self) -> bool:
@@ -80,6 +82,7 @@ class Condition:
             since=self.since,
             evidence_count=self.evidence,
             boot_id=self.boot_id,
+            mig_device=self.mig_device,
         )
 
 
@@ -137,7 +140,14 @@ class GpuState:
 
     @property
     def healthy(self) -> bool:
-        return self.present and not any(c.unhealthy for c in self.conditions.values())
+        return self.present and not any(
+            c.unhealthy and not c.mig_device for c in self.conditions.values()
+        )
+
+    @property
+    def unhealthy_migs(self) -> list[str]:
+        """MIG devices an unhealthy condition confined to them marks, sorted."""
+        return sorted({c.mig_device for c in self.conditions.values() if c.unhealthy} - {""})
 
     def snapshot(self) -> GpuHealth:
         info = self.info
@@ -155,6 +165,7 @@ class GpuState:
             ],
             updated_at=self.updated_at,
             info=info,
+            unhealthy_mig_devices=self.unhealthy_migs,
         )
 
     @classmethod
@@ -168,6 +179,7 @@ class GpuState:
             xid: int | None = None
             if c.kind == "xid":
                 _, _, code = c.condition.partition(":")
+                code = code.partition("@")[0]
                 xid = int(code) if code.isdigit() else None
             state.conditions[c.condition] = Condition(
                 condition=c.condition,
@@ -181,6 +193,7 @@ class GpuState:
                 xid=xid,
                 evidence=c.evidence_count,
                 boot_id=c.boot_id,
+                mig_device=c.mig_device,
             )
         state.updated_at = health.updated_at
         return state

@@ -46,8 +46,9 @@ Choices the Koordinator types leave open, documented once here:
   is written ``health: false`` with the ``Healthy`` condition's reason ``MIGEnabled``
   / ``MIGPending`` (a health fault, when there is one, keeps its own reason): Koordinator
   has no MIG model, and koord-scheduler places neither whole-GPU nor shared requests on
-  an unhealthy device. The entry's ``labels`` describe it: ``gpulet.io/mig-mode`` and
-  ``gpulet.io/mig-devices`` (``<profile>@<gi>/<ci>``, comma-separated, by gi/ci).
+  an unhealthy device. The entry's ``labels`` describe it: ``gpulet.io/mig-mode``,
+  ``gpulet.io/mig-devices`` (``<profile>@<gi>/<ci>``, comma-separated, by gi/ci) and
+  ``gpulet.io/mig-unhealthy`` (those a fault that named their gi/ci marks).
 * ``moduleID`` is NVML's module id (``nvmlDeviceGetModuleId``; a real H100 SXM says 4),
   left out where NVML does not support it or gives a value outside int32.
 """
@@ -82,7 +83,8 @@ RES_MEMORY_RATIO: Final = "koordinator.sh/gpu-memory-ratio"
 CONDITION_HEALTHY: Final = "Healthy"
 ENTRY_LABEL_MIG_MODE: Final = "gpulet.io/mig-mode"
 ENTRY_LABEL_MIG_DEVICES: Final = "gpulet.io/mig-devices"
-_ENTRY_LABELS: Final = (ENTRY_LABEL_MIG_MODE, ENTRY_LABEL_MIG_DEVICES)
+ENTRY_LABEL_MIG_UNHEALTHY: Final = "gpulet.io/mig-unhealthy"
+_ENTRY_LABELS: Final = (ENTRY_LABEL_MIG_MODE, ENTRY_LABEL_MIG_DEVICES, ENTRY_LABEL_MIG_UNHEALTHY)
 REASON_HEALTHY: Final = "Healthy"
 REASON_UNHEALTHY: Final = "Unhealthy"
 
@@ -108,6 +110,8 @@ class GpuCondition(msgspec.Struct, frozen=True, kw_only=True):
     message: str = ""
     since: float = 0.0
     from_event: bool = True
+    # MIG devices (UUIDs) unhealthy on their own (a fault that named their gi/ci).
+    unhealthy_mig: tuple[str, ...] = ()
 
 
 class DesiredGpu(msgspec.Struct, frozen=True, kw_only=True):
@@ -249,7 +253,7 @@ def build_desired(
                 condition=_mig_condition(
                     gpu, health.get(gpu.uuid) if gpu.uuid in listed else _absent(health, gpu)
                 ),
-                labels=_mig_labels(gpu),
+                labels=_mig_labels(gpu, health.get(gpu.uuid)),
             )
         )
     gpus.sort(key=lambda g: (g.minor, g.uuid))
@@ -271,7 +275,7 @@ def _mig_condition(gpu: GpuInfo, known: GpuCondition | None) -> GpuCondition | N
     return GpuCondition(healthy=False, reason=reason, message=block[1])
 
 
-def _mig_labels(gpu: GpuInfo) -> dict[str, str]:
+def _mig_labels(gpu: GpuInfo, known: GpuCondition | None) -> dict[str, str]:
     if gpu.mig_mode is None:
         return {}
     labels: dict[str, str] = {ENTRY_LABEL_MIG_MODE: gpu.mig_mode}
@@ -281,6 +285,11 @@ def _mig_labels(gpu: GpuInfo) -> dict[str, str]:
     if devices:
         labels[ENTRY_LABEL_MIG_DEVICES] = ",".join(
             f"{d.profile}@{d.gpu_instance_id}/{d.compute_instance_id}" for d in devices
+        )
+    bad = set(known.unhealthy_mig) if known is not None else set()
+    if sick := [d for d in devices if d.uuid in bad]:
+        labels[ENTRY_LABEL_MIG_UNHEALTHY] = ",".join(
+            f"{d.profile}@{d.gpu_instance_id}/{d.compute_instance_id}" for d in sick
         )
     return labels
 

@@ -92,16 +92,22 @@ class HealthView:
 
 
 def _unhealthy(conditions: list[ActiveCondition]) -> list[ActiveCondition]:
-    return [c for c in conditions if c.severity in UNHEALTHY_SEVERITIES]
+    # A condition confined to one MIG device is not the GPU's (health per MIG device).
+    return [c for c in conditions if c.severity in UNHEALTHY_SEVERITIES and not c.mig_device]
 
 
 def _condition(gpu: _GpuView, health: GpuHealth) -> GpuCondition:
+    migs = tuple(health.unhealthy_mig_devices)
     if gpu.healthy:
         if gpu.recovered:
-            return GpuCondition(healthy=True, reason="Recovered", since=gpu.since)
+            return GpuCondition(
+                healthy=True, reason="Recovered", since=gpu.since, unhealthy_mig=migs
+            )
         # "Healthy" is a placeholder: while the status agrees, the Device's own wording
         # (say, an earlier "Recovered") stands (from_event False).
-        return GpuCondition(healthy=True, reason="Healthy", since=gpu.since, from_event=False)
+        return GpuCondition(
+            healthy=True, reason="Healthy", since=gpu.since, from_event=False, unhealthy_mig=migs
+        )
     candidates = _unhealthy(health.conditions)
     if candidates:
         worst = min(candidates, key=lambda c: (-SEVERITY_RANK[c.severity], c.since, c.condition))
@@ -113,4 +119,6 @@ def _condition(gpu: _GpuView, health: GpuHealth) -> GpuCondition:
         reason, message = "GpuNotPresent", ""
     else:
         reason, message = "Unhealthy", ""
-    return GpuCondition(healthy=False, reason=reason, message=message, since=gpu.since)
+    return GpuCondition(
+        healthy=False, reason=reason, message=message, since=gpu.since, unhealthy_mig=migs
+    )

@@ -229,6 +229,14 @@ class AllocatorCore:
     def set_health(self, uuid: str, healthy: bool) -> bool:
         return self.books.set_health(uuid, healthy)
 
+    def mig_devices_of(self, uuid: str) -> list[str]:
+        """The MIG devices (UUIDs) of a GPU of the inventory, whose health follows
+        their own conditions (their GPU's is checked by the ledger)."""
+        info = self.books.gpus.get(uuid)
+        if info is None or info.mig_mode != "enabled":
+            return []
+        return [d.uuid for d in info.mig_devices]
+
     def withheld(self) -> dict[str, str]:
         return self.books.withheld()
 

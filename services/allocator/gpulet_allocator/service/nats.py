@@ -291,9 +291,10 @@ class AllocatorService:
                 )
             self._update_status()
         for uuid in change.gpus:
-            healthy = self.view.healthy(uuid)
-            if self.core.set_health(uuid, healthy):
-                log.info("GPU %s is now %s", uuid, "healthy" if healthy else "unhealthy")
+            for device in (uuid, *self.core.mig_devices_of(uuid)):
+                healthy = self.view.healthy(device)
+                if self.core.set_health(device, healthy):
+                    log.info("GPU %s is now %s", device, "healthy" if healthy else "unhealthy")
         self.withheld.follow()
 
     def _count_held(self) -> None:

@@ -30,6 +30,14 @@ publishes is a burst) within ``health.xid_repeat_window_s``, raises the sticky
 ``xid_repeated:<code>`` (critical, operator_check): a warning that keeps coming back
 is a GPU to look at. 45 and the application XIDs never count: NVSentinel's version of
 this rule turned XID 45 into 672 fatal events in 3 hours on a 288-node fleet.
+
+MIG
+---
+An NVML XID event that names a GPU instance (and a compute instance) belongs to that
+MIG device only (:func:`mig_target`): its condition is ``xid:<code>@<MIG UUID>``,
+confined to the MIG device (``Condition.mig_device``), so the GPU and its other MIG
+devices stay healthy. An XID without gi/ci (NVML's 0xFFFFFFFF) is the whole GPU's,
+and so every MIG device's on it. A gi/ci the inventory does not know is the GPU's.
 """
 
 from __future__ import annotations
@@ -86,16 +94,27 @@ class Xid(Family):
     event_kinds = frozenset({"xid"})
 
     def nvml_event(self, gpu: GpuState, event: NvmlEvent, now: float) -> list[Emit]:
-        return self.observe(gpu, event.event_data, now) if "xid" in event.kinds else []
+        if "xid" not in event.kinds:
+            return []
+        return self.observe(gpu, event.event_data, now, mig=mig_target(gpu, event))
 
     def reset(self, gpu: GpuState) -> None:
         gpu.memo.pop(self.name, None)
 
     def observe(
-        self, gpu: GpuState, code: int, now: float, seen_in: str = "", detail: str = ""
+        self,
+        gpu: GpuState,
+        code: int,
+        now: float,
+        seen_in: str = "",
+        detail: str = "",
+        mig: tuple[str, str] | None = None,
     ) -> list[Emit]:
         """An XID on a GPU; ``seen_in`` says where, when not from an NVML event, and
-        ``detail`` is the kernel log's text after the code."""
+        ``detail`` is the kernel log's text after the code. ``mig``: the MIG device
+        (UUID, how to name it) it is confined to."""
+        if mig is not None:
+            return self._observe_mig(gpu, code, now, mig)
         mine = memo(gpu, self.name, _Memo)
         if code in BYPRODUCT_XIDS:
             other = self._fault_before(gpu, mine, now)
@@ -160,6 +179,46 @@ class Xid(Family):
             for e in emits
         ] + out
 
+    def _observe_mig(
+        self, gpu: GpuState, code: int, now: float, mig: tuple[str, str]
+    ) -> list[Emit]:
+        verdict = self.kit.catalogue.lookup(code)
+        info = verdict.info
+        name = f"xid:{code}@{mig[0]}"
+        where = f" on MIG device {mig[1]}"
+        if not verdict.unhealthy:
+            key: DedupKey = (gpu.uuid, f"report:{name}")
+            if self.kit.absorb(key, "", now):
+                return []
+            return self.kit.report(
+                gpu,
+                name,
+                now,
+                "xid",
+                info.severity,
+                f"XID {code}: {info.description}{where} (the MIG device stays healthy)",
+                action=info.action,
+                value=float(code),
+                xid=code,
+            )
+        if name in gpu.conditions and self.kit.absorb((gpu.uuid, name), "", now):
+            return []
+        condition = Condition(
+            condition=name,
+            kind="xid",
+            severity=info.severity,
+            reason=f"XID {code}: {info.description}{where}",
+            action=info.action,
+            since=now,
+            sticky=True,
+            observed_value=float(code),
+            xid=code,
+            message=f"classified by {info.source}; the GPU and its other MIG devices "
+            "are not affected",
+            mig_device=mig[0],
+        )
+        return self.kit.raise_(gpu, condition, now, repeats=True)
+
     def _fault_before(self, gpu: GpuState, mine: _Memo, now: float) -> _Fault | None:
         """The fault a by-product XID follows: the last other XID on the GPU within the
         window, else its latest active XID condition; None when it stands alone."""
@@ -214,3 +273,24 @@ class Xid(Family):
             ),
             now,
         )
+
+
+def mig_target(gpu: GpuState, event: NvmlEvent) -> tuple[str, str] | None:
+    """The MIG device an XID event names by gi/ci (UUID, a description); None: the GPU.
+
+    A GPU instance without a compute instance names its MIG device when the GPU
+    instance holds one only. Ids the GPU's last known MIG devices do not have: the GPU.
+    """
+    gi, ci = event.gpu_instance_id, event.compute_instance_id
+    info = gpu.info
+    if gi is None or info is None or info.mig_mode != "enabled":
+        return None
+    found = [
+        d
+        for d in info.mig_devices
+        if d.gpu_instance_id == gi and (ci is None or d.compute_instance_id == ci)
+    ]
+    if len(found) != 1:
+        return None
+    d = found[0]
+    return d.uuid, f"{d.uuid} (gi {gi}, ci {d.compute_instance_id}, {d.profile or 'MIG'})"
