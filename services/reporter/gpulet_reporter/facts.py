@@ -47,6 +47,7 @@ def node_facts(settings: Settings, machine: str) -> NodeFacts:
     plugin = allocator.plugin
     return NodeFacts(
         machine=machine,
+        mig_strategy=allocator.mig_strategy if allocator.enabled else "none",
         serves_whole_gpus=allocator.enabled and plugin.resources.gpu == WHOLE_GPU_RESOURCE,
         mps_shares=allocator.enabled and plugin.shares and allocator.mps.enabled,
     )

@@ -27,6 +27,7 @@ import msgspec
 
 from gpulet_common.messages import Inventory
 from gpulet_common.migrules import parent_block
+from gpulet_reporter.miglabels import mig_labels
 
 JsonObj = dict[str, Any]
 
@@ -72,6 +73,8 @@ class NodeFacts(msgspec.Struct, frozen=True, kw_only=True):
     """
 
     machine: str = MACHINE_UNKNOWN
+    # The device plugin's MIG strategy (allocator.mig_strategy): GFD's MIG labels.
+    mig_strategy: str = "none"
     serves_whole_gpus: bool = False
     mps_shares: bool = False
 
@@ -167,6 +170,7 @@ def node_labels(
         if facts.serves_whole_gpus:
             labels[GFD_SHARING_STRATEGY] = "none"
             labels[GFD_REPLICAS] = "1"
+    labels.update(mig_labels(gpus, facts.mig_strategy, labels.get(GFD_PRODUCT, "")))
     if inventory.driver_version:
         full = label_value(inventory.driver_version)
         parts = _split_version(inventory.driver_version)
