@@ -16,7 +16,7 @@ from typing import Any
 import pynvml
 import pytest
 
-from gpulet_common.messages import GpuInfo, MigDevice
+from gpulet_common.messages import GpuInfo, MigDevice, MockInjectRequest
 from gpulet_common.mock_nvml import MockNvml, Scenario, load_scenario, scenario_from_toml
 from gpulet_common.mock_nvml.faultspec import FaultSpec
 from gpulet_common.mock_nvml.migspec import parse_profile
@@ -323,3 +323,18 @@ def test_an_xid_on_one_mig_device_carries_its_instance_ids() -> None:
         applied, detail = mock.apply(wrong)
         assert not applied
         assert "gi and ci" in detail
+
+
+def test_a_live_injection_can_name_one_mig_device() -> None:
+    """``gpulet mock inject --xid 79 --gi 1 --ci 0`` reaches the mock as such."""
+    mock = MockNvml("a100-mig-mixed")
+    adapter = NvmlAdapter(mock, backend="mock")
+    adapter.init()
+    event_set = adapter.create_event_set()
+    assert adapter.register_events(event_set, 0, HEALTH_EVENT_MASK)
+    reply = mock.inject(MockInjectRequest(fault="xid", gpu=0, value=79, gi=1, ci=0))
+    assert reply.applied, reply.detail
+    event = adapter.wait_event(event_set, 0)
+    assert event is not None
+    assert (event.xid, event.gpu_instance_id, event.compute_instance_id) == (79, 1, 0)
+    assert not mock.inject(MockInjectRequest(fault="xid", gpu=0, value=79, gi=1)).applied

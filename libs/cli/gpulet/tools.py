@@ -120,7 +120,14 @@ def _cmd_mock_inject(args: argparse.Namespace, load: LoadSettings) -> int:
     if not fault:
         print("gpulet mock inject: give --fault or --xid", file=sys.stderr)
         return 2
-    request = MockInjectRequest(gpu=args.gpu, fault=fault, value=value, duration_s=args.duration)
+    request = MockInjectRequest(
+        gpu=args.gpu,
+        fault=fault,
+        value=value,
+        duration_s=args.duration,
+        gi=args.gi,
+        ci=args.ci,
+    )
     try:
         return anyio.run(lambda: inject(settings, request, args.timeout))
     except BusError as exc:
@@ -163,6 +170,8 @@ def add_commands(sub: Any, add_flags: AddFlags, load: LoadSettings) -> None:
         "--value", type=float, help="fault value (XID code, temperature, count, NVLink number)"
     )
     inj.add_argument("--duration", type=float, help="seconds the fault lasts, where it applies")
+    inj.add_argument("--gi", type=int, help="an XID on one MIG device: its GPU-instance id")
+    inj.add_argument("--ci", type=int, help="an XID on one MIG device: its compute-instance id")
     inj.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for the agent")
     add_flags(inj)
     inj.set_defaults(func=bind(_cmd_mock_inject, load))

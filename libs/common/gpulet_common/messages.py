@@ -415,6 +415,10 @@ class MockInjectRequest(_Message, frozen=True, kw_only=True):
     fault: str
     value: float | None = None
     duration_s: NonNegativeFloat | None = None
+    # An XID on one MIG device: its GPU-instance and compute-instance ids (both, or
+    # neither: the whole GPU). Added after schema version 1.
+    gi: NonNegative | None = None
+    ci: NonNegative | None = None
 
 
 class MockInjectReply(_Message, frozen=True, kw_only=True):

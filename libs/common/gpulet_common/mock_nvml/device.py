@@ -222,7 +222,12 @@ class MockCore:
     def inject(self, request: MockInjectRequest) -> MockInjectReply:
         """Apply the requested fault now (see "Live injection"); never raises."""
         fault = FaultSpec(
-            fault=request.fault, gpu=request.gpu, value=request.value, duration_s=request.duration_s
+            fault=request.fault,
+            gpu=request.gpu,
+            value=request.value,
+            duration_s=request.duration_s,
+            gi=request.gi,
+            ci=request.ci,
         )
         applied, detail = self.apply(fault)
         if applied:
