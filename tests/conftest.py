@@ -57,5 +57,5 @@ def anyio_backend() -> str:
 @pytest.fixture
 async def nats_server(tmp_path: Path) -> AsyncIterator[EmbeddedNats]:
     """A real nats-server with JetStream on a free 127.0.0.1 port."""
-    async with EmbeddedNats.running(state_dir=tmp_path / "nats", port=0) as server:
+    async with EmbeddedNats(state_dir=tmp_path / "nats", port=0) as server:
         yield server

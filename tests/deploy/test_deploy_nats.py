@@ -147,7 +147,7 @@ async def secured(
     mock: bool = request.param
     set_passwords(monkeypatch)
     config = node_config(tmp_path, mock=mock)
-    async with EmbeddedNats.running(state_dir=tmp_path / "nats", config_file=config) as server:
+    async with EmbeddedNats(state_dir=tmp_path / "nats", config_file=config) as server:
         yield server, mock
 
 
@@ -673,10 +673,10 @@ async def test_leaf_node_exports_gpu_data_and_keeps_control_traffic_local(
     )
     node_conf = node_config(tmp_path, mock=False)
     async with (
-        EmbeddedNats.running(
+        EmbeddedNats(
             state_dir=tmp_path / "hub", config_file=hub_dir / "hub.conf", jetstream=False
         ) as hub,
-        EmbeddedNats.running(
+        EmbeddedNats(
             state_dir=tmp_path / "node", config_file=node_conf.parent / "leaf.conf"
         ) as node,
         connect(hub, "fleet") as fleet,
