@@ -53,7 +53,7 @@ from gpulet_reporter.metrics import ReporterMetrics
 from gpulet_reporter.node_health import NodeHealthIntent, NodeHealthKeeper, NodeHealthWriter
 from gpulet_reporter.offline import OfflineSink
 from gpulet_reporter.pcie import make_resolver
-from gpulet_reporter.writer import KubeWriter, WriteLoop, WriteSink
+from gpulet_reporter.writer import KubeWriter, NodeApi, WriteLoop, WriteSink
 
 log = logging.getLogger("gpulet.reporter")
 
@@ -228,19 +228,16 @@ class ReporterService:
         api = k8s_client.ApiClient(target.configuration)
         try:
             async with anyio.create_task_group() as tg:
+                node_api = NodeApi(api, self._node, self._settings, self.metrics)
                 if self._settings.node_condition:
-                    tg.start_soon(self._run_node_health_loop, api, target.server)
-                await self._run_loop(
-                    KubeWriter(api, self._node, self._settings, self.metrics, server=target.server)
-                )
+                    tg.start_soon(self._run_node_health_loop, node_api, target.server)
+                await self._run_loop(KubeWriter(node_api, server=target.server))
         finally:
             with anyio.CancelScope(shield=True), anyio.move_on_after(1.0):
                 await api.close()
 
-    async def _run_node_health_loop(self, api: k8s_client.ApiClient, server: str) -> None:
-        writer = self.node_health_writer = NodeHealthWriter(
-            api, self._node, self._settings, self.metrics, server=server
-        )
+    async def _run_node_health_loop(self, node_api: NodeApi, server: str) -> None:
+        writer = self.node_health_writer = NodeHealthWriter(node_api, server=server)
         self.node_health_loop = WriteLoop(
             writer,
             self.node_health.debouncer,
