@@ -193,7 +193,7 @@ def _reporter_offline(state: Path) -> None:
 
 
 def _allocator_checkpoint(state: Path) -> None:
-    from gpulet_allocator.store import CheckpointFile
+    from gpulet_allocator.state.checkpoint import CheckpointFile
 
     CheckpointFile(state / "allocations.json").write(b'{"version": 1}')
 

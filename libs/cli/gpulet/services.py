@@ -18,7 +18,7 @@ REGISTRY: dict[str, str] = {
     "health": "gpulet_health.service:HealthService",
     "reporter": "gpulet_reporter.service:ReporterService",
     "allocator": "gpulet_allocator.service:AllocatorService",
-    "device-plugin": "gpulet_allocator.plugin.service:DevicePluginService",
+    "device-plugin": "gpulet_allocator.kubelet.deviceplugin.service:DevicePluginService",
 }
 
 # The services that write into the state directory itself (the health service's buffer,

@@ -15,7 +15,7 @@ from gpulet_common import catalog, codec, subjects
 from gpulet_common.bus import Bus, BusError, Refused, RequestTimeout
 from gpulet_common.cli_support import AddFlags, LoadSettings, bind, tool_nats
 from gpulet_common.messages import InventoryRequest, MockInjectRequest
-from gpulet_common.mock_nvml.scenario import FAULT_KINDS
+from gpulet_common.mock_nvml.faultspec import FAULT_KINDS
 from gpulet_common.settings import Settings
 
 

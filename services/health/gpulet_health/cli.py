@@ -22,6 +22,7 @@ from gpulet_common.bus import Bus, BusError, Refused, RequestTimeout
 from gpulet_common.cli_support import AddFlags, LoadSettings, bind, tool_nats
 from gpulet_common.messages import HealthClearRequest, HealthState, HealthStateRequest
 from gpulet_common.settings import Settings
+from gpulet_health.xid_cli import add_xid_command
 
 
 def full_builtins(value: Any) -> Any:
@@ -168,3 +169,4 @@ def add_commands(sub: Any, add_flags: AddFlags, load: LoadSettings) -> None:
     clear.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the agent")
     add_flags(clear)
     clear.set_defaults(func=bind(_cmd_clear, load))
+    add_xid_command(health_sub, add_flags, load)

@@ -118,7 +118,7 @@ class RuleDriver:
                 and not self._xid_dedup.admit("nvml", event.gpu_uuid, xid, time.monotonic())
             ):
                 return  # the kernel log reported this XID first
-            await self._s.stage.emit(engine.observe_nvml_event(event))
+            await self._s.stage.emit(engine.observe_nvml_event(event, item.recovery))
         elif isinstance(item, LostSignal):
             uuid = item.uuid
             if uuid is None and item.index is not None:
@@ -267,4 +267,6 @@ class RuleDriver:
         logged_at = boot + xid.usec / 1e6
         ago = max(0.0, now - logged_at)
         seen_in = "from the kernel log" + (f", logged {ago:.0f} s earlier" if ago >= 2 else "")
-        await self._s.stage.emit(self._s.engine.observe_xid(uuid, xid.xid, now, seen_in=seen_in))
+        await self._s.stage.emit(
+            self._s.engine.observe_xid(uuid, xid.xid, now, seen_in=seen_in, detail=xid.detail)
+        )

@@ -26,8 +26,9 @@ import anyio
 from gpulet_common.logutil import RateLimitedLog
 from gpulet_common.messages import GpuInfo, HealthEvent
 from gpulet_common.nvml.adapter import NvmlAdapter
-from gpulet_common.nvml.errors import GpuLostError, NvmlCallError, NvmlUnavailable
+from gpulet_common.nvml.errors import NvmlUnavailable
 from gpulet_common.settings.health import HealthSettings
+from gpulet_health.counted import scan_gpus
 from gpulet_health.emit import EventStage
 from gpulet_health.events_source import NvmlEventSource, Registered
 from gpulet_health.kmsg import pci_key
@@ -42,8 +43,6 @@ SCAN_TIMEOUT_S = 10.0
 # an event.
 GONE_RESCAN_S = 5.0
 MIN_RESCAN_GAP_S = 0.05
-
-ScanResult = tuple[int, list[GpuInfo], list[tuple[int, str | None]]]
 
 
 class GpuScanner:
@@ -105,22 +104,6 @@ class GpuScanner:
 
     # --- scans -----------------------------------------------------------------------
 
-    def _scan_blocking(self, adapter: NvmlAdapter) -> ScanResult:
-        # Handles cached by index are stale after a re-enumeration: start afresh, as
-        # the adapter's own inventory does.
-        adapter.invalidate()
-        count = adapter.device_count()
-        found: list[GpuInfo] = []
-        lost: list[tuple[int, str | None]] = []
-        for index in range(count):
-            try:
-                found.append(adapter.gpu_info(index))
-            except GpuLostError as exc:
-                lost.append((index, exc.uuid))
-            except NvmlCallError as exc:
-                log.warning("GPU %d left out of the health scan: %s", index, exc)
-        return count, found, lost
-
     async def scan(self, why: str) -> None:
         adapter = self.adapter
         if adapter is None:
@@ -130,9 +113,7 @@ class GpuScanner:
         scanned_at = time.time()
         try:
             with anyio.fail_after(SCAN_TIMEOUT_S):
-                count, found, lost = await anyio.to_thread.run_sync(
-                    self._scan_blocking, adapter, abandon_on_cancel=True
-                )
+                scan = await anyio.to_thread.run_sync(scan_gpus, adapter, abandon_on_cancel=True)
         except TimeoutError:
             log.warning("GPU scan (%s) took longer than %.0fs; will retry", why, SCAN_TIMEOUT_S)
             return
@@ -140,6 +121,7 @@ class GpuScanner:
             log.warning("GPU scan (%s) failed: %s", why, exc.reason)
             return
         now = time.time()
+        count, found, lost = scan.count, scan.found, scan.lost
         self.last_count = count
         self.learn_pci(found)
         events: list[HealthEvent] = []
@@ -151,6 +133,7 @@ class GpuScanner:
                     uuid, now, "GPU_IS_LOST while reading its identity", scanned_at=scanned_at
                 )
         events += self._engine.observe_inventory(found, now, scanned_at=scanned_at)
+        events += self._engine.observe_unreadable(scan.unreadable, count, found, now)
         log.debug(
             "GPU scan (%s): %d GPUs, %d answering, %d lost", why, count, len(found), len(lost)
         )

@@ -353,7 +353,7 @@ class NodeHealthWriter:
         monotonic: Callable[[], float] = time.monotonic,
         server: str = "",
     ) -> None:
-        self._kube = NodeClient(target, missing="its GPU condition and taint wait")
+        self._kube = NodeClient.of(target, missing="its GPU condition and taint wait")
         self._node = target.node
         self._settings = target.settings
         self._metrics = target.metrics

@@ -182,17 +182,30 @@ class NodeClient:
     request, the Node as last read, and read-modify-write merge patches of it with
     conflict retries. The Device writer and the node-condition writer each hold one."""
 
-    def __init__(self, target: NodeApi, *, missing: str) -> None:
-        self.api = target.api
-        self.core = k8s_client.CoreV1Api(target.api)
-        self.node = target.node
-        self._settings = target.settings
-        self._metrics = target.metrics
+    def __init__(
+        self,
+        api: Any,
+        node: str,
+        settings: ReporterSettings,
+        metrics: ReporterMetrics,
+        *,
+        missing: str,
+    ) -> None:
+        self.api = api
+        self.core = k8s_client.CoreV1Api(api)
+        self.node = node
+        self._settings = settings
+        self._metrics = metrics
         self.node_object: JsonObj | None = None
         self.node_read = False
         # What waits while the Node does not exist (logged at most once a minute).
         self._missing = missing
         self._missing_log = RateLimitedLog(log, per_minute=1)
+
+    @classmethod
+    def of(cls, target: NodeApi, *, missing: str) -> NodeClient:
+        """The client of a writer of ``target``'s objects."""
+        return cls(target.api, target.node, target.settings, target.metrics, missing=missing)
 
     async def call(
         self, what: str, fn: Callable[..., Awaitable[Any]], *args: Any, **kw: Any
@@ -297,7 +310,7 @@ class KubeWriter:
     def __init__(
         self, target: NodeApi, *, clock: Callable[[], float] = time.time, server: str = ""
     ) -> None:
-        self._kube = NodeClient(
+        self._kube = NodeClient.of(
             target, missing="the Device gets no owner reference and node labels wait"
         )
         self._custom = k8s_client.CustomObjectsApi(target.api)

@@ -75,6 +75,13 @@ class RequestReply(BusBase):
                 )
             except nats.errors.NoRespondersError as exc:
                 raise NoResponders(f"no responder on {subject}") from exc
+            except nats.errors.MaxPayloadError as exc:
+                # The caller's error, never an outage (issue 23): refused as too large.
+                raise Refused(
+                    "invalid_request",
+                    f"request too large: {len(data)} bytes for {subject}, more than the "
+                    f"{self._nc.max_payload} one NATS message carries",
+                ) from exc
             except nats.errors.TimeoutError as exc:
                 raise RequestTimeout(f"no reply on {subject} in time") from exc
             except (

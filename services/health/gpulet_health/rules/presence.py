@@ -35,6 +35,8 @@ class Presence(Family):
     name = "presence"
     _inventory_seen = False
 
+    event_kinds = frozenset({"gpu_unavailable"})
+
     def nvml_event(self, gpu: GpuState, event: NvmlEvent, now: float) -> list[Emit]:
         if "gpu_unavailable" not in event.kinds:
             return []
