@@ -15,7 +15,9 @@
 # into the cache (so a fresh machine needs nothing beyond Python and pip).
 #
 # Usage:
-#   scripts/k8s-bins.sh            build what is missing, print timings and the paths
+#   scripts/k8s-bins.sh [MODULE...]
+#                                  build what is missing (of MODULEs: kube, etcd, helm;
+#                                  all by default), print timings and the paths
 #   scripts/k8s-bins.sh --check    exit 0 when every binary is cached, 1 otherwise (no build)
 #   scripts/k8s-bins.sh --paths    print NAME=PATH for every binary (built or not)
 #   scripts/k8s-bins.sh --regen-kube-mod
@@ -150,9 +152,14 @@ case "${1:-}" in
     exit 0 ;;
   --paths) paths; exit 0 ;;
   --regen-kube-mod) regen_kube_mod; exit 0 ;;
-  "") ;;
-  *) echo "usage: $0 [--check|--paths|--regen-kube-mod]" >&2; exit 2 ;;
+  -*) echo "usage: $0 [--check|--paths|--regen-kube-mod|MODULE...]" >&2; exit 2 ;;
 esac
+if [ $# -gt 0 ]; then
+  for m in "$@"; do
+    case " ${MODULES[*]} " in *" $m "*) ;; *) echo "k8s-bins: no module $m" >&2; exit 2 ;; esac
+  done
+  MODULES=("$@")
+fi
 
 start=$(date +%s)
 go=""
