@@ -59,7 +59,17 @@ ldflags_of() {
   local version="$2"
   case "$1" in
     kube) echo "-X k8s.io/component-base/version.gitVersion=$version -X k8s.io/client-go/pkg/version.gitVersion=$version" ;;
-    helm) echo "-X helm.sh/helm/v3/internal/version.version=$version" ;;
+    # helm's default Kubernetes version (for `helm template` and lint's deprecation
+    # checks) is the client-go it is built with, as helm's own Makefile sets it.
+    helm)
+      local cg major minor
+      cg="$(awk '$1 == "k8s.io/client-go" {print $2; exit}' "$TOOLS/helm/go.mod")"
+      cg="${cg#v}"; major=$(( ${cg%%.*} + 1 )); minor="$(echo "$cg" | cut -d. -f2)"
+      echo "-X helm.sh/helm/v3/internal/version.version=$version" \
+        "-X helm.sh/helm/v3/pkg/lint/rules.k8sVersionMajor=$major" \
+        "-X helm.sh/helm/v3/pkg/lint/rules.k8sVersionMinor=$minor" \
+        "-X helm.sh/helm/v3/pkg/chartutil.k8sVersionMajor=$major" \
+        "-X helm.sh/helm/v3/pkg/chartutil.k8sVersionMinor=$minor" ;;
     *) echo "" ;;
   esac
 }

@@ -12,6 +12,11 @@ else must be equal, field by field):
 - ConfigMap names: kustomize appends a content hash (``gpulet-config-<hash>``) so that a
   change rolls the pods; the chart keeps the plain name and rolls the pods with a
   ``checksum/config`` annotation on the pod template instead;
+- a namespace on a cluster-scoped object: kustomize 5.5 does not know that a
+  ValidatingAdmissionPolicy is cluster-scoped and gives it one (the server ignores it);
+- the order of entries in the lists Kubernetes keys by name (containers, env, volumes,
+  volume mounts): kustomize's strategic merge puts a component's entries first, and
+  Kubernetes gives them no order, so they are compared by their key;
 - the Namespace: Helm keeps its release record in the namespace, so it exists before
   ``helm install``; the chart renders it only with ``namespace.create=true``, and then
   it is the base's.
@@ -20,6 +25,7 @@ else must be equal, field by field):
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 from pathlib import Path
@@ -28,7 +34,7 @@ from typing import Any
 import pytest
 import yaml
 
-from support.control_plane import ControlPlane, require_binaries
+from support.control_plane import CLUSTER_KINDS, ControlPlane, require_binaries
 from support.deploy import DEPLOY, KUSTOMIZE, kustomize
 from support.gpulet_on_kube import NAMESPACE, apply_manifests
 
@@ -55,7 +61,38 @@ def render(*values: str, include_crds: bool = True) -> list[dict[str, Any]]:
 
 
 def _key(obj: dict[str, Any]) -> str:
+    if obj["kind"] in CLUSTER_KINDS:
+        # kustomize 5.5 puts its namespace on a ValidatingAdmissionPolicy too (the API
+        # server drops it from a cluster-scoped object).
+        obj["metadata"].pop("namespace", None)
     return f"{obj['kind']}/{obj['metadata'].get('namespace', '')}/{obj['metadata']['name']}"
+
+
+# The lists Kubernetes merges by a key, and that key.
+KEYED_LISTS = {
+    "containers": "name",
+    "initContainers": "name",
+    "env": "name",
+    "volumes": "name",
+    "volumeMounts": "mountPath",
+    "ports": "containerPort",
+}
+
+
+def keyed(value: Any) -> Any:
+    """``value`` with the lists of KEYED_LISTS turned into mappings by their key."""
+    if isinstance(value, dict):
+        out = {}
+        for k, v in value.items():
+            key = KEYED_LISTS.get(k)
+            if key and isinstance(v, list) and all(isinstance(i, dict) and key in i for i in v):
+                out[k] = {str(i[key]): keyed(i) for i in v}
+            else:
+                out[k] = keyed(v)
+        return out
+    if isinstance(value, list):
+        return [keyed(v) for v in value]
+    return value
 
 
 def normalize(docs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -75,7 +112,8 @@ def normalize(docs: list[dict[str, Any]]) -> dict[str, Any]:
             labels.pop(label, None)
         template = (obj.get("spec") or {}).get("template") or {}
         (template.get("metadata") or {}).get("annotations", {}).pop("checksum/config", None)
-        out[_key(obj)] = obj
+        key = _key(obj)
+        out[key] = keyed(obj)
     return out
 
 
@@ -87,8 +125,15 @@ def base_with(*components: str, tmp_path: Path) -> list[dict[str, Any]]:
             {
                 "apiVersion": "kustomize.config.k8s.io/v1beta1",
                 "kind": "Kustomization",
-                "resources": [str(KUSTOMIZE / "base")],
-                "components": [str(KUSTOMIZE / "components" / c) for c in components],
+                "resources": [os.path.relpath(KUSTOMIZE / "base", tmp_path)],
+                "components": [
+                    os.path.relpath(KUSTOMIZE / "components" / c, tmp_path) for c in components
+                ],
+                # A component's containers get the image names an overlay sets, as
+                # the overlays do (the base's own rewrite ran before the component).
+                "images": yaml.safe_load((KUSTOMIZE / "base" / "kustomization.yaml").read_text())[
+                    "images"
+                ],
             }
         )
     )

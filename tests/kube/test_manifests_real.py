@@ -12,6 +12,7 @@ rules (tests/test_deploy_prometheus.py).
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -81,8 +82,10 @@ def _with_components(tmp_path: Path, components: list[str]) -> list[dict[str, An
             {
                 "apiVersion": "kustomize.config.k8s.io/v1beta1",
                 "kind": "Kustomization",
-                "resources": [str(KUSTOMIZE / "overlays" / "production")],
-                "components": [str(KUSTOMIZE / "components" / c) for c in components],
+                "resources": [os.path.relpath(KUSTOMIZE / "overlays" / "production", tmp_path)],
+                "components": [
+                    os.path.relpath(KUSTOMIZE / "components" / c, tmp_path) for c in components
+                ],
             }
         )
     )

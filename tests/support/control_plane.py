@@ -649,7 +649,7 @@ def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
-_CLUSTER_KINDS = {
+CLUSTER_KINDS = {
     "Namespace",
     "Node",
     "ClusterRole",
@@ -678,7 +678,7 @@ def object_path(obj: Mapping[str, Any]) -> str:
         "ValidatingAdmissionPolicy": "validatingadmissionpolicies",
     }.get(kind, kind.lower() + "s")
     base = f"/api/{api_version}" if "/" not in api_version else f"/apis/{api_version}"
-    if kind not in _CLUSTER_KINDS:
+    if kind not in CLUSTER_KINDS:
         base += f"/namespaces/{meta.get('namespace', 'default')}"
     return f"{base}/{plural}/{meta['name']}"
 

@@ -1,10 +1,15 @@
 {{/* Labels every object carries: the base's part-of label, plus Helm's own. */}}
-{{- define "gpulet.labels" -}}
-app.kubernetes.io/name: gpulet
+{{- define "gpulet.commonLabels" -}}
 app.kubernetes.io/part-of: gpulet
 app.kubernetes.io/managed-by: {{ .Release.Service }}
 app.kubernetes.io/instance: {{ .Release.Name }}
 helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
+
+{{/* ... and gpulet's name, on everything but the generated ConfigMaps (as in the base). */}}
+{{- define "gpulet.labels" -}}
+app.kubernetes.io/name: gpulet
+{{ include "gpulet.commonLabels" . }}
 {{- end -}}
 
 {{- define "gpulet.image" -}}
