@@ -330,6 +330,9 @@ class ControlPlane:
                     "--audit-log-format=json",
                     "--audit-log-mode=blocking",
                     "--allow-privileged=true",
+                    # The kubernetes Service's endpoints would be 127.0.0.1, which the
+                    # lease reconciler refuses (loopback); nothing here needs them.
+                    "--endpoint-reconciler-type=none",
                     "--enable-priority-and-fairness=false",
                     "--profiling=false",
                     "--v=1",
@@ -614,7 +617,8 @@ class ControlPlane:
     def add_node(
         self, name: str, *, labels: Mapping[str, str] | None = None, ready: bool = True
     ) -> dict[str, Any]:
-        """A Node as kubelet registers one, Ready with allocatable cpu, memory and pods."""
+        """A Node as kubelet registers one, Ready with allocatable cpu, memory and pods,
+        and (when ready) without the not-ready taint, so the scheduler can place pods."""
         node = self.must(
             "POST",
             "/api/v1/nodes",
@@ -642,6 +646,16 @@ class ControlPlane:
             content_type="application/merge-patch+json",
         )
         assert result["metadata"]["uid"] == node["metadata"]["uid"]
+        if ready:
+            # The TaintNodesByCondition admission plugin gives every new Node the
+            # node.kubernetes.io/not-ready taint; the node lifecycle controller (not run
+            # here) would lift it once the Node is Ready, as it is now.
+            result = self.must(
+                "PATCH",
+                f"/api/v1/nodes/{name}",
+                {"spec": {"taints": None}},
+                content_type="application/merge-patch+json",
+            )
         return result
 
 

@@ -31,7 +31,8 @@ from support.gpulet_on_kube import install_access
 # The controllers the tests need: claims from ResourceClaimTemplates (DRA), the
 # PodDisruptionBudget status the Eviction API reads, ServiceAccounts and their tokens,
 # the kube-root-ca.crt ConfigMap that projected tokens mount, namespace deletion, and
-# owner-reference garbage collection (a Device goes with its Node).
+# owner-reference garbage collection (a Device goes with its Node), and the type check
+# of ValidatingAdmissionPolicies (their status).
 CONTROLLERS = (
     "resourceclaim-controller",
     "disruption-controller",
@@ -40,6 +41,7 @@ CONTROLLERS = (
     "root-ca-certificate-publisher-controller",
     "namespace-controller",
     "garbage-collector-controller",
+    "validatingadmissionpolicy-status-controller",
 )
 
 # Token-file users every session's server knows (a test that needs a user of its own
