@@ -76,7 +76,8 @@ def delete_pod(plane: ControlPlane, namespace: str, name: str) -> None:
 
 
 def names(book: PodBook) -> set[str]:
-    return {p.key.name for p in book.pods.values()}
+    """The book's pods, less gpulet's own (agent_identity's Pod is on the node too)."""
+    return {p.key.name for p in book.pods.values() if not p.key.name.startswith("gpulet-")}
 
 
 async def test_pod_watch_follows_this_nodes_pods_and_resumes_across_watch_timeouts(
