@@ -129,6 +129,9 @@ def test_a_broken_manifest_is_refused(gpulet_access: ControlPlane) -> None:
     daemonset = next(
         d for d in kustomize(KUSTOMIZE / "overlays" / "mock") if d["kind"] == "DaemonSet"
     )
+    # A new name: under server-side apply, a field that another manager applied to an
+    # existing DaemonSet would stay.
+    daemonset["metadata"]["name"] = "gpulet-broken"
     del daemonset["spec"]["template"]["spec"]["containers"][0]["image"]
     resp = gpulet_access.apply(daemonset, manager="broken")
     assert resp.status == 422
