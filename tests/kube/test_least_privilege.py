@@ -284,6 +284,16 @@ def test_what_the_agent_must_not_do_is_refused(
             patch_node(plane, agent, a, {"metadata": {"labels": {"team": "x"}}}),
         ),
         (
+            "change a foreign label of its node through nodes/status",
+            patch_node(plane, agent, a, {"metadata": {"labels": {"team": "x"}}}, status=True),
+        ),
+        (
+            "annotate its node outside gpulet.io/ through nodes/status",
+            patch_node(
+                plane, agent, a, {"metadata": {"annotations": {"example.com/x": "y"}}}, status=True
+            ),
+        ),
+        (
             "remove a foreign label of its node",
             patch_node(plane, agent, a, {"metadata": {"labels": {"team": None}}}),
         ),

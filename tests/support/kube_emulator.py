@@ -1219,7 +1219,11 @@ class KubeEmulator:
         }
         self._objects: dict[str, dict[str, JsonObj]] = {p: {} for p in self._resources}
         self._applied: dict[tuple[str, str], dict[str, Any]] = {}
-        self._rv = 0
+        # etcd's first revision is 1, so a real server never lists at resourceVersion
+        # "0", which a watch reads as "any state" (current objects, no history): an
+        # empty emulator listing at "0" made a watch from its list miss what followed
+        # (tests/kube/test_differential.py).
+        self._rv = 1
         self._history: deque[_Event] = deque(maxlen=history_size)
         self._history_floor = 0
         self._watchers: set[asyncio.Queue[_Event | None]] = set()
