@@ -73,7 +73,9 @@ def test_kubectl_apply_server_side_of_each_overlay(
         if obj["kind"] == "DaemonSet":
             want = [c["name"] for c in obj["spec"]["template"]["spec"]["containers"]]
             got = [c["name"] for c in stored["spec"]["template"]["spec"]["containers"]]
-            assert got == want
+            # A subset: under server-side apply, containers that another test applied
+            # to the same DaemonSet (the alerts component) stay, owned by their manager.
+            assert set(want) <= set(got)
 
 
 def _with_components(tmp_path: Path, components: list[str]) -> list[dict[str, Any]]:
