@@ -19,13 +19,18 @@ import anyio
 import pytest
 from kubernetes_asyncio import client
 
-from gpulet_allocator.koordinator import (
+from gpulet_allocator.decide.koordinator import (
     ANNOTATION_DEVICE_ALLOCATED,
     Decision,
     PodBook,
     PodKey,
 )
-from gpulet_allocator.pod_watch import EVENT_REASON, EventWriter, PodWatch, kube_configuration
+from gpulet_allocator.service.pod_watch import (
+    EVENT_REASON,
+    EventWriter,
+    PodWatch,
+    kube_configuration,
+)
 from gpulet_common.settings.allocator import HandshakeSettings
 from support.control_plane import ControlPlane
 from support.gpulet_on_kube import AGENT_USER, AgentIdentity, agent_identity

@@ -28,7 +28,7 @@ from gpulet_common import codec, subjects
 from gpulet_common.bus import Bus, Delivery
 from gpulet_common.embedded_nats import EmbeddedNats
 from gpulet_common.messages import HealthState, HealthStateRequest
-from gpulet_reporter import desired as d
+from gpulet_reporter import labels as lb
 from gpulet_reporter import node_health as nh
 from support.control_plane import ControlPlane
 from support.gpulet_on_kube import AGENT_USER, AgentIdentity, agent_identity
@@ -120,12 +120,12 @@ async def test_device_labels_and_health_both_ways_then_zero_writes_at_rest(
             node,
             node_object(plane, node)["metadata"]["uid"],
         )
-        assert obj["metadata"]["labels"][d.LABEL_GPU_MODEL] == "H100-80GB-HBM3"
+        assert obj["metadata"]["labels"][lb.LABEL_GPU_MODEL] == "H100-80GB-HBM3"
         assert all(health_of(plane, node).values())
         await converged(r)
         labels = node_object(plane, node)["metadata"]["labels"]
         assert labels["nvidia.com/gpu.product"] == "NVIDIA-H100-80GB-HBM3"
-        assert labels[d.LABEL_GPU_MODEL] == "H100-80GB-HBM3"
+        assert labels[lb.LABEL_GPU_MODEL] == "H100-80GB-HBM3"
         assert labels["team"] == "ml"  # not ours: kept
 
         # A GPU fails, then recovers.
