@@ -911,6 +911,8 @@ REPLY_CODECS: Final[dict[str, Codec[Any]]] = {
     p.ENDPOINT_STATE: p.STATE_REPLY,
     p.ENDPOINT_RESET: p.RESET_REPLY,
     p.ENDPOINT_WITHHELD: p.WITHHELD_REPLY,
+    p.ENDPOINT_RESERVE_CLAIM: p.RESERVE_CLAIM_REPLY,
+    p.ENDPOINT_RELEASE_CLAIM: p.RELEASE_CLAIM_REPLY,
 }
 REQUEST_CODECS: Final[dict[str, Codec[Any]]] = {
     p.ENDPOINT_ALLOCATE: p.ALLOCATE_REQUEST,
@@ -920,6 +922,8 @@ REQUEST_CODECS: Final[dict[str, Codec[Any]]] = {
     p.ENDPOINT_STATE: p.STATE_REQUEST,
     p.ENDPOINT_RESET: p.RESET_REQUEST,
     p.ENDPOINT_WITHHELD: p.WITHHELD_REQUEST,
+    p.ENDPOINT_RESERVE_CLAIM: p.RESERVE_CLAIM_REQUEST,
+    p.ENDPOINT_RELEASE_CLAIM: p.RELEASE_CLAIM_REQUEST,
 }
 
 
@@ -956,6 +960,8 @@ class Fuzz:
             p.ENDPOINT_STATE: service._on_state,
             p.ENDPOINT_RESET: service._on_reset,
             p.ENDPOINT_WITHHELD: service._on_withheld,
+            p.ENDPOINT_RESERVE_CLAIM: service.claims.on_reserve,
+            p.ENDPOINT_RELEASE_CLAIM: service.claims.on_release,
         }
         #: Outcome ("ok" or the refusal's code) of every answer, by endpoint.
         self.tally: dict[str, Counter[str]] = {e: Counter() for e in p.ENDPOINTS}

@@ -3,9 +3,9 @@
 They implement the plugin's Protocols (gpulet_allocator.kubelet.dra.contract) with
 the ledger rules the real core keeps: one owner per whole GPU, a device-plugin
 allocation is an owner too, shares of one GPU add up to at most 100 % of its cores
-and all of its memory, the same claim again gets the same reservation. They stand in
-for the allocator's decision core only until the lead binds the Protocol to it (after
-issue 24's refactor); the plugin tests then run against the real one.
+and all of its memory, the same claim again gets the same reservation. They keep the
+plugin's own rule tests (per-claim errors, CDI, ordering) fast; the binding to the
+real core over NATS is tested in tests/allocator/test_dra_claims_nats.py.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ class InMemoryCore:
             if d.device == device
         ]
 
-    def reserve_claim(self, claim_uid: str, devices: Sequence[ClaimDevice]) -> Reservation:
+    async def reserve_claim(self, claim_uid: str, devices: Sequence[ClaimDevice]) -> Reservation:
         self.reserve_calls += 1
         held = self.claims.get(claim_uid)
         if held is not None:
@@ -91,7 +91,7 @@ class InMemoryCore:
         self.claims[claim_uid] = reservation
         return reservation
 
-    def release_claim(self, claim_uid: str) -> bool:
+    async def release_claim(self, claim_uid: str) -> bool:
         return self.claims.pop(claim_uid, None) is not None
 
 
