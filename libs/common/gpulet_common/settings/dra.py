@@ -51,6 +51,13 @@ class DraSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, froz
     plugins_registry: str = DEFAULT_PLUGINS_REGISTRY
     # The DRA socket goes to `<plugins_dir>/<driver>/dra.sock`.
     plugins_dir: str = DEFAULT_PLUGINS_DIR
+    # The kubeconfig the DRA kubelet plugin reads claims with (empty: in-cluster when
+    # the pod has a service account, else $KUBECONFIG, then ~/.kube/config).
+    kubeconfig: str = ""
+    # The kubeconfig context (empty: its current context).
+    kube_context: str = ""
+    # The DRA kubelet plugin's checkpoint of prepared claims (empty: under state_dir).
+    checkpoint_path: str = ""
     # The slice writer's debounce, as the reporter's Device writer.
     quiet_window_s: Seconds = 0.5
     # The longest a slice change waits for the quiet window.
