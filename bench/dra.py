@@ -50,10 +50,10 @@ from gpulet_allocator.kubelet.dra.plugin import DraPlugin, PluginSettings
 from gpulet_allocator.kubelet.dra.server import DraKubeletPlugin, Sockets
 from gpulet_common import codec, subjects
 from gpulet_common.bus import Bus, Delivery
-from gpulet_common.dra.settings import DraSettings
 from gpulet_common.embedded_nats import EmbeddedNats
 from gpulet_common.messages import Inventory, InventoryRequest
 from gpulet_common.nodeview import NodeView
+from gpulet_common.settings.dra import DraSettings
 from gpulet_common.settings.nats import NatsSettings
 from gpulet_reporter.slices.publisher import SlicePublisher
 from support.dra_core import InMemoryCore, InMemoryHealth

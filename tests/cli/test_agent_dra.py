@@ -142,3 +142,72 @@ async def test_gpulet_run_in_dra_mode_serves_claims_from_the_one_ledger(
             assert undone.claims[uid].error == ""
     finally:
         await anyio.to_thread.run_sync(agent.stop)
+
+
+async def test_gpulet_run_in_both_modes_taints_what_the_device_plugin_holds(
+    emu: KubeEmulator, short_dir: Path, tmp_path: Path
+) -> None:
+    kubeconfig = emu.write_kubeconfig(tmp_path / "kubeconfig")
+    agent = Agent(
+        tmp_path,
+        "--nvml",
+        "mock:nvlink-pairs-8gpu",
+        "--set",
+        "dra.mode=both",
+        "--set",
+        f"dra.kubeconfig={kubeconfig}",
+        "--set",
+        f"dra.cdi_dir={short_dir / 'cdi'}",
+        "--set",
+        f"dra.plugins_registry={short_dir / 'registry'}",
+        "--set",
+        f"dra.plugins_dir={short_dir / 'plugins'}",
+        "--set",
+        "dra.quiet_window_s=0.05",
+        "--set",
+        "reporter.mode=cluster",
+        "--set",
+        f"reporter.kubeconfig={kubeconfig}",
+        "--set",
+        "reporter.request_retry_s=0.2",
+        "--set",
+        f"allocator.plugin.plugin_dir={short_dir / 'device-plugins'}",
+        node=NODE,
+    )
+    taint = f"{DRIVER}/device-plugin"
+
+    def tainted(name: str) -> bool:
+        device = devices(emu).get(name, {})
+        return any(t["key"] == taint for t in device.get("taints", []))
+
+    try:
+        await wait_until(
+            lambda: len(devices(emu)) == 8, timeout_s=30, interval_s=0.05, what="8 devices"
+        )
+        assert not any(tainted(n) for n in devices(emu))
+        uuid = devices(emu)["gpu-3"]["attributes"]["uuid"]["string"]
+        settings = NatsSettings(url=agent.nats_url, request_timeout_s=5.0)
+        async with Bus.connect(settings, name="test", max_initial_attempts=20) as bus:
+            # The device plugin's Allocate (as kubelet's would reach the allocator).
+            await bus.request(
+                subjects.allocator_endpoint(NODE, p.ENDPOINT_ALLOCATE),
+                p.AllocateRequest(resource="nvidia.com/gpu", containers=[[uuid]]),
+                p.ALLOCATE_REQUEST,
+                p.ALLOCATE_REPLY,
+            )
+            await wait_until(
+                lambda: tainted("gpu-3"), timeout_s=20, interval_s=0.05, what="the taint"
+            )
+            assert [n for n in devices(emu) if tainted(n)] == ["gpu-3"]
+            # Released, the taint goes again.
+            await bus.request(
+                subjects.allocator_endpoint(NODE, p.ENDPOINT_RELEASE),
+                p.ReleaseRequest(resource="nvidia.com/gpu", device_ids=[uuid]),
+                p.RELEASE_REQUEST,
+                p.RELEASE_REPLY,
+            )
+            await wait_until(
+                lambda: not tainted("gpu-3"), timeout_s=20, interval_s=0.05, what="no taint"
+            )
+    finally:
+        await anyio.to_thread.run_sync(agent.stop)

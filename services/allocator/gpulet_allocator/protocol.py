@@ -33,13 +33,18 @@ reserve-   :class:`ReserveClaimRequest` :class:`ReserveClaimReply`
 claim
 release-   :class:`ReleaseClaimRequest` :class:`ReleaseClaimReply`
 claim
+held       :class:`~gpulet_common.       :class:`~gpulet_common.messages.HeldReply`
+           messages.HeldRequest`
 ========== ============================ =============================================
 
 ``reserve-claim`` and ``release-claim`` are the DRA kubelet plugin's
 (:mod:`gpulet_allocator.kubelet.dra`): a ResourceClaim's devices reserved under the
 claim's UID in the same ledger as the device plugin's allocations, so a GPU never has
 two owners whichever adapter asked (rules: :mod:`gpulet_allocator.decide.claims`).
-Both are idempotent and answered once the change is durable.
+Both are idempotent and answered once the change is durable. ``held`` is the
+reporter's (``dra.mode`` both): the GPUs the device plugin's allocations hold, a long
+poll like ``withheld``, so the ResourceSlice publisher taints them ``NoSchedule``; its
+types are in :mod:`gpulet_common.messages`, since the reporter may not import this.
 
 ``allocate-batch`` carries several kubelet calls in one message: the device plugin
 coalesces the Allocate calls that arrive while one of its requests is in flight
@@ -80,6 +85,7 @@ from typing import Final, Literal
 import msgspec
 
 from gpulet_allocator.decide.koordinator import RES_GPU_CORE, RES_GPU_MEMORY_RATIO
+from gpulet_common import subjects
 from gpulet_common.codec import Codec
 from gpulet_common.messages import ErrorReply
 from gpulet_common.podresources import SHARE_SEPARATOR
@@ -230,6 +236,7 @@ ENDPOINT_RESET: Final = "reset"
 ENDPOINT_WITHHELD: Final = "withheld"
 ENDPOINT_RESERVE_CLAIM: Final = "reserve-claim"
 ENDPOINT_RELEASE_CLAIM: Final = "release-claim"
+ENDPOINT_HELD: Final = subjects.ALLOCATOR_HELD_ENDPOINT
 ENDPOINTS: Final = (
     ENDPOINT_ALLOCATE,
     ENDPOINT_PREFERRED,
@@ -240,6 +247,7 @@ ENDPOINTS: Final = (
     ENDPOINT_WITHHELD,
     ENDPOINT_RESERVE_CLAIM,
     ENDPOINT_RELEASE_CLAIM,
+    ENDPOINT_HELD,
 )
 # The most devices one claim may reserve (a ResourceClaim holds at most 32 results
 # per request; 128 bounds the message, as the kubelet plugin does).

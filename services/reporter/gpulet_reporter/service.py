@@ -28,7 +28,8 @@ mode the condition is not written (there is no Node).
 
 With ``dra.mode`` ``dra`` or ``both`` the same view also feeds the node's
 ResourceSlices (:class:`~gpulet_reporter.slices.publisher.SlicePublisher`), through
-the same API client.
+the same API client; with ``both``, the GPUs the device plugin holds (the allocator's
+``held`` long poll, :mod:`.slices.held`) are tainted ``NoSchedule`` there.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ from gpulet_reporter.metrics import ReporterMetrics
 from gpulet_reporter.node_health import NodeHealthIntent, NodeHealthKeeper, NodeHealthWriter
 from gpulet_reporter.offline import OfflineSink
 from gpulet_reporter.pcie import make_resolver
+from gpulet_reporter.slices.held import follow_held
 from gpulet_reporter.slices.publisher import SlicePublisher
 from gpulet_reporter.writer import KubeWriter, WriteLoop, WriteSink
 
@@ -252,7 +254,11 @@ class ReporterService:
             api, self._node, self._rt.settings.dra, meter=self._rt.meter, server=server
         )
         self.slices.attach(self.view)
-        await self.slices.run()
+        async with anyio.create_task_group() as tg:
+            if self._rt.settings.dra.mode == "both":
+                retry_s = self._settings.request_retry_s
+                tg.start_soon(follow_held, self._rt.bus, self._node, self.slices, retry_s)
+            await self.slices.run()
 
     async def _run_node_health_loop(self, api: k8s_client.ApiClient, server: str) -> None:
         writer = self.node_health_writer = NodeHealthWriter(

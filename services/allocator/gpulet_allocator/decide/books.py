@@ -118,6 +118,19 @@ class Books:
                     out[d.uuid] = refused.message
         return out
 
+    def device_plugin_held(self) -> dict[str, str]:
+        """Each GPU an allocation of the device plugin holds (not a DRA claim's), with
+        the allocation: in ``dra.mode`` both the slices taint them."""
+        out: dict[str, str] = {}
+        for alloc in self.ledger.allocations():
+            holder = alloc.owner.allocation_id
+            if holder in self.claims:
+                continue
+            uuids = alloc.devices if isinstance(alloc, WholeAllocation) else (alloc.device,)
+            for uuid in uuids:
+                out.setdefault(uuid, holder)
+        return out
+
     # --- ledger access ------------------------------------------------------------------
 
     def known_gpu(self, uuid: str) -> bool:

@@ -75,7 +75,7 @@ from gpulet_allocator.service.handshake import HandshakeRunner, pod_book
 from gpulet_allocator.service.release import PodResourcesFollower
 from gpulet_allocator.service.replies import Replies
 from gpulet_allocator.service.status import AllocatorStatus
-from gpulet_allocator.service.withheld import WithheldFeed
+from gpulet_allocator.service.withheld import WithheldFeed, held_feed
 from gpulet_allocator.state.checkpoint import (
     CheckpointError,
     CheckpointFile,
@@ -158,6 +158,8 @@ class AllocatorService:
         )
         #: The cards kubelet must not count as whole GPUs, for the device plugin.
         self.withheld = WithheldFeed(replies, self.core.withheld)
+        #: The GPUs the device plugin holds, for the slice publisher (dra.mode both).
+        self.held = held_feed(replies, self.core.books.device_plugin_held)
         #: The DRA kubelet plugin's endpoints (claims in the same ledger).
         self.claims = ClaimEndpoints(
             self.core, replies, self._answer_durably, self._on_record_change
@@ -239,6 +241,7 @@ class AllocatorService:
                     p.ENDPOINT_WITHHELD: self._on_withheld,
                     p.ENDPOINT_RESERVE_CLAIM: self.claims.on_reserve,
                     p.ENDPOINT_RELEASE_CLAIM: self.claims.on_release,
+                    p.ENDPOINT_HELD: lambda req: self.held.on_request(req, tg),
                 }
                 for endpoint, handler in handlers.items():
                     await service.add_endpoint(
@@ -310,6 +313,7 @@ class AllocatorService:
             self._held = held
             self._update_status()
         self.withheld.follow()
+        self.held.follow()
 
     # --- request plumbing ---------------------------------------------------------------
 
