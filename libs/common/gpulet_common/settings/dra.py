@@ -56,7 +56,8 @@ class DraSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, froz
     kubeconfig: str = ""
     # The kubeconfig context (empty: its current context).
     kube_context: str = ""
-    # The DRA kubelet plugin's checkpoint of prepared claims (empty: under state_dir).
+    # The DRA kubelet plugin's checkpoint of prepared claims (empty:
+    # <plugins_dir>/<driver>/checkpoint.json, beside its socket).
     checkpoint_path: str = ""
     # The slice writer's debounce, as the reporter's Device writer.
     quiet_window_s: Seconds = 0.5

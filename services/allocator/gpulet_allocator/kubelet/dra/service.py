@@ -17,7 +17,7 @@ model):
 * sockets: ``<plugins_registry>/<driver>-reg.sock`` and
   ``<plugins_dir>/<driver>/dra.sock`` (:class:`~.server.Sockets`); CDI specs in
   ``dra.cdi_dir``; the prepared claims' checkpoint in ``dra.checkpoint_path`` or
-  ``<state_dir>/dra/prepared.json``.
+  ``<plugins_dir>/<driver>/checkpoint.json``.
 """
 
 from __future__ import annotations
@@ -54,10 +54,13 @@ CONFIG_RETRY_MAX_S = 30.0
 
 
 def checkpoint_path(runtime: Runtime) -> Path:
-    configured = runtime.settings.dra.checkpoint_path
-    if configured:
-        return Path(configured)
-    return Path(runtime.settings.state_dir or ".") / "dra" / "prepared.json"
+    """``dra.checkpoint_path``, else beside the DRA socket: the plugin's own hostPath
+    directory, writable where the device-plugin container may not write the state
+    directory, and kept across restarts as kubelet keeps it."""
+    dra = runtime.settings.dra
+    if dra.checkpoint_path:
+        return Path(dra.checkpoint_path)
+    return Path(dra.plugins_dir) / dra.driver / "checkpoint.json"
 
 
 async def kube_configuration(settings: DraSettings) -> Any:
