@@ -53,6 +53,20 @@ async def emu() -> AsyncIterator[KubeEmulator]:
         yield emulator
 
 
+def allocated_claim(emu: KubeEmulator, name: str, device: str) -> str:
+    """A claim as kube-scheduler leaves it: allocated one whole GPU of this node."""
+    result = {"request": "gpu", "driver": DRIVER, "pool": NODE, "device": device}
+    claim = add_claim(
+        emu,
+        {
+            "metadata": {"name": name, "namespace": "default"},
+            "spec": {},
+            "status": {"allocation": {"devices": {"results": [result]}}},
+        },
+    )
+    return str(claim["metadata"]["uid"])
+
+
 def devices(emu: KubeEmulator) -> dict[str, dict[str, Any]]:
     return {d["name"]: d for s in slices(emu) for d in s["spec"].get("devices", [])}
 
@@ -199,6 +213,18 @@ async def test_gpulet_run_in_both_modes_taints_what_the_device_plugin_holds(
                 lambda: tainted("gpu-3"), timeout_s=20, interval_s=0.05, what="the taint"
             )
             assert [n for n in devices(emu) if tainted(n)] == ["gpu-3"]
+            # A claim for that GPU (a scheduler that did not see the taint yet) is
+            # refused in Prepare, for that claim only: the one ledger.
+            held_uid = allocated_claim(emu, "held-gpu", "gpu-3")
+            free_uid = allocated_claim(emu, "free-gpu", "gpu-4")
+            async with registered(short_dir / "registry", DRIVER) as kubelet:
+                answer = await kubelet.prepare(
+                    ("default", held_uid, "held-gpu"), ("default", free_uid, "free-gpu")
+                )
+            assert "insufficient_capacity" not in answer.claims[free_uid].error
+            assert answer.claims[free_uid].devices[0].cdi_device_ids
+            assert uuid in answer.claims[held_uid].error
+            assert not answer.claims[held_uid].devices
             # Released, the taint goes again.
             await bus.request(
                 subjects.allocator_endpoint(NODE, p.ENDPOINT_RELEASE),
