@@ -59,7 +59,7 @@ class InMemoryCore:
         held = self.claims.get(claim_uid)
         if held is not None:
             if sorted(d.device for d in held.devices) != sorted(d.device for d in devices):
-                raise Refused("conflict", f"claim {claim_uid} already holds other devices")
+                raise Refused("invalid_request", f"claim {claim_uid} already holds other devices")
             return held
         reserved: list[ReservedDevice] = []
         for want in devices:
@@ -67,23 +67,33 @@ class InMemoryCore:
             if gpu is None:
                 raise Refused("unknown_device", f"no device {want.device}")
             if not gpu.healthy:
-                raise Refused("unhealthy", f"{want.device} is unhealthy")
+                raise Refused("unhealthy_device", f"{want.device} is unhealthy")
             if want.device in self.device_plugin:
-                raise Refused("conflict", f"{want.device} is held by the device plugin")
+                raise Refused(
+                    "insufficient_capacity", f"{want.device} is held by the device plugin"
+                )
             others = self._owners(want.device, besides=claim_uid)
             share = want.cores is not None or want.memory_bytes is not None
             memory_mib = want.memory_bytes // MIB if want.memory_bytes else None
             if not share:
                 if others:
-                    raise Refused("conflict", f"{want.device} is held by another claim")
+                    raise Refused(
+                        "insufficient_capacity", f"{want.device} is held by another claim"
+                    )
             else:
                 if any(o.cores is None and o.memory_mib is None for o in others):
-                    raise Refused("conflict", f"{want.device} is held whole by another claim")
+                    raise Refused(
+                        "insufficient_capacity", f"{want.device} is held whole by another claim"
+                    )
                 if sum(o.cores or 0 for o in others) + (want.cores or 0) > 100:
-                    raise Refused("conflict", f"{want.device} has not that many cores left")
+                    raise Refused(
+                        "insufficient_capacity", f"{want.device} has not that many cores left"
+                    )
                 used = sum(o.memory_mib or 0 for o in others) + (memory_mib or 0)
                 if used * MIB > gpu.memory_bytes:
-                    raise Refused("conflict", f"{want.device} has not that much memory left")
+                    raise Refused(
+                        "insufficient_capacity", f"{want.device} has not that much memory left"
+                    )
             reserved.append(
                 ReservedDevice(want.device, gpu.uuid, gpu.minor, want.cores, memory_mib)
             )
