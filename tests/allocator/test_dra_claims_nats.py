@@ -24,7 +24,7 @@ from gpulet_common.messages import Inventory
 from gpulet_common.nvml.loader import open_mock
 from gpulet_common.refusal import Refused
 from gpulet_common.settings import Settings
-from support.allocator_stack import GPU, NODE, Stack, allocator_stack, ids, rpc_error
+from support.allocator_stack import CORE, GPU, NODE, Stack, allocator_stack, ids, rpc_error
 
 pytestmark = pytest.mark.anyio
 
@@ -157,6 +157,22 @@ async def test_claim_shares_add_up_and_keep_the_card_from_going_whole(
         assert error.code == "insufficient_capacity"
         error_rpc = await rpc_error(stack.kubelet.allocate(GPU, [[gpu]]))
         assert "insufficient_capacity" in (error_rpc.details() or "")
+
+
+async def test_a_card_never_holds_shares_of_both_adapters(settings: Settings) -> None:
+    inventory = mock_inventory()
+    dra = names(inventory)
+    async with allocator_stack(settings, inventory=inventory) as stack:
+        core = core_of(stack)
+        await stack.kubelet.allocate(CORE, [ids(stack, CORE)[:40]])
+        [plugin_share] = [a for a in (await stack.state()).allocations if a.kind == "share"]
+        [card] = plugin_share.gpus
+        error = await refused(core.reserve_claim(UID_A, [share(dra[card], 20, 4)]))
+        assert error.code == "insufficient_capacity"
+        assert plugin_share.id in error.message
+        # Another card takes the claim's share.
+        other = next(u for u in dra if u != card)
+        await core.reserve_claim(UID_A, [share(dra[other], 20, 4)])
 
 
 async def test_unknown_and_unhealthy_devices_are_refused(settings: Settings) -> None:
