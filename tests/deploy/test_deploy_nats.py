@@ -345,6 +345,11 @@ async def test_allocator_micro_service_answers_the_device_plugin(
             await req.respond(b"reset")
 
         await group.add_endpoint(name="reset", handler=reset)
+
+        async def held(req: Request) -> None:
+            await req.respond(b"held")
+
+        await group.add_endpoint(name=subjects.ALLOCATOR_HELD_ENDPOINT, handler=held)
         await allocator.nc.flush()
 
         subject = subjects.allocator_endpoint(NODE, "allocate")
@@ -359,6 +364,10 @@ async def test_allocator_micro_service_answers_the_device_plugin(
         # ...and accept a lost allocation record (`gpulet allocator reset --confirm`).
         answer = await request(operator, subjects.allocator_endpoint(NODE, "reset"), b"{}")
         assert answer.data == b"reset"
+        # The reporter may ask which GPUs the device plugin holds (dra.mode both)...
+        held_subject = subjects.allocator_endpoint(NODE, subjects.ALLOCATOR_HELD_ENDPOINT)
+        answer = await request(reporter, held_subject, b"{}")
+        assert answer.data == b"held"
         # ...but read-only users cannot ask for allocations.
         for conn in (operator, reporter):
             await conn.nc.publish(subject, b"gpu-1")

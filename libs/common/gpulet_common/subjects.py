@@ -89,6 +89,11 @@ health_clear = _node_scoped("gpulet.health.clear.")
 mock_inject = _node_scoped("gpulet.mock.inject.")
 
 
+# The allocator's endpoint of the GPUs the device plugin holds: common, since the
+# reporter (which may not import the allocator's protocol) asks it.
+ALLOCATOR_HELD_ENDPOINT: Final = "held"
+
+
 def allocator_prefix(node: str) -> str:
     """Prefix of the allocator micro service's endpoints for one node."""
     return f"gpulet.allocator.{token(node)}"
