@@ -9,7 +9,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test install lint typecheck pytest bench bench-deps image clean
+.PHONY: run test install lint typecheck pytest k8s-bins bench bench-deps image clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,8 +32,16 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
-pytest: $(STAMP)
+pytest: $(STAMP) k8s-bins
 	$(BIN)/pytest -q $(PYTEST_ARGS)
+
+# The real control plane of tests/kube (etcd, kube-apiserver, kube-scheduler,
+# kube-controller-manager) and helm, built from their Go modules (tools/k8s) into
+# ~/.cache/gpulet/k8s once per machine; docs/testing.md has the build times.
+k8s-bins:
+	@scripts/k8s-bins.sh --check || { \
+	  echo "make: the real control plane's binaries (tools/k8s) are not built yet: building them now with scripts/k8s-bins.sh (once per machine; see docs/testing.md)"; \
+	  scripts/k8s-bins.sh; }
 
 test: lint typecheck pytest
 

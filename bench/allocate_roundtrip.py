@@ -892,7 +892,7 @@ async def main(quick: bool, layouts: list[str], kubelet: str) -> int:
         base = Path(tmp)
         over_nats: dict[str, Results] = {}
         cpu = {label: CpuMeter() for label in ("in process", "gRPC floor", *layouts)}
-        async with EmbeddedNats.running(state_dir=base / "nats", port=0) as server:
+        async with EmbeddedNats(state_dir=base / "nats", port=0) as server:
             for layout in layouts:
                 over_nats[layout] = await round_trip(
                     base, layout, server, n, go_kubelet, cpu[layout]

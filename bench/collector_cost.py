@@ -305,7 +305,7 @@ async def honest_main(args: argparse.Namespace) -> None:
 
     defaults = CollectorSettings()
     with tempfile.TemporaryDirectory() as tmp:
-        async with EmbeddedNats.running(state_dir=Path(tmp) / "nats") as nats:
+        async with EmbeddedNats(state_dir=Path(tmp) / "nats") as nats:
             what, rows = await honest_cost(
                 nats.url, Path(tmp) / "c", args.nvml, args.latency, args.honest_periods
             )
@@ -358,7 +358,7 @@ async def main_async(args: argparse.Namespace) -> None:
         if args.nvml != "mock":
             return
     with tempfile.TemporaryDirectory() as tmp:
-        async with EmbeddedNats.running(state_dir=Path(tmp) / "nats") as nats:
+        async with EmbeddedNats(state_dir=Path(tmp) / "nats") as nats:
             cost = await cpu_per_sample(nats.url, Path(tmp) / "a", args.periods)
             share = await steady_core_share(nats.url, Path(tmp) / "b", args.steady)
             rate, mbps = await bus_throughput(nats.url, args.messages)

@@ -8,10 +8,12 @@ Method
   allocated one whole GPU in the API emulator, then ``NodeUnprepareResources`` (not
   timed). Each call reads the claim over HTTP, reserves it, writes and fsyncs the CDI
   spec (on tmpfs, as ``/var/run/cdi`` is on a node) and the checkpoint (on disk).
-  **The decision core is the in-memory one of the tests**
-  (support.dra_core) until the plugin is bound to the allocator's core: the figure
-  leaves out the ledger's own checkpoint. The claims live in the API emulator on
-  127.0.0.1, not a real API server. Target p99 < 10 ms.
+  The decision core is, as ``gpulet run`` has it, the real allocator service over a
+  real nats-server (:class:`~gpulet_allocator.kubelet.dra.nats_core.NatsDecisionCore`:
+  ``reserve-claim`` answered once the ledger's checkpoint is on disk); ``--core
+  memory`` takes the tests' in-memory core instead (support.dra_core), which leaves the
+  NATS round trip and the ledger's checkpoint out. The claims live in the API emulator
+  on 127.0.0.1, not a real API server. Target p99 < 10 ms.
 * **Fault → taint**: a real nats-server, the node read model (NodeView), the slice
   publisher with the default debounce (quiet 0.5 s, at most 2 s) and the API emulator
   (its slice validation off: 45 ms of Python jsonschema a write, which a real API
@@ -29,12 +31,14 @@ No NVML is involved: the inventory is the 8-GPU stand-in of the reporter tests.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import shutil
 import sys
 import tempfile
 import time
 import uuid
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import anyio
@@ -46,16 +50,20 @@ from _util import percentile, table
 from kubernetes_asyncio import client as k8s_client
 
 from gpulet_allocator.kubelet.dra.claims import KubeClaimReader
+from gpulet_allocator.kubelet.dra.contract import DecisionCore
+from gpulet_allocator.kubelet.dra.nats_core import NatsDecisionCore
 from gpulet_allocator.kubelet.dra.plugin import DraPlugin, PluginSettings
 from gpulet_allocator.kubelet.dra.server import DraKubeletPlugin, Sockets
 from gpulet_common import codec, subjects
 from gpulet_common.bus import Bus, Delivery
-from gpulet_common.dra.settings import DraSettings
+from gpulet_common.dra.devices import device_name
 from gpulet_common.embedded_nats import EmbeddedNats
 from gpulet_common.messages import Inventory, InventoryRequest
 from gpulet_common.nodeview import NodeView
+from gpulet_common.settings.dra import DraSettings
 from gpulet_common.settings.nats import NatsSettings
 from gpulet_reporter.slices.publisher import SlicePublisher
+from support.allocator_stack import allocator_stack, dev_root_with, make_settings
 from support.dra_core import InMemoryCore, InMemoryHealth
 from support.fake_dra_kubelet import registered
 from support.health_kv import gpu_health, health_bucket, put_health
@@ -65,6 +73,7 @@ from support.reporter_harness import make_inventory
 from support.waiting import wait_until
 
 NODE = "bench-node"
+CORES = {"nats": "the allocator over NATS", "memory": "the tests' in-memory core"}
 DRIVER = "gpu.gpulet.io"
 
 
@@ -77,14 +86,36 @@ def run_dir() -> str:
     return "/dev/shm" if Path("/dev/shm").is_dir() else "/tmp"
 
 
-async def bench_prepare(calls: int) -> list[float]:
+@contextlib.asynccontextmanager
+async def allocator_core(root: Path) -> AsyncIterator[tuple[DecisionCore, list[str]]]:
+    """The real allocator service on a real nats-server, and its GPUs' DRA names."""
+    inventory = msgspec.structs.replace(make_inventory(NODE, 8), seq=1, boot_id="bench")
+    (root / "dp").mkdir(parents=True, exist_ok=True)
+    async with EmbeddedNats(state_dir=root / "nats", port=0) as nats:
+        settings = make_settings(
+            nats.url, root / "state", root / "dp", dev_root_with(root / "dev", 8)
+        )
+        settings.node_name = NODE
+        async with allocator_stack(settings, inventory=inventory, start_plugin=False) as stack:
+            await stack.wait_allocator_ready()
+            names = [device_name(g) for g in inventory.gpus]
+            yield NatsDecisionCore(stack.bus, NODE, timeout_s=5.0), names
+
+
+@contextlib.asynccontextmanager
+async def memory_core(_root: Path) -> AsyncIterator[tuple[DecisionCore, list[str]]]:
+    core = InMemoryCore.with_gpus(8)
+    yield core, sorted(core.gpus)
+
+
+async def bench_prepare(calls: int, which: str) -> list[float]:
     # Sockets and the checkpoint on disk (/var/lib/kubelet, /var/lib/gpulet on a node).
     root = Path(tempfile.mkdtemp(prefix="dra", dir="/tmp"))
     run = Path(tempfile.mkdtemp(prefix="dra-cdi", dir=run_dir()))
+    make_core = allocator_core if which == "nats" else memory_core
     try:
-        async with KubeEmulator.running() as emu:
+        async with KubeEmulator.running() as emu, make_core(root) as (core, names):
             enable_dra(emu)
-            core = InMemoryCore.with_gpus(8)
             settings = PluginSettings(
                 driver=DRIVER,
                 pool=NODE,
@@ -109,7 +140,7 @@ async def bench_prepare(calls: int) -> list[float]:
                             "request": "gpu",
                             "driver": DRIVER,
                             "pool": NODE,
-                            "device": f"gpu-{i % 8}",
+                            "device": names[i % len(names)],
                         }
                         add_claim(
                             emu,
@@ -145,7 +176,7 @@ async def bench_taints(faults: int, rest_s: float) -> tuple[list[float], list[fl
     inventory = msgspec.structs.replace(make_inventory(NODE, 8), seq=1, boot_id="bench")
     with tempfile.TemporaryDirectory() as state:
         async with (
-            EmbeddedNats.running(state_dir=Path(state), port=0) as nats,
+            EmbeddedNats(state_dir=Path(state), port=0) as nats,
             KubeEmulator.running() as emu,
         ):
             # Without the emulator's schema check (45 ms a write here, a cost of the
@@ -206,12 +237,12 @@ async def bench_taints(faults: int, rest_s: float) -> tuple[list[float], list[fl
 
 
 async def main_async(args: argparse.Namespace) -> None:
-    prepare = await bench_prepare(args.calls)
+    prepare = await bench_prepare(args.calls, args.core)
     raised, cleared, at_rest = await bench_taints(args.faults, args.rest)
     print(
         table(
             f"DRA Prepare through the fake kubelet ({args.calls} calls, one claim each; "
-            "in-memory core, API emulator)",
+            f"{CORES[args.core]}, API emulator)",
             ["", "p50 ms", "p99 ms", "max ms", "target"],
             [
                 [
@@ -262,6 +293,7 @@ async def main_async(args: argparse.Namespace) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=500)
+    parser.add_argument("--core", choices=sorted(CORES), default="nats")
     parser.add_argument("--faults", type=int, default=30)
     parser.add_argument("--rest", type=float, default=60.0)
     parser.add_argument("--quick", action="store_true", help="100 calls, 5 faults, 10 s rest")

@@ -108,7 +108,7 @@ async def start_idle_leaves(
         )
         try:
             server = await stack.enter_async_context(
-                EmbeddedNats.running(
+                EmbeddedNats(
                     state_dir=directory, config_file=directory / "leaf.conf", jetstream=False
                 )
             )

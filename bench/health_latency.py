@@ -145,7 +145,7 @@ async def run(faults: int, period: float) -> dict[str, list[float]]:
     results: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         base = Path(tmp)
-        async with EmbeddedNats.running(state_dir=base / "nats", port=free_port()) as server:
+        async with EmbeddedNats(state_dir=base / "nats", port=free_port()) as server:
             overrides = [
                 "health.dedup_window_s=0",
                 "health.event_wait_timeout_ms=200",

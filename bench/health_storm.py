@@ -112,7 +112,7 @@ async def run(args: argparse.Namespace) -> list[tuple[object, ...]]:
     rows: list[tuple[object, ...]] = []
     with tempfile.TemporaryDirectory() as tmp:
         base = Path(tmp)
-        async with EmbeddedNats.running(state_dir=base / "nats", port=free_port()) as server:
+        async with EmbeddedNats(state_dir=base / "nats", port=free_port()) as server:
             overrides = [f"health.dedup_window_s={args.window}", "health.tick_s=0.5"]
             async with health_node(server.url, base, overrides=overrides, collector=False) as h:
                 await anyio.sleep(1.0)

@@ -131,7 +131,7 @@ async def run(faults: int, traced: bool) -> dict[str, list[float]]:
         base = Path(tmp)
         plugin_dir = base / "dp"
         plugin_dir.mkdir()
-        async with EmbeddedNats.running(state_dir=base / "nats", port=free_port()) as server:
+        async with EmbeddedNats(state_dir=base / "nats", port=free_port()) as server:
             overrides = [
                 "health.dedup_window_s=0",
                 "health.event_wait_timeout_ms=200",

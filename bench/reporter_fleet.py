@@ -71,7 +71,7 @@ from gpulet_common.settings.reporter import ReporterSettings
 from gpulet_reporter.core import ReporterCore
 from gpulet_reporter.desired import GROUP, PLURAL, VERSION
 from gpulet_reporter.metrics import ReporterMetrics
-from gpulet_reporter.writer import KubeWriter, WriteLoop
+from gpulet_reporter.writer import KubeWriter, NodeApi, WriteLoop
 from support.kube_emulator import KubeEmulator
 from support.reporter_harness import gpu_uuid, make_inventory
 
@@ -115,7 +115,7 @@ class SimNode:
         self.core = ReporterCore(name, settings)
         self.inventory: Inventory = make_inventory(name, gpus)
         self.metrics = ReporterMetrics(metrics.get_meter("bench"))
-        self.writer = KubeWriter(api, name, settings, self.metrics)
+        self.writer = KubeWriter(NodeApi(api, name, settings, self.metrics))
         self.loop = WriteLoop(self.writer, self.core.debouncer, settings, self.metrics)
         self.faulted: dict[str, GpuHealth] = {}
         self._expect = expectations

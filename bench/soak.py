@@ -331,7 +331,7 @@ async def soak(args: argparse.Namespace, tmp: Path) -> Run:
     scenario.write_text(scenario_toml(args.gpus, total_s))
     obs = Observed(gpus=args.gpus)
     run = Run(args=args, obs=obs)
-    async with EmbeddedNats.running(state_dir=tmp / "nats") as server:
+    async with EmbeddedNats(state_dir=tmp / "nats") as server:
         nats_pid = server._process.pid if server._process is not None else None
         log_path = tmp / "agent.log"
         with log_path.open("wb") as log:

@@ -14,6 +14,10 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from gpulet_common.embedded_nats import EmbeddedNats
 
+# The real control plane's fixtures (kube_api, kube_cluster, kube_namespace): started
+# only by the tests that ask for them.
+pytest_plugins = ["support.control_plane_fixtures"]
+
 # A recording tracer provider, so that trace context really travels in NATS headers.
 trace.set_tracer_provider(TracerProvider())
 
@@ -57,5 +61,5 @@ def anyio_backend() -> str:
 @pytest.fixture
 async def nats_server(tmp_path: Path) -> AsyncIterator[EmbeddedNats]:
     """A real nats-server with JetStream on a free 127.0.0.1 port."""
-    async with EmbeddedNats.running(state_dir=tmp_path / "nats", port=0) as server:
+    async with EmbeddedNats(state_dir=tmp_path / "nats", port=0) as server:
         yield server

@@ -42,7 +42,7 @@ async def test_starts_with_jetstream_and_stops(tmp_path: Path) -> None:
 
 
 async def test_a_taken_port_is_a_usage_error_saying_so(tmp_path: Path) -> None:
-    async with EmbeddedNats.running(state_dir=tmp_path / "a") as first:
+    async with EmbeddedNats(state_dir=tmp_path / "a") as first:
         second = EmbeddedNats(state_dir=tmp_path / "b", port=first.port)
         with pytest.raises(NatsPortInUse, match=f"127.0.0.1:{first.port}") as caught:
             await second.start()

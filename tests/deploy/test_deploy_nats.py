@@ -147,7 +147,7 @@ async def secured(
     mock: bool = request.param
     set_passwords(monkeypatch)
     config = node_config(tmp_path, mock=mock)
-    async with EmbeddedNats.running(state_dir=tmp_path / "nats", config_file=config) as server:
+    async with EmbeddedNats(state_dir=tmp_path / "nats", config_file=config) as server:
         yield server, mock
 
 
@@ -345,6 +345,11 @@ async def test_allocator_micro_service_answers_the_device_plugin(
             await req.respond(b"reset")
 
         await group.add_endpoint(name="reset", handler=reset)
+
+        async def held(req: Request) -> None:
+            await req.respond(b"held")
+
+        await group.add_endpoint(name=subjects.ALLOCATOR_HELD_ENDPOINT, handler=held)
         await allocator.nc.flush()
 
         subject = subjects.allocator_endpoint(NODE, "allocate")
@@ -359,6 +364,10 @@ async def test_allocator_micro_service_answers_the_device_plugin(
         # ...and accept a lost allocation record (`gpulet allocator reset --confirm`).
         answer = await request(operator, subjects.allocator_endpoint(NODE, "reset"), b"{}")
         assert answer.data == b"reset"
+        # The reporter may ask which GPUs the device plugin holds (dra.mode both)...
+        held_subject = subjects.allocator_endpoint(NODE, subjects.ALLOCATOR_HELD_ENDPOINT)
+        answer = await request(reporter, held_subject, b"{}")
+        assert answer.data == b"held"
         # ...but read-only users cannot ask for allocations.
         for conn in (operator, reporter):
             await conn.nc.publish(subject, b"gpu-1")
@@ -673,10 +682,10 @@ async def test_leaf_node_exports_gpu_data_and_keeps_control_traffic_local(
     )
     node_conf = node_config(tmp_path, mock=False)
     async with (
-        EmbeddedNats.running(
+        EmbeddedNats(
             state_dir=tmp_path / "hub", config_file=hub_dir / "hub.conf", jetstream=False
         ) as hub,
-        EmbeddedNats.running(
+        EmbeddedNats(
             state_dir=tmp_path / "node", config_file=node_conf.parent / "leaf.conf"
         ) as node,
         connect(hub, "fleet") as fleet,

@@ -105,7 +105,7 @@ async def pod(
     logs = tmp_path / "logs"
     logs.mkdir()
     async with (
-        EmbeddedNats.running(state_dir=tmp_path / "nats", config_file=config) as server,
+        EmbeddedNats(state_dir=tmp_path / "nats", config_file=config) as server,
         running_fake_kubelet(
             plugin_dir, pod_resources_socket=short / "pod-resources.sock"
         ) as kubelet,

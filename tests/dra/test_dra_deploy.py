@@ -16,7 +16,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from gpulet_common.dra.settings import DEFAULT_DRIVER, DEFAULT_PLUGINS_DIR, DraSettings
+from gpulet_common.settings.dra import DEFAULT_DRIVER, DEFAULT_PLUGINS_DIR, DraSettings
 from support.deploy import DEPLOY, kustomize
 
 K8S = kubernetes_validate.latest_version()

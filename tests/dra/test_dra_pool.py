@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 
 from gpulet_common.dra import devices as dev
 from gpulet_common.dra import limits, pool, taints
-from gpulet_common.dra.settings import DraSettings
 from gpulet_common.messages import ActiveCondition, GpuHealth
+from gpulet_common.settings.dra import DraSettings
 from support.reference import GIB, inventory_from_matrix
 from support.reporter_harness import make_inventory
 

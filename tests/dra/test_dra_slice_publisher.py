@@ -16,8 +16,8 @@ import msgspec
 import pytest
 from kubernetes_asyncio import client as k8s_client
 
-from gpulet_common.dra.settings import DraSettings
 from gpulet_common.messages import ActiveCondition, GpuHealth
+from gpulet_common.settings.dra import DraSettings
 from gpulet_reporter.slices.publisher import SlicePublisher
 from gpulet_reporter.slices.writer import SliceInput
 from support.kube_emulator import KubeEmulator

@@ -14,10 +14,10 @@ from kubernetes_asyncio import client as k8s_client
 
 from gpulet_common import codec, subjects
 from gpulet_common.bus import Bus, Delivery
-from gpulet_common.dra.settings import DraSettings
 from gpulet_common.embedded_nats import EmbeddedNats
 from gpulet_common.messages import Inventory, InventoryRequest
 from gpulet_common.nodeview import NodeView
+from gpulet_common.settings.dra import DraSettings
 from gpulet_common.settings.nats import NatsSettings
 from gpulet_reporter.slices.publisher import SlicePublisher
 from support.health_kv import gpu_health, health_bucket, put_health

@@ -21,8 +21,8 @@ disk.
 What must hold:
 
 * **lost = 0**: every event the health service produced is in the ``GPU_HEALTH``
-  stream, exactly once, and every injected XID is there as its own event (the
-  de-duplication window is 0 so that no repeat is folded away);
+  stream, exactly once, and every injected XID but the by-products 43 and 45 is there
+  as its own event (the de-duplication window is 0 so that no repeat is folded away);
 * the **Device converges within 5 s of the reconnection** (of the last service to
   reconnect): the emulator's Device says, GPU by GPU, what the health service's final
   state says, and so does the allocator's view of GPU health.
@@ -263,8 +263,15 @@ async def test_nats_sigkill_mid_storm_loses_no_event_and_the_device_converges(
     assert duplicates(events) == []
     assert lost == 0, f"{produced} events produced, {len(ids)} in the stream"
     assert len(events) == produced
-    # Every injected XID is in the stream as its own event, on its GPU, with its code.
-    assert xids == t.injected
+    # Every injected XID is in the stream as its own event, on its GPU, with its code;
+    # but for XIDs 43 and 45, which after another fault count as its evidence and raise
+    # nothing of their own (gpulet_health.rules.xid): never a fault, at most a report.
+    byproduct = {43, 45}
+    assert +Counter({k: n for k, n in xids.items() if k[1] not in byproduct}) == +Counter(
+        {k: n for k, n in t.injected.items() if k[1] not in byproduct}
+    )
+    assert all(xids[k] <= n for k, n in t.injected.items() if k[1] in byproduct)
+    assert not [e for e in events if e.xid in byproduct and e.severity in ("critical", "fatal")]
     # And the other faults' events, raised and (GPU 5) ended.
     kinds = Counter((uuids.index(e.gpu_uuid), e.kind, e.condition) for e in events)
     assert kinds[(5, "thermal", "thermal")] == 1

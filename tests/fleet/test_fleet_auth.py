@@ -212,7 +212,7 @@ async def test_a_revoked_credential_is_refused_and_a_rotated_one_works(
     rotated.write_text(hub.store.issue("node", node=N1).creds)
     conf = leaf_config(tmp_path / "rotated" / "conf", hub, rotated)
     async with (
-        EmbeddedNats.running(state_dir=tmp_path / "rotated" / "state", config_file=conf) as leaf,
+        EmbeddedNats(state_dir=tmp_path / "rotated" / "state", config_file=conf) as leaf,
         Bus.connect(hub.nats_settings("viewer"), max_initial_attempts=5) as viewer,
         local(leaf, "health") as health,
     ):

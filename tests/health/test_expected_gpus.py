@@ -108,7 +108,7 @@ async def test_a_gpu_lost_before_start_is_missing_and_stays_in_the_device(
     # file of expected GPUs in the state dir is all the health service has.
     emulator.delete_object(DEVICES, NODE)
     async with (
-        EmbeddedNats.running(state_dir=tmp_path / "nats-after", port=0) as fresh,
+        EmbeddedNats(state_dir=tmp_path / "nats-after", port=0) as fresh,
         health_node(fresh.url, tmp_path, scenario=DGX, prepare=lose(LOST)) as h,
         running_reporter(fresh.url, tmp_path / "reporter", NODE, reporter_settings(tmp_path)) as r,
     ):

@@ -180,7 +180,7 @@ async def test_an_unreadable_previous_state_is_retried_then_said(tmp_path: Path)
     """Starting without the previous state would forget a fatal XID: the service keeps
     trying to read it, and says so when it could not (here: no JetStream at all)."""
     async with (
-        EmbeddedNats.running(state_dir=tmp_path / "nats", port=0, jetstream=False) as no_jetstream,
+        EmbeddedNats(state_dir=tmp_path / "nats", port=0, jetstream=False) as no_jetstream,
         health_node(
             no_jetstream.url,
             tmp_path,

@@ -108,12 +108,14 @@ async def test_strategic_merge_of_conditions_merges_by_type_and_keeps_others(
     before = rv(emu)
     await patch_status(core, {"status": {"conditions": [ours()]}}, STRATEGIC_PATCH)
     conditions = stored(emu)["status"]["conditions"]
-    assert conditions == [READY, ours()]
+    # A new condition goes first, as apimachinery's strategic merge orders it (checked
+    # against the real server by tests/kube/test_differential.py).
+    assert conditions == [ours(), READY]
     assert rv(emu) > before
-    # The same type again: merged in place (not appended), the others untouched.
+    # The same type again: merged in place (not added again), the others untouched.
     changed = {"type": "GpuletGPUHealthy", "status": "False", "reason": "GPUsUnhealthy"}
     await patch_status(core, {"status": {"conditions": [changed]}}, STRATEGIC_PATCH)
-    assert stored(emu)["status"]["conditions"] == [READY, {**ours(), **changed}]
+    assert stored(emu)["status"]["conditions"] == [{**ours(), **changed}, READY]
     assert stored(emu)["status"]["addresses"] == [{"type": "Hostname", "address": NODE}]
     # Counted under nodes/status, not as writes to the Node itself.
     assert emu.stats.writes_to("nodes/status", NODE) == 2
@@ -142,9 +144,12 @@ async def test_a_merge_patch_replaces_the_conditions_list(
     assert stored(emu)["status"]["conditions"] == [ours()]
 
 
-async def test_status_patch_changes_only_status_and_node_patch_ignores_status(
+async def test_status_patch_changes_status_and_labels_and_node_patch_ignores_status(
     emu: KubeEmulator, core: client.CoreV1Api
 ) -> None:
+    """Through nodes/status the spec stays as stored, but labels change too (the node
+    status strategy resets only .spec, as the real server does:
+    tests/kube/test_differential.py)."""
     labels = dict(stored(emu)["metadata"]["labels"])
     await patch_status(
         core,
@@ -156,9 +161,9 @@ async def test_status_patch_changes_only_status_and_node_patch_ignores_status(
         STRATEGIC_PATCH,
     )
     node = stored(emu)
-    assert node["metadata"]["labels"] == labels
+    assert node["metadata"]["labels"] == {**labels, "sneaky": "yes"}
     assert node["spec"]["taints"] == [{"key": "other.io/x", "effect": "NoSchedule"}]
-    assert node["status"]["conditions"] == [READY, ours()]
+    assert node["status"]["conditions"] == [ours(), READY]
     # The main resource: the label sticks, the status part is ignored.
     before = rv(emu)
     await patch_node(
@@ -168,7 +173,7 @@ async def test_status_patch_changes_only_status_and_node_patch_ignores_status(
     )
     node = stored(emu)
     assert node["metadata"]["labels"]["mine"] == "yes"
-    assert node["status"]["conditions"] == [READY, ours()]
+    assert node["status"]["conditions"] == [ours(), READY]
     assert rv(emu) > before
     # A Node patch that only touches status is a no-op: no new resourceVersion.
     same = rv(emu)
@@ -199,10 +204,11 @@ async def test_status_put_and_patch_honour_a_resource_version_precondition(
         await replace_status(core, body)
     assert raised.value.status == 409
     body["metadata"]["resourceVersion"] = str(rv(emu))
-    body["metadata"]["labels"]["ignored"] = "yes"
+    body["metadata"]["labels"]["taken"] = "yes"
     await replace_status(core, body)
     assert stored(emu)["status"]["conditions"] == [ours()]
-    assert "ignored" not in stored(emu)["metadata"]["labels"]
+    # The node status strategy resets only .spec: the label goes in too.
+    assert stored(emu)["metadata"]["labels"]["taken"] == "yes"
 
 
 async def test_taints_are_atomic_and_a_stale_read_modify_write_conflicts(

@@ -911,6 +911,9 @@ REPLY_CODECS: Final[dict[str, Codec[Any]]] = {
     p.ENDPOINT_STATE: p.STATE_REPLY,
     p.ENDPOINT_RESET: p.RESET_REPLY,
     p.ENDPOINT_WITHHELD: p.WITHHELD_REPLY,
+    p.ENDPOINT_RESERVE_CLAIM: p.RESERVE_CLAIM_REPLY,
+    p.ENDPOINT_RELEASE_CLAIM: p.RELEASE_CLAIM_REPLY,
+    p.ENDPOINT_HELD: codec.HELD_REPLY,
 }
 REQUEST_CODECS: Final[dict[str, Codec[Any]]] = {
     p.ENDPOINT_ALLOCATE: p.ALLOCATE_REQUEST,
@@ -920,6 +923,9 @@ REQUEST_CODECS: Final[dict[str, Codec[Any]]] = {
     p.ENDPOINT_STATE: p.STATE_REQUEST,
     p.ENDPOINT_RESET: p.RESET_REQUEST,
     p.ENDPOINT_WITHHELD: p.WITHHELD_REQUEST,
+    p.ENDPOINT_RESERVE_CLAIM: p.RESERVE_CLAIM_REQUEST,
+    p.ENDPOINT_RELEASE_CLAIM: p.RELEASE_CLAIM_REQUEST,
+    p.ENDPOINT_HELD: codec.HELD_REQUEST,
 }
 
 
@@ -956,6 +962,9 @@ class Fuzz:
             p.ENDPOINT_STATE: service._on_state,
             p.ENDPOINT_RESET: service._on_reset,
             p.ENDPOINT_WITHHELD: service._on_withheld,
+            p.ENDPOINT_RESERVE_CLAIM: service.claims.on_reserve,
+            p.ENDPOINT_RELEASE_CLAIM: service.claims.on_release,
+            p.ENDPOINT_HELD: self._on_held,
         }
         #: Outcome ("ok" or the refusal's code) of every answer, by endpoint.
         self.tally: dict[str, Counter[str]] = {e: Counter() for e in p.ENDPOINTS}
@@ -980,6 +989,10 @@ class Fuzz:
         #: Batches compared with the twin, and skipped (a join window closing meanwhile).
         self.twin_checked = 0
         self.twin_skipped = 0
+
+    async def _on_held(self, req: Request) -> None:
+        assert self.service._tg is not None
+        await self.service.held.on_request(req, self.service._tg)
 
     @property
     def core(self) -> AllocatorCore:

@@ -37,7 +37,7 @@ def _wait_ready(port: int, proc: subprocess.Popen[bytes], timeout_s: float = 20)
 async def test_no_credentials_in_logs_with_password_auth(tmp_path: Path) -> None:
     conf = tmp_path / "auth.conf"
     conf.write_text(f'authorization {{ users = [ {{ user: "gpulet", password: "{SECRET}" }} ] }}\n')
-    async with EmbeddedNats.running(state_dir=tmp_path / "nats", config_file=conf) as server:
+    async with EmbeddedNats(state_dir=tmp_path / "nats", config_file=conf) as server:
         # The agent is a real process; its blocking handling runs off the event loop.
         await anyio.to_thread.run_sync(_run_agent_and_a_refused_client, tmp_path, server.port)
 

@@ -3,9 +3,9 @@
 They implement the plugin's Protocols (gpulet_allocator.kubelet.dra.contract) with
 the ledger rules the real core keeps: one owner per whole GPU, a device-plugin
 allocation is an owner too, shares of one GPU add up to at most 100 % of its cores
-and all of its memory, the same claim again gets the same reservation. They stand in
-for the allocator's decision core only until the lead binds the Protocol to it (after
-issue 24's refactor); the plugin tests then run against the real one.
+and all of its memory, the same claim again gets the same reservation. They keep the
+plugin's own rule tests (per-claim errors, CDI, ordering) fast; the binding to the
+real core over NATS is tested in tests/allocator/test_dra_claims_nats.py.
 """
 
 from __future__ import annotations
@@ -54,12 +54,12 @@ class InMemoryCore:
             if d.device == device
         ]
 
-    def reserve_claim(self, claim_uid: str, devices: Sequence[ClaimDevice]) -> Reservation:
+    async def reserve_claim(self, claim_uid: str, devices: Sequence[ClaimDevice]) -> Reservation:
         self.reserve_calls += 1
         held = self.claims.get(claim_uid)
         if held is not None:
             if sorted(d.device for d in held.devices) != sorted(d.device for d in devices):
-                raise Refused("conflict", f"claim {claim_uid} already holds other devices")
+                raise Refused("invalid_request", f"claim {claim_uid} already holds other devices")
             return held
         reserved: list[ReservedDevice] = []
         for want in devices:
@@ -67,23 +67,33 @@ class InMemoryCore:
             if gpu is None:
                 raise Refused("unknown_device", f"no device {want.device}")
             if not gpu.healthy:
-                raise Refused("unhealthy", f"{want.device} is unhealthy")
+                raise Refused("unhealthy_device", f"{want.device} is unhealthy")
             if want.device in self.device_plugin:
-                raise Refused("conflict", f"{want.device} is held by the device plugin")
+                raise Refused(
+                    "insufficient_capacity", f"{want.device} is held by the device plugin"
+                )
             others = self._owners(want.device, besides=claim_uid)
             share = want.cores is not None or want.memory_bytes is not None
             memory_mib = want.memory_bytes // MIB if want.memory_bytes else None
             if not share:
                 if others:
-                    raise Refused("conflict", f"{want.device} is held by another claim")
+                    raise Refused(
+                        "insufficient_capacity", f"{want.device} is held by another claim"
+                    )
             else:
                 if any(o.cores is None and o.memory_mib is None for o in others):
-                    raise Refused("conflict", f"{want.device} is held whole by another claim")
+                    raise Refused(
+                        "insufficient_capacity", f"{want.device} is held whole by another claim"
+                    )
                 if sum(o.cores or 0 for o in others) + (want.cores or 0) > 100:
-                    raise Refused("conflict", f"{want.device} has not that many cores left")
+                    raise Refused(
+                        "insufficient_capacity", f"{want.device} has not that many cores left"
+                    )
                 used = sum(o.memory_mib or 0 for o in others) + (memory_mib or 0)
                 if used * MIB > gpu.memory_bytes:
-                    raise Refused("conflict", f"{want.device} has not that much memory left")
+                    raise Refused(
+                        "insufficient_capacity", f"{want.device} has not that much memory left"
+                    )
             reserved.append(
                 ReservedDevice(want.device, gpu.uuid, gpu.minor, want.cores, memory_mib)
             )
@@ -91,7 +101,7 @@ class InMemoryCore:
         self.claims[claim_uid] = reservation
         return reservation
 
-    def release_claim(self, claim_uid: str) -> bool:
+    async def release_claim(self, claim_uid: str) -> bool:
         return self.claims.pop(claim_uid, None) is not None
 
 

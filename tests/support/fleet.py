@@ -254,9 +254,7 @@ async def running_leaves(
             creds = hub.creds("node", node)
             conf = leaf_config(tmp_path / f"leaf-{node}" / "conf", hub, creds, mock=mock)
             server = await stack.enter_async_context(
-                EmbeddedNats.running(
-                    state_dir=tmp_path / f"leaf-{node}" / "state", config_file=conf
-                )
+                EmbeddedNats(state_dir=tmp_path / f"leaf-{node}" / "state", config_file=conf)
             )
             leaves[node] = Leaf(node, server, creds)
         yield leaves

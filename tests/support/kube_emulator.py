@@ -257,8 +257,9 @@ def strategic_merge_patch(target: Any, patch: Any, path: tuple[str, ...] = ()) -
     Maps merge as in a merge patch and the ``$patch: replace|delete`` directives are
     honoured. Lists with a merge key (:data:`STRATEGIC_MERGE_KEYS`) merge by it, as
     the real server merges ``status.conditions`` by ``type``: an element whose key
-    matches a stored one is merged into it (keeping the stored element's place), a new
-    key is appended, and ``{"type": X, "$patch": "delete"}`` removes that element.
+    matches a stored one is merged into it, a new key is added, and ``{"type": X,
+    "$patch": "delete"}`` removes that element; the result is in the real server's
+    order (:func:`_element_order`: a new element first).
     Other lists are replaced whole. Other ``$`` directives (``$setElementOrder/...``,
     ``$retainKeys``) are dropped.
     """
@@ -299,15 +300,48 @@ def _merge_list_by_key(
             result.append(strategic_merge_patch({}, element, path))
         else:
             result[at] = strategic_merge_patch(result[at], element, path)
-    return result
+    return _element_order(result, target, patch, key)
+
+
+def _element_order(merged: list[Any], target: list[Any], patch: list[Any], key: str) -> list[Any]:
+    """The real server's order of a merged list (apimachinery strategicpatch,
+    ``normalizeElementOrder``/``mergeSortedSlice``): the patch's elements in the patch's
+    order, the stored-only ones in stored order, interleaved by their stored positions;
+    an element new to the list goes before the stored-only ones it meets. So a new
+    condition comes first, and a merged one keeps its place."""
+    patched = [e.get(key) for e in patch if isinstance(e, dict) and e.get("$patch") != "delete"]
+    stored = [e.get(key) for e in target if isinstance(e, dict)]
+    by_key = {e.get(key): e for e in merged}
+    right = [by_key[k] for k in patched if k in by_key]
+    left = [e for e in merged if e.get(key) not in patched]
+    out: list[Any] = []
+    i = j = 0
+    while i < len(left) or j < len(right):
+        if j >= len(right):
+            out.append(left[i])
+            i += 1
+        elif i >= len(left):
+            out.append(right[j])
+            j += 1
+        else:
+            li, ri = left[i].get(key), right[j].get(key)
+            if li in stored and ri in stored and stored.index(li) < stored.index(ri):
+                out.append(left[i])
+                i += 1
+            else:
+                out.append(right[j])
+                j += 1
+    return out
 
 
 def _split_status(obj: JsonObj, current: JsonObj, *, status: bool) -> tuple[JsonObj, JsonObj]:
     """A Node write as the real server's node strategies take it.
 
-    Through ``/status`` (``status`` True) only the new ``.status`` counts: everything
-    else is the stored object's (metadata included, as ``ResetObjectMetaForStatus``
-    does), except a ``resourceVersion`` the body carries, which stays a precondition.
+    Through ``/status`` (``status`` True) the new ``.status``, labels and annotations
+    count (the node status strategy resets only ``.spec``: a status write changes a
+    Node's labels, as tests/kube/test_differential.py found on the real server);
+    everything else is the stored object's, except a ``resourceVersion`` the body
+    carries, which stays a precondition.
     Through the main resource the stored ``.status`` is kept whatever the body says.
     Returns the object to store and its metadata.
     """
@@ -316,6 +350,12 @@ def _split_status(obj: JsonObj, current: JsonObj, *, status: bool) -> tuple[Json
         kept = {k: copy.deepcopy(v) for k, v in current.items() if k != "status"}
         kept["status"] = copy.deepcopy(obj.get("status") or {})
         meta: JsonObj = kept["metadata"]
+        incoming = obj.get("metadata") or {}
+        for field_name in ("labels", "annotations"):
+            if incoming.get(field_name):
+                meta[field_name] = copy.deepcopy(incoming[field_name])
+            else:
+                meta.pop(field_name, None)
         meta.pop("resourceVersion", None)
         if incoming_rv:
             meta["resourceVersion"] = incoming_rv
@@ -1219,7 +1259,11 @@ class KubeEmulator:
         }
         self._objects: dict[str, dict[str, JsonObj]] = {p: {} for p in self._resources}
         self._applied: dict[tuple[str, str], dict[str, Any]] = {}
-        self._rv = 0
+        # etcd's first revision is 1, so a real server never lists at resourceVersion
+        # "0", which a watch reads as "any state" (current objects, no history): an
+        # empty emulator listing at "0" made a watch from its list miss what followed
+        # (tests/kube/test_differential.py).
+        self._rv = 1
         self._history: deque[_Event] = deque(maxlen=history_size)
         self._history_floor = 0
         self._watchers: set[asyncio.Queue[_Event | None]] = set()

@@ -182,7 +182,11 @@ async def running_reporter(
     *,
     nvml_backend: Literal["auto", "nvml", "mock"] = "auto",
     env: dict[str, str] | None = None,
+    sa_dir: Path | None = None,
 ) -> AsyncIterator[RunningReporter]:
+    """The reporter service; ``env`` and ``sa_dir`` are its in-cluster environment (the
+    service-account directory, ``/var/run/secrets/kubernetes.io/serviceaccount`` in a
+    pod), absent unless given."""
     settings = Settings(
         node_name=node,
         state_dir=str(tmp_path / "state"),
@@ -194,7 +198,9 @@ async def running_reporter(
     probe = MetricsProbe()
     async with runtime_for(settings, meter=probe.meter) as runtime:
         bus = runtime.bus
-        service = ReporterService(runtime, env=env or {}, sa_dir=tmp_path / "no-service-account")
+        service = ReporterService(
+            runtime, env=env or {}, sa_dir=sa_dir or tmp_path / "no-service-account"
+        )
         await health_bucket(bus)  # as a running health service would have it
         async with anyio.create_task_group() as tg:
             await tg.start(service.run)

@@ -34,8 +34,6 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -360,28 +358,10 @@ class EmbeddedNats:
     def is_running(self) -> bool:
         return self._process is not None and self._process.returncode is None
 
-    @classmethod
-    @asynccontextmanager
-    async def running(
-        cls,
-        *,
-        state_dir: Path,
-        host: str = "127.0.0.1",
-        port: int = 0,
-        jetstream: bool = True,
-        config_file: Path | None = None,
-        extra_args: list[str] | None = None,
-    ) -> AsyncIterator[EmbeddedNats]:
-        server = cls(
-            state_dir=state_dir,
-            host=host,
-            port=port,
-            jetstream=jetstream,
-            config_file=config_file,
-            extra_args=extra_args,
-        )
-        await server.start()
-        try:
-            yield server
-        finally:
-            await server.stop()
+    async def __aenter__(self) -> EmbeddedNats:
+        """``async with EmbeddedNats(...) as server``: started, and stopped on exit."""
+        await self.start()
+        return self
+
+    async def __aexit__(self, *_exc: object) -> None:
+        await self.stop()

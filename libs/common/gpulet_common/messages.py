@@ -398,6 +398,24 @@ class HealthClearRequest(_Message, frozen=True, kw_only=True):
     requested_by: str = "operator"
 
 
+class HeldRequest(_Message, frozen=True, kw_only=True):
+    """The GPUs the device plugin's allocations hold (the allocator's ``held``
+    endpoint, for the ResourceSlice publisher in ``dra.mode`` both): wait up to
+    ``wait_s`` for a change past ``version`` of ``epoch`` (a long poll)."""
+
+    epoch: str = ""
+    version: int = 0
+    wait_s: float = 0.0
+
+
+class HeldReply(_Message, frozen=True, kw_only=True):
+    """Each GPU a device-plugin allocation holds (whole or a share), with its holder."""
+
+    epoch: str
+    version: int
+    held: dict[str, str] = {}
+
+
 # --- control / errors ----------------------------------------------------------------
 
 

@@ -20,6 +20,7 @@ names never contain ``_``) and any other character outside ``[A-Za-z0-9-]`` beco
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Final
 
 _SAFE = re.compile(r"[A-Za-z0-9-]")
@@ -62,32 +63,35 @@ def untoken(tok: str) -> str:
     return raw.decode()
 
 
-def inventory(node: str) -> str:
-    return f"gpu.inventory.{token(node)}"
+# Subjects whose last token names the node the message is about (or the node asked):
+# each prefix once, both for the subject and for reading the node back (node_token).
+_NODE_SCOPED: list[str] = []
 
 
-def samples(node: str) -> str:
-    return f"gpu.samples.{token(node)}"
+def _node_scoped(prefix: str) -> Callable[[str], str]:
+    """The subject of one node under ``prefix`` (its token appended)."""
+    _NODE_SCOPED.append(prefix)
+
+    def subject(node: str) -> str:
+        return prefix + token(node)
+
+    return subject
 
 
-def health(node: str) -> str:
-    return f"gpu.health.{token(node)}"
+inventory = _node_scoped("gpu.inventory.")
+samples = _node_scoped("gpu.samples.")
+health = _node_scoped("gpu.health.")
+# Where a node's relay hands its health events to the hub's fleet stream.
+fleet_events = _node_scoped("gpu.events.")
+inventory_request = _node_scoped("gpulet.inventory.request.")
+health_state = _node_scoped("gpulet.health.state.")
+health_clear = _node_scoped("gpulet.health.clear.")
+mock_inject = _node_scoped("gpulet.mock.inject.")
 
 
-def inventory_request(node: str) -> str:
-    return f"gpulet.inventory.request.{token(node)}"
-
-
-def health_state(node: str) -> str:
-    return f"gpulet.health.state.{token(node)}"
-
-
-def health_clear(node: str) -> str:
-    return f"gpulet.health.clear.{token(node)}"
-
-
-def mock_inject(node: str) -> str:
-    return f"gpulet.mock.inject.{token(node)}"
+# The allocator's endpoint of the GPUs the device plugin holds: common, since the
+# reporter (which may not import the allocator's protocol) asks it.
+ALLOCATOR_HELD_ENDPOINT: Final = "held"
 
 
 def allocator_prefix(node: str) -> str:
@@ -97,19 +101,6 @@ def allocator_prefix(node: str) -> str:
 
 def allocator_endpoint(node: str, endpoint: str) -> str:
     return f"{allocator_prefix(node)}.{token(endpoint)}"
-
-
-# Subjects whose last token names the node the message is about (or the node asked).
-_NODE_SCOPED: Final = (
-    "gpu.inventory.",
-    "gpu.samples.",
-    "gpu.health.",
-    "gpu.events.",
-    "gpulet.inventory.request.",
-    "gpulet.health.state.",
-    "gpulet.health.clear.",
-    "gpulet.mock.inject.",
-)
 
 
 def node_token(subject: str) -> str | None:
@@ -149,11 +140,6 @@ def event_msg_id(node: str, event_id: str) -> str:
     in a stream, a consumer's memory): scoped to the node that published it, so one
     node's ids never make another's events "duplicates"."""
     return f"{token(node)}:{event_id}"
-
-
-def fleet_events(node: str) -> str:
-    """Where a node's relay hands its health events to the hub's fleet stream."""
-    return f"gpu.events.{token(node)}"
 
 
 def fleet_relay_inbox(node: str) -> str:

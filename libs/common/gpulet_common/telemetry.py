@@ -6,7 +6,8 @@ foreign exact name (dcgm-exporter's ``DCGM_FI_*``): their text is appended throu
 :class:`Telemetry` installs a MeterProvider whose Prometheus reader feeds the
 ``prometheus_client`` registry that ``/metrics`` renders, and an OTLP/HTTP exporter
 when an endpoint is configured. Components receive a ``Meter`` rather than reaching for
-a global, so tests can hand them one backed by an in-memory reader.
+a global, so tests can hand them one backed by an in-memory reader; they declare their
+counters as one table each (:func:`create_counters`).
 
 ``/healthz`` answers 200 while the event loop serves requests and no component has
 *failed* (liveness; a failed component is one that will not come back, such as an
@@ -68,6 +69,15 @@ REQUEST_LATENCY_BUCKETS_S = (
     2.5,
     5.0,
 )
+
+
+def create_counters(meter: metrics.Meter, *table: tuple[str, str]) -> list[metrics.Counter]:
+    """A component's counters from one table of ``(name, description)`` rows, in order.
+
+    The one way a component declares its counters: each name beside what it counts,
+    instead of a ``create_counter`` call (and its keyword) per counter.
+    """
+    return [meter.create_counter(name, description=description) for name, description in table]
 
 
 @dataclass(slots=True)

@@ -86,7 +86,10 @@ def _node(claimed: str, ctx: Context, what: str) -> None:
         )
 
 
-def _uuids(uuids: Iterable[str], count: int, ctx: Context, what: str) -> None:
+def _node_gpus(node: str, uuids: Iterable[str], count: int, ctx: Context, what: str) -> None:
+    """A message about one node's GPUs: about this node (:func:`_node`), and each GPU
+    listed once, with a UUID, within ``max_gpus``."""
+    _node(node, ctx, what)
     limit = ctx.limits.max_gpus
     if count > limit:
         raise RejectedMessage(TOO_MANY_GPUS, f"{what} lists {count} GPUs, at most {limit} allowed")
@@ -132,9 +135,8 @@ def _since(ts: float | None, ctx: Context, what: str) -> None:
 
 
 def _inventory(inv: m.Inventory, ctx: Context) -> None:
-    _node(inv.node, ctx, "inventory")
     gpus = inv.gpus
-    _uuids((g.uuid for g in gpus), len(gpus), ctx, "inventory")
+    _node_gpus(inv.node, (g.uuid for g in gpus), len(gpus), ctx, "inventory")
     if len({g.index for g in gpus}) != len(gpus):
         raise RejectedMessage(DUPLICATE_INDEX, "inventory lists a GPU index twice")
     limit = ctx.limits.max_gpus
@@ -148,9 +150,8 @@ def _inventory(inv: m.Inventory, ctx: Context) -> None:
 
 
 def _samples(batch: m.SampleBatch, ctx: Context) -> None:
-    _node(batch.node, ctx, "sample batch")
     samples = batch.samples
-    _uuids((s.uuid for s in samples), len(samples), ctx, "sample batch")
+    _node_gpus(batch.node, (s.uuid for s in samples), len(samples), ctx, "sample batch")
     _observed(batch.timestamp, ctx, "sample batch timestamp")
     for s in samples:
         _observed(s.timestamp, ctx, f"sample timestamp of GPU {s.uuid[:100]!r}")
@@ -172,9 +173,8 @@ def _gpu_health(gpu: m.GpuHealth, ctx: Context) -> None:
 
 
 def _health_state(state: m.HealthState, ctx: Context) -> None:
-    _node(state.node, ctx, "health state")
     gpus = state.gpus
-    _uuids((g.gpu_uuid for g in gpus), len(gpus), ctx, "health state")
+    _node_gpus(state.node, (g.gpu_uuid for g in gpus), len(gpus), ctx, "health state")
     _since(state.updated_at, ctx, "health state updated_at")
     for gpu in gpus:
         _gpu_health(gpu, ctx)

@@ -50,6 +50,7 @@ from gpulet_common.codec import GPU_HEALTH, HEALTH_EVENT
 from gpulet_common.logutil import RateLimitedLog
 from gpulet_common.messages import GpuHealth
 from gpulet_common.settings.health import AlertSettings
+from gpulet_common.telemetry import create_counters
 
 log = logging.getLogger("gpulet.alerts")
 
@@ -78,15 +79,11 @@ class AlertsConsumer:
         self._max_deliver = max_deliver
         self._max_ack_pending = max_ack_pending
         meter = meter or metrics.get_meter("gpulet.alerts")
-        self._delivered = meter.create_counter(
-            "gpulet.alerts.delivered", description="Health events delivered to a sink"
-        )
-        self._failures = meter.create_counter(
-            "gpulet.alerts.delivery_failures",
-            description="Failed deliveries (retried unless permanent)",
-        )
-        self._malformed = meter.create_counter(
-            "gpulet.alerts.malformed", description="Stream messages that were not health events"
+        self._delivered, self._failures, self._malformed = create_counters(
+            meter,
+            ("gpulet.alerts.delivered", "Health events delivered to a sink"),
+            ("gpulet.alerts.delivery_failures", "Failed deliveries (retried unless permanent)"),
+            ("gpulet.alerts.malformed", "Stream messages that were not health events"),
         )
         # Once per event (and retry): rate-limited, the count in the metrics above.
         self._event_log = RateLimitedLog(log, per_minute=20)

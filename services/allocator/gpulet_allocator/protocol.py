@@ -29,7 +29,22 @@ release    :class:`ReleaseRequest`      :class:`ReleaseReply`
 state      :class:`StateRequest`        :class:`StateReply`
 reset      :class:`ResetRequest`        :class:`ResetReply`
 withheld   :class:`WithheldRequest`     :class:`WithheldReply`
+reserve-   :class:`ReserveClaimRequest` :class:`ReserveClaimReply`
+claim
+release-   :class:`ReleaseClaimRequest` :class:`ReleaseClaimReply`
+claim
+held       :class:`~gpulet_common.       :class:`~gpulet_common.messages.HeldReply`
+           messages.HeldRequest`
 ========== ============================ =============================================
+
+``reserve-claim`` and ``release-claim`` are the DRA kubelet plugin's
+(:mod:`gpulet_allocator.kubelet.dra`): a ResourceClaim's devices reserved under the
+claim's UID in the same ledger as the device plugin's allocations, so a GPU never has
+two owners whichever adapter asked (rules: :mod:`gpulet_allocator.decide.claims`).
+Both are idempotent and answered once the change is durable. ``held`` is the
+reporter's (``dra.mode`` both): the GPUs the device plugin's allocations hold, a long
+poll like ``withheld``, so the ResourceSlice publisher taints them ``NoSchedule``; its
+types are in :mod:`gpulet_common.messages`, since the reporter may not import this.
 
 ``allocate-batch`` carries several kubelet calls in one message: the device plugin
 coalesces the Allocate calls that arrive while one of its requests is in flight
@@ -70,6 +85,7 @@ from typing import Final, Literal
 import msgspec
 
 from gpulet_allocator.decide.koordinator import RES_GPU_CORE, RES_GPU_MEMORY_RATIO
+from gpulet_common import subjects
 from gpulet_common.codec import Codec
 from gpulet_common.messages import ErrorReply
 from gpulet_common.podresources import SHARE_SEPARATOR
@@ -221,6 +237,9 @@ ENDPOINT_STATE: Final = "state"
 ENDPOINT_ALLOCATE_BATCH: Final = "allocate-batch"
 ENDPOINT_RESET: Final = "reset"
 ENDPOINT_WITHHELD: Final = "withheld"
+ENDPOINT_RESERVE_CLAIM: Final = "reserve-claim"
+ENDPOINT_RELEASE_CLAIM: Final = "release-claim"
+ENDPOINT_HELD: Final = subjects.ALLOCATOR_HELD_ENDPOINT
 ENDPOINTS: Final = (
     ENDPOINT_ALLOCATE,
     ENDPOINT_PREFERRED,
@@ -229,7 +248,13 @@ ENDPOINTS: Final = (
     ENDPOINT_ALLOCATE_BATCH,
     ENDPOINT_RESET,
     ENDPOINT_WITHHELD,
+    ENDPOINT_RESERVE_CLAIM,
+    ENDPOINT_RELEASE_CLAIM,
+    ENDPOINT_HELD,
 )
+# The most devices one claim may reserve (a ResourceClaim holds at most 32 results
+# per request; 128 bounds the message, as the kubelet plugin does).
+MAX_CLAIM_DEVICES: Final = 128
 # The longest a withheld long poll is held open by the allocator.
 MAX_WITHHELD_WAIT_S: Final = 30.0
 # The most kubelet calls one allocate-batch may carry (the plugin sends fewer).
@@ -381,6 +406,53 @@ class WithheldReply(_Body, frozen=True, kw_only=True):
     withheld: dict[str, str] = {}
 
 
+class ClaimDeviceRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """One device of a claim: its DRA name (``gpu-<minor>``) and the consumed share.
+
+    ``cores`` in percent (1-100) and ``memory_bytes``; both None: the whole GPU.
+    """
+
+    device: str
+    cores: int | None = None
+    memory_bytes: int | None = None
+
+
+class ReserveClaimRequest(_Body, frozen=True, kw_only=True):
+    """Reserve a ResourceClaim's devices under its UID (idempotent)."""
+
+    claim_uid: str
+    devices: list[ClaimDeviceRequest] = []
+    namespace: str = ""
+    name: str = ""
+
+
+class ReservedClaimDevice(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """A device reserved: the GPU, and the share's limits (None: the whole GPU)."""
+
+    device: str
+    uuid: str
+    minor: int
+    cores: int | None = None
+    memory_mib: int | None = None
+
+
+class ReserveClaimReply(_Body, frozen=True, kw_only=True):
+    claim_uid: str
+    # The ledger's allocation ID: the claim UID.
+    allocation: str
+    devices: list[ReservedClaimDevice] = []
+
+
+class ReleaseClaimRequest(_Body, frozen=True, kw_only=True):
+    claim_uid: str
+
+
+class ReleaseClaimReply(_Body, frozen=True, kw_only=True):
+    """``released``: the claim held something (False: nothing to release)."""
+
+    released: bool = False
+
+
 ALLOCATE_REQUEST = Codec(AllocateRequest)
 ALLOCATE_REPLY = Codec(AllocateReply)
 ALLOCATE_BATCH_REQUEST = Codec(AllocateBatchRequest)
@@ -395,3 +467,7 @@ RESET_REQUEST = Codec(ResetRequest)
 RESET_REPLY = Codec(ResetReply)
 WITHHELD_REQUEST = Codec(WithheldRequest)
 WITHHELD_REPLY = Codec(WithheldReply)
+RESERVE_CLAIM_REQUEST = Codec(ReserveClaimRequest)
+RESERVE_CLAIM_REPLY = Codec(ReserveClaimReply)
+RELEASE_CLAIM_REQUEST = Codec(ReleaseClaimRequest)
+RELEASE_CLAIM_REPLY = Codec(ReleaseClaimReply)

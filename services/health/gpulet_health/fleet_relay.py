@@ -52,6 +52,7 @@ from gpulet_common.codec import HEALTH_EVENT
 from gpulet_common.logutil import RateLimitedLog
 from gpulet_common.settings.fleet import FleetSettings
 from gpulet_common.settings.nats import NatsSettings
+from gpulet_common.telemetry import create_counters
 
 log = logging.getLogger("gpulet.health.fleet_relay")
 
@@ -85,11 +86,10 @@ class FleetRelay:
         self._settings = settings
         self._subject = subjects.fleet_events(node)
         meter = meter or metrics.get_meter("gpulet.health.fleet_relay")
-        self._relayed = meter.create_counter(
-            "gpulet.fleet.events_relayed", description="Health events stored by the hub"
-        )
-        self._retries = meter.create_counter(
-            "gpulet.fleet.relay_retries", description="Relays to the hub that were retried"
+        self._relayed, self._retries = create_counters(
+            meter,
+            ("gpulet.fleet.events_relayed", "Health events stored by the hub"),
+            ("gpulet.fleet.relay_retries", "Relays to the hub that were retried"),
         )
         self._fail_log = RateLimitedLog(log, per_minute=6)
         self._malformed_log = RateLimitedLog(log, per_minute=10)

@@ -41,6 +41,7 @@ from gpulet_common.bus import Bus
 from gpulet_common.codec import HEALTH_EVENT
 from gpulet_common.logutil import RateLimitedLog
 from gpulet_common.messages import HealthEvent
+from gpulet_common.telemetry import create_counters
 from gpulet_health.buffer import DiskBuffer, Overflow
 from gpulet_health.dedup import EventIds
 
@@ -82,16 +83,17 @@ class HealthPublisher:
         self._retry_at = 0.0
         self._retry_s = _RETRY_MIN_S
         self._drop_log = RateLimitedLog(log, per_minute=10)
-        self._published = meter.create_counter(
-            "gpulet.health.events_published", description="Health events acknowledged by JetStream"
-        )
-        self._buffered = meter.create_counter(
-            "gpulet.health.events_buffered",
-            description="Health events written to the on-disk buffer (NATS unreachable)",
-        )
-        self._dropped = meter.create_counter(
-            "gpulet.health.events_dropped",
-            description="Health events dropped because the on-disk buffer was full",
+        self._published, self._buffered, self._dropped = create_counters(
+            meter,
+            ("gpulet.health.events_published", "Health events acknowledged by JetStream"),
+            (
+                "gpulet.health.events_buffered",
+                "Health events written to the on-disk buffer (NATS unreachable)",
+            ),
+            (
+                "gpulet.health.events_dropped",
+                "Health events dropped because the on-disk buffer was full",
+            ),
         )
         meter.create_observable_gauge(
             "gpulet.health.buffer_pending",

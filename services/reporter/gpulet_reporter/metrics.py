@@ -21,6 +21,8 @@ from collections.abc import Iterable
 from opentelemetry import metrics
 from opentelemetry.metrics import CallbackOptions, Observation
 
+from gpulet_common.telemetry import create_counters
+
 
 class ReporterMetrics:
     def __init__(self, meter: metrics.Meter) -> None:
@@ -32,22 +34,21 @@ class ReporterMetrics:
         self.failures_total = 0
         self.conflicts_total = 0
         self.unchanged_total = 0
-        self._writes = meter.create_counter(
-            "gpulet.reporter.writes", description="API writes (create, update, patch)"
-        )
-        self._conflicts = meter.create_counter(
-            "gpulet.reporter.conflicts", description="Writes answered 409 Conflict and re-read"
-        )
-        self._retries = meter.create_counter(
-            "gpulet.reporter.retries", description="Write attempts retried after a failure"
-        )
-        self._failures = meter.create_counter(
-            "gpulet.reporter.write_failures",
-            description="Write attempts that failed (throttled, server error, timeout...)",
-        )
-        self._unchanged = meter.create_counter(
-            "gpulet.reporter.unchanged",
-            description="Desired states that matched the API server and needed no write",
+        self._writes, self._conflicts, self._retries, self._failures, self._unchanged = (
+            create_counters(
+                meter,
+                ("gpulet.reporter.writes", "API writes (create, update, patch)"),
+                ("gpulet.reporter.conflicts", "Writes answered 409 Conflict and re-read"),
+                ("gpulet.reporter.retries", "Write attempts retried after a failure"),
+                (
+                    "gpulet.reporter.write_failures",
+                    "Write attempts that failed (throttled, server error, timeout...)",
+                ),
+                (
+                    "gpulet.reporter.unchanged",
+                    "Desired states that matched the API server and needed no write",
+                ),
+            )
         )
         self._latency = meter.create_histogram(
             "gpulet.reporter.write_latency",

@@ -77,8 +77,7 @@ from gpulet_common.messages import UNHEALTHY_SEVERITIES, GpuHealth, Inventory
 from gpulet_common.settings.reporter import ReporterSettings
 from gpulet_reporter.debounce import Debouncer
 from gpulet_reporter.desired import JsonObj, rfc3339
-from gpulet_reporter.metrics import ReporterMetrics
-from gpulet_reporter.writer import NodeClient, api_error
+from gpulet_reporter.writer import NodeApi, NodeClient, api_error
 
 log = logging.getLogger("gpulet.reporter")
 
@@ -348,21 +347,16 @@ class NodeHealthWriter:
 
     def __init__(
         self,
-        api: Any,
-        node: str,
-        settings: ReporterSettings,
-        metrics: ReporterMetrics,
+        target: NodeApi,
         *,
         clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
         server: str = "",
     ) -> None:
-        self._kube = NodeClient(
-            api, node, settings, metrics, missing="its GPU condition and taint wait"
-        )
-        self._node = node
-        self._settings = settings
-        self._metrics = metrics
+        self._kube = NodeClient.of(target, missing="its GPU condition and taint wait")
+        self._node = target.node
+        self._settings = target.settings
+        self._metrics = target.metrics
         self._clock = clock
         self._monotonic = monotonic
         self.description = f"API server {server} (node condition)" if server else "node condition"

@@ -25,6 +25,11 @@ Device write never holds back the condition, nor the other way round. A probe as
 health service for its state every ``health_probe_interval_s``: its answers are what
 tells a live health service from a KV bucket nobody updates any more. In no-cluster
 mode the condition is not written (there is no Node).
+
+With ``dra.mode`` ``dra`` or ``both`` the same view also feeds the node's
+ResourceSlices (:class:`~gpulet_reporter.slices.publisher.SlicePublisher`), through
+the same API client; with ``both``, the GPUs the device plugin holds (the allocator's
+``held`` long poll, :mod:`.slices.held`) are tainted ``NoSchedule`` there.
 """
 
 from __future__ import annotations
@@ -53,7 +58,9 @@ from gpulet_reporter.metrics import ReporterMetrics
 from gpulet_reporter.node_health import NodeHealthIntent, NodeHealthKeeper, NodeHealthWriter
 from gpulet_reporter.offline import OfflineSink
 from gpulet_reporter.pcie import make_resolver
-from gpulet_reporter.writer import KubeWriter, WriteLoop, WriteSink
+from gpulet_reporter.slices.held import follow_held
+from gpulet_reporter.slices.publisher import SlicePublisher
+from gpulet_reporter.writer import KubeWriter, NodeApi, WriteLoop, WriteSink
 
 log = logging.getLogger("gpulet.reporter")
 
@@ -98,6 +105,8 @@ class ReporterService:
         self.loop: WriteLoop[DesiredState] | None = None
         self.node_health_writer: NodeHealthWriter | None = None
         self.node_health_loop: WriteLoop[NodeHealthIntent] | None = None
+        #: The ResourceSlice publisher (``dra.mode`` dra or both; for tests).
+        self.slices: SlicePublisher | None = None
 
     # The core's state, for tests and the CLI.
     @property
@@ -228,19 +237,30 @@ class ReporterService:
         api = k8s_client.ApiClient(target.configuration)
         try:
             async with anyio.create_task_group() as tg:
+                node_api = NodeApi(api, self._node, self._settings, self.metrics)
                 if self._settings.node_condition:
-                    tg.start_soon(self._run_node_health_loop, api, target.server)
-                await self._run_loop(
-                    KubeWriter(api, self._node, self._settings, self.metrics, server=target.server)
-                )
+                    tg.start_soon(self._run_node_health_loop, node_api, target.server)
+                if self._rt.settings.dra.serves_dra:
+                    tg.start_soon(self._run_slices, api, target.server)
+                await self._run_loop(KubeWriter(node_api, server=target.server))
         finally:
             with anyio.CancelScope(shield=True), anyio.move_on_after(1.0):
                 await api.close()
 
-    async def _run_node_health_loop(self, api: k8s_client.ApiClient, server: str) -> None:
-        writer = self.node_health_writer = NodeHealthWriter(
-            api, self._node, self._settings, self.metrics, server=server
+    async def _run_slices(self, api: k8s_client.ApiClient, server: str) -> None:
+        """``dra.mode`` dra or both: the node's ResourceSlices (:mod:`.slices`)."""
+        self.slices = SlicePublisher(
+            api, self._node, self._rt.settings.dra, meter=self._rt.meter, server=server
         )
+        self.slices.attach(self.view)
+        async with anyio.create_task_group() as tg:
+            if self._rt.settings.dra.mode == "both":
+                retry_s = self._settings.request_retry_s
+                tg.start_soon(follow_held, self._rt.bus, self._node, self.slices, retry_s)
+            await self.slices.run()
+
+    async def _run_node_health_loop(self, node_api: NodeApi, server: str) -> None:
+        writer = self.node_health_writer = NodeHealthWriter(node_api, server=server)
         self.node_health_loop = WriteLoop(
             writer,
             self.node_health.debouncer,

@@ -51,6 +51,7 @@ import math
 import random
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from email.utils import parsedate_to_datetime
 from typing import Any, Final, Generic, Protocol, TypeVar
 
@@ -103,6 +104,11 @@ class WriteError(Exception):
         self.reason = reason
         self.retry_after = retry_after
         self.permanent = permanent
+
+
+class TryAgain(Exception):
+    """Raised by a round of :meth:`NodeClient.in_conflict_rounds` to run the next one at
+    once (the object vanished under an update: create it instead)."""
 
 
 class WriteSink(Protocol[T_contra]):
@@ -160,6 +166,17 @@ def api_error(exc: ApiException, what: str) -> WriteError:
     return WriteError("4xx", f"{detail}: {str(body)[:500]}", permanent=True)
 
 
+@dataclass(frozen=True, slots=True)
+class NodeApi:
+    """What every writer of one node's objects works with: the API client, the node,
+    the reporter's settings and its metrics."""
+
+    api: Any
+    node: str
+    settings: ReporterSettings
+    metrics: ReporterMetrics
+
+
 class NodeClient:
     """API calls for one node's writers: our timeout and error mapping around every
     request, the Node as last read, and read-modify-write merge patches of it with
@@ -184,6 +201,11 @@ class NodeClient:
         # What waits while the Node does not exist (logged at most once a minute).
         self._missing = missing
         self._missing_log = RateLimitedLog(log, per_minute=1)
+
+    @classmethod
+    def of(cls, target: NodeApi, *, missing: str) -> NodeClient:
+        """The client of a writer of ``target``'s objects."""
+        return cls(target.api, target.node, target.settings, target.metrics, missing=missing)
 
     async def call(
         self, what: str, fn: Callable[..., Awaitable[Any]], *args: Any, **kw: Any
@@ -218,13 +240,39 @@ class NodeClient:
         self.node_object = self.as_dict(found) if found is not None else None
         self.node_read = True
 
+    async def in_conflict_rounds(
+        self, obj: str, attempt: Callable[[], Awaitable[T]], *, stale: Callable[[], None]
+    ) -> T:
+        """Read-modify-write under optimistic concurrency, for every object we write.
+
+        ``attempt`` reads what is not read yet, builds and writes, and lets a 409 from
+        its write through as :class:`ApiException`: that conflict is counted, ``stale``
+        forgets the read, and the attempt runs again at once; so does one that raised
+        :class:`TryAgain`. After :data:`MAX_CONFLICT_ROUNDS` rounds it is a
+        ``conflict`` :class:`WriteError`, for the loop's back-off."""
+        for _ in range(MAX_CONFLICT_ROUNDS):
+            try:
+                return await attempt()
+            except TryAgain:
+                continue
+            except ApiException as exc:
+                if exc.status != 409:
+                    raise
+                self._metrics.conflict(obj)
+                stale()
+        raise WriteError("conflict", f"{obj} {self.node}: {MAX_CONFLICT_ROUNDS} conflicts in a row")
+
+    def _forget_node(self) -> None:
+        self.node_read = False
+
     async def patch_node(
         self, what: str, build: Callable[[JsonObj], JsonObj | None], metric: str
     ) -> JsonObj | None:
         """Merge-patch the Node with what ``build`` makes of it as last read; on a
         conflict read it again and rebuild. Returns the patch written, or None when
         there was nothing to write or no Node."""
-        for _ in range(MAX_CONFLICT_ROUNDS):
+
+        async def attempt() -> JsonObj | None:
             if not self.node_read:
                 await self.read_node()
             if self.node_object is None:
@@ -243,9 +291,7 @@ class NodeClient:
                 )
             except ApiException as exc:
                 if exc.status == 409:
-                    self._metrics.conflict("node")
-                    self.node_read = False
-                    continue
+                    raise
                 if exc.status == 404:
                     self.node_object = None
                     return None
@@ -254,33 +300,23 @@ class NodeClient:
             self.node_read = self.node_object is not None
             self._metrics.wrote(metric, "patch")
             return patch
-        raise WriteError("conflict", f"node {self.node}: {MAX_CONFLICT_ROUNDS} conflicts in a row")
+
+        return await self.in_conflict_rounds("node", attempt, stale=self._forget_node)
 
 
 class KubeWriter:
     """The API side of one node: observed objects, compare, create/update/patch."""
 
     def __init__(
-        self,
-        api: Any,
-        node: str,
-        settings: ReporterSettings,
-        metrics: ReporterMetrics,
-        *,
-        clock: Callable[[], float] = time.time,
-        server: str = "",
+        self, target: NodeApi, *, clock: Callable[[], float] = time.time, server: str = ""
     ) -> None:
-        self._kube = NodeClient(
-            api,
-            node,
-            settings,
-            metrics,
-            missing="the Device gets no owner reference and node labels wait",
+        self._kube = NodeClient.of(
+            target, missing="the Device gets no owner reference and node labels wait"
         )
-        self._custom = k8s_client.CustomObjectsApi(api)
-        self._node = node
-        self._settings = settings
-        self._metrics = metrics
+        self._custom = k8s_client.CustomObjectsApi(target.api)
+        self._node = target.node
+        self._settings = target.settings
+        self._metrics = target.metrics
         self._clock = clock
         self.description = f"API server {server}" if server else "API server"
         self.device: JsonObj | None = None
@@ -327,58 +363,59 @@ class KubeWriter:
 
     # -- the Device --------------------------------------------------------------
 
+    def _forget_device(self) -> None:
+        self._device_read = False
+
     async def _apply_device(self, desired: DesiredState) -> bool:
-        manager = self._settings.field_manager
-        for _ in range(MAX_CONFLICT_ROUNDS):
-            if not self._device_read:
-                await self._read_device()
-            rendered = render_device(
-                desired, self.device, node_uid=self._node_uid(), now=self._clock()
-            )
-            if not device_differs(rendered, self.device):
-                return False
-            rendered["metadata"].pop("managedFields", None)
-            verb = "create" if self.device is None else "update"
-            try:
-                if self.device is None:
-                    result = await self._kube.call(
-                        "create device",
-                        self._custom.create_cluster_custom_object,
-                        GROUP,
-                        VERSION,
-                        PLURAL,
-                        rendered,
-                        field_manager=manager,
-                    )
-                else:
-                    result = await self._kube.call(
-                        "update device",
-                        self._custom.replace_cluster_custom_object,
-                        GROUP,
-                        VERSION,
-                        PLURAL,
-                        self._node,
-                        rendered,
-                        field_manager=manager,
-                    )
-            except ApiException as exc:
-                if exc.status == 409:
-                    # Stale resourceVersion (someone wrote in between) or AlreadyExists.
-                    self._metrics.conflict("device")
-                    self._device_read = False
-                    continue
-                if exc.status == 404 and verb == "update":
-                    self.device = None
-                    continue
-                raise api_error(exc, f"{verb} device") from exc
-            self.device = result if isinstance(result, dict) else None
-            self._device_read = self.device is not None
-            self._metrics.wrote("device", verb)
-            log.info("device %s: %s (%d GPUs)", self._node, verb, len(desired.gpus))
-            return True
-        raise WriteError(
-            "conflict", f"device {self._node}: {MAX_CONFLICT_ROUNDS} conflicts in a row"
+        return await self._kube.in_conflict_rounds(
+            "device", lambda: self._write_device(desired), stale=self._forget_device
         )
+
+    async def _write_device(self, desired: DesiredState) -> bool:
+        """One round of :meth:`_apply_device` (see :meth:`NodeClient.in_conflict_rounds`)."""
+        manager = self._settings.field_manager
+        if not self._device_read:
+            await self._read_device()
+        rendered = render_device(desired, self.device, node_uid=self._node_uid(), now=self._clock())
+        if not device_differs(rendered, self.device):
+            return False
+        rendered["metadata"].pop("managedFields", None)
+        verb = "create" if self.device is None else "update"
+        try:
+            if self.device is None:
+                result = await self._kube.call(
+                    "create device",
+                    self._custom.create_cluster_custom_object,
+                    GROUP,
+                    VERSION,
+                    PLURAL,
+                    rendered,
+                    field_manager=manager,
+                )
+            else:
+                result = await self._kube.call(
+                    "update device",
+                    self._custom.replace_cluster_custom_object,
+                    GROUP,
+                    VERSION,
+                    PLURAL,
+                    self._node,
+                    rendered,
+                    field_manager=manager,
+                )
+        except ApiException as exc:
+            if exc.status == 409:
+                # Stale resourceVersion (someone wrote in between) or AlreadyExists.
+                raise
+            if exc.status == 404 and verb == "update":
+                self.device = None
+                raise TryAgain from exc
+            raise api_error(exc, f"{verb} device") from exc
+        self.device = result if isinstance(result, dict) else None
+        self._device_read = self.device is not None
+        self._metrics.wrote("device", verb)
+        log.info("device %s: %s (%d GPUs)", self._node, verb, len(desired.gpus))
+        return True
 
     # -- node labels -------------------------------------------------------------
 

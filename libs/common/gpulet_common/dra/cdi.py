@@ -17,25 +17,24 @@ container gets, carry what the device plugin's Allocate gives today
   ordinal being its place in ``NVIDIA_VISIBLE_DEVICES``), and the MPS pipe directory,
   mounted, when one is configured: the same enforcement as the device plugin's shares.
 
-Writing (:func:`write_spec`): through :func:`write_file_atomic`, a temporary file of a
-random name created with ``O_EXCL|O_NOFOLLOW`` inside the directory opened with
-``O_DIRECTORY|O_NOFOLLOW`` (no symlink, planted or not, is followed), fsynced, renamed
-over the spec, the directory fsynced: a container runtime reading the directory sees
-the old spec or the new one, never half of one. It is a small function on purpose,
-to be swapped for the shared safe writer of ``gpulet_common`` when that lands.
+Writing (:func:`write_spec`): through the one safe writer,
+:func:`gpulet_common.safefile.write_atomic` (a temporary file of a random name created
+``O_EXCL|O_NOFOLLOW`` in the directory opened ``O_NOFOLLOW``, fsynced, renamed over the
+spec, the directory fsynced): a container runtime reading the directory sees the old
+spec or the new one, never half of one, and no planted symlink is followed.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
-import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
+
+from gpulet_common.safefile import write_atomic
 
 CDI_VERSION: Final = "0.6.0"
 CLASS: Final = "gpu"
@@ -151,50 +150,10 @@ def build_spec(
     }
 
 
-def write_file_atomic(
-    directory: str | Path, name: str, data: bytes, mode: int = SPEC_MODE, *, durable: bool = True
-) -> None:
-    """Replace ``directory/name`` with ``data`` atomically, following no symlink.
-
-    The directory is made if missing (``0o755``) and then opened with ``O_NOFOLLOW``:
-    a symlink in its place is refused (OSError ELOOP/ENOTDIR). ``name`` must be a
-    plain file name. ``durable`` False skips the two fsyncs: readers still see the old
-    or the new file, but a power loss may leave the old one (or an empty one). Raises
-    OSError.
-    """
-    if not name or "/" in name or name in (".", ".."):
-        raise ValueError(f"not a plain file name: {name!r}")
-    Path(directory).mkdir(mode=0o755, parents=True, exist_ok=True)
-    dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-    try:
-        tmp = f".{name}.{secrets.token_hex(8)}.tmp"
-        fd = os.open(
-            tmp,
-            os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-            mode,
-            dir_fd=dir_fd,
-        )
-        try:
-            with os.fdopen(fd, "wb") as fh:
-                fh.write(data)
-                fh.flush()
-                if durable:
-                    os.fsync(fh.fileno())
-            os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp, dir_fd=dir_fd)
-            raise
-        if durable:
-            os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-
-
 def write_spec(cdi_dir: str | Path, driver: str, claim_uid: str, spec: JsonObj) -> Path:
     path = spec_file(cdi_dir, driver, claim_uid)
     data = json.dumps(spec, indent=2, sort_keys=True).encode() + b"\n"
-    write_file_atomic(path.parent, path.name, data)
+    write_atomic(path, data, mode=SPEC_MODE)
     return path
 
 

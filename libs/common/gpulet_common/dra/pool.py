@@ -28,8 +28,8 @@ from typing import Any, Final
 
 from gpulet_common.dra import devices as dev
 from gpulet_common.dra import limits, taints
-from gpulet_common.dra.settings import DraSettings
 from gpulet_common.messages import GpuHealth, Inventory
+from gpulet_common.settings.dra import DraSettings
 
 JsonObj = dict[str, Any]
 

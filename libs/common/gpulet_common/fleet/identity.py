@@ -87,6 +87,17 @@ def _consumer_rights(stream: str) -> list[str]:
     ]
 
 
+def _may(
+    pub: list[str], sub: list[str], *, connection_types: list[str] | None = None
+) -> jwt.UserNats:
+    """A user who may publish on ``pub`` and subscribe to ``sub``, and nothing else."""
+    return jwt.UserNats(
+        pub=jwt.Permission(allow=pub),
+        sub=jwt.Permission(allow=sub),
+        allowed_connection_types=connection_types or [],
+    )
+
+
 def user_permissions(role: Role, node: str = "") -> jwt.UserNats:
     """What a user of each role may do on the hub."""
     inbox = f"_INBOX.{role}.>"
@@ -97,48 +108,41 @@ def user_permissions(role: Role, node: str = "") -> jwt.UserNats:
         if not node:
             raise IdentityError("a node user needs its node name")
         tok = subjects.token(node)
-        return jwt.UserNats(
-            pub=jwt.Permission(allow=[f"gpu.*.{tok}"]),
+        return _may(
+            [f"gpu.*.{tok}"],
             # From the hub: the leaf protocol's loop detection and the fleet stream's
             # acks to this node's relay (its own inbox prefix); nothing else.
-            sub=jwt.Permission(allow=["$LDS.>", f"{subjects.fleet_relay_inbox(node)}.>"]),
-            allowed_connection_types=["LEAFNODE"],
+            ["$LDS.>", f"{subjects.fleet_relay_inbox(node)}.>"],
+            connection_types=["LEAFNODE"],
         )
     if role == "alerts":
-        return jwt.UserNats(
-            pub=jwt.Permission(
-                allow=[
-                    *_consumer_rights(stream),
-                    f"$JS.API.CONSUMER.DURABLE.CREATE.{stream}.*",
-                    f"$JS.API.CONSUMER.MSG.NEXT.{stream}.*",
-                    f"$JS.ACK.{stream}.>",
-                ]
-            ),
-            sub=jwt.Permission(allow=[inbox]),
+        return _may(
+            [
+                *_consumer_rights(stream),
+                f"$JS.API.CONSUMER.DURABLE.CREATE.{stream}.*",
+                f"$JS.API.CONSUMER.MSG.NEXT.{stream}.*",
+                f"$JS.ACK.{stream}.>",
+            ],
+            [inbox],
         )
     if role == "viewer":
-        return jwt.UserNats(
-            pub=jwt.Permission(
-                allow=[
-                    *_consumer_rights(kv_stream),
-                    f"$JS.API.STREAM.INFO.{stream}",
-                    f"$JS.API.DIRECT.GET.{kv_stream}",
-                    f"$JS.API.DIRECT.GET.{kv_stream}.>",
-                    f"$JS.API.STREAM.MSG.GET.{kv_stream}",
-                    f"$JS.API.CONSUMER.DELETE.{kv_stream}.*",
-                    # Flow control replies of the bucket watch (an ordered consumer).
-                    f"$JS.FC.{kv_stream}.>",
-                ]
-            ),
-            sub=jwt.Permission(allow=["gpu.>", inbox]),
+        return _may(
+            [
+                *_consumer_rights(kv_stream),
+                f"$JS.API.STREAM.INFO.{stream}",
+                f"$JS.API.DIRECT.GET.{kv_stream}",
+                f"$JS.API.DIRECT.GET.{kv_stream}.>",
+                f"$JS.API.STREAM.MSG.GET.{kv_stream}",
+                f"$JS.API.CONSUMER.DELETE.{kv_stream}.*",
+                # Flow control replies of the bucket watch (an ordered consumer).
+                f"$JS.FC.{kv_stream}.>",
+            ],
+            ["gpu.>", inbox],
         )
     if role == "admin":
-        return jwt.UserNats(
-            pub=jwt.Permission(allow=["$JS.API.>"]),
-            sub=jwt.Permission(allow=[inbox]),
-        )
+        return _may(["$JS.API.>"], [inbox])
     # sys: in the system account, for $SYS.REQ.CLAIMS.UPDATE and server monitoring.
-    return jwt.UserNats(pub=jwt.Permission(allow=["$SYS.REQ.>"]), sub=jwt.Permission(allow=[inbox]))
+    return _may(["$SYS.REQ.>"], [inbox])
 
 
 def fleet_mappings() -> dict[str, list[jwt.Mapping]]:

@@ -11,6 +11,7 @@ import msgspec
 
 from gpulet_common.settings.allocator import AllocatorSettings
 from gpulet_common.settings.collector import CollectorSettings
+from gpulet_common.settings.dra import DraSettings
 from gpulet_common.settings.fleet import FleetSettings
 from gpulet_common.settings.health import HealthSettings
 from gpulet_common.settings.limits import LimitsSettings
@@ -35,11 +36,13 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     allocator: AllocatorSettings = msgspec.field(default_factory=AllocatorSettings)
     limits: LimitsSettings = msgspec.field(default_factory=LimitsSettings)
     fleet: FleetSettings = msgspec.field(default_factory=FleetSettings)
+    dra: DraSettings = msgspec.field(default_factory=DraSettings)
 
 
 __all__ = [
     "AllocatorSettings",
     "CollectorSettings",
+    "DraSettings",
     "FleetSettings",
     "HealthSettings",
     "LimitsSettings",

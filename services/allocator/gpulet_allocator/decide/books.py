@@ -26,7 +26,7 @@ from typing import Final
 
 from gpulet_allocator.decide.engine import Ledger, ShareAllocation, WholeAllocation
 from gpulet_allocator.protocol import memory_units
-from gpulet_allocator.state.records import Grant, GrantKind
+from gpulet_allocator.state.records import ClaimRecord, Grant, GrantKind
 from gpulet_common.messages import GpuInfo, Inventory
 from gpulet_common.refusal import Refused
 
@@ -60,6 +60,8 @@ class Books:
     ) -> None:
         self.ledger = Ledger()
         self.grants: dict[str, Grant] = {}
+        # DRA claims by UID (:mod:`.claims`), each its own allocation ID in the ledger.
+        self.claims: dict[str, ClaimRecord] = {}
         self.gpus: dict[str, GpuInfo] = {}
         self.inventory: Inventory | None = None
         self.clock = clock
@@ -106,14 +108,31 @@ class Books:
     def withheld(self) -> dict[str, str]:
         """Cards kubelet must not count as whole GPUs, and why: healthy, present, not
         held whole (kubelet knows of those), yet the ledger refuses them whole -- they
-        hold shares. The device plugin lists them ``Unhealthy`` for the whole-GPU
+        hold shares -- or held whole by a DRA claim (kubelet's device manager does not
+        know of those). The device plugin lists them ``Unhealthy`` for the whole-GPU
         resource."""
         out: dict[str, str] = {}
         for d in self.ledger.devices():
-            if d.present and self.ledger.refusal(d.uuid, whole=False) is None:
+            claim = d.whole_owner.allocation_id if d.whole_owner is not None else ""
+            if d.present and d.healthy and claim in self.claims:
+                out[d.uuid] = f"{d.uuid} is held whole by DRA claim {claim}"
+            elif d.present and self.ledger.refusal(d.uuid, whole=False) is None:
                 refused = self.ledger.refusal(d.uuid, whole=True)
                 if refused is not None:
                     out[d.uuid] = refused.message
+        return out
+
+    def device_plugin_held(self) -> dict[str, str]:
+        """Each GPU an allocation of the device plugin holds (not a DRA claim's), with
+        the allocation: in ``dra.mode`` both the slices taint them."""
+        out: dict[str, str] = {}
+        for alloc in self.ledger.allocations():
+            holder = alloc.owner.allocation_id
+            if holder in self.claims:
+                continue
+            uuids = alloc.devices if isinstance(alloc, WholeAllocation) else (alloc.device,)
+            for uuid in uuids:
+                out.setdefault(uuid, holder)
         return out
 
     # --- ledger access ------------------------------------------------------------------
@@ -187,8 +206,9 @@ class Books:
         )
 
     def release(self, allocation: str) -> None:
-        """Forget an allocation and every grant that names it."""
+        """Forget an allocation and every grant (or DRA claim) that names it."""
         self.ledger.release(allocation)
+        self.claims.pop(allocation, None)
         for key in [k for k, g in self.grants.items() if g.allocation == allocation]:
             del self.grants[key]
         self.version += 1

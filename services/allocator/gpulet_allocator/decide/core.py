@@ -11,6 +11,7 @@ Interface
 :class:`AllocatorCore`: ``allocate`` and ``preferred`` (kubelet's calls), ``release``
 and ``reconcile`` (explicit, and from PodResources), ``update_inventory`` and
 ``set_health`` (the node's read model), ``withheld`` (cards not to be offered whole),
+``reserve_claim``/``release_claim`` (DRA's kubelet plugin, :mod:`.claims`),
 ``snapshot``/``restore`` (the checkpoint), ``adopt``/``mark_lost``/``end_loss`` (a lost
 record), ``state`` and ``allocation_views``. Every refusal is a
 :class:`~gpulet_common.refusal.Refused` with a code of the one table.
@@ -63,6 +64,7 @@ from typing import cast
 from gpulet_allocator.decide import checks
 from gpulet_allocator.decide.answers import Answers
 from gpulet_allocator.decide.books import Books, Undo, grant_key
+from gpulet_allocator.decide.claims import Claims
 from gpulet_allocator.decide.engine import Ledger, Owner
 from gpulet_allocator.decide.handshake import Handshake, RefusalHook
 from gpulet_allocator.decide.joining import ShareJoiner
@@ -73,6 +75,7 @@ from gpulet_allocator.decide.views import allocation_views, gpu_views
 from gpulet_allocator.mig import MigPlan, MigStrategy, mig_plan, mig_resource_prefix
 from gpulet_allocator.protocol import (
     AllocationView,
+    ClaimDeviceRequest,
     ContainerAllocation,
     PreferredRequest,
     ReleaseRequest,
@@ -80,7 +83,7 @@ from gpulet_allocator.protocol import (
     parse_device_id,
     resource_specs,
 )
-from gpulet_allocator.state.records import Grant, GrantKind, StoredState
+from gpulet_allocator.state.records import ClaimRecord, Grant, GrantKind, StoredState
 from gpulet_common.messages import Inventory
 from gpulet_common.refusal import Refused
 from gpulet_common.settings.allocator import CdiSettings, MpsSettings, ResourceNames
@@ -130,6 +133,7 @@ class AllocatorCore:
             kind_of=self.resource_kind,
             on_release=self.joiner.forget,
         )
+        self.claims = Claims(self.books)
         self._answers = Answers(self.books, mps or MpsSettings(), cdi or CdiSettings())
 
     # --- what the pieces hold -----------------------------------------------------------
@@ -331,6 +335,30 @@ class AllocatorCore:
             or (u in self.mig.offers and self.mig.offers[u].resource == resource)
         ]
         return self.ledger.preferred(available, request.must_include, request.size)
+
+    # --- DRA claims (the DRA kubelet plugin) --------------------------------------------
+
+    def reserve_claim(
+        self,
+        uid: str,
+        devices: Sequence[ClaimDeviceRequest],
+        *,
+        namespace: str = "",
+        name: str = "",
+    ) -> tuple[ClaimRecord, Undo | None]:
+        """Reserve a claim's devices in the ledger (:mod:`.claims`); raises Refused.
+
+        The undo (None: nothing changed) reverts it, for a checkpoint that failed.
+        """
+        if self.record.lost is not None:
+            raise self.record.lost_refusal()
+        if not self.ready:
+            raise Refused("not_ready", "the allocator has no GPU inventory yet")
+        return self.claims.reserve(uid, devices, namespace=namespace, name=name)
+
+    def release_claim(self, uid: str) -> bool:
+        """Release what claim ``uid`` holds; False when it held nothing."""
+        return self.claims.release(uid)
 
     # --- release --------------------------------------------------------------------------
 

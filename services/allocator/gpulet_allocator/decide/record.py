@@ -19,6 +19,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from gpulet_allocator.decide.books import Books, grant_key
+from gpulet_allocator.decide.claims import Claims
 from gpulet_allocator.decide.engine import Owner, WholeAllocation
 from gpulet_allocator.protocol import parse_device_id
 from gpulet_allocator.state.records import GrantKind, StoredState
@@ -162,6 +163,7 @@ class Record:
             node=self._node,
             allocations=books.ledger.snapshot(),
             grants=sorted(books.grants.values(), key=lambda g: g.key),
+            claims=sorted(books.claims.values(), key=lambda c: c.uid),
             lost=self.lost or "",
         )
 
@@ -176,7 +178,8 @@ class Record:
                 problems.append(f"grant {grant.key}: allocation {grant.allocation} is unknown")
                 continue
             books.grants[grant.key] = grant
-        owned = {g.allocation for g in books.grants.values()}
+        problems += Claims(books).restore(state.claims)
+        owned = {g.allocation for g in books.grants.values()} | set(books.claims)
         for alloc in books.ledger.allocations():
             if alloc.owner.allocation_id not in owned:
                 # Nothing could ever name it again, so nothing would release it.

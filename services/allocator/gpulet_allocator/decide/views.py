@@ -4,12 +4,15 @@
 from __future__ import annotations
 
 from gpulet_allocator.decide.books import Books
-from gpulet_allocator.decide.engine import ShareAllocation
+from gpulet_allocator.decide.engine import Allocation, ShareAllocation
 from gpulet_allocator.protocol import CORES_PER_GPU, AllocationView, GpuView, GrantView
 
 
-def allocation_view(books: Books, allocation: str) -> AllocationView:
-    alloc = books.ledger.get(allocation)
+def allocation_view(
+    books: Books, allocation: str, alloc: Allocation | None = None
+) -> AllocationView:
+    """``alloc``: the entry to show (a DRA claim's share is not under ``(id, "")``)."""
+    alloc = alloc or books.ledger.get(allocation)
     grants = sorted(
         (g for g in books.grants.values() if g.allocation == allocation),
         key=lambda g: (g.created_at, g.key),
@@ -46,7 +49,7 @@ def allocation_view(books: Books, allocation: str) -> AllocationView:
 
 
 def allocation_views(books: Books) -> list[AllocationView]:
-    return [allocation_view(books, a.owner.allocation_id) for a in books.ledger.allocations()]
+    return [allocation_view(books, a.owner.allocation_id, a) for a in books.ledger.allocations()]
 
 
 def gpu_views(books: Books) -> list[GpuView]:

@@ -15,7 +15,8 @@ Flow
    :mod:`gpulet_allocator.protocol`). It shows up in ``$SRV.PING/INFO/STATS``; each
    endpoint's ``data`` in STATS counts answers by outcome and refusals by code
    (:mod:`.replies`). ``withheld`` is the device plugin's long poll of the cards that
-   may not go whole.
+   may not go whole; ``reserve-claim`` and ``release-claim`` are the DRA kubelet
+   plugin's (:mod:`.claims`).
 4. Every ``release_interval_s``, ask kubelet's PodResources API which containers are
    alive and release the allocations of the others (:mod:`.release`).
 5. With ``allocator.handshake.enabled``, watch this node's pods into the core's book
@@ -69,11 +70,12 @@ from nats.micro.service import Service
 from gpulet_allocator import protocol as p
 from gpulet_allocator.decide.books import Undo
 from gpulet_allocator.decide.core import AllocatorCore
+from gpulet_allocator.service.claims import ClaimEndpoints
 from gpulet_allocator.service.handshake import HandshakeRunner, pod_book
 from gpulet_allocator.service.release import PodResourcesFollower
 from gpulet_allocator.service.replies import Replies
 from gpulet_allocator.service.status import AllocatorStatus
-from gpulet_allocator.service.withheld import WithheldFeed
+from gpulet_allocator.service.withheld import WithheldFeed, held_feed
 from gpulet_allocator.state.checkpoint import (
     CheckpointError,
     CheckpointFile,
@@ -157,6 +159,12 @@ class AllocatorService:
         )
         #: The cards kubelet must not count as whole GPUs, for the device plugin.
         self.withheld = WithheldFeed(replies, self.core.withheld)
+        #: The GPUs the device plugin holds, for the slice publisher (dra.mode both).
+        self.held = held_feed(replies, self.core.books.device_plugin_held)
+        #: The DRA kubelet plugin's endpoints (claims in the same ledger).
+        self.claims = ClaimEndpoints(
+            self.core, replies, self._answer_durably, self._on_record_change
+        )
         #: The running nats.micro service (for tests and the status line).
         self.micro: Service | None = None
 
@@ -232,6 +240,9 @@ class AllocatorService:
                     p.ENDPOINT_STATE: self._on_state,
                     p.ENDPOINT_RESET: self._on_reset,
                     p.ENDPOINT_WITHHELD: self._on_withheld,
+                    p.ENDPOINT_RESERVE_CLAIM: self.claims.on_reserve,
+                    p.ENDPOINT_RELEASE_CLAIM: self.claims.on_release,
+                    p.ENDPOINT_HELD: lambda req: self.held.on_request(req, tg),
                 }
                 for endpoint, handler in handlers.items():
                     await service.add_endpoint(
@@ -304,6 +315,7 @@ class AllocatorService:
             self._held = held
             self._update_status()
         self.withheld.follow()
+        self.held.follow()
 
     # --- request plumbing ---------------------------------------------------------------
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import secrets
 import time
 from collections.abc import Callable
+from typing import Any
 
 import anyio
 import anyio.abc
@@ -22,14 +23,38 @@ from nats.micro.request import Request
 
 from gpulet_allocator import protocol as p
 from gpulet_allocator.service.replies import Replies
+from gpulet_common import codec
+from gpulet_common.codec import Codec
+from gpulet_common.messages import HeldReply
 
 # Long polls held open at once; past that a request is answered at once (a flood of
 # them must not pile up tasks; the device plugin keeps one).
 MAX_WAITING = 64
 
 
+def _withheld_reply(epoch: str, version: int, withheld: dict[str, str]) -> bytes:
+    return p.WITHHELD_REPLY.encode(p.WithheldReply(epoch=epoch, version=version, withheld=withheld))
+
+
+def _held_reply(epoch: str, version: int, held: dict[str, str]) -> bytes:
+    return codec.HELD_REPLY.encode(HeldReply(epoch=epoch, version=version, held=held))
+
+
 class WithheldFeed:
-    def __init__(self, replies: Replies, withheld: Callable[[], dict[str, str]]) -> None:
+    """A versioned set of cards as a long poll; ``held`` builds the same feed of the
+    cards the device plugin's allocations hold (the ``held`` endpoint, whose types are
+    common: the reporter's slice publisher asks it)."""
+
+    def __init__(
+        self,
+        replies: Replies,
+        withheld: Callable[[], dict[str, str]],
+        *,
+        endpoint: str = p.ENDPOINT_WITHHELD,
+        request: Codec[Any] = p.WITHHELD_REQUEST,
+        reply: Callable[[str, int, dict[str, str]], bytes] = _withheld_reply,
+    ) -> None:
+        self._endpoint, self._request, self._reply = endpoint, request, reply
         self._replies = replies
         self._source = withheld
         self._withheld: dict[str, str] = {}
@@ -50,17 +75,15 @@ class WithheldFeed:
     async def on_request(self, req: Request, tg: anyio.abc.TaskGroup) -> None:
         """Answer now, or (a current long poll) from a task of ``tg``: nats.micro hands
         an endpoint one message at a time."""
-        endpoint = p.ENDPOINT_WITHHELD
+        endpoint = self._endpoint
         started = time.perf_counter()
-        value = await self._replies.decode(req, endpoint, p.WITHHELD_REQUEST, started)
+        value = await self._replies.decode(req, endpoint, self._request, started)
         if value is None:
             return
 
         async def answer() -> None:
-            reply = p.WithheldReply(
-                epoch=self._epoch, version=self._version, withheld=self._withheld
-            )
-            await self._replies.ok(req, endpoint, p.WITHHELD_REPLY.encode(reply), started)
+            data = self._reply(self._epoch, self._version, self._withheld)
+            await self._replies.ok(req, endpoint, data, started)
 
         current = value.epoch == self._epoch and value.version == self._version
         if not (current and value.wait_s > 0) or self._waiting >= MAX_WAITING:
@@ -79,3 +102,9 @@ class WithheldFeed:
 
         self._waiting += 1
         tg.start_soon(when_changed)
+
+
+def held_feed(replies: Replies, held: Callable[[], dict[str, str]]) -> WithheldFeed:
+    return WithheldFeed(
+        replies, held, endpoint=p.ENDPOINT_HELD, request=codec.HELD_REQUEST, reply=_held_reply
+    )

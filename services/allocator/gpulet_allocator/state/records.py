@@ -2,8 +2,10 @@
 
 Plain data, no behaviour: the decision core (:mod:`gpulet_allocator.decide`) fills
 them, :mod:`.checkpoint` writes and reads them. A :class:`Grant` is one container's
-Allocate of one resource as it was answered; :class:`StoredState` is the checkpoint,
-the ledger's allocations and the grants that name them.
+Allocate of one resource as it was answered; a :class:`ClaimRecord` is one DRA
+ResourceClaim's reservation (the DRA kubelet plugin's ``reserve-claim``);
+:class:`StoredState` is the checkpoint, the ledger's allocations and the grants and
+claims that name them.
 """
 
 from __future__ import annotations
@@ -37,6 +39,26 @@ class Grant(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     mps_memory_mib: int = 0
 
 
+class ClaimDeviceRecord(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """One device a claim holds: its DRA name, the GPU, and the share (None: whole)."""
+
+    device: str
+    uuid: str
+    minor: int
+    cores: int | None = None
+    memory_mib: int | None = None
+
+
+class ClaimRecord(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """A DRA claim's reservation; its UID is its allocation ID in the ledger."""
+
+    uid: str
+    devices: list[ClaimDeviceRecord]
+    created_at: float
+    namespace: str = ""
+    name: str = ""
+
+
 class StoredState(msgspec.Struct, frozen=True, kw_only=True):
     """What the checkpoint holds. Add fields with defaults only; bump version otherwise."""
 
@@ -44,6 +66,8 @@ class StoredState(msgspec.Struct, frozen=True, kw_only=True):
     node: str = ""
     allocations: list[WholeAllocation | ShareAllocation] = []
     grants: list[Grant] = []
+    # DRA claims, each naming the ledger allocations under its UID.
+    claims: list[ClaimRecord] = []
     # Not empty: the record of allocations was lost (a corrupt file, why); what is
     # above was rebuilt since. Kept until PodResources rebuilt it or an operator
     # accepted the loss (see :mod:`gpulet_allocator.decide.record`).

@@ -24,7 +24,9 @@ reported with its catalogue entry (info); a 43 alone as an application XID.
 
 Repeats
 -------
-An XID that does not already make the GPU unhealthy, seen in
+A warning XID (not one that already makes the GPU unhealthy; not an info one, the
+catalogue's no-action codes such as 63, which the remap rule reads; not one whose
+immediate bucket is RESTART_APP, such as 94, which a job restart fixes), seen in
 ``health.xid_repeat_count`` separate bursts (each de-duplication window that
 publishes is a burst) within ``health.xid_repeat_window_s``, raises the sticky
 ``xid_repeated:<code>`` (critical, operator_check): a warning that keeps coming back
@@ -63,6 +65,9 @@ UNSUPPORTED = "unsupported"
 BYPRODUCT_XIDS: frozenset[int] = frozenset({43, 45})
 # XID 45 never counts for the repeat rule (nor do the application XIDs).
 PREEMPTIVE_CLEANUP = 45
+# NVIDIA's bucket for faults a job restart fixes (the GPU stays in service): like the
+# application XIDs, their repeats say more about the workload than about the GPU.
+RESTART_APP = "RESTART_APP"
 MAX_VARIANT_CHARS = 200
 
 _PID_NAME = re.compile(r"\b(?:pid|name)=(?:'[^']*'|<[^>]*>|[^,]*)(?:,\s*|$)")
@@ -130,7 +135,13 @@ class Xid(Family):
         if (not raises or key[1] in gpu.conditions) and self.kit.absorb(key, var, now):
             return []  # a repeat inside its window: counted
         out: list[Emit] = []
-        if not raises and not verdict.application and code != PREEMPTIVE_CLEANUP:
+        if (
+            not raises
+            and info.severity == "warning"
+            and info.immediate != RESTART_APP
+            and not verdict.application
+            and code != PREEMPTIVE_CLEANUP
+        ):
             out += self._repeats(gpu, mine, code, now)
         where = f"; {seen_in}" if seen_in else ""
         no_field = raises and gpu.recovery == UNSUPPORTED

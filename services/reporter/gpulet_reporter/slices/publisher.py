@@ -39,9 +39,9 @@ import anyio
 from kubernetes_asyncio.client.exceptions import ApiException
 from opentelemetry import metrics
 
-from gpulet_common.dra.settings import DraSettings
 from gpulet_common.logutil import RateLimitedLog
 from gpulet_common.nodeview import NodeChange, NodeView
+from gpulet_common.settings.dra import DraSettings
 from gpulet_common.settings.reporter import ReporterSettings
 from gpulet_reporter.debounce import Debouncer
 from gpulet_reporter.metrics import ReporterMetrics

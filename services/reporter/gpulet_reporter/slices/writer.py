@@ -39,8 +39,8 @@ from kubernetes_asyncio.client.exceptions import ApiException
 from gpulet_common.dra import devices as dev
 from gpulet_common.dra import pool as dra_pool
 from gpulet_common.dra import taints
-from gpulet_common.dra.settings import DraSettings
 from gpulet_common.messages import GpuHealth, Inventory
+from gpulet_common.settings.dra import DraSettings
 from gpulet_reporter.writer import MAX_CONFLICT_ROUNDS, NodeClient, WriteError, api_error
 
 log = logging.getLogger("gpulet.reporter.slices")

@@ -17,7 +17,10 @@ Flow
    (:class:`~.nats_backend.NatsAllocationBackend`): it serves one
    socket per resource, registers with kubelet and re-registers after kubelet
    restarts. The status says whether kubelet accepted the registration.
-5. MIG (:mod:`gpulet_allocator.mig`, ``allocator.mig_strategy``): a MIG-enabled GPU
+5. With ``dra.mode`` ``dra`` or ``both``, run the DRA kubelet plugin beside it
+   (:class:`~gpulet_allocator.kubelet.dra.service.DraPluginRunner`), over the same
+   NATS connection and read model; with ``dra`` the device plugin itself stays off.
+6. MIG (:mod:`gpulet_allocator.mig`, ``allocator.mig_strategy``): a MIG-enabled GPU
    is not listed (said once per change in the log); the strategy's MIG devices are.
    Under ``mixed`` each profile is a resource of its own: when the set of profiles on
    the node changes, the manager is started again with the new set.
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import TYPE_CHECKING
 
 import anyio
 import anyio.abc
@@ -46,6 +50,9 @@ from gpulet_common.lifecycle import idle_disabled
 from gpulet_common.messages import GpuInfo
 from gpulet_common.nodeview import NodeChange, NodeView
 from gpulet_common.runtime import Runtime
+
+if TYPE_CHECKING:
+    from gpulet_allocator.kubelet.dra.service import DraPluginRunner
 
 log = logging.getLogger("gpulet.device-plugin")
 
@@ -86,6 +93,8 @@ class DevicePluginService:
         self.mig_specs: tuple[ResourceSpec, ...] = ()
         # Set when mig_specs change while a manager serves (created by the run loop).
         self._specs_changed: anyio.Event | None = None
+        #: The DRA kubelet plugin (``dra.mode`` dra or both; for tests).
+        self.dra: DraPluginRunner | None = None
         #: The running manager, once kubelet's directory exists (for tests).
         self.manager: DevicePluginManager | None = None
 
@@ -99,6 +108,12 @@ class DevicePluginService:
         )
         async with anyio.create_task_group() as tg:
             await tg.start(self.view.run)
+            if self._rt.settings.dra.serves_dra:
+                await tg.start(self._run_dra)
+            if self._rt.settings.dra.mode == "dra":
+                self._rt.status.set(self.name, "ready", "off: dra.mode is dra")
+                task_status.started()
+                return
             await tg.start(backend.run)
             tg.start_soon(self._follow_withheld, backend)
             # Said before "started", so the status board never shows a ready plugin
@@ -135,6 +150,14 @@ class DevicePluginService:
                 if failure is not None:
                     self._rt.status.set(self.name, "degraded", failure)
                     await anyio.sleep(RESTART_DELAY_S)
+
+    async def _run_dra(
+        self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        from gpulet_allocator.kubelet.dra.service import DraPluginRunner  # its extras
+
+        self.dra = DraPluginRunner(self._rt, self.view)
+        await self.dra.run(task_status=task_status)
 
     def _cannot_serve(self, manager: DevicePluginManager, exc: Exception) -> str:
         detail = f"cannot serve in {self._config.plugin_dir}: {exc}"

@@ -26,7 +26,7 @@ from typing import Annotated
 
 import msgspec
 
-from gpulet_common.dra.cdi import write_file_atomic
+from gpulet_common.safefile import write_atomic
 from gpulet_common.statefile import quarantine
 
 log = logging.getLogger("gpulet.dra.checkpoint")
@@ -88,11 +88,10 @@ class CheckpointFile:
 
     def _save(self, claims: dict[str, PreparedClaim]) -> None:
         """Write ``claims``, then hold them (a failed write changes nothing)."""
-        write_file_atomic(
-            self.path.parent,
-            self.path.name,
+        write_atomic(
+            self.path,
             _ENCODER.encode(Checkpoint(claims=claims)),
-            CHECKPOINT_MODE,
+            mode=CHECKPOINT_MODE,
             durable=False,
         )
         self.claims = claims

@@ -1,9 +1,11 @@
 """What the DRA kubelet plugin needs from the rest of gpulet: two small typed Protocols.
 
 The plugin is an adapter, like the device plugin: kubelet's calls enter here, the
-decisions are made in the allocator's decision core, state is kept in its ledger. The
-lead binds these Protocols to the real core once the allocator's refactor (issue 24)
-lands; the tests bind them to an in-memory core.
+decisions are made in the allocator's decision core, state is kept in its ledger. In
+production :class:`DecisionCore` is :class:`~.nats_core.NatsDecisionCore`, the
+allocator service's ``reserve-claim`` / ``release-claim`` over NATS (rules:
+:mod:`gpulet_allocator.decide.claims`); the plugin's unit tests bind it to an
+in-memory core.
 
 :class:`DecisionCore` -- reserve and release a claim's devices in **the same ledger**
 as the device plugin, so a GPU never has two owners, whichever adapter asked:
@@ -11,14 +13,15 @@ as the device plugin, so a GPU never has two owners, whichever adapter asked:
 * :meth:`~DecisionCore.reserve_claim` is idempotent: the same claim UID with the same
   devices returns the reservation it already holds. A device held by another claim or
   by a device-plugin allocation, unknown, or unhealthy is refused with
-  :class:`~gpulet_common.refusal.Refused` (code ``conflict``, ``unknown_device``,
-  ``unhealthy``...). A refusal leaves nothing reserved.
+  :class:`~gpulet_common.refusal.Refused` (codes of the one table:
+  ``insufficient_capacity``, ``unknown_device``, ``unhealthy_device``...); no answer
+  is :class:`~gpulet_common.refusal.RequestTimeout`. A refusal leaves nothing reserved.
 * :meth:`~DecisionCore.release_claim` releases whatever the claim holds; releasing a
   claim that holds nothing is not an error (False).
 * A device that allows multiple allocations is always allocated with a
   ``consumedCapacity`` (the request policy's default when the claim names none, i.e.
-  all of it): a :class:`ClaimDevice` whose share covers the device's whole cores and
-  memory is a whole GPU to the core, and should be recorded as one.
+  all of it): a :class:`ClaimDevice` that consumes all of the device's cores is a
+  whole GPU to the core (no other share can fit beside it), and is recorded as one.
 
 :class:`ClaimReader` -- ``GET`` one ResourceClaim (the raw JSON object, decoded by
 :mod:`.claims`, never trusted): None when it does not exist; raises
@@ -71,11 +74,11 @@ class Reservation:
 
 
 class DecisionCore(Protocol):
-    def reserve_claim(self, claim_uid: str, devices: Sequence[ClaimDevice]) -> Reservation:
+    async def reserve_claim(self, claim_uid: str, devices: Sequence[ClaimDevice]) -> Reservation:
         """Reserve ``devices`` for the claim (idempotent); raises Refused."""
         ...
 
-    def release_claim(self, claim_uid: str) -> bool:
+    async def release_claim(self, claim_uid: str) -> bool:
         """Release what the claim holds; False when it held nothing."""
         ...
 

@@ -174,24 +174,31 @@ class DraPlugin:
             # Nothing of ours in this claim: nothing to reserve, nothing to inject.
             return PrepareResult()
         try:
-            reservation = self._core.reserve_claim(claim.uid, wanted)
+            reservation = await self._core.reserve_claim(claim.uid, wanted)
         except BusError as exc:
             return PrepareResult(error=bounded(f"claim {where}: {exc.message}"))
         missing = {w.device for w in wanted} - {d.device for d in reservation.devices}
         if missing:
             if not held_before:
-                self._core.release_claim(claim.uid)
+                await self._release_quietly(claim.uid)
             return PrepareResult(error=f"claim {where}: not reserved: {sorted(missing)}")
         try:
             prepared = await anyio.to_thread.run_sync(self._write, claim, wanted, reservation)
         except OSError as exc:
             if not held_before:
-                self._core.release_claim(claim.uid)
+                await self._release_quietly(claim.uid)
             self._log.warning(
                 "prepare of %s: cannot write its CDI spec or checkpoint: %s", where, exc
             )
             return PrepareResult(error=bounded(f"claim {where}: cannot write CDI spec: {exc}"))
         return PrepareResult(devices=prepared.devices)
+
+    async def _release_quietly(self, uid: str) -> None:
+        """Give back a reservation this call made; the core unreachable, Unprepare will."""
+        try:
+            await self._core.release_claim(uid)
+        except BusError as exc:
+            self._log.warning("release of claim %s after a failed prepare: %s", uid, exc)
 
     def _write(
         self, claim: ClaimRef, wanted: Sequence[ClaimDevice], reservation: Reservation
@@ -248,7 +255,7 @@ class DraPlugin:
         lock = self.locks.acquire_ref(claim.uid)
         try:
             async with lock:
-                self._core.release_claim(claim.uid)
+                await self._core.release_claim(claim.uid)
                 await anyio.to_thread.run_sync(self._forget, claim.uid)
                 return ""
         except BusError as exc:

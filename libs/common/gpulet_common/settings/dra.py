@@ -1,8 +1,8 @@
-"""What an operator chooses about DRA: the driver name, the mode, taints and sharing.
+"""The ``[dra]`` section: the driver name, the mode, taints and sharing.
 
-A msgspec Struct like every other settings section (``gpulet_common.settings``), kept
-beside the DRA model until the lead wires it into the config file as ``[dra]``; fields
-only get added, each with a default.
+A msgspec Struct like every other settings section; fields only get added, each with
+a default. Read by the reporter (the ResourceSlice publisher) and the device-plugin
+sidecar (the DRA kubelet plugin); docs/dra.md says how to turn it on.
 
 * ``mode``: ``device-plugin`` (DRA off: no slices, no kubelet plugin), ``dra`` (slices
   and the kubelet plugin, no device plugin), ``both`` (a migration: both adapters over
@@ -31,27 +31,51 @@ Seconds = Annotated[float, msgspec.Meta(ge=0)]
 
 
 class DraSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
+    # Which kubelet API serves the GPUs: `device-plugin` (DRA off), `dra` (ResourceSlices
+    # and the DRA kubelet plugin, no device plugin) or `both` (a migration: both over one
+    # ledger; a GPU the device plugin holds is tainted NoSchedule in the slice).
     mode: Mode = "device-plugin"
     # The DRA driver name: a DNS subdomain of at most 63 characters.
     driver: str = DEFAULT_DRIVER
+    # The taint effect of a fault that makes a GPU unhealthy (`NoExecute` also evicts
+    # the pods using it).
     unhealthy_effect: Effect = "NoSchedule"
+    # Offer each GPU for sharing through consumable capacity (cores in percent and
+    # memory, allowMultipleAllocations).
     sharing: bool = True
     # Smallest share of memory a claim may ask for, in bytes (the requestPolicy step).
     memory_step_bytes: Annotated[int, msgspec.Meta(gt=0)] = 1024**3
+    # Where Prepare writes each claim's CDI spec (the container runtime reads it).
     cdi_dir: str = DEFAULT_CDI_DIR
+    # kubelet's plugin registry: the registration socket `<driver>-reg.sock` goes here.
     plugins_registry: str = DEFAULT_PLUGINS_REGISTRY
+    # The DRA socket goes to `<plugins_dir>/<driver>/dra.sock`.
     plugins_dir: str = DEFAULT_PLUGINS_DIR
+    # The kubeconfig the DRA kubelet plugin reads claims with (empty: in-cluster when
+    # the pod has a service account, else $KUBECONFIG, then ~/.kube/config).
+    kubeconfig: str = ""
+    # The kubeconfig context (empty: its current context).
+    kube_context: str = ""
+    # The DRA kubelet plugin's checkpoint of prepared claims (empty:
+    # <plugins_dir>/<driver>/checkpoint.json, beside its socket).
+    checkpoint_path: str = ""
     # The slice writer's debounce, as the reporter's Device writer.
     quiet_window_s: Seconds = 0.5
+    # The longest a slice change waits for the quiet window.
     max_delay_s: Seconds = 2.0
     # A watch on the node's slices repairs a deletion (kubelet deletes a node's slices
     # when it starts) or an edit within the debounce; the slices are also re-listed
     # this often, which repairs them even when the watch is down.
     resync_s: PositiveSeconds = 60.0
+    # The server-side timeout of one watch of the node's slices.
     watch_timeout_s: PositiveSeconds = 300.0
+    # How long one API request may take.
     api_timeout_s: PositiveSeconds = 10.0
+    # Backoff between failed slice writes, doubling from base to max.
     backoff_base_s: PositiveSeconds = 0.2
+    # The longest backoff between failed slice writes.
     backoff_max_s: PositiveSeconds = 30.0
+    # The field manager of gpulet's server-side applies of ResourceSlices.
     field_manager: str = "gpulet-dra"
 
     @property

@@ -1,0 +1,96 @@
+{{/* Labels every object carries: the base's part-of label, plus Helm's own. */}}
+{{- define "gpulet.commonLabels" -}}
+app.kubernetes.io/part-of: gpulet
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
+
+{{/* ... and gpulet's name, on everything but the generated ConfigMaps (as in the base). */}}
+{{- define "gpulet.labels" -}}
+app.kubernetes.io/name: gpulet
+{{ include "gpulet.commonLabels" . }}
+{{- end -}}
+
+{{- define "gpulet.image" -}}
+{{ .Values.image.repository }}:{{ .Values.image.tag }}
+{{- end -}}
+
+{{/* The environment every gpulet container starts with: its node and NATS user. */}}
+{{- define "gpulet.natsEnv" -}}
+- name: NODE_NAME
+  valueFrom:
+    fieldRef: {fieldPath: spec.nodeName}
+- {name: GPULET_NATS__USER, value: {{ .user }}}
+- {name: GPULET_NATS__INBOX_PREFIX, value: _INBOX.{{ .user }}}
+- name: GPULET_NATS__PASSWORD
+  valueFrom:
+    secretKeyRef: {name: {{ .secret }}, key: {{ .user }}}
+{{- end -}}
+
+{{- define "gpulet.probes" -}}
+startupProbe:
+  httpGet: {path: /healthz, port: {{ .port }}}
+  periodSeconds: 2
+  failureThreshold: 30
+livenessProbe:
+  httpGet: {path: /healthz, port: {{ .port }}}
+  periodSeconds: 10
+  timeoutSeconds: 3
+  failureThreshold: 3
+readinessProbe:
+  httpGet: {path: /readyz, port: {{ .port }}}
+  periodSeconds: 10
+  timeoutSeconds: 3
+{{- end -}}
+
+{{- define "gpulet.restricted" -}}
+allowPrivilegeEscalation: false
+readOnlyRootFilesystem: true
+capabilities:
+  drop: [ALL]
+{{- end -}}
+
+{{- define "gpulet.rootNoCaps" -}}
+runAsUser: 0
+runAsGroup: 0
+runAsNonRoot: false
+allowPrivilegeEscalation: false
+readOnlyRootFilesystem: true
+capabilities:
+  drop: [ALL]
+{{- end -}}
+
+{{- define "gpulet.tokenVolume" -}}
+projected:
+  sources:
+    - serviceAccountToken:
+        path: token
+        expirationSeconds: 3600
+    - configMap:
+        name: kube-root-ca.crt
+        items:
+          - key: ca.crt
+            path: ca.crt
+    - downwardAPI:
+        items:
+          - path: namespace
+            fieldRef:
+              fieldPath: metadata.namespace
+{{- end -}}
+
+{{/* Values this version cannot serve fail the render with why. */}}
+{{- define "gpulet.validate" -}}
+{{- if ne .Values.kubeletApi "device-plugin" -}}
+{{- fail (printf "kubeletApi=%s: this version of gpulet serves GPUs through the device plugin only (kubeletApi=device-plugin); DRA arrives in a later version" .Values.kubeletApi) -}}
+{{- end -}}
+{{- if ne .Values.mig.strategy "none" -}}
+{{- fail (printf "mig.strategy=%s: this version of gpulet serves whole GPUs only (mig.strategy=none)" .Values.mig.strategy) -}}
+{{- end -}}
+{{- if ne .Values.sharing.strategy "none" -}}
+{{- fail (printf "sharing.strategy=%s: this version of gpulet shares GPUs only through Koordinator's gpu-core/gpu-memory resources (sharing.strategy=none)" .Values.sharing.strategy) -}}
+{{- end -}}
+{{- if not (has .Values.nats.mode (list "embedded" "existing" "fleet")) -}}
+{{- fail (printf "nats.mode=%s: one of embedded, existing, fleet" .Values.nats.mode) -}}
+{{- end -}}
+{{- end -}}

@@ -1,0 +1,149 @@
+"""The DRA kubelet plugin, started by the device-plugin service when ``dra.mode`` is
+``dra`` or ``both``.
+
+It is built from the agent's settings (``[dra]``) and runs inside the device-plugin
+service's task group (the same sidecar, the same NATS connection, the same node read
+model):
+
+* decisions: :class:`~.nats_core.NatsDecisionCore`, the allocator service's
+  ``reserve-claim`` / ``release-claim``, so claims land in the one ledger;
+* claims: :class:`~.claims.KubeClaimReader` with the cluster configuration of
+  :mod:`gpulet_common.kube` (``dra.kubeconfig``, else in-cluster, else
+  ``$KUBECONFIG`` / ``~/.kube/config``). Without one the plugin waits, degraded on the
+  status board, and looks again with a back-off: kubelet cannot call a plugin that is
+  not registered, so nothing is lost meanwhile;
+* health: :class:`~.health.NodeViewHealth` over the service's
+  :class:`~gpulet_common.nodeview.NodeView`;
+* sockets: ``<plugins_registry>/<driver>-reg.sock`` and
+  ``<plugins_dir>/<driver>/dra.sock`` (:class:`~.server.Sockets`); CDI specs in
+  ``dra.cdi_dir``; the prepared claims' checkpoint in ``dra.checkpoint_path`` or
+  ``<plugins_dir>/<driver>/checkpoint.json``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.abc
+from kubernetes_asyncio import client as k8s_client
+
+from gpulet_allocator.kubelet.dra.claims import KubeClaimReader
+from gpulet_allocator.kubelet.dra.health import NodeViewHealth
+from gpulet_allocator.kubelet.dra.nats_core import NatsDecisionCore
+from gpulet_allocator.kubelet.dra.plugin import DraPlugin, PluginSettings
+from gpulet_allocator.kubelet.dra.server import DraKubeletPlugin, Sockets
+from gpulet_common.kube import (
+    KubeConfigError,
+    from_kubeconfig,
+    in_cluster,
+    in_cluster_available,
+    kubeconfig_path,
+)
+from gpulet_common.nodeview import NodeView
+from gpulet_common.runtime import Runtime
+from gpulet_common.settings.dra import DraSettings
+
+log = logging.getLogger("gpulet.dra")
+
+STATUS_NAME = "dra-plugin"
+CONFIG_RETRY_MAX_S = 30.0
+
+
+def checkpoint_path(runtime: Runtime) -> Path:
+    """``dra.checkpoint_path``, else beside the DRA socket: the plugin's own hostPath
+    directory, writable where the device-plugin container may not write the state
+    directory, and kept across restarts as kubelet keeps it."""
+    dra = runtime.settings.dra
+    if dra.checkpoint_path:
+        return Path(dra.checkpoint_path)
+    return Path(dra.plugins_dir) / dra.driver / "checkpoint.json"
+
+
+async def kube_configuration(settings: DraSettings) -> Any:
+    """The cluster configuration to read claims with; raises KubeConfigError."""
+    env = dict(os.environ)
+    if not settings.kubeconfig and await anyio.to_thread.run_sync(in_cluster_available, env):
+        return await anyio.to_thread.run_sync(in_cluster, env)
+    path = await anyio.to_thread.run_sync(kubeconfig_path, settings.kubeconfig, env)
+    if path is None:
+        raise KubeConfigError("not in a cluster and no kubeconfig found")
+    return await from_kubeconfig(path, settings.kube_context)
+
+
+class DraPluginRunner:
+    def __init__(self, runtime: Runtime, view: NodeView) -> None:
+        self._rt = runtime
+        self._view = view
+        #: The running kubelet plugin (for tests).
+        self.server: DraKubeletPlugin | None = None
+
+    async def _configuration(self) -> Any:
+        delay = self._rt.settings.allocator.request_retry_s
+        while True:
+            try:
+                return await kube_configuration(self._rt.settings.dra)
+            except KubeConfigError as exc:
+                self._rt.status.set(
+                    STATUS_NAME, "degraded", f"no cluster to read ResourceClaims from: {exc}"
+                )
+                await anyio.sleep(delay)
+                delay = min(delay * 2, CONFIG_RETRY_MAX_S)
+
+    async def run(
+        self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        rt, dra = self._rt, self._rt.settings.dra
+        rt.status.set(STATUS_NAME, "degraded", "starting the DRA kubelet plugin")
+        task_status.started()
+        configuration = await self._configuration()
+        core = NatsDecisionCore(
+            rt.bus, rt.node, timeout_s=rt.settings.allocator.plugin.backend_timeout_s
+        )
+        settings = PluginSettings(
+            driver=dra.driver,
+            pool=rt.node,
+            cdi_dir=Path(dra.cdi_dir),
+            checkpoint=checkpoint_path(rt),
+            dev_root=Path(rt.settings.allocator.plugin.dev_root),
+        )
+        sockets = Sockets.for_driver(dra.driver, dra.plugins_registry, dra.plugins_dir)
+        while True:
+            try:
+                await self._serve(configuration, core, settings, sockets)
+            except (OSError, ValueError, RuntimeError) as exc:
+                # A socket path too long, a directory we may not write: say so, retry.
+                rt.status.set(
+                    STATUS_NAME, "degraded", f"cannot serve the DRA kubelet plugin: {exc}"
+                )
+                await anyio.sleep(CONFIG_RETRY_MAX_S)
+
+    async def _serve(
+        self,
+        configuration: Any,
+        core: NatsDecisionCore,
+        settings: PluginSettings,
+        sockets: Sockets,
+    ) -> None:
+        rt, dra = self._rt, self._rt.settings.dra
+        async with k8s_client.ApiClient(configuration) as api:
+            reader = KubeClaimReader(api, timeout_s=dra.api_timeout_s)
+            plugin = DraPlugin(core, reader, settings)
+            health = NodeViewHealth(self._view, rt.node)
+            self.server = server = DraKubeletPlugin(plugin, health, sockets, dra.driver)
+            try:
+                async with anyio.create_task_group() as tg:
+                    await tg.start(server.run)
+                    rt.status.set(
+                        STATUS_NAME,
+                        "degraded",
+                        f"waiting for kubelet to register DRA driver {dra.driver} "
+                        f"({sockets.registration})",
+                    )
+                    await server.registration.registered.wait()
+                    rt.status.set(STATUS_NAME, "ready", f"DRA driver {dra.driver} registered")
+            finally:
+                self.server = None

@@ -1,0 +1,239 @@
+"""DRA end to end through `gpulet run` with ``dra.mode=dra`` (issue 26).
+
+The agent runs on the mock NVML against the API emulator (resource.k8s.io/v1 from
+support.kube_emulator_dra): the reporter publishes the node's ResourceSlices, the
+device-plugin service runs the DRA kubelet plugin, which the fake DRA kubelet
+registers and calls. A claim the emulator holds allocated (as kube-scheduler leaves
+it) is prepared with CDI IDs, its GPU reserved in the allocator's one ledger, so the
+device plugin's Allocate of that GPU is refused.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from gpulet_allocator import protocol as p
+from gpulet_common import subjects
+from gpulet_common.bus import Bus
+from gpulet_common.dra import cdi
+from gpulet_common.refusal import Refused
+from gpulet_common.settings.nats import NatsSettings
+from support.agent_process import Agent
+from support.fake_dra_kubelet import registered
+from support.kube_emulator import KubeEmulator
+from support.kube_emulator_dra import add_claim, enable_dra, slices
+from support.waiting import wait_until
+
+pytestmark = pytest.mark.anyio
+
+NODE = "test.node"
+DRIVER = "gpu.gpulet.io"
+
+
+@pytest.fixture
+def short_dir() -> Iterator[Path]:
+    # Unix socket paths are limited to 107 bytes; pytest's tmp_path can be longer.
+    path = Path(tempfile.mkdtemp(prefix="dra", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+async def emu() -> AsyncIterator[KubeEmulator]:
+    async with KubeEmulator.running() as emulator:
+        enable_dra(emulator)
+        emulator.add_node(NODE)
+        yield emulator
+
+
+def allocated_claim(emu: KubeEmulator, name: str, device: str) -> str:
+    """A claim as kube-scheduler leaves it: allocated one whole GPU of this node."""
+    result = {"request": "gpu", "driver": DRIVER, "pool": NODE, "device": device}
+    claim = add_claim(
+        emu,
+        {
+            "metadata": {"name": name, "namespace": "default"},
+            "spec": {},
+            "status": {"allocation": {"devices": {"results": [result]}}},
+        },
+    )
+    return str(claim["metadata"]["uid"])
+
+
+def devices(emu: KubeEmulator) -> dict[str, dict[str, Any]]:
+    return {d["name"]: d for s in slices(emu) for d in s["spec"].get("devices", [])}
+
+
+async def test_gpulet_run_in_dra_mode_serves_claims_from_the_one_ledger(
+    emu: KubeEmulator, short_dir: Path, tmp_path: Path
+) -> None:
+    kubeconfig = emu.write_kubeconfig(tmp_path / "kubeconfig")
+    agent = Agent(
+        tmp_path,
+        "--nvml",
+        "mock:nvlink-pairs-8gpu",
+        "--set",
+        "dra.mode=dra",
+        "--set",
+        f"dra.kubeconfig={kubeconfig}",
+        "--set",
+        f"dra.cdi_dir={short_dir / 'cdi'}",
+        "--set",
+        f"dra.plugins_registry={short_dir / 'registry'}",
+        "--set",
+        f"dra.plugins_dir={short_dir / 'plugins'}",
+        "--set",
+        "dra.quiet_window_s=0.05",
+        "--set",
+        "reporter.mode=cluster",
+        "--set",
+        f"reporter.kubeconfig={kubeconfig}",
+        "--set",
+        f"allocator.plugin.dev_root={short_dir / 'dev'}",
+        node=NODE,
+    )
+    try:
+        # The slices: every GPU of the mock, a device of our driver.
+        await wait_until(
+            lambda: len(devices(emu)) == 8, timeout_s=30, interval_s=0.05, what="8 devices"
+        )
+        assert {s["spec"]["driver"] for s in slices(emu)} == {DRIVER}
+        gpu0 = devices(emu)["gpu-0"]
+        uuid = gpu0["attributes"]["uuid"]["string"]
+
+        claim = add_claim(
+            emu,
+            {
+                "metadata": {"name": "one-gpu", "namespace": "default"},
+                "spec": {},
+                "status": {
+                    "allocation": {
+                        "devices": {
+                            "results": [
+                                {
+                                    "request": "gpu",
+                                    "driver": DRIVER,
+                                    "pool": NODE,
+                                    "device": "gpu-0",
+                                    "consumedCapacity": {"cores": "100", "memory": "1Gi"},
+                                }
+                            ]
+                        }
+                    }
+                },
+            },
+        )
+        uid = claim["metadata"]["uid"]
+        async with registered(short_dir / "registry", DRIVER) as kubelet:
+            answer = await kubelet.prepare(("default", uid, "one-gpu"))
+            entry = answer.claims[uid]
+            assert entry.error == ""
+            [device] = entry.devices
+            assert device.device_name == "gpu-0"
+            assert list(device.cdi_device_ids) == [cdi.device_id(DRIVER, uid, "gpu-0")]
+            assert cdi.spec_file(short_dir / "cdi", DRIVER, uid).is_file()
+            # The same GPU is refused to the device plugin (the allocator's Allocate).
+            settings = NatsSettings(url=agent.nats_url, request_timeout_s=5.0)
+            async with Bus.connect(settings, name="test", max_initial_attempts=20) as bus:
+                with pytest.raises(Refused) as refused:
+                    await bus.request(
+                        subjects.allocator_endpoint(NODE, p.ENDPOINT_ALLOCATE),
+                        p.AllocateRequest(resource="nvidia.com/gpu", containers=[[uuid]]),
+                        p.ALLOCATE_REQUEST,
+                        p.ALLOCATE_REPLY,
+                    )
+                assert refused.value.code == "insufficient_capacity"
+                assert uid in refused.value.message
+            # Unprepare gives it back.
+            undone = await kubelet.unprepare(("default", uid, "one-gpu"))
+            assert undone.claims[uid].error == ""
+    finally:
+        await anyio.to_thread.run_sync(agent.stop)
+
+
+async def test_gpulet_run_in_both_modes_taints_what_the_device_plugin_holds(
+    emu: KubeEmulator, short_dir: Path, tmp_path: Path
+) -> None:
+    kubeconfig = emu.write_kubeconfig(tmp_path / "kubeconfig")
+    agent = Agent(
+        tmp_path,
+        "--nvml",
+        "mock:nvlink-pairs-8gpu",
+        "--set",
+        "dra.mode=both",
+        "--set",
+        f"dra.kubeconfig={kubeconfig}",
+        "--set",
+        f"dra.cdi_dir={short_dir / 'cdi'}",
+        "--set",
+        f"dra.plugins_registry={short_dir / 'registry'}",
+        "--set",
+        f"dra.plugins_dir={short_dir / 'plugins'}",
+        "--set",
+        "dra.quiet_window_s=0.05",
+        "--set",
+        "reporter.mode=cluster",
+        "--set",
+        f"reporter.kubeconfig={kubeconfig}",
+        "--set",
+        "reporter.request_retry_s=0.2",
+        "--set",
+        f"allocator.plugin.plugin_dir={short_dir / 'device-plugins'}",
+        node=NODE,
+    )
+    taint = f"{DRIVER}/device-plugin"
+
+    def tainted(name: str) -> bool:
+        device = devices(emu).get(name, {})
+        return any(t["key"] == taint for t in device.get("taints", []))
+
+    try:
+        await wait_until(
+            lambda: len(devices(emu)) == 8, timeout_s=30, interval_s=0.05, what="8 devices"
+        )
+        assert not any(tainted(n) for n in devices(emu))
+        uuid = devices(emu)["gpu-3"]["attributes"]["uuid"]["string"]
+        settings = NatsSettings(url=agent.nats_url, request_timeout_s=5.0)
+        async with Bus.connect(settings, name="test", max_initial_attempts=20) as bus:
+            # The device plugin's Allocate (as kubelet's would reach the allocator).
+            await bus.request(
+                subjects.allocator_endpoint(NODE, p.ENDPOINT_ALLOCATE),
+                p.AllocateRequest(resource="nvidia.com/gpu", containers=[[uuid]]),
+                p.ALLOCATE_REQUEST,
+                p.ALLOCATE_REPLY,
+            )
+            await wait_until(
+                lambda: tainted("gpu-3"), timeout_s=20, interval_s=0.05, what="the taint"
+            )
+            assert [n for n in devices(emu) if tainted(n)] == ["gpu-3"]
+            # A claim for that GPU (a scheduler that did not see the taint yet) is
+            # refused in Prepare, for that claim only: the one ledger.
+            held_uid = allocated_claim(emu, "held-gpu", "gpu-3")
+            free_uid = allocated_claim(emu, "free-gpu", "gpu-4")
+            async with registered(short_dir / "registry", DRIVER) as kubelet:
+                answer = await kubelet.prepare(
+                    ("default", held_uid, "held-gpu"), ("default", free_uid, "free-gpu")
+                )
+            assert "insufficient_capacity" not in answer.claims[free_uid].error
+            assert answer.claims[free_uid].devices[0].cdi_device_ids
+            assert uuid in answer.claims[held_uid].error
+            assert not answer.claims[held_uid].devices
+            # Released, the taint goes again.
+            await bus.request(
+                subjects.allocator_endpoint(NODE, p.ENDPOINT_RELEASE),
+                p.ReleaseRequest(resource="nvidia.com/gpu", device_ids=[uuid]),
+                p.RELEASE_REQUEST,
+                p.RELEASE_REPLY,
+            )
+            await wait_until(
+                lambda: not tainted("gpu-3"), timeout_s=20, interval_s=0.05, what="no taint"
+            )
+    finally:
+        await anyio.to_thread.run_sync(agent.stop)

@@ -1,0 +1,257 @@
+"""The Helm chart deploy/helm/gpulet: ``helm lint``, ``helm template``, the render against
+the kustomize base (they must describe the same objects), and the render applied to the
+real kube-apiserver with server-side apply.
+
+helm is built from helm.sh/helm/v3 by scripts/k8s-bins.sh, like the control plane.
+
+What may differ between a render of the chart and the kustomize base, and why (all
+else must be equal, field by field):
+
+- Helm's own labels (``app.kubernetes.io/managed-by``, ``app.kubernetes.io/instance``,
+  ``helm.sh/chart``) on every object;
+- ConfigMap names: kustomize appends a content hash (``gpulet-config-<hash>``) so that a
+  change rolls the pods; the chart keeps the plain name and rolls the pods with a
+  ``checksum/config`` annotation on the pod template instead;
+- a namespace on a cluster-scoped object: kustomize 5.5 does not know that a
+  ValidatingAdmissionPolicy is cluster-scoped and gives it one (the server ignores it);
+- the order of entries in the lists Kubernetes keys by name (containers, env, volumes,
+  volume mounts): kustomize's strategic merge puts a component's entries first, and
+  Kubernetes gives them no order, so they are compared by their key;
+- the Namespace: Helm keeps its release record in the namespace, so it exists before
+  ``helm install``; the chart renders it only with ``namespace.create=true``, and then
+  it is the base's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from support.control_plane import CLUSTER_KINDS, ControlPlane, require_binaries
+from support.deploy import DEPLOY, KUSTOMIZE, kustomize
+from support.gpulet_on_kube import NAMESPACE, apply_manifests
+
+CHART = DEPLOY / "helm" / "gpulet"
+HELM_LABELS = ("app.kubernetes.io/managed-by", "app.kubernetes.io/instance", "helm.sh/chart")
+
+
+def helm(*args: str) -> subprocess.CompletedProcess[str]:
+    binary = require_binaries("helm")["helm"]
+    return subprocess.run(
+        [str(binary), *args], capture_output=True, text=True, timeout=120, check=False
+    )
+
+
+def render(*values: str, include_crds: bool = True) -> list[dict[str, Any]]:
+    args = ["template", "gpulet", str(CHART), "--namespace", NAMESPACE]
+    if include_crds:
+        args.append("--include-crds")
+    for value in values:
+        args += ["--set", value]
+    result = helm(*args)
+    assert result.returncode == 0, result.stderr
+    return [d for d in yaml.safe_load_all(result.stdout) if d]
+
+
+def _key(obj: dict[str, Any]) -> str:
+    if obj["kind"] in CLUSTER_KINDS:
+        # kustomize 5.5 puts its namespace on a ValidatingAdmissionPolicy too (the API
+        # server drops it from a cluster-scoped object).
+        obj["metadata"].pop("namespace", None)
+    return f"{obj['kind']}/{obj['metadata'].get('namespace', '')}/{obj['metadata']['name']}"
+
+
+# The lists Kubernetes merges by a key, and that key.
+KEYED_LISTS = {
+    "containers": "name",
+    "initContainers": "name",
+    "env": "name",
+    "volumes": "name",
+    "volumeMounts": "mountPath",
+    "ports": "containerPort",
+}
+
+
+def keyed(value: Any) -> Any:
+    """``value`` with the lists of KEYED_LISTS turned into mappings by their key."""
+    if isinstance(value, dict):
+        out = {}
+        for k, v in value.items():
+            key = KEYED_LISTS.get(k)
+            if key and isinstance(v, list) and all(isinstance(i, dict) and key in i for i in v):
+                out[k] = {str(i[key]): keyed(i) for i in v}
+            else:
+                out[k] = keyed(v)
+        return out
+    if isinstance(value, list):
+        return [keyed(v) for v in value]
+    return value
+
+
+def normalize(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Objects by kind/namespace/name, without what may differ (module docstring)."""
+    hashed = {
+        d["metadata"]["name"]: re.sub(r"-[a-z0-9]{10}$", "", d["metadata"]["name"])
+        for d in docs
+        if d["kind"] == "ConfigMap"
+    }
+    text = json.dumps(docs)
+    for name, plain in hashed.items():
+        text = text.replace(f'"{name}"', f'"{plain}"')
+    out = {}
+    for obj in json.loads(text):
+        labels = obj["metadata"].get("labels") or {}
+        for label in HELM_LABELS:
+            labels.pop(label, None)
+        template = (obj.get("spec") or {}).get("template") or {}
+        (template.get("metadata") or {}).get("annotations", {}).pop("checksum/config", None)
+        key = _key(obj)
+        out[key] = keyed(obj)
+    return out
+
+
+def base_with(*components: str, tmp_path: Path) -> list[dict[str, Any]]:
+    if not components:
+        return kustomize(KUSTOMIZE / "base")
+    (tmp_path / "kustomization.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "kustomize.config.k8s.io/v1beta1",
+                "kind": "Kustomization",
+                "resources": [os.path.relpath(KUSTOMIZE / "base", tmp_path)],
+                "components": [
+                    os.path.relpath(KUSTOMIZE / "components" / c, tmp_path) for c in components
+                ],
+                # A component's containers get the image names an overlay sets, as
+                # the overlays do (the base's own rewrite ran before the component).
+                "images": yaml.safe_load((KUSTOMIZE / "base" / "kustomization.yaml").read_text())[
+                    "images"
+                ],
+            }
+        )
+    )
+    return kustomize(tmp_path)
+
+
+def diff(a: Any, b: Any, path: str = "") -> list[str]:
+    """Where two JSON values differ, as paths (for a readable failure)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        out = []
+        for key in sorted(set(a) | set(b)):
+            out += diff(a.get(key, "<absent>"), b.get(key, "<absent>"), f"{path}.{key}")
+        return out
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        return [
+            d for i, (x, y) in enumerate(zip(a, b, strict=True)) for d in diff(x, y, f"{path}[{i}]")
+        ]
+    return (
+        []
+        if a == b
+        else [f"{path}: chart {json.dumps(a)[:200]} != kustomize {json.dumps(b)[:200]}"]
+    )
+
+
+def assert_same(chart: list[dict[str, Any]], base: list[dict[str, Any]]) -> None:
+    c, k = normalize(chart), normalize(base)
+    assert sorted(c) == sorted(k)
+    differences = [d for key in c for d in diff(c[key], k[key], key)]
+    assert differences == [], "\n".join(differences)
+
+
+def test_helm_lint_is_clean() -> None:
+    result = helm("lint", "--strict", str(CHART), "--namespace", NAMESPACE)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "1 chart(s) linted, 0 chart(s) failed" in result.stdout
+
+
+def test_the_default_render_is_the_kustomize_base(tmp_path: Path) -> None:
+    base = [d for d in base_with(tmp_path=tmp_path) if d["kind"] != "Namespace"]
+    assert_same(render(), base)
+
+
+def test_namespace_create_renders_the_base_namespace(tmp_path: Path) -> None:
+    assert_same(render("namespace.create=true"), base_with(tmp_path=tmp_path))
+
+
+@pytest.mark.parametrize(
+    ("values", "components"),
+    [
+        (["nats.mode=existing"], ["nats-leaf"]),
+        (["nats.mode=fleet"], ["nats-fleet"]),
+        (["alerting.enabled=true"], ["alerts"]),
+    ],
+    ids=["nats-existing", "nats-fleet", "alerting"],
+)
+def test_values_render_what_the_kustomize_components_do(
+    values: list[str], components: list[str], tmp_path: Path
+) -> None:
+    base = [d for d in base_with(*components, tmp_path=tmp_path) if d["kind"] != "Namespace"]
+    assert_same(render(*values), base)
+
+
+def test_placement_and_image_values() -> None:
+    docs = render(
+        "image.repository=registry.example.com/gpulet",
+        "image.tag=9.9.9",
+        "nodeSelector.pool=gpu",
+        "runtimeClassName=nvidia",
+        "tolerations=null",
+    )
+    pod = next(d for d in docs if d["kind"] == "DaemonSet")["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"pool": "gpu"}
+    assert pod["runtimeClassName"] == "nvidia"
+    assert "tolerations" not in pod
+    images = {c["image"] for c in pod["containers"] + pod["initContainers"]}
+    assert images == {"registry.example.com/gpulet:9.9.9", "nats:2.14-alpine"}
+
+
+@pytest.mark.parametrize(
+    ("value", "says"),
+    [
+        ("kubeletApi=dra", "device plugin only"),
+        ("mig.strategy=mixed", "whole GPUs only"),
+        ("sharing.strategy=time-slicing", "Koordinator"),
+        ("nats.mode=cloud", "one of embedded, existing, fleet"),
+    ],
+)
+def test_values_this_version_cannot_serve_fail_the_render(value: str, says: str) -> None:
+    result = helm("template", "gpulet", str(CHART), "--set", value)
+    assert result.returncode != 0
+    assert says in result.stderr
+
+
+def test_a_renamed_release_namespace_keeps_the_node_restriction_on_its_agent() -> None:
+    """The policy's match condition names the release's ServiceAccount (the kustomize
+    base has to be patched by hand for that)."""
+    result = helm("template", "gpulet", str(CHART), "--namespace", "gpu-agents")
+    assert result.returncode == 0, result.stderr
+    policy = next(
+        d
+        for d in yaml.safe_load_all(result.stdout)
+        if d and d["kind"] == "ValidatingAdmissionPolicy"
+    )
+    condition = policy["spec"]["matchConditions"][0]["expression"]
+    assert "system:serviceaccount:gpu-agents:gpulet" in condition
+
+
+def test_the_render_is_accepted_by_the_real_server(gpulet_access: ControlPlane) -> None:
+    docs = render("alerting.enabled=true", "namespace.create=true")
+    results = apply_manifests(gpulet_access, docs, manager="helm-render")
+    refused = {
+        f"{obj['kind']}/{obj['metadata']['name']}": resp.raw[:500]
+        for obj, resp in results
+        if not resp.ok
+    }
+    assert refused == {}
+    assert {obj["kind"] for obj, _ in results} >= {
+        "CustomResourceDefinition",
+        "DaemonSet",
+        "ValidatingAdmissionPolicy",
+    }
