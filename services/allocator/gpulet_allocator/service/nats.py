@@ -105,6 +105,13 @@ def checkpoint_path(settings: Settings) -> Path:
     return Path(settings.state_dir) / "allocator" / "allocations.json"
 
 
+# The refusal of a reset that was not confirmed.
+RESET_NEEDS_CONFIRM = (
+    "a reset accepts that allocations of running pods may be unknown: send "
+    "confirm (gpulet allocator reset --confirm)"
+)
+
+
 class AllocatorService:
     name = "allocator"
 
@@ -467,14 +474,7 @@ class AllocatorService:
         if value is None:
             return
         if not value.confirm:
-            await self._reject(
-                req,
-                endpoint,
-                "invalid_request",
-                "a reset accepts that allocations of running pods may be unknown: send "
-                "confirm (gpulet allocator reset --confirm)",
-                started,
-            )
+            await self._reject(req, endpoint, "invalid_request", RESET_NEEDS_CONFIRM, started)
             return
         core = self.core
         reason = core.end_loss()

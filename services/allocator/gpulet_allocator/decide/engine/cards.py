@@ -1,0 +1,280 @@
+"""The card book under the ledger: what each card is, holds and may still take.
+
+:class:`CardBook` keeps the cards of the node (whole GPUs and MIG devices, from the
+inventory and health), the allocations recorded on them, and the one answer to "may
+this card take a new allocation, whole or shared?" (:meth:`CardBook.refusal`), which
+every allocation path asks. :class:`~.ledger.Ledger` builds the decisions on top of it:
+allocate, release, prefer, snapshot and restore (see its module docstring for the
+invariants).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from gpulet_allocator.protocol import CORES_PER_GPU
+from gpulet_allocator.protocol import memory_units as units_of_bytes
+from gpulet_common.messages import GpuInfo, Inventory
+from gpulet_common.migrules import parent_block
+from gpulet_common.refusal import Refused
+
+from .entries import Allocation, DeviceState, RequestKey, ShareAllocation, WholeAllocation
+from .shares import CardFree
+from .topology import Topology
+from .whole import fragment_order
+
+
+@dataclass
+class _LedgerGpu:
+    uuid: str
+    index: int
+    memory_units: int
+    present: bool = True
+    healthy: bool = True
+    whole: RequestKey | None = None
+    shares: dict[RequestKey, ShareAllocation] = field(default_factory=dict)
+    # A MIG device: its parent GPU's UUID ("" for a GPU).
+    parent: str = ""
+    # A GPU that MIG keeps out of the whole and share pools: (refusal code, why).
+    mig_block: tuple[str, str] | None = None
+
+    @property
+    def cores_used(self) -> int:
+        return sum(s.cores for s in self.shares.values())
+
+    @property
+    def memory_used(self) -> int:
+        return sum(s.memory_units for s in self.shares.values())
+
+    @property
+    def schedulable(self) -> bool:
+        return self.present and self.healthy
+
+
+def _as_gpus(gpus: Inventory | Iterable[GpuInfo]) -> list[GpuInfo]:
+    return list(gpus.gpus if isinstance(gpus, Inventory) else gpus)
+
+
+class CardBook:
+    """The cards of one node and what they hold (not thread-safe)."""
+
+    def __init__(self, gpus: Inventory | Iterable[GpuInfo] = ()) -> None:
+        self._gpus: dict[str, _LedgerGpu] = {}
+        self._allocs: dict[RequestKey, Allocation] = {}
+        self._topology = Topology.from_gpus(())
+        self.update_inventory(gpus)
+
+    def update_inventory(self, gpus: Inventory | Iterable[GpuInfo]) -> None:
+        """Adopt a new inventory: new cards appear, missing ones become *lost*.
+
+        A lost card keeps its recorded allocations (the pods still reference it) but
+        takes no new ones until it is reported again.
+        """
+        # A UUID listed twice keeps its first entry, as in Topology.from_gpus (the bus
+        # refuses such inventories; the ledger must still agree with its topology).
+        unique: dict[str, GpuInfo] = {}
+        for info in _as_gpus(gpus):
+            unique.setdefault(info.uuid, info)
+        infos = list(unique.values())
+        migs = {
+            d.uuid: (info, d)
+            for info in infos
+            if info.mig_mode == "enabled"
+            for d in info.mig_devices
+            if d.uuid not in unique
+        }
+        seen = set(unique) | set(migs)
+        for g in self._gpus.values():
+            if g.uuid not in seen:
+                g.present = False
+        for info in infos:
+            state = self._gpus.get(info.uuid)
+            units = units_of_bytes(info.memory_total_bytes)
+            if state is None:
+                self._gpus[info.uuid] = _LedgerGpu(
+                    uuid=info.uuid, index=info.index, memory_units=units
+                )
+            else:
+                state.present, state.index, state.memory_units = True, info.index, units
+            self._gpus[info.uuid].mig_block = parent_block(info)
+        for uuid, (parent, mig) in migs.items():
+            state = self._gpus.get(uuid)
+            units = units_of_bytes(mig.memory_total_bytes)
+            if state is None:
+                state = self._gpus[uuid] = _LedgerGpu(
+                    uuid=uuid, index=parent.index, memory_units=units
+                )
+            state.present, state.index, state.memory_units = True, parent.index, units
+            state.parent = parent.uuid
+        self._topology = Topology.from_gpus(infos)
+
+    def set_health(self, uuid: str, healthy: bool) -> bool:
+        """Mark a known card (un)healthy; returns whether that changed."""
+        gpu = self._known(uuid)
+        changed, gpu.healthy = gpu.healthy != healthy, healthy
+        return changed
+
+    @property
+    def topology(self) -> Topology:
+        return self._topology
+
+    def get(self, allocation_id: str, container: str = "") -> Allocation | None:
+        return self._allocs.get((allocation_id, container))
+
+    def count(self) -> int:
+        """How many allocations are held (without building the sorted list)."""
+        return len(self._allocs)
+
+    def allocations(self, allocation_id: str | None = None) -> list[Allocation]:
+        return [a for k, a in sorted(self._allocs.items()) if allocation_id in (None, k[0])]
+
+    def free_whole(self) -> list[str]:
+        """The GPUs (not MIG devices) that may go whole now (:meth:`refusal`), in index order."""
+        return [
+            g.uuid
+            for g in self._ordered()
+            if not g.parent and self.refusal(g.uuid, whole=True) is None
+        ]
+
+    def free_mig(self) -> list[str]:
+        """The MIG devices that may be given now, in index order."""
+        return [
+            g.uuid for g in self._ordered() if g.parent and self.refusal(g.uuid, whole=True) is None
+        ]
+
+    def is_mig(self, uuid: str) -> bool:
+        g = self._gpus.get(uuid)
+        return g is not None and bool(g.parent)
+
+    def device(self, uuid: str) -> DeviceState:
+        g = self._known(uuid)
+        owner = self._allocs[g.whole].owner if g.whole else None
+        return DeviceState(
+            uuid=g.uuid,
+            index=g.index,
+            healthy=g.healthy,
+            present=g.present,
+            memory_units=g.memory_units,
+            cores_used=CORES_PER_GPU if g.whole else g.cores_used,
+            memory_used=g.memory_units if g.whole else g.memory_used,
+            whole_owner=owner,
+            shares=tuple(s for _, s in sorted(g.shares.items())),
+            parent=g.parent,
+        )
+
+    def devices(self) -> list[DeviceState]:
+        return [self.device(g.uuid) for g in self._ordered()]
+
+    def refusal(self, uuid: str, *, whole: bool) -> Refused | None:
+        """Why a known card may not take a new allocation now (None: it may).
+
+        ``whole``: the card as a whole GPU. This is the one answer to "may this card go
+        whole?": Allocate (:meth:`_check_named`), :meth:`preferred`, :meth:`free_whole`,
+        koord-scheduler's decisions and what the device plugin lists all ask it. A GPU
+        that MIG keeps out (``mig_enabled``, ``mig_pending``) is refused here too, whole
+        and shared; a MIG device goes whole only.
+        """
+        g = self._known(uuid)
+        if not g.present:
+            return Refused("unhealthy_device", f"{uuid} is lost (missing from the inventory)")
+        if not g.healthy:
+            return Refused("unhealthy_device", f"{uuid} is unhealthy")
+        if g.mig_block is not None:
+            return Refused(*g.mig_block)
+        if g.parent:
+            parent = self._gpus.get(g.parent)
+            if parent is None or not parent.present:
+                return Refused("unhealthy_device", f"{uuid}: its GPU {g.parent} is lost")
+            if not parent.healthy:
+                return Refused("unhealthy_device", f"{uuid}: its GPU {g.parent} is unhealthy")
+            if not whole:
+                return Refused(
+                    "invalid_request", f"{uuid} is a MIG device: it is given whole, never shared"
+                )
+        if g.whole is not None:
+            holder = self._allocs[g.whole].owner.describe()
+            return Refused("insufficient_capacity", f"{uuid} is allocated whole to {holder}")
+        if whole and g.shares:
+            return Refused(
+                "insufficient_capacity",
+                f"{uuid} holds {len(g.shares)} share(s) and is not offered whole",
+            )
+        return None
+
+    def _ordered(self) -> list[_LedgerGpu]:
+        return sorted(self._gpus.values(), key=lambda g: (not g.present, g.index, g.uuid))
+
+    def _placeholder(self, uuid: str) -> _LedgerGpu:
+        g = self._gpus.get(uuid)
+        if g is None:
+            g = self._gpus[uuid] = _LedgerGpu(uuid=uuid, index=-1, memory_units=0, present=False)
+        return g
+
+    def _known(self, uuid: str) -> _LedgerGpu:
+        g = self._gpus.get(uuid)
+        if g is None:
+            raise Refused("unknown_device", f"unknown GPU ID: {uuid}")
+        return g
+
+    def _check_named(self, uuids: Sequence[str], *, whole: bool) -> None:
+        unknown = sorted(u for u in uuids if u not in self._gpus)
+        if unknown:
+            raise Refused("unknown_device", f"unknown GPU IDs: {', '.join(unknown)}")
+        for uuid in uuids:
+            if (refused := self.refusal(uuid, whole=whole)) is not None:
+                raise refused
+
+    def _largest_card(self) -> tuple[str, int] | None:
+        present = [g for g in self._ordered() if g.present and not g.parent]
+        if not present:
+            return None
+        top = max(present, key=lambda g: (g.memory_units, -g.index))
+        return (top.uuid, top.memory_units)
+
+    def _untouched_rank(self, cards: Sequence[CardFree]) -> dict[str, int]:
+        # Opening a fresh card for shares removes it from whole-card use, exactly
+        # like a 1-GPU whole request, so untouched cards are ordered the same way.
+        untouched = [c.uuid for c in cards if c.untouched]
+        if len(untouched) < 2:
+            return {}
+        free = [u for u in self.free_whole() if u in self._topology]
+        order = fragment_order(self._topology, free)
+        return {u: i for i, u in enumerate(order)}
+
+    def _record(self, alloc: Allocation) -> None:
+        # The checks are unreachable by construction (callers validated first); they
+        # stay so that a future bug refuses instead of silently corrupting the state.
+        key = alloc.owner.key
+        if isinstance(alloc, WholeAllocation):
+            cards = [self._gpus[uuid] for uuid in alloc.devices]
+            busy = [g.uuid for g in cards if g.whole is not None or g.shares]
+            if busy:
+                raise RuntimeError(f"ledger invariant: {busy} would be double-allocated")
+            for g in cards:
+                g.whole = key
+        else:
+            g = self._gpus[alloc.device]
+            if g.whole is not None or g.cores_used + alloc.cores > CORES_PER_GPU:
+                raise RuntimeError(f"ledger invariant: {alloc.device} over-allocated")
+            g.shares[key] = alloc
+        self._allocs[key] = alloc
+
+    def _unrecord(self, alloc: Allocation) -> None:
+        key = alloc.owner.key
+        del self._allocs[key]
+        if isinstance(alloc, WholeAllocation):
+            for uuid in alloc.devices:
+                self._gpus[uuid].whole = None
+        else:
+            self._gpus[alloc.device].shares.pop(key, None)
+
+
+def card_free(g: _LedgerGpu) -> CardFree:
+    return CardFree(
+        uuid=g.uuid,
+        index=g.index,
+        cores_free=CORES_PER_GPU - g.cores_used,
+        memory_free=g.memory_units - g.memory_used,
+        memory_total=g.memory_units,
+    )
