@@ -109,6 +109,7 @@ def test_unknown_mock_scenario_in_a_sidecar(tmp_path: Path) -> None:
     # A sidecar retries its NATS forever; the scenario is checked before that.
     line = _fails_in_one_line(
         [
+            "serve",
             "collector",
             "--nvml",
             "mock:doesnotexist",
@@ -124,7 +125,9 @@ def test_unknown_mock_scenario_in_a_sidecar(tmp_path: Path) -> None:
 
 
 def test_unknown_mock_scenario_in_reporter_preview() -> None:
-    line = _fails_in_one_line(["reporter-preview", "--nvml", "mock:doesnotexist"])
+    line = _fails_in_one_line(
+        ["reporter-preview", "--set", "nvml.backend=mock", "--set", "nvml.scenario=doesnotexist"]
+    )
     assert "scenario doesnotexist: not found" in line
 
 

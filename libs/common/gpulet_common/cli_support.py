@@ -1,15 +1,19 @@
 """What a package needs to add its own subcommands to ``gpulet``.
 
 The ``gpulet`` CLI imports each service's ``cli`` module and calls its
-``add_commands(subparsers, add_settings_flags, load_settings)``. The types of those
-arguments, the way a tool reaches the node's NATS and the glue between argparse and a
-command live here once, so every service's tools behave alike.
+``add_commands(subparsers, add_flags, load_settings)``. ``add_flags`` adds the flags of
+a client of a running agent (``--config``, ``--set``, ``--node``, ``--nats``; with
+``serves=True`` also ``--metrics-port`` and ``--log-level``); the server's flags
+(``--nvml``, ``--state-dir``) belong to ``gpulet run`` and ``gpulet serve`` only. The
+types of those arguments, the way a tool reaches the node's NATS and the glue between
+argparse and a command live here once, so every service's tools behave alike.
 """
 
 from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from typing import Protocol
 
 import msgspec
 
@@ -20,7 +24,11 @@ from gpulet_common.settings.nats import NatsSettings
 # the pod, or the embedded server of `gpulet run`.
 LOCAL_NATS_URL = "nats://127.0.0.1:4222"
 
-AddFlags = Callable[[argparse.ArgumentParser], None]
+
+class AddFlags(Protocol):
+    def __call__(self, parser: argparse.ArgumentParser, *, serves: bool = False) -> object: ...
+
+
 LoadSettings = Callable[[argparse.Namespace], Settings]
 Command = Callable[[argparse.Namespace, LoadSettings], int]
 
