@@ -98,7 +98,7 @@ def test_every_service_runs_with_serve_and_nothing_else() -> None:
     [
         (["health", "--node", "X"], "state"),
         (["health"], "state"),
-        (["health", "clear", "0"], "clear"),
+        (["health", "clear", "--gpu", "GPU-1"], "clear"),
         (["allocator", "--node", "X", "--json"], "state"),
         (["allocator", "release", "a1"], "release"),
     ],

@@ -37,7 +37,7 @@ async def test_health_state_and_clear_commands(nats_server: EmbeddedNats, tmp_pa
         assert "xid:79" in out
         assert "action: reboot" in out
 
-        code, out, err = await gpulet("health", "clear", "0", "--by", "ops-oncall", *where)
+        code, out, err = await gpulet("health", "clear", "--gpu", "0", "--by", "ops-oncall", *where)
         assert code == 0, err
         assert "healthy" in out
         assert "UNHEALTHY" not in out
@@ -45,7 +45,7 @@ async def test_health_state_and_clear_commands(nats_server: EmbeddedNats, tmp_pa
         assert cleared.healthy
         assert "ops-oncall" in cleared.reason
 
-        code, _, err = await gpulet("health", "clear", "9", *where)
+        code, _, err = await gpulet("health", "clear", "--gpu", "9", *where)
         assert code == 1
         assert "unknown_gpu" in err
         code, _, err = await gpulet(

@@ -33,6 +33,28 @@ LoadSettings = Callable[[argparse.Namespace], Settings]
 Command = Callable[[argparse.Namespace, LoadSettings], int]
 
 
+GPU_METAVAR = "UUID|INDEX"
+
+
+def add_gpu_flag(parser: argparse.ArgumentParser, help: str, *, required: bool = False) -> None:
+    """``--gpu``: the one way every command names a GPU, by its UUID or its index."""
+    parser.add_argument(
+        "--gpu", metavar=GPU_METAVAR, required=required, type=_gpu, default=None, help=help
+    )
+
+
+def _gpu(value: str) -> str:
+    value = value.strip()
+    if not value:
+        raise argparse.ArgumentTypeError("a GPU's UUID or index, e.g. --gpu 0 or --gpu GPU-...")
+    return value
+
+
+def gpu_index(value: str) -> int | None:
+    """The index that ``--gpu`` names, or None when it names a UUID."""
+    return int(value) if value.isdecimal() else None
+
+
 def tool_nats(settings: Settings) -> NatsSettings:
     """The NATS settings a tool connects with: the configured URL, else the local one."""
     if settings.nats.url:

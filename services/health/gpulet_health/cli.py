@@ -18,7 +18,7 @@ import msgspec
 
 from gpulet_common import codec, subjects
 from gpulet_common.bus import Bus, BusError, Refused, RequestTimeout
-from gpulet_common.cli_support import AddFlags, LoadSettings, bind, tool_nats
+from gpulet_common.cli_support import AddFlags, LoadSettings, add_gpu_flag, bind, tool_nats
 from gpulet_common.messages import HealthClearRequest, HealthState, HealthStateRequest
 from gpulet_common.settings import Settings
 from gpulet_health.alerts import AlertsConsumer
@@ -188,7 +188,7 @@ def add_commands(sub: Any, add_flags: AddFlags, load: LoadSettings) -> None:
         "state",
         help="print each GPU's health and active conditions",
     )
-    state.add_argument("--gpu", default=None, help="one GPU: its UUID or index")
+    add_gpu_flag(state, "only this GPU")
     state.add_argument(
         "--json", action="store_true", default=False, help="print the HealthState as JSON"
     )
@@ -200,7 +200,7 @@ def add_commands(sub: Any, add_flags: AddFlags, load: LoadSettings) -> None:
         "clear",
         help="clear sticky conditions (fatal XID, uncorrectable ECC) of a GPU",
     )
-    clear.add_argument("gpu", help="the GPU: its UUID or index")
+    add_gpu_flag(clear, "the GPU", required=True)
     clear.add_argument(
         "--condition",
         default=None,
