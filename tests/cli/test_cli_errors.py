@@ -124,13 +124,6 @@ def test_unknown_mock_scenario_in_a_sidecar(tmp_path: Path) -> None:
     assert "scenario doesnotexist: not found" in line
 
 
-def test_unknown_mock_scenario_in_reporter_preview() -> None:
-    line = _fails_in_one_line(
-        ["reporter-preview", "--set", "nvml.backend=mock", "--set", "nvml.scenario=doesnotexist"]
-    )
-    assert "scenario doesnotexist: not found" in line
-
-
 def test_unparseable_embedded_host(tmp_path: Path) -> None:
     line = _fails_in_one_line(_run(tmp_path, "--set", "nats.embedded_host=256.1.1.1"))
     assert "nats.embedded_host" in line
