@@ -30,6 +30,7 @@ import msgspec
 
 from gpulet_common.errors import UsageError
 from gpulet_common.settings import Settings
+from gpulet_common.settings.allowed import allowed_values
 
 ENV_PREFIX = "GPULET_"
 _PATH_IN_ERROR = re.compile(r" - at `\$\.?([^`]*)`$")
@@ -149,7 +150,11 @@ def build(layers: list[Mapping[str, Any]]) -> Settings:
             unknown = problem.split("`")[1]
             where = f"{where}.{unknown}" if where else unknown
             problem = "unknown setting (check the spelling; see `gpulet config show`)"
-        raise ConfigError(where.replace("[", ".").replace("]", "") or "config", problem) from None
+        where = where.replace("[", ".").replace("]", "")
+        allowed = allowed_values(Settings, where)
+        if allowed and problem.startswith("Invalid enum value"):
+            problem += f"; allowed: {', '.join(allowed)}"
+        raise ConfigError(where or "config", problem) from None
     return settings
 
 
