@@ -9,8 +9,16 @@ Everything else is a client of a running agent (``health state``, ``allocator st
 knows (``schema``, ``config reference``, ``--version``), and takes only the flags that
 say where the agent is: ``--config``, ``--set``, ``--node``, ``--nats``. ``gpulet
 alerts`` is a client that keeps running, so it adds ``--metrics-port`` and
-``--log-level``. A command group without its command (``gpulet health``) prints its
-usage; it never starts a service.
+``--log-level``. A command group without its command (``gpulet health``) is its
+``state``; it never starts a service.
+
+Imports
+-------
+Every sidecar is a ``gpulet`` process, and what it imports stays resident. So ``run``
+and ``serve`` build a parser without the client commands (their modules are not
+imported), :mod:`gpulet.services` imports no service until it is asked for, and a
+process whose services do not use aiohttp does not load it (:func:`skip_unused_aiohttp`).
+tests/cli/test_sidecar_imports.py holds each sidecar to its service's imports.
 
 Errors
 ------
@@ -41,7 +49,7 @@ from typing import Any, NoReturn
 
 import anyio
 
-from gpulet import services, tools
+from gpulet import services
 from gpulet.version import VersionAction
 from gpulet_common import config
 from gpulet_common.cli_support import LOCAL_NATS_URL
@@ -186,15 +194,36 @@ def preflight(
         )
 
 
-def _run_services(args: argparse.Namespace, names: list[str], *, sidecar: bool) -> int:
-    from gpulet.agent import run_agent
-    from gpulet_common.telemetry import Telemetry
+def skip_unused_aiohttp(settings: Settings, names: Sequence[str]) -> bool:
+    """Keep aiohttp (~11 MB of RSS) out of a process whose services do not use it.
 
+    nats-py imports aiohttp for its WebSocket transport only, and carries on without it
+    when the import fails; so when no service here uses it (see
+    :data:`services.USES_AIOHTTP`) and no NATS URL is a WebSocket one, the import is
+    made to fail. True when it was.
+    """
+    urls = [u.strip().lower() for u in settings.nats.url.split(",")]
+    if services.USES_AIOHTTP.intersection(names) or any(u.startswith("ws") for u in urls):
+        return False
+    if "aiohttp" in sys.modules:
+        return sys.modules["aiohttp"] is None
+    sys.modules["aiohttp"] = None  # type: ignore[assignment]
+    return True
+
+
+def _run_services(args: argparse.Namespace, names: list[str], *, sidecar: bool) -> int:
     settings = load_settings(args)
     embedded = not settings.nats.url
     if embedded and sidecar:
         settings.nats.url = DEFAULT_SIDECAR_NATS
         embedded = False
+    skip_unused_aiohttp(settings, names)
+
+    from gpulet.agent import run_agent
+    from gpulet_common.telemetry import Telemetry
+
+    for name in names:  # now, so that a missing extra (grpcio...) stops it at once
+        services.factory(name)
     preflight(settings, embedded_nats=embedded, names=names)
     setup_logging(settings.telemetry.log_level, settings.telemetry.log_format)
     telemetry = Telemetry.install(settings.telemetry, "gpulet-" + "-".join(names))
@@ -283,7 +312,14 @@ class OneLineParser(argparse.ArgumentParser):
 HELP = ("-h", "--help")
 
 
-def build_parser() -> argparse.ArgumentParser:
+# The commands that run services: their parser imports no other command's module, so a
+# sidecar loads only what its service uses.
+SERVER_COMMANDS = frozenset({"run", "serve"})
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The whole parser; for a ``command`` in :data:`SERVER_COMMANDS`, one without the
+    client commands (their modules are not imported)."""
     parser = OneLineParser(prog="gpulet", description="GPU node agent for Kubernetes, over NATS.")
     parser.add_argument("--version", action=VersionAction)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -314,6 +350,10 @@ def build_parser() -> argparse.ArgumentParser:
     reference = cfg_sub.add_parser("reference", help="print the settings reference (Markdown)")
     reference.set_defaults(func=_cmd_config_reference)
 
+    if command in SERVER_COMMANDS:
+        return parser
+    from gpulet import tools
+
     tools.add_commands(sub, _client_flags, load_settings)
     for module_name in services.COMMAND_MODULES:
         try:
@@ -327,7 +367,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(argv[0] if argv else None)
     args = parser.parse_args(argv)
     try:
         code = args.func(args)
