@@ -118,3 +118,14 @@ def test_a_client_refuses_server_flags(argv: list[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         build_parser().parse_args(argv)
     assert exc.value.code == 2
+
+
+def test_each_command_module_adds_the_commands_it_is_listed_for() -> None:
+    # The CLI imports only the module of the command it runs: the list must be right.
+    everything = set(_commands(build_parser()))
+    for module_name, names in services.COMMAND_MODULES.items():
+        parser = build_parser(names[0])
+        added = {c.split()[0] for c in _commands(parser)} - {"run", "serve", "config"}
+        assert added == set(names), module_name
+    listed = {n for names in services.COMMAND_MODULES.values() for n in names}
+    assert {c.split()[0] for c in everything} == listed | {"run", "serve", "config"}

@@ -16,9 +16,10 @@ Imports
 -------
 Every sidecar is a ``gpulet`` process, and what it imports stays resident. So ``run``
 and ``serve`` build a parser without the client commands (their modules are not
-imported), :mod:`gpulet.services` imports no service until it is asked for, and a
-process whose services do not use aiohttp does not load it (:func:`skip_unused_aiohttp`).
-tests/cli/test_sidecar_imports.py holds each sidecar to its service's imports.
+imported; a client command imports only its own module), :mod:`gpulet.services` imports
+no service until it is asked for, and a process whose services do not use aiohttp does
+not load it (:func:`skip_unused_aiohttp`). tests/cli/test_sidecar_imports.py holds each
+sidecar to its service's imports.
 
 Errors
 ------
@@ -312,14 +313,15 @@ class OneLineParser(argparse.ArgumentParser):
 HELP = ("-h", "--help")
 
 
-# The commands that run services: their parser imports no other command's module, so a
-# sidecar loads only what its service uses.
-SERVER_COMMANDS = frozenset({"run", "serve"})
+# The commands defined here: their parser imports no other command's module, so a
+# sidecar (run, serve) loads only what its service uses.
+OWN_COMMANDS = frozenset({"run", "serve", "config"})
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
-    """The whole parser; for a ``command`` in :data:`SERVER_COMMANDS`, one without the
-    client commands (their modules are not imported)."""
+    """The parser for ``command`` (the first argument): with the module of that command
+    only (none for :data:`OWN_COMMANDS`), or with every command when it names none
+    of them (``gpulet --help``, a typo)."""
     parser = OneLineParser(prog="gpulet", description="GPU node agent for Kubernetes, over NATS.")
     parser.add_argument("--version", action=VersionAction)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -350,12 +352,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     reference = cfg_sub.add_parser("reference", help="print the settings reference (Markdown)")
     reference.set_defaults(func=_cmd_config_reference)
 
-    if command in SERVER_COMMANDS:
+    if command in OWN_COMMANDS:
         return parser
-    from gpulet import tools
-
-    tools.add_commands(sub, _client_flags, load_settings)
-    for module_name in services.COMMAND_MODULES:
+    owners = [m for m, names in services.COMMAND_MODULES.items() if command in names]
+    for module_name in owners or services.COMMAND_MODULES:
         try:
             module = import_module(module_name)
         except ModuleNotFoundError as exc:

@@ -40,13 +40,15 @@ USES_AIOHTTP: frozenset[str] = frozenset({"reporter", "allocator"})
 RUN_ORDER: tuple[str, ...] = ("collector", "health", "reporter", "allocator", "device-plugin")
 
 # Packages that add their own subcommands through a `cli` module with
-# `add_commands(subparsers, add_settings_flags, load_settings)`.
-COMMAND_MODULES: tuple[str, ...] = (
-    "gpulet_health.cli",
-    "gpulet_reporter.cli",
-    "gpulet_allocator.cli",
-    "gpulet.fleet",
-)
+# `add_commands(subparsers, add_flags, load_settings)`, and the commands each adds: the
+# CLI imports only the module of the command it runs (all of them for `gpulet --help`).
+COMMAND_MODULES: dict[str, tuple[str, ...]] = {
+    "gpulet.tools": ("watch", "schema", "mock"),
+    "gpulet_health.cli": ("health", "alerts"),
+    "gpulet_reporter.cli": ("reporter-preview",),
+    "gpulet_allocator.cli": ("allocator",),
+    "gpulet.fleet": ("fleet",),
+}
 
 
 def factory(name: str) -> Callable[[Runtime], Service]:
