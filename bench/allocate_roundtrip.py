@@ -41,7 +41,7 @@ stand-in collector publishing the inventory of the 8-GPU NVLink box with 80 GiB 
   call with the same Allocate without a pod book; the difference of the p50s is what
   following the scheduler costs (target < 1 ms: the pod comes from the watch's
   cache, never from the API server).
-* **In process**: the same decisions through :class:`~gpulet_allocator.core.AllocatorCore`
+* **In process**: the same decisions through :class:`~gpulet_allocator.decide.core.AllocatorCore`
   and the same group-committed checkpoint, called directly in this process: what the
   allocator itself costs. The ratio to it is what the split (gRPC, NATS, two more
   processes) costs.
@@ -85,10 +85,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from _util import percentile, table
 
 from gpulet_allocator import protocol as p
-from gpulet_allocator.core import AllocatorCore
-from gpulet_allocator.koordinator import Decision, GpuEntry, PodBook, PodKey, WatchedPod
+from gpulet_allocator.decide.core import AllocatorCore
+from gpulet_allocator.decide.koordinator import Decision, GpuEntry, PodBook, PodKey, WatchedPod
 from gpulet_allocator.kubelet_api.deviceplugin.v1beta1 import api_pb2 as dp
-from gpulet_allocator.store import CheckpointFile, Committer, encode
+from gpulet_allocator.state.checkpoint import CheckpointFile, Committer, encode
 from gpulet_common import codec, subjects
 from gpulet_common.bus import Bus, BusError, Delivery
 from gpulet_common.embedded_nats import EmbeddedNats

@@ -37,9 +37,9 @@ from collections.abc import Callable, Sequence
 from functools import cache
 from pathlib import Path
 
-from gpulet_allocator.engine.ledger import Ledger, Owner
-from gpulet_allocator.engine.topology import TIER_NAMES, Topology
-from gpulet_allocator.engine.whole import select_whole
+from gpulet_allocator.decide.engine.ledger import Ledger, Owner
+from gpulet_allocator.decide.engine.topology import TIER_NAMES, Topology
+from gpulet_allocator.decide.engine.whole import select_whole
 
 # The reference topologies are the tests' oracle (tests/support/reference.py).
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))

@@ -37,9 +37,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _util import table
 
-from gpulet_allocator.core import AllocatorCore
-from gpulet_allocator.plugin.resources import plugin_gpus_from_inventory
-from gpulet_allocator.plugin.state import DeviceList
+from gpulet_allocator.decide.core import AllocatorCore
+from gpulet_allocator.kubelet.deviceplugin.devicelist import DeviceList
+from gpulet_allocator.kubelet.deviceplugin.resources import plugin_gpus_from_inventory
 from gpulet_common import codec, subjects
 from gpulet_common.codec import MalformedMessage
 from gpulet_common.messages import GpuInfo, Inventory, PeerLink

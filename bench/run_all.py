@@ -19,10 +19,13 @@ BENCHES: list[tuple[str, list[str], list[str]]] = [
     ("collector_cost.py", [], ["--periods", "500", "--steady", "5", "--messages", "5000"]),
     ("pod_footprint.py", [], ["--settle", "15", "--idle", "5"]),
     ("health_latency.py", [], ["--faults", "50"]),
+    ("listandwatch_latency.py", [], ["--faults", "10"]),
+    ("health_storm.py", [], ["--seconds", "5", "--idle", "2"]),
     ("allocation_quality.py", [], []),
     ("inventory_scale.py", [], ["--repeat", "3"]),
     ("nats_restart.py", ["--rounds", "10"], ["--rounds", "3"]),
     ("allocate_roundtrip.py", [], ["--quick"]),
+    ("dra.py", [], ["--quick"]),
     (
         "reporter_fleet.py",
         ["--nodes", "1000", "--duration", "60"],

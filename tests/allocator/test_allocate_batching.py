@@ -1,10 +1,11 @@
 """Allocate calls coalesced into allocate-batch, and the batch endpoint itself.
 
 Kubelet calls in a burst leave the plugin together (see
-:mod:`gpulet_allocator.nats_backend`); these tests prove that coalescing changes
-nothing a caller can see: every call gets the answer or the refusal it would have got
-alone, no card is oversubscribed, a plugin newer than its allocator still works, and a
-stopping plugin fails its queued calls at once instead of at their deadline.
+:mod:`gpulet_allocator.kubelet.deviceplugin.nats_backend`); these tests prove that
+coalescing changes nothing a caller can see: every call gets the answer or the refusal
+it would have got alone, no card is oversubscribed, a plugin newer than its allocator
+still works, and a stopping plugin fails its queued calls at once instead of at their
+deadline.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ import pytest
 from nats.aio.msg import Msg
 
 from gpulet_allocator import protocol as p
+from gpulet_allocator.kubelet.deviceplugin.nats_backend import NatsAllocationBackend
 from gpulet_allocator.kubelet_api.deviceplugin.v1beta1 import api_pb2 as dp
-from gpulet_allocator.nats_backend import NatsAllocationBackend
 from gpulet_allocator.protocol import ContainerAllocation
 from gpulet_common import subjects
 from gpulet_common.bus import Bus, Refused, RequestTimeout

@@ -9,9 +9,17 @@ import anyio
 import msgspec
 import pytest
 
-from gpulet_allocator.core import AllocatorCore, PodRef, grant_key
+from gpulet_allocator.decide.books import grant_key
+from gpulet_allocator.decide.core import AllocatorCore
+from gpulet_allocator.decide.record import PodRef
 from gpulet_allocator.protocol import PreferredRequest, ReleaseRequest
-from gpulet_allocator.store import CheckpointError, CheckpointFile, Committer, decode, encode
+from gpulet_allocator.state.checkpoint import (
+    CheckpointError,
+    CheckpointFile,
+    Committer,
+    decode,
+    encode,
+)
 from gpulet_common.messages import Inventory
 from gpulet_common.refusal import Refused
 from gpulet_common.settings.allocator import ResourceNames

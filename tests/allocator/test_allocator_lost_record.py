@@ -30,7 +30,7 @@ import pytest
 from gpulet_allocator import protocol as p
 from gpulet_allocator.cli import format_state
 from gpulet_allocator.service import checkpoint_path
-from gpulet_allocator.store import CheckpointFile
+from gpulet_allocator.state.checkpoint import CheckpointFile
 from gpulet_common.bus import Refused
 from gpulet_common.embedded_nats import EmbeddedNats
 from gpulet_common.settings import Settings

@@ -11,7 +11,7 @@ import pytest
 
 from gpulet_allocator import protocol as p
 from gpulet_allocator.cli import format_state
-from gpulet_allocator.plugin.service import DevicePluginService
+from gpulet_allocator.kubelet.deviceplugin.service import DevicePluginService
 from gpulet_allocator.service import AllocatorService
 from gpulet_common.bus import Refused
 from gpulet_common.embedded_nats import EmbeddedNats

@@ -301,7 +301,7 @@ async def test_allocator_down_gives_a_clean_bounded_error(settings: Settings) ->
         assert metrics.value(calls, rpc="Allocate", resource=GPU, code="OK") == 1
         assert metrics.value(calls, rpc="GetPreferredAllocation", code="OK") == 1
         assert metrics.value("gpulet.device_plugin.preferred_fallbacks", resource=GPU) == 1
-        assert metrics.value("gpulet.allocator.requests", outcome="ok") == 1
+        assert metrics.value("gpulet.allocator.requests", endpoint="allocate", outcome="ok") == 1
 
 
 async def test_a_hung_allocator_times_out(settings: Settings) -> None:

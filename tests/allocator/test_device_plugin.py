@@ -18,13 +18,13 @@ import grpc.aio
 import msgspec
 import pytest
 
-from gpulet_allocator.kubelet_api.deviceplugin.v1beta1 import api_pb2 as dp
-from gpulet_allocator.plugin import (
+from gpulet_allocator.kubelet.deviceplugin import (
     DeviceList,
     DevicePluginManager,
     PluginConfig,
     PluginGpu,
 )
+from gpulet_allocator.kubelet_api.deviceplugin.v1beta1 import api_pb2 as dp
 from gpulet_allocator.protocol import ContainerAllocation, DeviceSpec, Mount, PreferredRequest
 from gpulet_common.refusal import NoResponders, Refused
 from support.fake_kubelet import FakeContainer, FakeKubelet, FakePod, running_fake_kubelet

@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import pytest
 
-from gpulet_allocator.engine.ledger import (
+from gpulet_allocator.decide.engine.ledger import (
     Ledger,
     Owner,
     ShareAllocation,
@@ -342,15 +342,18 @@ def test_owner_needs_an_allocation_id() -> None:
     assert code_of(err) == "invalid_request"
 
 
-def test_preferred_avoids_busy_cards_but_answers_anyway() -> None:
+def test_preferred_offers_only_cards_that_may_go_whole() -> None:
     ledger = Ledger(pix_phb_7())
     ledger.allocate_whole(owner("p"), 1, must_include=[uuid(ledger, 4)])
     everything = list(ledger.topology.uuids)
     got = ledger.preferred(everything, [], 4)
     assert {ledger.topology.position(u) for u in got} == {0, 1, 2, 3}
-    # kubelet offers only busy/odd cards: still an answer of the right size.
-    got = ledger.preferred([uuid(ledger, 4), uuid(ledger, 5)], [], 2)
-    assert len(got) == 2
+    # kubelet offers a busy card among too few others: refused, saying why, rather
+    # than a preference the Allocate after it would refuse.
+    with pytest.raises(Refused) as err:
+        ledger.preferred([uuid(ledger, 4), uuid(ledger, 5)], [], 2)
+    assert code_of(err) == "insufficient_capacity"
+    assert f"{uuid(ledger, 4)} is allocated whole" in err.value.message
     with pytest.raises(Refused) as err:
         ledger.preferred(["GPU-x"], [], 1)
     assert code_of(err) == "unknown_device"

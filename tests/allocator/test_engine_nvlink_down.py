@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import msgspec
 
-from gpulet_allocator.engine.topology import NVLINK_SCORE, Topology
-from gpulet_allocator.engine.whole import select_whole
+from gpulet_allocator.decide.engine.topology import NVLINK_SCORE, Topology
+from gpulet_allocator.decide.engine.whole import select_whole
 from gpulet_common import codec
 from gpulet_common.messages import GpuInfo, Inventory, PeerLink
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpulet_allocator import store
-from gpulet_allocator.core import StoredState
-from gpulet_allocator.engine.ledger import Allocation, Ledger, Owner, WholeAllocation
+from gpulet_allocator.decide.engine.ledger import Allocation, Ledger, Owner, WholeAllocation
 from gpulet_allocator.protocol import CORES_PER_GPU
+from gpulet_allocator.state import checkpoint as store
+from gpulet_allocator.state.records import StoredState
 from gpulet_common.messages import Inventory
 from gpulet_common.refusal import STATUS, Refused
 from support.reference import GIB, inventory_from_matrix

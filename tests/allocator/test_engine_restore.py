@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from gpulet_allocator import store
-from gpulet_allocator.core import StoredState
-from gpulet_allocator.engine.ledger import (
+from gpulet_allocator.decide.engine.ledger import (
     Allocation,
     Ledger,
     Owner,
     ShareAllocation,
     WholeAllocation,
 )
+from gpulet_allocator.state import checkpoint as store
+from gpulet_allocator.state.records import StoredState
 from support.reference import pix_phb_7
 
 

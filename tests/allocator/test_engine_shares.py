@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpulet_allocator.engine.shares import CardFree, classify_cores, format_units, pick_share
+from gpulet_allocator.decide.engine.shares import CardFree, classify_cores, format_units, pick_share
 from gpulet_allocator.protocol import MEMORY_UNIT_BYTES, memory_units
 from gpulet_common.refusal import Refused
 

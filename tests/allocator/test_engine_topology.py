@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from gpulet_allocator.engine.topology import (
+from gpulet_allocator.decide.engine.topology import (
     LEAF_LEVEL,
     LEVEL_HOSTBRIDGE,
     LEVEL_MULTIPLE,

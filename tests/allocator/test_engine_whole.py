@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpulet_allocator.engine import whole
-from gpulet_allocator.engine.topology import Topology
-from gpulet_allocator.engine.whole import evaluate, fragment_order, select_whole
+from gpulet_allocator.decide.engine import whole
+from gpulet_allocator.decide.engine.topology import Topology
+from gpulet_allocator.decide.engine.whole import evaluate, fragment_order, select_whole
 from gpulet_common.refusal import Refused
 from support.reference import (
     dgx1_cube_mesh_8,

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpulet_allocator.koordinator import (
+from gpulet_allocator.decide.koordinator import (
     ANNOTATION_DEVICE_ALLOCATED,
     Decision,
     GpuEntry,
@@ -75,7 +75,11 @@ def test_the_documented_decision_parses() -> None:
     assert entry.memory_of(80 * 2**30) == 20 * 2**30
     assert parse_decision(json.dumps({"rdma": []})) is None
     assert parse_decision(None) is None
-    assert parse_decision(json.dumps({"gpu": []})) is None
+    # Present but deciding nothing is not "no decision" (issue 23): it is refused.
+    for empty in ('{"gpu": []}', '{"gpu": null}'):
+        refused = parse_decision(empty)
+        assert isinstance(refused, InvalidDecision)
+        assert "decides no GPU" in refused.problem
 
 
 @given(st.one_of(st.text(max_size=200), st.binary(max_size=200).map(repr)))

@@ -20,8 +20,8 @@ import grpc.aio
 import msgspec
 import pytest
 
-from gpulet_allocator.koordinator import ANNOTATION_DEVICE_ALLOCATED
-from gpulet_allocator.pod_watch import EVENT_REASON
+from gpulet_allocator.decide.koordinator import ANNOTATION_DEVICE_ALLOCATED
+from gpulet_allocator.service.pod_watch import EVENT_REASON
 from gpulet_common.messages import Inventory
 from gpulet_common.nvml.loader import open_mock
 from gpulet_common.settings import Settings
@@ -298,6 +298,9 @@ async def test_two_annotated_pods_admitted_back_to_back_are_told_apart(
         (json.dumps({"gpu": [{"minor": 1, "resources": {CORE: "lots"}}]}), "not 1-100"),
         (json.dumps({"gpu": [{"minor": i} for i in range(200)]}), "200 GPU entries"),
         (json.dumps([1, 2]), "not a JSON object"),
+        # Present but deciding nothing: refused, never a card gpulet picks (issue 23).
+        (json.dumps({"gpu": []}), "decides no GPU"),
+        (json.dumps({"gpu": None}), "decides no GPU"),
     ],
 )
 async def test_hostile_annotations_are_refused_clearly_and_crash_nothing(

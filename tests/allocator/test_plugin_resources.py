@@ -11,7 +11,7 @@ import pytest
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import HistogramDataPoint, InMemoryMetricReader
 
-from gpulet_allocator.plugin import (
+from gpulet_allocator.kubelet.deviceplugin import (
     DeviceList,
     DeviceNodes,
     PluginGpu,
@@ -19,8 +19,8 @@ from gpulet_allocator.plugin import (
     plugin_gpus_from_inventory,
     socket_name,
 )
-from gpulet_allocator.plugin.metrics import PluginMetrics
-from gpulet_allocator.plugin.server import fallback_preference
+from gpulet_allocator.kubelet.deviceplugin.metrics import PluginMetrics
+from gpulet_allocator.kubelet.deviceplugin.server import fallback_preference
 from gpulet_allocator.protocol import (
     CORES_PER_GPU,
     MEMORY_UNIT_BYTES,

@@ -11,8 +11,8 @@ import anyio
 import pytest
 from kubernetes_asyncio import client
 
-from gpulet_allocator.koordinator import ANNOTATION_DEVICE_ALLOCATED, PodBook, PodKey
-from gpulet_allocator.pod_watch import EVENT_QUEUE, EVENT_REASON, EventWriter, PodWatch
+from gpulet_allocator.decide.koordinator import ANNOTATION_DEVICE_ALLOCATED, PodBook, PodKey
+from gpulet_allocator.service.pod_watch import EVENT_QUEUE, EVENT_REASON, EventWriter, PodWatch
 from gpulet_common.settings.allocator import HandshakeSettings
 from support.kube_emulator import EVENTS, PODS, KubeEmulator
 from support.waiting import wait_until

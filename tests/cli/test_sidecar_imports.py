@@ -21,7 +21,7 @@ EVERY = {
     "gpulet.tools",
     "gpulet.fleet",
     "gpulet_common.fleet",
-    "gpulet_health.alerts",
+    "gpulet_alerting",
     "opentelemetry.exporter.otlp",
     "nkeys",
 }

@@ -12,6 +12,8 @@ from gpulet_collector.service import CollectorService
 from gpulet_common import codec, subjects
 from gpulet_common.embedded_nats import EmbeddedNats
 from gpulet_common.messages import Inventory, InventoryRequest, MockInjectRequest
+from gpulet_common.mock_nvml.faultspec import FaultSpec
+from gpulet_common.runtime import Runtime
 from gpulet_common.settings.nvml import NvmlSettings
 from support.agent import agent_settings, mock_adapter, runtime_for
 from support.host import HIDDEN_DRIVER, without_driver
@@ -263,3 +265,59 @@ async def test_an_nvlink_going_down_and_up_republishes_the_inventory(
     assert up.gpus[0].nvlinks_up == first.gpus[0].nvlinks_up
     assert up.generation > down.generation
     assert changes <= 3  # at most: one down (or two, a link at a time), one up
+
+
+async def test_a_mig_layout_change_republishes_the_inventory(
+    nats_server: EmbeddedNats, tmp_path: Path
+) -> None:
+    settings = agent_settings(
+        nats_server.url,
+        tmp_path,
+        overrides=["collector.sample_period_s=0.05", "collector.slow_period_s=0.1"],
+    )
+    adapter, mock = mock_adapter("a100-mig-mixed")
+    async with (
+        runtime_for(settings, adapter=adapter) as rt,
+        anyio.create_task_group() as tg,
+    ):
+        node = settings.node_name
+        async with rt.bus.subscribe(subjects.inventory(node), codec.INVENTORY) as inventories:
+            collector = CollectorService(rt)
+            await tg.start(collector.run)
+            with anyio.fail_after(5):
+                first = (await anext(aiter(inventories))).value
+            assert (first.gpus[2].mig_mode, first.gpus[2].mig_devices) == ("enabled", [])
+            # Many slow periods with the layout as it is: nothing new is published.
+            seen = collector.inventory_publishes
+            await wait_batches(rt, node, 20)
+            assert collector.inventory_publishes == seen
+            # Two GPU instances are created on GPU 2 (MIG enabled, empty until now).
+            layout = {
+                "mode": "enabled",
+                "devices": [
+                    {"gi": 1, "ci": 0, "profile": "4g.20gb"},
+                    {"gi": 2, "ci": 0, "profile": "3g.20gb"},
+                ],
+            }
+            applied, detail = mock.apply(FaultSpec(fault="mig", gpu=2, spec=layout))
+            assert applied, detail
+            with anyio.fail_after(5):
+                async for delivery in inventories:
+                    changed = delivery.value
+                    if changed.gpus[2].mig_devices:
+                        break
+        tg.cancel_scope.cancel()
+    assert [d.profile for d in changed.gpus[2].mig_devices] == ["4g.20gb", "3g.20gb"]
+    assert changed.generation > first.generation
+    assert changed.gpus[0].mig_devices == first.gpus[0].mig_devices
+
+
+async def wait_batches(rt: Runtime, node: str, count: int) -> None:
+    """Wait until ``count`` more sample batches were published (a condition, no pause)."""
+    async with rt.bus.subscribe(subjects.samples(node), codec.SAMPLES) as batches:
+        with anyio.fail_after(10):
+            seen = 0
+            async for _ in batches:
+                seen += 1
+                if seen >= count:
+                    return

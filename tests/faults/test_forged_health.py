@@ -31,7 +31,7 @@ import grpc.aio
 import msgspec
 import pytest
 
-from gpulet_allocator.plugin.service import DevicePluginService
+from gpulet_allocator.kubelet.deviceplugin.service import DevicePluginService
 from gpulet_allocator.service import AllocatorService
 from gpulet_common import codec, subjects
 from gpulet_common.bus import Bus

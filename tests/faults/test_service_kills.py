@@ -54,9 +54,9 @@ import grpc.aio
 import pytest
 
 from gpulet_allocator import protocol as p
-from gpulet_allocator import store
-from gpulet_allocator.engine.ledger import WholeAllocation
+from gpulet_allocator.decide.engine.ledger import WholeAllocation
 from gpulet_allocator.kubelet_api.deviceplugin.v1beta1 import api_pb2 as dp
+from gpulet_allocator.state import checkpoint as store
 from gpulet_common import codec, subjects
 from gpulet_common.bus import Bus, BusError
 from gpulet_common.embedded_nats import EmbeddedNats, free_port

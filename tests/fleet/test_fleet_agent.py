@@ -16,9 +16,9 @@ from pathlib import Path
 import anyio
 import pytest
 
+from gpulet_alerting import fleet_hub
 from gpulet_common import codec, subjects
 from gpulet_common.bus import Bus
-from gpulet_common.fleet import hub as fleet_hub
 from gpulet_common.settings.fleet import FleetSettings
 from support.deploy import inbox_prefix, password_for, set_passwords
 from support.fleet import Hub, running_hub, running_leaves

@@ -22,10 +22,10 @@ import pytest
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
+from gpulet_alerting import fleet_hub
 from gpulet_common import codec, subjects
 from gpulet_common.bus import Bus
 from gpulet_common.embedded_nats import EmbeddedNats
-from gpulet_common.fleet import hub as fleet_hub
 from gpulet_common.fleet.identity import Role
 from gpulet_common.messages import NodeStatus
 from support.deploy import inbox_prefix, password_for, set_passwords

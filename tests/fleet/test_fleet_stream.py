@@ -18,13 +18,13 @@ import anyio
 import msgspec
 import pytest
 
+from gpulet_alerting import fleet_hub
+from gpulet_alerting.fleet_alerts import hub_consumer
 from gpulet_common import codec, subjects
 from gpulet_common.bus import Bus
-from gpulet_common.fleet import hub as fleet_hub
 from gpulet_common.messages import ActiveCondition, GpuHealth, HealthState
 from gpulet_common.settings import Settings
 from gpulet_common.settings.fleet import FleetSettings
-from gpulet_health.fleet_alerts import hub_consumer
 from gpulet_health.fleet_status import FleetStatusPublisher
 from support.deploy import inbox_prefix, password_for, set_passwords
 from support.fleet import Hub, fault_event, running_hub, running_leaves, running_node
@@ -91,7 +91,7 @@ async def test_events_reach_the_fleet_stream_once_and_alerts_deliver_them(
                     subjects.fleet_events(NODE),
                     codec.HEALTH_EVENT.encode(events[3]),
                     timeout=5,
-                    headers={"Nats-Msg-Id": events[3].event_id},
+                    headers={"Nats-Msg-Id": subjects.event_msg_id(NODE, events[3].event_id)},
                 )
                 ack = json.loads(reply.data)
                 assert ack["stream"] == subjects.FLEET_STREAM
@@ -101,6 +101,64 @@ async def test_events_reach_the_fleet_stream_once_and_alerts_deliver_them(
     assert await stream_ids(hub) == [e.event_id for e in events]
     delivered = [json.loads(line)["event_id"] for line in out.getvalue().splitlines()]
     assert delivered == [e.event_id for e in events]
+
+
+async def test_another_node_cannot_have_a_nodes_event_dropped_by_using_its_id(
+    hub: Hub, tmp_path: Path
+) -> None:
+    """Issue 23: node B, publishing only on its own subject, with the id that node A
+    will use next, had A's genuine event answered "duplicate" by the hub and lost."""
+    victim, attacker = NODE, "gpu-node-8.example"
+    now = time.time()
+    genuine = fault_event(victim, 0, now=now)
+    forged = msgspec.structs.replace(fault_event(attacker, 0, now=now), event_id=genuine.event_id)
+    settings = Settings(nats=hub.nats_settings("alerts"), fleet=FLEET)
+    out = io.StringIO()
+    async with (
+        Bus.connect(settings.nats, max_initial_attempts=5) as alerts_bus,
+        anyio.create_task_group() as tg,
+        running_leaves(tmp_path, hub, [victim, attacker]) as leaves,
+    ):
+        consumer = hub_consumer(alerts_bus, settings, out=out)
+        await tg.start(consumer.run)
+        # B first, on its own subject with its own credential, under A's future id:
+        # bare, and in the form that A's relay uses.
+        async with Bus.connect(
+            msgspec.structs.replace(
+                hub.nats_settings("viewer"),
+                url=leaves[attacker].url,
+                user="health",
+                password=password_for("health"),
+                creds_file="",
+                inbox_prefix=subjects.fleet_relay_inbox(attacker),
+            ),
+            max_initial_attempts=5,
+        ) as evil:
+            for header in (genuine.event_id, subjects.event_msg_id(attacker, genuine.event_id)):
+                reply = await evil.client.request(
+                    subjects.fleet_events(attacker),
+                    codec.HEALTH_EVENT.encode(forged),
+                    timeout=5,
+                    headers={"Nats-Msg-Id": header},
+                )
+                assert json.loads(reply.data)["stream"] == subjects.FLEET_STREAM
+            # And an event that claims to be A's, on B's subject: the subject (which
+            # B's credential confines it to) decides, so the consumer rejects it.
+            await evil.client.publish(
+                subjects.fleet_events(attacker),
+                codec.HEALTH_EVENT.encode(fault_event(victim, 1, now=now)),
+            )
+        async with running_node(tmp_path, leaves[victim], FLEET) as node:
+            await node.inject([genuine])
+            await wait_until(lambda: node.relay.relayed >= 1, timeout_s=20, what="relayed")
+            assert node.relay.duplicates == 0  # stored, not answered "duplicate"
+        await wait_until(lambda: consumer.processed >= 3, timeout_s=20, what="delivered")
+        tg.cancel_scope.cancel()
+    delivered = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert [(e["node"], e["event_id"]) for e in delivered] == [
+        (attacker, genuine.event_id),
+        (victim, genuine.event_id),
+    ]
 
 
 async def test_the_relay_loses_nothing_while_the_hub_is_down(hub: Hub, tmp_path: Path) -> None:

@@ -17,11 +17,12 @@ import anyio
 import msgspec
 import pytest
 
+from gpulet_alerting.alertmanager import AlertmanagerSink
+from gpulet_alerting.consumer import AlertsConsumer
 from gpulet_common.bus import Bus
 from gpulet_common.embedded_nats import EmbeddedNats, free_port
 from gpulet_common.settings.health import AlertSettings
 from gpulet_common.settings.nats import NatsSettings
-from gpulet_health.alerts import AlertmanagerSink, AlertsConsumer
 from support.health_harness import HealthNode, health_node, until
 
 pytestmark = pytest.mark.anyio

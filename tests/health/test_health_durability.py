@@ -51,11 +51,14 @@ async def test_late_consumer_replays_from_the_stream_and_ids_deduplicate(
         events = await stream_events(nats_server.url, 3)
         assert [e.xid for e in events] == [79, 48, 13]
         # A re-publish of the same event (as the disk buffer does after an outage) is
-        # dropped by JetStream thanks to Nats-Msg-Id = event_id.
+        # dropped by JetStream thanks to Nats-Msg-Id = <node>:<event_id>.
         bus = h.runtime.bus
         info = await bus.jetstream.stream_info(subjects.HEALTH_STREAM)
         await bus.js_publish(
-            subjects.health(h.node), events[0], codec.HEALTH_EVENT, msg_id=events[0].event_id
+            subjects.health(h.node),
+            events[0],
+            codec.HEALTH_EVENT,
+            msg_id=subjects.event_msg_id(h.node, events[0].event_id),
         )
         after = await bus.jetstream.stream_info(subjects.HEALTH_STREAM)
         assert after.state.messages == info.state.messages == 3

@@ -18,7 +18,7 @@ from gpulet_common.nvml.adapter import (
 )
 from gpulet_common.settings.health import HealthSettings, XidRule
 from gpulet_health.catalogue import BUILTIN_XIDS, XidCatalogue
-from gpulet_health.dedup import Deduplicator, event_id
+from gpulet_health.dedup import Deduplicator, EventIds
 from gpulet_health.rules import RuleEngine, UnknownCondition, UnknownGpu
 
 NODE = "n1"
@@ -33,9 +33,12 @@ def sample(index: int, t: float, **kw: object) -> GpuSample:
     return GpuSample(uuid=f"GPU-{index}", index=index, timestamp=t, **kw)  # type: ignore[arg-type]
 
 
-def engine(**health: object) -> RuleEngine:
+KEY = b"k" * 32  # the node's event-id key (the service keeps one in its state dir)
+
+
+def engine(key: bytes = KEY, **health: object) -> RuleEngine:
     settings = msgspec.convert(health, HealthSettings, strict=False)
-    e = RuleEngine(NODE, settings)
+    e = RuleEngine(NODE, settings, id_key=key)
     e.observe_inventory([gpu(0, temp_slowdown_c=94, temp_shutdown_c=97), gpu(1)], T0)
     return e
 
@@ -116,8 +119,31 @@ def test_event_ids_are_stable() -> None:
     ea = a.observe_nvml_event(xid(0, 48, T0 + 1))
     eb = b.observe_nvml_event(xid(0, 48, T0 + 1))
     assert ea[0].event_id == eb[0].event_id
-    assert ea[0].event_id == event_id(NODE, "GPU-0", "raise", "xid:48", T0 + 1)
+    assert ea[0].event_id == EventIds(KEY)(NODE, "GPU-0", "raise", "xid:48", T0 + 1)
     assert ea[0].event_id != a.observe_nvml_event(xid(0, 79, T0 + 1))[0].event_id
+
+
+def test_event_ids_are_unguessable_without_the_node_key() -> None:
+    # Issue 23: the ids were a plain hash of what the event is, so anyone who saw a
+    # raise event could compute its recovery's id (and publish it first, to have the
+    # genuine one dropped as a duplicate). Under another key every id differs.
+    a, other = engine(), engine(key=b"x" * 32)
+    raise_a = a.observe_nvml_event(xid(0, 48, T0 + 1))[0]
+    raise_o = other.observe_nvml_event(xid(0, 48, T0 + 1))[0]
+    assert raise_a.event_id != raise_o.event_id
+    _, end_a = a.clear("0", None, T0 + 2)
+    _, end_o = other.clear("0", None, T0 + 2)
+    assert end_a[-1].kind == "cleared"
+    assert end_a[-1].event_id != end_o[-1].event_id
+    import hashlib
+
+    # Not the unkeyed hash of the raise event's fields either.
+    fields = "\x1f".join([NODE, "GPU-0", "end", "xid:48", repr(raise_a.condition_since)])
+    assert end_a[-1].event_id != hashlib.sha256(fields.encode()).hexdigest()[:32]
+    # A random key when none is given: two engines never share ids.
+    settings = HealthSettings()
+    assert EventIds()("x") != EventIds()("x")
+    assert RuleEngine(NODE, settings).ids("x") != RuleEngine(NODE, settings).ids("x")
 
 
 def test_dedup_folds_repeats_into_one_count() -> None:
@@ -145,7 +171,7 @@ def test_dedup_summary_comes_before_the_end_of_its_condition() -> None:
 
 
 def test_dedup_disabled_with_zero_window() -> None:
-    d = Deduplicator(0)
+    d = Deduplicator(0, EventIds(KEY))
     ev = engine().observe_nvml_event(xid(0, 79, T0))[0]
     assert d.offer(("GPU-0", "x"), ev) == [ev]
     assert d.offer(("GPU-0", "x"), ev) == [ev]
@@ -422,7 +448,7 @@ def test_clear_errors_and_restore() -> None:
     with pytest.raises(UnknownCondition):
         e.clear("GPU-0", "thermal", T0)
     snapshot = e.snapshot("GPU-0")
-    restored = RuleEngine(NODE, HealthSettings())
+    restored = RuleEngine(NODE, HealthSettings(), id_key=KEY)  # a restart: the same key
     restored.restore([snapshot])
     assert restored.observe_inventory([gpu(0), gpu(1)], T0 + 5) == []
     assert not restored.gpus["GPU-0"].healthy

@@ -16,7 +16,7 @@ from gpulet_common.mock_nvml import (
     load_scenario,
     scenario_from_toml,
 )
-from gpulet_common.mock_nvml.scenario import FaultSpec, check_fault
+from gpulet_common.mock_nvml.faultspec import FaultSpec, check_fault
 from gpulet_common.nvml import (
     EVENT_GPU_UNAVAILABLE,
     EVENT_XID,
@@ -311,7 +311,9 @@ def inject(mock: MockNvml, fault: str, gpu: int | None = None, **kw: Any) -> tup
 
 @pytest.mark.parametrize("fault", FAULT_KINDS)
 def test_live_injection_of_every_fault_kind(open_mock: MockFactory, fault: str) -> None:
-    adapter, mock = open_mock("dgx-h100", real_clock=fault == "hang")
+    # The recovery action needs an R570 driver: faults-demo's (its timeline stays unplayed).
+    scenario = "faults-demo" if fault == "recovery_action" else "dgx-h100"
+    adapter, mock = open_mock(scenario, real_clock=fault == "hang")
     event_set = adapter.create_event_set()
     adapter.register_events(event_set, 2, HEALTH_EVENT_MASK)
     uuid2 = adapter.uuid_of(2)
@@ -327,6 +329,7 @@ def test_live_injection_of_every_fault_kind(open_mock: MockFactory, fault: str) 
         "nvlink_down": {"value": 5},
         "nvlink_up": {"value": 5},
         "nvml_vanish": {"value": 12},
+        "recovery_action": {"value": 1},
     }
     args = per_fault.get(fault, {})
     gpu = None if fault in ("hot_add", "nvml_vanish", "nvml_return") else 2
@@ -403,6 +406,10 @@ def test_live_injection_of_every_fault_kind(open_mock: MockFactory, fault: str) 
         assert adapter.device_count() == 8
     elif fault == "reset":
         assert "reset" in detail
+    elif fault == "recovery_action":
+        assert mock.recovery.field(2) == 1
+        assert inject(mock, "reset", 2)[0]
+        assert mock.recovery.field(2) == 0
     else:  # pragma: no cover - every kind has a branch
         pytest.fail(f"no check for {fault}")
 

@@ -14,10 +14,13 @@ from gpulet_common.mock_nvml import (
     resolve_scenario,
     scenario_from_toml,
 )
-from gpulet_common.mock_nvml.scenario import level_matrix, nvlink_matrix, parse_cpu_list
+from gpulet_common.mock_nvml.scenario import parse_cpu_list
+from gpulet_common.mock_nvml.topology import level_matrix, nvlink_matrix
 
 SHIPPED = {
     "a100-pcie": (1, "NVIDIA A100-PCIE-40GB"),
+    "a100-mig-mixed": (4, "NVIDIA A100-SXM4-40GB"),
+    "h100-mig-single": (8, "NVIDIA H100 80GB HBM3"),
     "dgx-h100": (8, "NVIDIA H100 80GB HBM3"),
     "faults-demo": (8, "NVIDIA H100 80GB HBM3"),
     "numa-2x4": (8, "NVIDIA A10"),
@@ -57,7 +60,7 @@ def test_resolve_by_name_and_path(tmp_path: Path) -> None:
         "my T4",
         "Tesla T4",
     )
-    with pytest.raises(ScenarioError, match=r"not found.*shipped scenarios: a100-pcie"):
+    with pytest.raises(ScenarioError, match=r"not found.*shipped scenarios: a100-mig-mixed, "):
         resolve_scenario("dgx-h200")
 
 

@@ -27,7 +27,7 @@ from gpulet_common.nvml import (
     cuda_version_string,
     normalize_bus_id,
 )
-from gpulet_common.nvml.adapter import _handle_key
+from gpulet_common.nvml.adapter import handle_key
 
 MockFactory = Callable[..., tuple[NvmlAdapter, MockNvml]]
 MIB = 1024 * 1024
@@ -638,8 +638,8 @@ def test_real_pynvml_handles_are_keyed_by_address() -> None:
     first = ctypes.cast(ctypes.pointer(device), pynvml.c_nvmlDevice_t)
     second = ctypes.cast(ctypes.pointer(device), pynvml.c_nvmlDevice_t)
     assert first is not second
-    assert _handle_key(first) == _handle_key(second)
-    assert _handle_key(first) != _handle_key(
+    assert handle_key(first) == handle_key(second)
+    assert handle_key(first) != handle_key(
         ctypes.cast(ctypes.pointer(other), pynvml.c_nvmlDevice_t)
     )
 

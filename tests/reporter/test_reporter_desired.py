@@ -13,6 +13,7 @@ import pytest
 
 from gpulet_common.messages import ActiveCondition, GpuHealth
 from gpulet_reporter import desired as d
+from gpulet_reporter import labels as lb
 from gpulet_reporter.facts import read_machine_type
 from gpulet_reporter.health_view import HealthView
 from gpulet_reporter.pcie import make_resolver, sysfs_pcie_root
@@ -39,15 +40,15 @@ def test_memory_quantity_is_exact_and_binary(size: int, text: str) -> None:
 
 
 def test_model_and_product_labels() -> None:
-    assert d.model_label("NVIDIA A100-SXM4-80GB") == "A100-SXM4-80GB"
-    assert d.model_label("NVIDIA H100 80GB HBM3") == "H100-80GB-HBM3"
-    assert d.model_label("Tesla T4") == "Tesla-T4"
-    assert d.product_label("NVIDIA H100 80GB HBM3") == "NVIDIA-H100-80GB-HBM3"
+    assert lb.model_label("NVIDIA A100-SXM4-80GB") == "A100-SXM4-80GB"
+    assert lb.model_label("NVIDIA H100 80GB HBM3") == "H100-80GB-HBM3"
+    assert lb.model_label("Tesla T4") == "Tesla-T4"
+    assert lb.product_label("NVIDIA H100 80GB HBM3") == "NVIDIA-H100-80GB-HBM3"
     # Whatever NVML says, the label value stays valid.
-    assert d.model_label("NVIDIA Weird (rev 2) /x" + "y" * 80) == d.label_value(
+    assert lb.model_label("NVIDIA Weird (rev 2) /x" + "y" * 80) == lb.label_value(
         "Weird-(rev-2)-/x" + "y" * 80
     )
-    assert len(d.model_label("NVIDIA " + "A" * 100)) <= 63
+    assert len(lb.model_label("NVIDIA " + "A" * 100)) <= 63
 
 
 def test_labels_of_a_uniform_node() -> None:
@@ -56,12 +57,12 @@ def test_labels_of_a_uniform_node() -> None:
         inventory,
         gpus=[msgspec.structs.replace(g, compute_capability=(9, 0)) for g in inventory.gpus],
     )
-    facts = d.NodeFacts(machine="DGXH100 ", serves_whole_gpus=True, mps_shares=True)
-    labels = d.node_labels(inventory, facts=facts)
+    facts = lb.NodeFacts(machine="DGXH100 ", serves_whole_gpus=True, mps_shares=True)
+    labels = lb.node_labels(inventory, facts=facts)
     assert labels == {
-        d.LABEL_GPU_MODEL: "H100-80GB-HBM3",
-        d.LABEL_GPU_VENDOR: "nvidia",
-        d.LABEL_GPU_DRIVER: "550.54.15",
+        lb.LABEL_GPU_MODEL: "H100-80GB-HBM3",
+        lb.LABEL_GPU_VENDOR: "nvidia",
+        lb.LABEL_GPU_DRIVER: "550.54.15",
         "nvidia.com/gpu.present": "true",
         "nvidia.com/gpu.count": "8",
         "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3",
@@ -81,15 +82,15 @@ def test_labels_of_a_uniform_node() -> None:
         "nvidia.com/cuda.runtime-version.major": "12",
         "nvidia.com/cuda.runtime-version.minor": "4",
     }
-    assert set(d.node_labels(inventory, gfd=False)) == set(d.KOORD_LABELS)
+    assert set(lb.node_labels(inventory, gfd=False)) == set(lb.KOORD_LABELS)
     # Without gpulet's plugin on nvidia.com/gpu, GFD's sharing labels are not ours to set;
     # without MPS shares the node is not MPS-capable; an unreadable machine is "unknown".
-    plain = d.node_labels(inventory)
+    plain = lb.node_labels(inventory)
     assert "nvidia.com/gpu.sharing-strategy" not in plain
     assert "nvidia.com/gpu.replicas" not in plain
     assert plain["nvidia.com/mps.capable"] == "false"
     assert plain["nvidia.com/gpu.machine"] == "unknown"
-    odd = d.node_labels(inventory, facts=d.NodeFacts(machine="PowerEdge XE9680 (rev/2)"))
+    odd = lb.node_labels(inventory, facts=lb.NodeFacts(machine="PowerEdge XE9680 (rev/2)"))
     assert odd["nvidia.com/gpu.machine"] == "PowerEdge-XE9680--rev-2"
 
 
@@ -110,7 +111,7 @@ def test_labels_of_a_uniform_node() -> None:
     ],
 )
 def test_gpu_family_follows_gfd(capability: tuple[int, int], family: str) -> None:
-    assert d.gpu_family(*capability) == family
+    assert lb.gpu_family(*capability) == family
 
 
 def test_labels_of_a_mixed_node() -> None:
@@ -120,18 +121,18 @@ def test_labels_of_a_mixed_node() -> None:
         msgspec.structs.replace(inventory.gpus[1], name="NVIDIA L40S", compute_capability=(8, 9)),
     ]
     mixed = msgspec.structs.replace(inventory, gpus=gpus)
-    labels = d.node_labels(mixed)
+    labels = lb.node_labels(mixed)
     # koordlet leaves the model out on a mixed node; it never writes it empty.
-    assert d.LABEL_GPU_MODEL not in labels
-    assert d.LABEL_GPU_MODEL not in d.device_labels(mixed)
-    assert labels[d.LABEL_GPU_VENDOR] == "nvidia"
+    assert lb.LABEL_GPU_MODEL not in labels
+    assert lb.LABEL_GPU_MODEL not in lb.device_labels(mixed)
+    assert labels[lb.LABEL_GPU_VENDOR] == "nvidia"
     assert labels["nvidia.com/gpu.count"] == "2"
     assert labels["nvidia.com/gpu.present"] == "true"
     for key in ("product", "memory", "family", "compute.major", "compute.minor"):
         assert f"nvidia.com/gpu.{key}" not in labels
     # and a Device rendered for it carries no empty model label either
     device = d.render_device(d.build_desired(mixed, {}), None, node_uid="u", now=NOW)
-    assert d.LABEL_GPU_MODEL not in device["metadata"]["labels"]
+    assert lb.LABEL_GPU_MODEL not in device["metadata"]["labels"]
 
 
 def test_module_id_is_written_where_nvml_has_it() -> None:
@@ -154,9 +155,9 @@ def test_module_id_is_written_where_nvml_has_it() -> None:
 
 def test_no_gpus_no_device_labels() -> None:
     inventory = make_inventory(NODE, 0)
-    assert d.device_labels(inventory) == {}
-    assert d.node_labels(inventory)["nvidia.com/gpu.count"] == "0"
-    assert "nvidia.com/gpu.present" not in d.node_labels(inventory)
+    assert lb.device_labels(inventory) == {}
+    assert lb.node_labels(inventory)["nvidia.com/gpu.count"] == "0"
+    assert "nvidia.com/gpu.present" not in lb.node_labels(inventory)
 
 
 @pytest.mark.parametrize(
@@ -317,7 +318,7 @@ def test_render_keeps_what_others_own_and_compare_ignores_server_fields() -> Non
     assert d.device_differs(body, observed)
     # Drift in our labels or owner is drift.
     edited = copy.deepcopy(observed)
-    edited["metadata"]["labels"][d.LABEL_GPU_MODEL] = "hacked"
+    edited["metadata"]["labels"][lb.LABEL_GPU_MODEL] = "hacked"
     assert d.device_differs(ours, edited)
     assert d.device_differs(d.render_device(desired, observed, node_uid="other", now=NOW), observed)
 
@@ -396,29 +397,29 @@ def test_an_rdma_entry_with_a_gpu_uuid_is_not_mistaken_for_ours() -> None:
 def _node(labels: dict[str, str], managed: str | None = None) -> d.JsonObj:
     meta: d.JsonObj = {"name": NODE, "resourceVersion": "7", "labels": labels}
     if managed is not None:
-        meta["annotations"] = {d.MANAGED_LABELS_ANNOTATION: managed}
+        meta["annotations"] = {lb.MANAGED_LABELS_ANNOTATION: managed}
     return {"metadata": meta}
 
 
 def test_node_label_patch_touches_only_our_keys() -> None:
     want = {"a.io/x": "1", "a.io/y": "2"}
-    patch = d.node_label_patch(want, _node({"team": "ml", "a.io/x": "0"}))
+    patch = lb.node_label_patch(want, _node({"team": "ml", "a.io/x": "0"}))
     assert patch == {
         "metadata": {
             "labels": {"a.io/x": "1", "a.io/y": "2"},
-            "annotations": {d.MANAGED_LABELS_ANNOTATION: "a.io/x,a.io/y"},
+            "annotations": {lb.MANAGED_LABELS_ANNOTATION: "a.io/x,a.io/y"},
             "resourceVersion": "7",
         }
     }
     # Up to date: no patch at all.
-    assert d.node_label_patch(want, _node({"team": "ml", **want}, "a.io/x,a.io/y")) is None
+    assert lb.node_label_patch(want, _node({"team": "ml", **want}, "a.io/x,a.io/y")) is None
     # A key we set before and no longer want is removed; a foreign key never is, even
     # when it looks like one of ours.
     node = _node({"team": "ml", "a.io/x": "1", "a.io/y": "2", "a.io/z": "9"}, "a.io/x,a.io/y")
-    patch = d.node_label_patch({"a.io/x": "1"}, node)
+    patch = lb.node_label_patch({"a.io/x": "1"}, node)
     assert patch is not None
     assert patch["metadata"]["labels"] == {"a.io/y": None}
-    assert patch["metadata"]["annotations"] == {d.MANAGED_LABELS_ANNOTATION: "a.io/x"}
+    assert patch["metadata"]["annotations"] == {lb.MANAGED_LABELS_ANNOTATION: "a.io/x"}
 
 
 def _condition(

@@ -24,6 +24,7 @@ from gpulet_common.bus import Delivery
 from gpulet_common.embedded_nats import EmbeddedNats
 from gpulet_common.messages import Inventory, InventoryRequest
 from gpulet_reporter import desired as d
+from gpulet_reporter import labels as lb
 from support.health_kv import gpu_health, put_health
 from support.kube_emulator import KubeEmulator
 from support.reporter_harness import (
@@ -125,9 +126,9 @@ async def test_devices_health_changes_and_recovery_reach_the_device(
             node["metadata"]["uid"],
         )
         assert device["metadata"]["labels"] == {
-            d.LABEL_GPU_MODEL: "H100-80GB-HBM3",
-            d.LABEL_GPU_VENDOR: "nvidia",
-            d.LABEL_GPU_DRIVER: "550.54.15",
+            lb.LABEL_GPU_MODEL: "H100-80GB-HBM3",
+            lb.LABEL_GPU_VENDOR: "nvidia",
+            lb.LABEL_GPU_DRIVER: "550.54.15",
         }
         assert all(_health_of(emu).values())
         await _converged(r, emu)
@@ -429,7 +430,7 @@ async def test_labels_of_other_owners_survive_and_ours_are_removed_when_unwanted
         node["metadata"]["labels"]["owner/other"] = "keep-me"
         emu.put_object(NODES, node)
         await _publish_inventory(r, make_inventory(NODE, driver=None, generation=2))
-        await wait_until(lambda: d.LABEL_GPU_DRIVER not in _node_labels(emu))
+        await wait_until(lambda: lb.LABEL_GPU_DRIVER not in _node_labels(emu))
         await _converged(r, emu)
     labels = _node_labels(emu)
     assert "nvidia.com/cuda.driver-version.full" not in labels
@@ -452,10 +453,10 @@ async def test_labels_of_other_owners_survive_and_ours_are_removed_when_unwanted
     labels = node["metadata"]["labels"]
     assert labels["nvidia.com/gpu.family"] == "hopper"
     assert labels["owner/other"] == "keep-me"
-    assert labels[d.LABEL_GPU_MODEL] == "H100-80GB-HBM3"
+    assert labels[lb.LABEL_GPU_MODEL] == "H100-80GB-HBM3"
     assert not [k for k in labels if k.startswith("nvidia.com/") and k != "nvidia.com/gpu.family"]
-    assert node["metadata"]["annotations"][d.MANAGED_LABELS_ANNOTATION] == ",".join(
-        sorted([d.LABEL_GPU_MODEL, d.LABEL_GPU_VENDOR])
+    assert node["metadata"]["annotations"][lb.MANAGED_LABELS_ANNOTATION] == ",".join(
+        sorted([lb.LABEL_GPU_MODEL, lb.LABEL_GPU_VENDOR])
     )
 
 

@@ -74,8 +74,9 @@ from nats.aio.msg import Msg
 from nats.micro.request import Request
 
 from gpulet_allocator import protocol as p
-from gpulet_allocator.core import AllocatorCore, StoredState, Undo
-from gpulet_allocator.engine import ShareAllocation, WholeAllocation
+from gpulet_allocator.decide.books import Undo
+from gpulet_allocator.decide.core import AllocatorCore
+from gpulet_allocator.decide.engine import ShareAllocation, WholeAllocation
 from gpulet_allocator.protocol import (
     CORES_PER_GPU,
     ContainerAllocation,
@@ -83,7 +84,8 @@ from gpulet_allocator.protocol import (
     memory_units,
 )
 from gpulet_allocator.service import AllocatorService
-from gpulet_allocator.store import CheckpointFile
+from gpulet_allocator.state.checkpoint import CheckpointFile
+from gpulet_allocator.state.records import StoredState
 from gpulet_common import codec, subjects
 from gpulet_common.bus import Bus
 from gpulet_common.codec import Codec
@@ -458,8 +460,9 @@ Calls = list[p.AllocateRequest]
 # Each example's batches draw their calls from this many of its allocate variants.
 BATCH_POOL: Final = 40
 # Containers per call of a batch whose answer cannot fit one NATS message (1 MiB):
-# 64 calls x 100 containers x ~250 bytes per answered container.
-TOO_LARGE_CONTAINERS: Final = 100
+# 64 calls x 85 containers x ~250 bytes per answered container (and a request, of
+# distinct memory IDs, that stays under the 1 MiB a request may take).
+TOO_LARGE_CONTAINERS: Final = 85
 
 
 @dataclass(frozen=True)
@@ -598,13 +601,12 @@ def _b_count(rng: random.Random, pool: CallPool, w: World) -> Calls:
 
 def _b_too_large(rng: random.Random, pool: CallPool, w: World) -> Calls:
     """64 calls whose answer would pass NATS's max_payload: refused whole, undone."""
-    if w.free_whole:
-        ids = [rng.choice(w.free_whole)]
-        resource = GPU
-    else:
-        ids = mem_ids(rng.choice(UUIDS), [0])
-        resource = MEM
-    call = p.AllocateRequest(resource=resource, containers=[ids] * TOO_LARGE_CONTAINERS)
+    # One-unit memory shares (IDs of an 80 GiB card), a distinct ID per container: a
+    # device named in two containers of one call is refused (issue 23). The same call
+    # 64 times: the first places them, the rest are kubelet's retries.
+    card = rng.choice(UUIDS[::2])
+    containers = [mem_ids(card, [n]) for n in range(TOO_LARGE_CONTAINERS)]
+    call = p.AllocateRequest(resource=MEM, containers=containers)
     calls = [call] * p.MAX_BATCH_CALLS
     calls[rng.randrange(len(calls))] = rng.choice(pool.small)
     return calls
@@ -908,6 +910,7 @@ REPLY_CODECS: Final[dict[str, Codec[Any]]] = {
     p.ENDPOINT_RELEASE: p.RELEASE_REPLY,
     p.ENDPOINT_STATE: p.STATE_REPLY,
     p.ENDPOINT_RESET: p.RESET_REPLY,
+    p.ENDPOINT_WITHHELD: p.WITHHELD_REPLY,
 }
 REQUEST_CODECS: Final[dict[str, Codec[Any]]] = {
     p.ENDPOINT_ALLOCATE: p.ALLOCATE_REQUEST,
@@ -916,6 +919,7 @@ REQUEST_CODECS: Final[dict[str, Codec[Any]]] = {
     p.ENDPOINT_RELEASE: p.RELEASE_REQUEST,
     p.ENDPOINT_STATE: p.STATE_REQUEST,
     p.ENDPOINT_RESET: p.RESET_REQUEST,
+    p.ENDPOINT_WITHHELD: p.WITHHELD_REQUEST,
 }
 
 
@@ -951,6 +955,7 @@ class Fuzz:
             p.ENDPOINT_RELEASE: service._on_release,
             p.ENDPOINT_STATE: service._on_state,
             p.ENDPOINT_RESET: service._on_reset,
+            p.ENDPOINT_WITHHELD: service._on_withheld,
         }
         #: Outcome ("ok" or the refusal's code) of every answer, by endpoint.
         self.tally: dict[str, Counter[str]] = {e: Counter() for e in p.ENDPOINTS}
@@ -1081,7 +1086,7 @@ class Fuzz:
 
     def start_twin(self) -> None:
         # The twin shares the health source (the service's NodeView), not a copy of it.
-        health_of = self.core._health_of
+        health_of = self.core.books.health_of
         self.twin = copy.deepcopy(self.core, {id(health_of): health_of})
         self.divergences = []
 
@@ -1094,7 +1099,7 @@ class Fuzz:
         twin, self.twin = self.twin, None
         assert twin is not None
         ended = time.monotonic()
-        window = self.core._join_window_s
+        window = self.core.joiner.window_s
         if any(started <= at + window <= ended for at in open_half) or ended - started > window:
             self.twin_skipped += 1
             return
@@ -1192,7 +1197,7 @@ class Fuzz:
                 self.judge(endpoint, request, None)
         elif endpoint == p.ENDPOINT_ALLOCATE_BATCH:
             started = time.monotonic()
-            open_half = (self.core._open.at,) if self.core._open else ()
+            open_half = (self.core.joiner.open.at,) if self.core.joiner.open else ()
             self.start_twin()
             await self.call(endpoint, values)
             self.finish_twin(started, open_half)
@@ -1253,7 +1258,7 @@ def _decided(core: AllocatorCore) -> bytes:
     state = core.snapshot()
     allocations = sorted(state.allocations, key=lambda a: a.owner.allocation_id)
     grants = [msgspec.structs.replace(g, created_at=0.0) for g in state.grants]
-    open_half = (core._open.allocation, core._open.kind) if core._open else None
+    open_half = (core.joiner.open.allocation, core.joiner.open.kind) if core.joiner.open else None
     return msgspec.json.encode((allocations, grants, open_half))
 
 
@@ -1296,7 +1301,12 @@ def _judge_error(endpoint: str, error: ErrorReply) -> None:
 
 
 def _judge_batch_refusal(request: p.AllocateBatchRequest, error: ErrorReply) -> None:
-    """A well-formed batch is refused whole only for its size, or its answer's."""
+    """A well-formed batch is refused whole only for its size, or its answer's (or, over
+    the 1 MiB a request may take, unread: 1,000 calls of 64 IDs can be)."""
+    if error.code == "malformed_request":
+        assert "-byte limit of AllocateBatchRequest" in error.message, error
+        assert len(p.ALLOCATE_BATCH_REQUEST.encode(request)) > 1_000_000, error
+        return
     assert error.code == "invalid_request", error
     calls = len(request.calls)
     if 0 < calls <= p.MAX_BATCH_CALLS:
@@ -1321,8 +1331,11 @@ def _judge_allocate_batch(
             assert outcome.error.code != "malformed_request", outcome
             if call is not None and call.containers:
                 # Containers this batch granted already: a retry gets the same answer.
+                # (Unless the call names a device in two of its containers: refused.)
                 keys = [(call.resource, tuple(sorted(ids))) for ids in call.containers]
-                assert not all(k in granted for k in keys), (n, call, outcome.error)
+                named = [i for ids in call.containers for i in set(ids)]
+                if len(named) == len(set(named)):
+                    assert not all(k in granted for k in keys), (n, call, outcome.error)
             continue
         assert outcome.containers, f"call {n}: neither containers nor an error"
         if call is None:
@@ -1498,8 +1511,10 @@ async def test_allocate_batch_decides_each_call_as_if_alone(fuzz: Fuzz) -> None:
     assert tally["ok"] > CASES // 2, tally
     assert calls["ok"] > CASES // 5, calls
     assert set(calls) >= ALLOCATE_REFUSALS, calls
-    # Refused whole: empty, more than 64 calls, and answers too large for NATS.
-    assert set(tally) == {"ok", "invalid_request"}, tally
+    # Refused whole: empty, more than 64 calls, and answers too large for NATS (and,
+    # rarely, 1,000 calls whose request is over 1 MiB: unread, see _judge_batch_refusal).
+    assert {"ok", "invalid_request"} <= set(tally) <= {"ok", "invalid_request", "malformed_request"}
+    assert tally["malformed_request"] <= tally["invalid_request"], tally
     assert fuzz.too_large > 0, "no batch had an answer too large to send"
     # Nearly every batch was checked against lone allocates on a copy of the core.
     assert fuzz.twin_checked > fuzz.batches * 9 // 10, (fuzz.twin_checked, fuzz.twin_skipped)
@@ -1644,11 +1659,12 @@ async def test_malformed_payloads_over_nats_are_refused_and_counted(fuzz: Fuzz) 
     assert await send(p.ENDPOINT_ALLOCATE_BATCH, payloads) == list(expected)
     assert fuzz.batch_calls - refused == Counter(unknown_device=p.MAX_BATCH_CALLS)
     # An answer too large for NATS is refused (and undone), not left unanswered.
-    free = fuzz.core.ledger.free_whole()[0]
-    call = p.AllocateRequest(resource=GPU, containers=[[free]] * TOO_LARGE_CONTAINERS)
+    held = fuzz.core.ledger.count()
+    containers = [mem_ids(UUIDS[0], [n]) for n in range(TOO_LARGE_CONTAINERS)]
+    call = p.AllocateRequest(resource=MEM, containers=containers)
     too_large = _batch_payload([call] * p.MAX_BATCH_CALLS)
     assert await send(p.ENDPOINT_ALLOCATE_BATCH, [too_large]) == ["invalid_request"]
-    assert free in fuzz.core.ledger.free_whole()
+    assert fuzz.core.ledger.count() == held
 
     assert sum(sent.values()) >= len(p.ENDPOINTS) * RAW_EXAMPLES * RAW_BATCH
     for endpoint in p.ENDPOINTS:

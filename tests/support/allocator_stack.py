@@ -5,7 +5,7 @@ Why
 The allocator is only right if kubelet's calls come out right at the other end, so
 tests run the real services the way ``gpulet`` runs them in sidecars: a real
 nats-server, the real :class:`~gpulet_allocator.service.AllocatorService` and
-:class:`~gpulet_allocator.plugin.service.DevicePluginService`, each with its own NATS
+:class:`~gpulet_allocator.kubelet.deviceplugin.service.DevicePluginService`, each with its own NATS
 connection, and the fake kubelet driving the plugin's sockets. A stand-in collector
 answers inventory requests and publishes inventories; each GPU's health state is
 written into the ``gpu_health`` KV bucket as the health service would
@@ -33,7 +33,7 @@ import grpc
 import msgspec
 
 from gpulet_allocator import protocol as p
-from gpulet_allocator.plugin.service import DevicePluginService
+from gpulet_allocator.kubelet.deviceplugin.service import DevicePluginService
 from gpulet_allocator.protocol import ResourceKind, ResourceSpec, resource_specs
 from gpulet_allocator.service import AllocatorService
 from gpulet_collector.service import CollectorService

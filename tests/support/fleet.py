@@ -26,10 +26,10 @@ import nats.errors
 import nats.js.errors
 from anyio.streams.memory import MemoryObjectSendStream
 
+from gpulet_alerting import fleet_hub
 from gpulet_common import codec, subjects
 from gpulet_common.bus import Bus
 from gpulet_common.embedded_nats import EmbeddedNats, free_port
-from gpulet_common.fleet import hub as fleet_hub
 from gpulet_common.fleet.identity import IdentityStore, Role
 from gpulet_common.messages import HealthEvent, MockInjectRequest
 from gpulet_common.mock_nvml import MockNvml

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from gpulet_allocator.engine.topology import (
+from gpulet_allocator.decide.engine.topology import (
     LEVEL_HOSTBRIDGE,
     LEVEL_MULTIPLE,
     LEVEL_NODE,

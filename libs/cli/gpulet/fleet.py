@@ -25,9 +25,9 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import msgspec
 
+from gpulet_alerting import fleet_hub as hub
 from gpulet_common.bus import Bus, BusError
 from gpulet_common.cli_support import AddFlags, LoadSettings, bind, tool_nats
-from gpulet_common.fleet import hub
 from gpulet_common.fleet.roles import FLEET_ACCOUNT, ROLES, Role
 from gpulet_common.settings import Settings
 from gpulet_common.settings.nats import NatsSettings
@@ -56,11 +56,10 @@ def _write_out(text: str, out: str) -> None:
     if out == "-":
         sys.stdout.write(text)
         return
-    path = Path(out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.touch(mode=0o600, exist_ok=True)
-    path.chmod(0o600)
-    path.write_text(text)
+    from gpulet_common.safefile import write_atomic
+
+    # A secret: mode 0600, never written through a symlink planted at --out.
+    write_atomic(Path(out), text.encode(), mode=0o600)
 
 
 def _cmd_init(args: argparse.Namespace, _load: LoadSettings) -> int:

@@ -21,7 +21,7 @@ REGISTRY: dict[str, str] = {
     "health": "gpulet_health.service:HealthService",
     "reporter": "gpulet_reporter.service:ReporterService",
     "allocator": "gpulet_allocator.service:AllocatorService",
-    "device-plugin": "gpulet_allocator.plugin.service:DevicePluginService",
+    "device-plugin": "gpulet_allocator.kubelet.deviceplugin.service:DevicePluginService",
 }
 
 # The services that write into the state directory itself (the health service's buffer,
@@ -44,7 +44,8 @@ RUN_ORDER: tuple[str, ...] = ("collector", "health", "reporter", "allocator", "d
 # CLI imports only the module of the command it runs (all of them for `gpulet --help`).
 COMMAND_MODULES: dict[str, tuple[str, ...]] = {
     "gpulet.tools": ("watch", "schema", "mock"),
-    "gpulet_health.cli": ("health", "alerts"),
+    "gpulet_health.cli": ("health",),
+    "gpulet_alerting.cli": ("alerts",),
     "gpulet_reporter.cli": ("reporter-preview",),
     "gpulet_allocator.cli": ("allocator",),
     "gpulet.fleet": ("fleet",),

@@ -22,7 +22,7 @@ from gpulet_common.cli_support import (
     tool_nats,
 )
 from gpulet_common.messages import InventoryRequest, MockInjectRequest
-from gpulet_common.mock_nvml.scenario import FAULT_KINDS
+from gpulet_common.mock_nvml.faultspec import FAULT_KINDS
 from gpulet_common.settings import Settings
 
 

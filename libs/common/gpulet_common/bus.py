@@ -186,6 +186,7 @@ class Bus:
         self.limits = limits or LimitsSettings()
         self._metrics = BusMetrics.create(meter)
         self._malformed_log = RateLimitedLog(log, per_minute=20)
+        self._handler_log = RateLimitedLog(log, per_minute=10)
         self._js: JetStreamContext | None = None
         self._closing = False
         # Core NATS delivers at most once: what was published while this connection
@@ -218,10 +219,18 @@ class Bus:
         meter = meter or metrics.get_meter("gpulet.bus")
         holder: list[Bus] = []
 
+        # nats-py reports each message it drops for a slow consumer as its own error:
+        # counted exactly (gpulet.bus.errors), logged at most once per 10 s per kind.
+        error_logs: dict[str, RateLimitedLog] = {}
+
         async def on_error(exc: Exception) -> None:
+            kind = type(exc).__name__
             if holder:
-                holder[0]._metrics.errors.add(1, {"error": type(exc).__name__})
-            log.warning("nats: %s: %s", type(exc).__name__, exc)
+                holder[0]._metrics.errors.add(1, {"error": kind})
+            limiter = error_logs.get(kind)
+            if limiter is None:
+                limiter = error_logs[kind] = RateLimitedLog(log, per_interval=1, interval_s=10.0)
+            limiter.warning("nats: %s: %s", kind, exc)
 
         async def on_disconnect() -> None:
             if holder and holder[0]._closing:
@@ -478,6 +487,13 @@ class Bus:
                 )
             except nats.errors.NoRespondersError as exc:
                 raise NoResponders(f"no responder on {subject}") from exc
+            except nats.errors.MaxPayloadError as exc:
+                # The caller's error, never an outage (issue 23): refused as too large.
+                raise Refused(
+                    "invalid_request",
+                    f"request too large: {len(data)} bytes for {subject}, more than the "
+                    f"{self._nc.max_payload} one NATS message carries",
+                ) from exc
             except nats.errors.TimeoutError as exc:
                 raise RequestTimeout(f"no reply on {subject} in time") from exc
             except (
@@ -572,7 +588,7 @@ class Bus:
             await self.respond_error(msg.reply, exc.code, exc.message)
             return
         except Exception as exc:
-            log.exception("handler for %s failed", msg.subject)
+            self._handler_log.exception("handler for %s failed", msg.subject[:200])
             await self.respond_error(msg.reply, "internal", f"{type(exc).__name__}: {exc}")
             return
         finally:

@@ -24,13 +24,12 @@ import socket
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
 from gpulet_common.errors import UsageError
 from gpulet_common.settings import Settings
-from gpulet_common.settings.allowed import allowed_values
 
 ENV_PREFIX = "GPULET_"
 _PATH_IN_ERROR = re.compile(r" - at `\$\.?([^`]*)`$")
@@ -150,12 +149,76 @@ def build(layers: list[Mapping[str, Any]]) -> Settings:
             unknown = problem.split("`")[1]
             where = f"{where}.{unknown}" if where else unknown
             problem = "unknown setting (check the spelling; see `gpulet config show`)"
-        where = where.replace("[", ".").replace("]", "")
-        allowed = allowed_values(Settings, where)
-        if allowed and problem.startswith("Invalid enum value"):
-            problem += f"; allowed: {', '.join(allowed)}"
-        raise ConfigError(where or "config", problem) from None
+        where, problem = _explain(merged, text, where, problem)
+        raise ConfigError(where.replace("[", ".").replace("]", "") or "config", problem) from None
     return settings
+
+
+def _explain(merged: Mapping[str, Any], text: str, where: str, problem: str) -> tuple[str, str]:
+    """Name the table key msgspec leaves as ``[...]`` and what a wrong value may be."""
+    if " - at `key` in `$." in text:  # a table's key of the wrong type
+        where = text.split(" - at `key` in `$.", 1)[1].rstrip("`")
+        table = _lookup(merged, where)
+        bad = [k for k in table if not str(k).strip().lstrip("-").isdigit()] if table else []
+        problem = problem.split(" - at ")[0] + " for a key: the keys are numbers (e.g. 79)"
+        if bad:
+            problem = f"{bad[0]!r} is not a number (the keys of this table are numbers, e.g. 79)"
+    if "[...]" in where:
+        head, _, rest = where.partition("[...]")
+        table = _lookup(merged, head)
+        hint = _field_type(head)
+        value_type = getattr(hint, "__args__", (None, None))[-1]
+        for key, value in (table or {}).items():
+            try:
+                msgspec.convert(value, value_type, strict=False)
+            except (msgspec.ValidationError, TypeError):
+                where = f"{head}.{key}{rest}"
+                break
+    if problem.startswith("Invalid enum value"):
+        allowed = _allowed(where)
+        if allowed:
+            problem += f" (one of: {', '.join(allowed)})"
+    elif problem.startswith("Expected `object`"):
+        keys = _struct_keys(where)
+        if keys:
+            problem += f" (a table with: {', '.join(keys)})"
+    return where, problem
+
+
+def _lookup(merged: Mapping[str, Any], dotted: str) -> Mapping[str, Any] | None:
+    node: Any = merged
+    for part in dotted.split("."):
+        node = node.get(part) if isinstance(node, Mapping) else None
+    return node if isinstance(node, Mapping) else None
+
+
+def _allowed(where: str) -> list[str]:
+    """The values a Literal setting allows (through tables of Structs), or []."""
+    hint = _hint(where)
+    args = getattr(hint, "__args__", ())
+    return [str(a) for a in args] if getattr(hint, "__origin__", None) is Literal else []
+
+
+def _struct_keys(where: str) -> list[str]:
+    hint = _hint(where)
+    is_struct = isinstance(hint, type) and issubclass(hint, msgspec.Struct)
+    return list(hint.__struct_fields__) if is_struct else []
+
+
+def _hint(where: str) -> Any:
+    """The declared type at a setting's path, through Structs and tables; None if none."""
+    hint: Any = Settings
+    for part in where.replace("[", ".").replace("]", "").split("."):
+        if isinstance(hint, type) and issubclass(hint, msgspec.Struct):
+            names = hint.__struct_fields__
+            if part not in names:
+                return None
+            hint = msgspec.structs.fields(hint)[names.index(part)].type
+        elif getattr(hint, "__origin__", None) is dict:
+            hint = hint.__args__[1]
+        else:
+            return None
+    return hint
 
 
 def load(

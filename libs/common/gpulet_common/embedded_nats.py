@@ -52,6 +52,7 @@ import anyio.abc
 
 from gpulet_common.bus import backoff_delay
 from gpulet_common.errors import GpuletError, UsageError, one_line
+from gpulet_common.safefile import open_append
 from gpulet_common.settings.nats import NatsSettings
 from gpulet_common.telemetry import StatusBoard
 
@@ -213,8 +214,7 @@ class EmbeddedNats:
         """Start the server and wait until it listens; :class:`EmbeddedNatsError` if not."""
         command = self._command()
         try:
-            self.state_dir.mkdir(parents=True, exist_ok=True)
-            log = self.log_path.open("ab")
+            log = open_append(self.log_path)
         except OSError as exc:
             raise EmbeddedNatsError(
                 f"cannot use {self.state_dir} for the embedded nats-server: {exc.strerror or exc}"

@@ -65,6 +65,35 @@ class PeerLink(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=True):
     nvlinks_down: NonNegative = 0
 
 
+class MigDevice(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=True):
+    """One MIG device of a MIG-enabled GPU: a compute instance of a GPU instance.
+
+    ``profile`` is named as NVML's tools name it (``1g.10gb``, ``1c.2g.20gb``,
+    ``1g.10gb+me``); the counts are NVML's device attributes. Added after schema
+    version 1.
+    """
+
+    uuid: str
+    # Its slot among the parent's MIG devices (nvmlDeviceGetMigDeviceHandleByIndex).
+    index: NonNegative
+    gpu_instance_id: NonNegative
+    compute_instance_id: NonNegative
+    profile: str = ""
+    memory_total_bytes: NonNegative = 0
+    multiprocessors: NonNegative = 0
+    slices_gi: NonNegative = 0
+    slices_ci: NonNegative = 0
+    copy_engines: NonNegative = 0
+    decoders: NonNegative = 0
+    encoders: NonNegative = 0
+    jpegs: NonNegative = 0
+    ofas: NonNegative = 0
+
+
+MigDevices = Annotated[list[MigDevice], msgspec.Meta(max_length=64)]
+MigMode = Literal["enabled", "disabled"]
+
+
 class GpuInfo(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=True):
     uuid: str
     index: NonNegative
@@ -95,6 +124,38 @@ class GpuInfo(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=True):
     # republished when they change. Added after schema version 1.
     nvlinks_up: NvLinkIds = []
     nvlinks_down: NvLinkIds = []
+    # MIG (added after schema version 1): nvmlDeviceGetMaxMigDeviceCount (0: not
+    # MIG-capable; absent: not known, e.g. a driver without the call), the current and
+    # the pending MIG mode (absent: the GPU has no MIG; a pending change applies at
+    # the next GPU reset), and the MIG devices while MIG is enabled.
+    mig_max_devices: NonNegative | None = None
+    mig_mode: MigMode | None = None
+    mig_mode_pending: MigMode | None = None
+    mig_devices: MigDevices = []
+
+    @property
+    def mig_capable(self) -> bool:
+        return bool(self.mig_max_devices)
+
+
+class UnreadableGpu(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=True):
+    """A GPU that NVML counts but whose identity could not be read (lost, or failing).
+
+    Real NVML keeps a GPU that fell into GPU_IS_LOST in ``nvmlDeviceGetCount``; its
+    handle or its calls fail. It is reported by its NVML index with whatever identity
+    could still be read. Added after schema version 1.
+    """
+
+    index: NonNegative
+    uuid: str | None = None
+    pci_bus_id: str | None = None
+    name: str | None = None
+    # True when NVML said GPU_IS_LOST; False for another failure.
+    lost: bool = False
+    reason: str = ""
+
+
+UnreadableGpus = Annotated[list[UnreadableGpu], msgspec.Meta(max_length=64)]
 
 
 class Inventory(_Message, frozen=True, kw_only=True):
@@ -115,6 +176,11 @@ class Inventory(_Message, frozen=True, kw_only=True):
     # these, never by ``published_at``; 0 / "" is a sender that does not sequence.
     seq: NonNegative = 0
     boot_id: str = ""
+    # NVML's GPU count (``nvmlDeviceGetCount``) when the inventory was built, and the
+    # GPUs it counts that could not be listed in ``gpus``; None / [] from a collector
+    # that does not say. Added after schema version 1.
+    nvml_count: NonNegative | None = None
+    unreadable: UnreadableGpus = []
 
 
 # --- samples -----------------------------------------------------------------------
@@ -257,6 +323,14 @@ class HealthEvent(_Message, frozen=True, kw_only=True):
     # How many identical faults were folded into this event by de-duplication.
     repeat_count: Annotated[int, msgspec.Meta(ge=1)] = 1
     observed_at: float
+    # By-product XIDs (45, and 43 after another fault) counted as evidence for this
+    # event's fault, never published as faults of their own. Added after schema version 1.
+    evidence_count: NonNegative = 0
+    # The GPU's recovery action as the driver last reported it (NVML field 230, R570+):
+    # none, gpu_reset, node_reboot, drain_p2p, drain_and_reset, recover_imex_domain,
+    # bus_reset, system_reboot or unknown_<n>; empty where it was never read or the
+    # driver does not report it. Added after schema version 1.
+    recovery_action: str = ""
     published_at: float = 0.0
     # When the condition this event raises, repeats or ends began. On recovered and
     # cleared events also the kind and severity the condition had, so a consumer that
@@ -275,6 +349,11 @@ class ActiveCondition(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=T
     action: Action = "none"
     sticky: bool = False
     since: float = 0.0
+    # By-product XIDs counted as evidence for this condition (added after version 1).
+    evidence_count: NonNegative = 0
+    # The node's boot id when it was raised, for a hold until a reboot (added after
+    # version 1; empty for other conditions).
+    boot_id: str = ""
 
 
 class GpuHealth(msgspec.Struct, frozen=True, kw_only=True):

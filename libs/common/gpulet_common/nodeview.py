@@ -102,6 +102,7 @@ class NodeView:
         self._revision: dict[str, int] = {}
         self._arrived = anyio.Event()
         self._bad = RateLimitedLog(log, per_minute=10)
+        self._listener_log = RateLimitedLog(log, per_minute=10)
         #: The last inventory accepted (degraded ones included: consumers decide).
         self.inventory: Inventory | None = None
         self.inventory_seen = anyio.Event()
@@ -306,4 +307,4 @@ class NodeView:
                 listener(change)
             except Exception:
                 # A consumer's bug must not stop the view for the others.
-                log.exception("%s: a node view listener failed", self._who)
+                self._listener_log.exception("%s: a node view listener failed", self._who)

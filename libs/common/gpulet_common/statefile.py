@@ -6,8 +6,10 @@ Several services keep a state file of their own (the allocator's checkpoint, the
 health service's list of the GPUs a node is expected to have). They all need the same
 two things, done once here:
 
-* :func:`write_atomic`: a temporary file in the same directory, fsync, rename over the
-  file, fsync the directory. A crash leaves the old or the new file, never a mix.
+* :func:`write_atomic` (from :mod:`gpulet_common.safefile`, the one writer of every
+  file gpulet writes): a random temporary file in the same directory, created without
+  following links, fsync, rename over the file, fsync the directory. A crash leaves the
+  old or the new file, never a mix; a symlink at the path is refused.
 * :func:`quarantine`: a file that does not decode is kept for a post-mortem under a
   name never used before, ``<name>.corrupt-<UTC time>-<n>``, made with exclusive
   creation (a hard link, or a copy where links are not supported). A second
@@ -16,47 +18,19 @@ two things, done once here:
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+from gpulet_common.safefile import fsync_dir, tmp_prefix, write_atomic
+
+__all__ = ["CORRUPT_SUFFIX", "fsync_dir", "quarantine", "tmp_prefix", "write_atomic"]
+
 CORRUPT_SUFFIX = ".corrupt"
 # Copies of one file in one second beyond which quarantining gives up (a bound).
 MAX_COPIES_PER_SECOND = 1000
-
-
-def tmp_prefix(path: Path) -> str:
-    """The prefix of :func:`write_atomic`'s temporary files for ``path``."""
-    return f".{path.name}."
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Atomically and durably replace ``path`` with ``data``; raises OSError."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=tmp_prefix(path), suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    fsync_dir(path.parent)
-
-
-def fsync_dir(directory: Path) -> None:
-    dir_fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
 
 
 def quarantine(path: Path, *, now: Callable[[], float] = time.time) -> Path:

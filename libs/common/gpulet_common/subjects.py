@@ -104,6 +104,7 @@ _NODE_SCOPED: Final = (
     "gpu.inventory.",
     "gpu.samples.",
     "gpu.health.",
+    "gpu.events.",
     "gpulet.inventory.request.",
     "gpulet.health.state.",
     "gpulet.health.clear.",
@@ -141,6 +142,13 @@ FLEET_KV_BUCKET: Final = "gpulet_fleet"
 
 def fleet_kv_key(node: str) -> str:
     return token(node)
+
+
+def event_msg_id(node: str, event_id: str) -> str:
+    """A health event's de-duplication key where several nodes meet (``Nats-Msg-Id``
+    in a stream, a consumer's memory): scoped to the node that published it, so one
+    node's ids never make another's events "duplicates"."""
+    return f"{token(node)}:{event_id}"
 
 
 def fleet_events(node: str) -> str:

@@ -40,9 +40,12 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
 from gpulet_common.errors import UsageError
+from gpulet_common.logutil import RateLimitedLog
 from gpulet_common.settings.telemetry import TelemetrySettings
 
 log = logging.getLogger("gpulet.telemetry")
+# Once per scrape while a renderer is broken: rate-limited.
+_exposition_log = RateLimitedLog(log, per_minute=2)
 
 ComponentState = Literal[
     "starting", "ready", "degraded", "blocked", "stopping", "stopped", "failed"
@@ -185,7 +188,7 @@ def render_metrics() -> bytes:
         try:
             body += render()
         except Exception:  # one broken renderer must not take /metrics down
-            log.exception("a metrics exposition failed")
+            _exposition_log.exception("a metrics exposition failed")
     return body
 
 

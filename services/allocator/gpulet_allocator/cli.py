@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -66,9 +65,18 @@ async def _ask(
         )
 
 
-def _run(settings: Settings, what: str, call: Callable[[], Any]) -> Any:
+def _call(
+    args: argparse.Namespace,
+    settings: Settings,
+    what: str,
+    endpoint: str,
+    value: Any,
+    request: Codec[Any],
+    reply: Codec[Any],
+) -> Any:
+    """Ask the allocator; None (and why, on stderr) when there is no usable answer."""
     try:
-        return anyio.run(call)
+        return anyio.run(_ask, settings, endpoint, value, request, reply, args.timeout)
     except RequestTimeout:
         print(
             f"gpulet allocator {what}: no allocator answered for node {settings.node_name!r} "
@@ -80,6 +88,10 @@ def _run(settings: Settings, what: str, call: Callable[[], Any]) -> Any:
     except BusError as exc:
         print(f"gpulet allocator {what}: {exc}", file=sys.stderr)
     return None
+
+
+def _json(reply: Any) -> str:
+    return json.dumps(msgspec.to_builtins(reply), indent=2)
 
 
 def _mib(units: int) -> str:
@@ -125,21 +137,12 @@ def _cmd_state(args: argparse.Namespace, load: LoadSettings) -> int:
     from gpulet_allocator import protocol as p
 
     settings = load(args)
-    state = _run(
-        settings,
-        "state",
-        lambda: _ask(
-            settings,
-            p.ENDPOINT_STATE,
-            p.StateRequest(),
-            p.STATE_REQUEST,
-            p.STATE_REPLY,
-            args.timeout,
-        ),
+    state = _call(
+        args, settings, "state", p.ENDPOINT_STATE, p.StateRequest(), p.STATE_REQUEST, p.STATE_REPLY
     )
     if state is None:
         return 1
-    print(json.dumps(msgspec.to_builtins(state), indent=2) if args.json else format_state(state))
+    print(_json(state) if args.json else format_state(state))
     return 0
 
 
@@ -162,17 +165,13 @@ def _cmd_release(args: argparse.Namespace, load: LoadSettings) -> int:
         device_ids=list(args.device_id or []),
         reason=args.reason,
     )
-    reply = _run(
-        settings,
-        "release",
-        lambda: _ask(
-            settings, p.ENDPOINT_RELEASE, request, p.RELEASE_REQUEST, p.RELEASE_REPLY, args.timeout
-        ),
+    reply = _call(
+        args, settings, "release", p.ENDPOINT_RELEASE, request, p.RELEASE_REQUEST, p.RELEASE_REPLY
     )
     if reply is None:
         return 1
     if args.json:
-        print(json.dumps(msgspec.to_builtins(reply), indent=2))
+        print(_json(reply))
     elif not reply.released:
         print("nothing released (no allocation matched)")
     else:
@@ -193,17 +192,13 @@ def _cmd_reset(args: argparse.Namespace, load: LoadSettings) -> int:
         return 2
     settings = load(args)
     request = p.ResetRequest(confirm=True, requested_by=args.requested_by)
-    reply = _run(
-        settings,
-        "reset",
-        lambda: _ask(
-            settings, p.ENDPOINT_RESET, request, p.RESET_REQUEST, p.RESET_REPLY, args.timeout
-        ),
+    reply = _call(
+        args, settings, "reset", p.ENDPOINT_RESET, request, p.RESET_REQUEST, p.RESET_REPLY
     )
     if reply is None:
         return 1
     if args.json:
-        print(json.dumps(msgspec.to_builtins(reply), indent=2))
+        print(_json(reply))
     else:
         print(reply.detail)
     return 0

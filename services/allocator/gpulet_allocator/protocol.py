@@ -1,7 +1,8 @@
 """The allocator contract: what the device plugin and the allocator both speak.
 
-Neutral ground: the decision layer (:mod:`.core`, :mod:`.engine`) and the kubelet
-adapter (:mod:`.plugin`) both import this module, and it imports neither of them.
+Neutral ground: the decision core (:mod:`gpulet_allocator.decide`) and the kubelet
+adapters (:mod:`gpulet_allocator.kubelet`) both import this module, and it imports
+neither of them (only the Koordinator resource names, :mod:`~gpulet_allocator.decide.koordinator`).
 It holds
 
 * the share units (:data:`CORES_PER_GPU` core units per card, memory units of
@@ -27,13 +28,20 @@ preferred  :class:`PreferredAllocation  :class:`PreferredAllocationReply`
 release    :class:`ReleaseRequest`      :class:`ReleaseReply`
 state      :class:`StateRequest`        :class:`StateReply`
 reset      :class:`ResetRequest`        :class:`ResetReply`
+withheld   :class:`WithheldRequest`     :class:`WithheldReply`
 ========== ============================ =============================================
 
 ``allocate-batch`` carries several kubelet calls in one message: the device plugin
 coalesces the Allocate calls that arrive while one of its requests is in flight
-(:mod:`.nats_backend`). Each call is decided on its own, in order, exactly as if it
-had come alone; the answer lists one :class:`AllocateOutcome` per call (containers,
-or the refusal), and leaves once all of them are durable.
+(:mod:`gpulet_allocator.kubelet.deviceplugin.nats_backend`). Each call is decided on
+its own, in order, exactly as if it had come alone; the answer lists one
+:class:`AllocateOutcome` per call (containers, or the refusal), and leaves once all
+of them are durable.
+
+``withheld`` tells the device plugin which cards kubelet must not count as whole GPUs
+(they hold shares), so that its whole-GPU ``ListAndWatch`` lists them ``Unhealthy``.
+It is a long poll: a request that names the current ``epoch`` and ``version`` is
+answered when the set changes, or after ``wait_s`` (at most :data:`MAX_WITHHELD_WAIT_S`).
 
 ``reset`` is the operator's: after a corrupt checkpoint the allocator refuses to
 allocate (``checkpoint_lost``) until PodResources rebuilt its record or an operator
@@ -61,7 +69,7 @@ from typing import Final, Literal
 
 import msgspec
 
-from gpulet_allocator.koordinator import RES_GPU_CORE, RES_GPU_MEMORY_RATIO
+from gpulet_allocator.decide.koordinator import RES_GPU_CORE, RES_GPU_MEMORY_RATIO
 from gpulet_common.codec import Codec
 from gpulet_common.messages import ErrorReply
 from gpulet_common.podresources import SHARE_SEPARATOR
@@ -209,6 +217,7 @@ ENDPOINT_RELEASE: Final = "release"
 ENDPOINT_STATE: Final = "state"
 ENDPOINT_ALLOCATE_BATCH: Final = "allocate-batch"
 ENDPOINT_RESET: Final = "reset"
+ENDPOINT_WITHHELD: Final = "withheld"
 ENDPOINTS: Final = (
     ENDPOINT_ALLOCATE,
     ENDPOINT_PREFERRED,
@@ -216,7 +225,10 @@ ENDPOINTS: Final = (
     ENDPOINT_STATE,
     ENDPOINT_ALLOCATE_BATCH,
     ENDPOINT_RESET,
+    ENDPOINT_WITHHELD,
 )
+# The longest a withheld long poll is held open by the allocator.
+MAX_WITHHELD_WAIT_S: Final = 30.0
 # The most kubelet calls one allocate-batch may carry (the plugin sends fewer).
 MAX_BATCH_CALLS: Final = 64
 
@@ -349,6 +361,23 @@ class ResetReply(_Body, frozen=True, kw_only=True):
     allocations: list[AllocationView] = []
 
 
+class WithheldRequest(_Body, frozen=True, kw_only=True):
+    """Which cards may not go whole; wait up to ``wait_s`` for a change past
+    ``version`` of ``epoch`` (an allocator that restarted has a new epoch)."""
+
+    epoch: str = ""
+    version: int = 0
+    wait_s: float = 0.0
+
+
+class WithheldReply(_Body, frozen=True, kw_only=True):
+    """The cards kubelet must not count as whole GPUs, each with the reason."""
+
+    epoch: str
+    version: int
+    withheld: dict[str, str] = {}
+
+
 ALLOCATE_REQUEST = Codec(AllocateRequest)
 ALLOCATE_REPLY = Codec(AllocateReply)
 ALLOCATE_BATCH_REQUEST = Codec(AllocateBatchRequest)
@@ -361,3 +390,5 @@ STATE_REQUEST = Codec(StateRequest)
 STATE_REPLY = Codec(StateReply)
 RESET_REQUEST = Codec(ResetRequest)
 RESET_REPLY = Codec(ResetReply)
+WITHHELD_REQUEST = Codec(WithheldRequest)
+WITHHELD_REPLY = Codec(WithheldReply)

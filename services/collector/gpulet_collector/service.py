@@ -12,12 +12,14 @@ Flow
    that overran is skipped rather than queued.
 4. When the GPU count changes (hot-add, removal) the inventory is rebuilt and
    republished with a new ``generation``. The count is NVML's (``nvmlDeviceGetCount``),
-   compared with the count the inventory was built from, not with the GPUs it lists:
-   a lost GPU is still counted by NVML but cannot be listed, and comparing with the
-   list rebuilt and republished the inventory every period. While a GPU is left out
-   (lost), the inventory is rebuilt every ``SKIPPED_RETRY_S`` to see it come back, and
-   published only if it changed: the inventory is published on real change only
-   (plus the unsolicited ``inventory_republish_s`` and answers to requests).
+   compared with the count the inventory was built from, not with the GPUs it lists: a
+   lost GPU is still counted by NVML but cannot be listed, and comparing with the list
+   rebuilt and republished the inventory every period. Such a GPU is not dropped: the
+   inventory carries NVML's count (``nvml_count``) and lists it in ``unreadable``, by
+   index with what identity could still be read, for the health service to raise. While
+   a GPU is left out (lost), the inventory is rebuilt every ``SKIPPED_RETRY_S`` to see
+   it come back, and published only if it changed: the inventory is published on real
+   change only (plus the unsolicited ``inventory_republish_s`` and answers to requests).
 5. Every ``slow_period_s`` a period also reads the slow fields (energy, PCIe
    replays, NVLink counters, GPM activity: milliseconds per GPU on real NVML); other
    periods repeat their last values. Such a period also re-reads the state of every
@@ -26,7 +28,9 @@ Flow
    published inventory says, the inventory is rebuilt and republished: a link that
    went down leaves its pair's ``nvlinks`` (the allocator stops counting it) and is
    listed in ``nvlinks_down`` (the health service warns), and one that came back
-   returns.
+   returns. Such a period also re-reads the MIG mode and MIG devices of every
+   MIG-capable GPU (a few NVML calls per GPU), and rebuilds the inventory when they
+   changed: instances created or destroyed are seen without a restart.
 6. With ``dcgm_metrics`` (default) ``/metrics`` also serves dcgm-exporter's
    ``DCGM_FI_*`` metrics (:mod:`.dcgm`); the last XID of each GPU comes from the
    health events on ``gpu.health.<node>``, and with ``pod_labels`` the GPUs a
@@ -57,7 +61,7 @@ from gpulet_common import codec, subjects
 from gpulet_common.bus import Delivery
 from gpulet_common.messages import GpuSample, HealthEvent, Inventory, InventoryRequest, SampleBatch
 from gpulet_common.nvml.adapter import NvmlAdapter
-from gpulet_common.nvml.errors import NvmlUnavailable
+from gpulet_common.nvml.errors import NvmlError, NvmlUnavailable
 from gpulet_common.runtime import NVML_RETRY_MAX_S, NvmlHandle, Runtime
 from gpulet_common.telemetry import add_exposition, remove_exposition
 
@@ -296,6 +300,8 @@ class CollectorService:
             await self._refresh_inventory("looking for GPUs left out", force=False)
         elif slow and self._nvlinks_changed(adapter):
             await self._refresh_inventory("NVLink state changed", force=False)
+        elif slow and await self._mig_changed(adapter):
+            await self._refresh_inventory("MIG layout changed", force=False)
         return batch
 
     def _nvlinks_changed(self, adapter: NvmlAdapter) -> bool:
@@ -305,6 +311,26 @@ class CollectorService:
             up = adapter.nvlinks_up(gpu.uuid)
             if up is not None and up != frozenset(gpu.nvlinks_up):
                 return True
+        return False
+
+    async def _mig_changed(self, adapter: NvmlAdapter) -> bool:
+        """Whether a MIG-capable GPU's MIG mode or devices differ from the published
+        inventory's (read off the event loop, given up after the NVML call timeout)."""
+        gpus = [g for g in self._inventory.gpus if g.mig_capable]
+        if not gpus:
+            return False
+
+        def differs() -> bool:
+            for gpu in gpus:
+                try:
+                    if adapter.mig_changed(gpu):
+                        return True
+                except NvmlError as exc:  # a lost GPU: its samples say so
+                    log.debug("MIG state of GPU %d unread: %s", gpu.index, exc)
+            return False
+
+        with anyio.move_on_after(self._rt.settings.nvml.call_timeout_s):
+            return await anyio.to_thread.run_sync(differs, abandon_on_cancel=True)
         return False
 
     async def _follow_xids(

@@ -16,7 +16,10 @@ segment files ``seg-<n>.jsonl``, one JSON-encoded :class:`HealthEvent` per line:
   The publisher turns that record into a ``buffer_overflow`` event once it can, so a
   loss is never silent;
 * **restartable**: the drain position is kept in ``cursor.json`` (replaced
-  atomically). After a crash between publishing and moving the cursor a few events
+  atomically).
+* **never through a link**: every write goes through :mod:`gpulet_common.safefile`
+  (a symlink planted at a segment, ``cursor.json`` or ``overflow.json`` is refused,
+  never written through). After a crash between publishing and moving the cursor a few events
   are published again -- with the same event id, which JetStream's de-duplication
   and consumers drop. A torn last line (a crash mid-append) is skipped and counted.
 
@@ -36,7 +39,9 @@ from typing import IO
 import msgspec
 
 from gpulet_common.codec import HEALTH_EVENT
+from gpulet_common.logutil import RateLimitedLog
 from gpulet_common.messages import HealthEvent
+from gpulet_common.safefile import open_append, open_update, write_atomic
 
 log = logging.getLogger("gpulet.health.buffer")
 
@@ -74,6 +79,8 @@ class DiskBuffer:
         self._tail: IO[bytes] | None = None
         self._overflow: Overflow | None = None
         self.corrupt_lines = 0
+        self.write_errors = 0
+        self._error_log = RateLimitedLog(log, per_minute=6)
         self._opened = False
 
     # --- lifecycle -------------------------------------------------------------------
@@ -84,6 +91,10 @@ class DiskBuffer:
         for path in sorted(self.directory.glob(f"{_SEGMENT_PREFIX}*{_SEGMENT_SUFFIX}")):
             digits = path.name[len(_SEGMENT_PREFIX) : -len(_SEGMENT_SUFFIX)]
             if not digits.isdigit():
+                continue
+            if path.is_symlink() or not path.is_file():
+                # Never read or written through: planted, not ours.
+                log.error("ignoring %s in the health buffer: not a regular file", path.name)
                 continue
             data = path.read_bytes()
             segments.append(_Segment(int(digits), path, len(data), data.count(b"\n")))
@@ -99,7 +110,7 @@ class DiskBuffer:
                 log.error(
                     "dropping a torn last line of %s (%d bytes)", last.path.name, len(data) - keep
                 )
-                with last.path.open("r+b") as f:
+                with open_update(last.path) as f:
                     f.truncate(keep)
                     os.fsync(f.fileno())
                 last.size = keep
@@ -157,11 +168,20 @@ class DiskBuffer:
                 seq, self.directory / f"{_SEGMENT_PREFIX}{seq:012d}{_SEGMENT_SUFFIX}", 0, 0
             )
             self._segments.append(tail)
-        if self._tail is None:
-            self._tail = tail.path.open("ab")
-        self._tail.write(line)
-        self._tail.flush()
-        os.fsync(self._tail.fileno())
+        try:
+            if self._tail is None:
+                self._tail = open_append(tail.path)
+            self._tail.write(line)
+            self._tail.flush()
+            os.fsync(self._tail.fileno())
+        except OSError as exc:
+            # Fail closed (a symlink planted at the segment, a full or read-only
+            # disk): the event is dropped, and the drop recorded like a full buffer's.
+            self.close()
+            self.write_errors += 1
+            self._error_log.error("cannot append to %s: %s", tail.path, exc)
+            self._record_drop(event.observed_at)
+            return False
         tail.size += len(line)
         tail.events += 1
         return True
@@ -173,15 +193,19 @@ class DiskBuffer:
             first_at=previous.first_at if previous else at,
             last_at=at,
         )
-        self._write_json(
-            "overflow.json",
-            {
-                "dropped": self._overflow.dropped,
-                "first_at": self._overflow.first_at,
-                "last_at": self._overflow.last_at,
-            },
-            sync=True,
-        )
+        try:
+            self._write_json(
+                "overflow.json",
+                {
+                    "dropped": self._overflow.dropped,
+                    "first_at": self._overflow.first_at,
+                    "last_at": self._overflow.last_at,
+                },
+                sync=True,
+            )
+        except OSError as exc:
+            # Kept in memory: the buffer_overflow event still reports it.
+            self._error_log.error("cannot record the drop in overflow.json: %s", exc)
 
     def clear_overflow(self, reported: Overflow) -> None:
         """The overflow was reported; forget the drops it covered."""
@@ -227,7 +251,9 @@ class DiskBuffer:
                 except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                     self.corrupt_lines += 1
                     # A data loss, not a bug: no traceback.
-                    log.error("skipping a corrupt line of %s: %s", segment.path.name, exc)  # noqa: TRY400
+                    self._error_log.error(
+                        "skipping a corrupt line of %s: %s", segment.path.name, exc
+                    )
                     if not out:
                         # Move past it at once so a corrupt line never blocks the drain.
                         self._advance(len(raw), 1)
@@ -284,11 +310,4 @@ class DiskBuffer:
         return data if isinstance(data, dict) else None
 
     def _write_json(self, name: str, value: dict[str, float], *, sync: bool) -> None:
-        path = self.directory / name
-        tmp = path.with_suffix(".tmp")
-        with tmp.open("w") as f:
-            json.dump(value, f)
-            if sync:
-                f.flush()
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
+        write_atomic(self.directory / name, json.dumps(value).encode(), durable=sync)

@@ -6,12 +6,18 @@ An XID is the driver's error code for a GPU fault. The number alone says little;
 operators need a *severity* (does the GPU stay usable?) and a *recommended action*
 (restart the application, reset the GPU, reboot, send the board for inspection).
 
-The built-in table comes from the classification of NVIDIA's NVSentinel and of the
-GPUd project (see ``/work/shared/reference/nvml-and-health.md`` in the design notes);
-where the two disagree the table says so and takes the safer reading. Three layers
-decide how an XID is treated, in this order:
+The built-in table is NVIDIA's whole XID catalogue, codes 1 to 173 ("Unused" ones
+included, with their bucket), kept as data in :mod:`gpulet_health.xid_table`: NVIDIA's
+mnemonic and resolution buckets (immediate and investigatory), whether an application
+can cause the code, our category, and gpulet's severity and action derived from the
+immediate bucket (that module's docstring gives the mapping and its exceptions). The
+sources are NVIDIA's public "Analyzing Xid Errors with the Xid Catalog" page
+(docs.nvidia.com/deploy/xid-errors/analyzing-xid-catalog.html) and GPUd's generated
+mirror of it (leptonai/gpud ``components/accelerator/nvidia/xid/catalog_generated.go``).
+Three layers decide how an XID is treated, in this order:
 
-1. ``health.xid_overrides``: an operator's entry for a code replaces the built-in one.
+1. ``health.xid_overrides``: an operator's entry for a code replaces the built-in
+   severity and action (and description, if given); the catalogue's other facts stay.
 2. The built-in :data:`BUILTIN_XIDS`.
 3. ``health.unknown_xid`` for every other code (default *critical*, as NVIDIA's device
    plugin treats every XID outside its skip list as fatal for the GPU).
@@ -24,15 +30,22 @@ Whether an XID makes the GPU unhealthy is therefore: not an application XID, and
 severity of ``critical`` or ``fatal``. Such an XID raises a *sticky* condition
 ``xid:<code>``: it stays until the operator clears it or a GPU reset is observed,
 because the fault that caused it leaves no level to watch.
+
+``python -m gpulet_health.catalogue --markdown`` prints the table of docs/health.md
+(a test keeps the two in step); ``gpulet health xid [CODE]`` prints entries.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from gpulet_common.messages import UNHEALTHY_SEVERITIES, Action, Severity
 from gpulet_common.settings.health import HealthSettings, XidRule
+from gpulet_health.xid_table import NOTES, ROWS, AppCause
+
+CATALOGUE_SOURCE = "NVIDIA XID catalogue"
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,69 +54,37 @@ class XidInfo:
     severity: Severity
     action: Action
     description: str
-    # Where the classification comes from, for the README and `gpulet health` output.
-    source: str = "NVSentinel/GPUd"
+    # Where the severity and action come from, for `gpulet health xid` and events.
+    source: str = CATALOGUE_SOURCE
+    mnemonic: str = ""
+    category: str = ""
+    # Can an application cause it: "yes", "check" (the catalogue says check the app), "no".
+    app: AppCause = "no"
+    # NVIDIA's resolution buckets ("" where the catalogue gives none).
+    immediate: str = ""
+    investigatory: str = ""
+    note: str = ""
+
+    @property
+    def in_catalogue(self) -> bool:
+        return bool(self.mnemonic or self.immediate or self.category)
 
 
-def _x(code: int, severity: Severity, action: Action, description: str, source: str) -> XidInfo:
-    return XidInfo(code, severity, action, description, source)
-
-
-# Severity and action by XID; the source column names who classifies it so.
 BUILTIN_XIDS: Mapping[int, XidInfo] = {
-    x.code: x
-    for x in (
-        _x(
-            13,
-            "warning",
-            "restart_app",
-            "graphics engine exception",
-            "NVIDIA device plugin: application",
-        ),
-        _x(
-            31,
-            "warning",
-            "restart_app",
-            "GPU memory page fault",
-            "NVIDIA device plugin: application",
-        ),
-        _x(
-            43,
-            "warning",
-            "restart_app",
-            "GPU stopped processing",
-            "NVIDIA device plugin: application",
-        ),
-        _x(45, "info", "none", "preemptive cleanup", "NVIDIA device plugin: application"),
-        _x(48, "fatal", "reset_gpu", "double-bit ECC error", "NVSentinel/GPUd"),
-        _x(63, "info", "none", "row-remapping or page-retirement event", "GPUd"),
-        _x(64, "critical", "reset_gpu", "row-remapping or page-retirement failure", "GPUd"),
-        # NVIDIA's plugin calls 68 an application error; others disagree. It is in the
-        # default app_xids, so this entry matters only when an operator removes it.
-        _x(
-            68,
-            "warning",
-            "restart_app",
-            "video processor exception",
-            "NVIDIA device plugin (disputed)",
-        ),
-        _x(74, "critical", "reset_gpu", "NVLink error", "NVSentinel/GPUd"),
-        _x(79, "fatal", "reboot", "GPU has fallen off the bus", "NVSentinel/GPUd"),
-        _x(92, "warning", "none", "high single-bit ECC error rate", "NVSentinel/GPUd"),
-        _x(94, "warning", "restart_app", "contained ECC error", "NVSentinel/GPUd"),
-        _x(95, "fatal", "reset_gpu", "uncontained ECC error", "NVSentinel/GPUd"),
-        # An application error for NVIDIA's plugin, a reset for NVSentinel: in app_xids
-        # by default; removing it from there gives NVSentinel's reading.
-        _x(
-            109,
-            "critical",
-            "reset_gpu",
-            "context switch timeout",
-            "NVSentinel (plugin: application)",
-        ),
-        _x(119, "fatal", "reset_gpu", "GSP RPC timeout", "NVSentinel/GPUd"),
-        _x(120, "fatal", "reset_gpu", "GSP error", "NVSentinel/GPUd"),
+    row.code: XidInfo(
+        row.code,
+        row.severity,
+        row.action,
+        row.description,
+        CATALOGUE_SOURCE,
+        row.mnemonic,
+        row.category,
+        row.app,
+        row.immediate,
+        row.investigatory,
+        NOTES.get(row.code, ""),
     )
+    for row in ROWS
 }
 
 
@@ -115,6 +96,27 @@ class XidVerdict:
     @property
     def unhealthy(self) -> bool:
         return not self.application and self.info.severity in UNHEALTHY_SEVERITIES
+
+
+def _overridden(code: int, rule: XidRule) -> XidInfo:
+    base = BUILTIN_XIDS.get(code)
+    if base is None:
+        return XidInfo(
+            code, rule.severity, rule.action, rule.description or f"XID {code}", "operator override"
+        )
+    return XidInfo(
+        code,
+        rule.severity,
+        rule.action,
+        rule.description or base.description,
+        f"operator override (catalogue: {base.severity} / {base.action})",
+        base.mnemonic,
+        base.category,
+        base.app,
+        base.immediate,
+        base.investigatory,
+        base.note,
+    )
 
 
 class XidCatalogue:
@@ -130,11 +132,7 @@ class XidCatalogue:
         self._app = frozenset(app_xids)
         table = dict(BUILTIN_XIDS)
         for code, rule in (overrides or {}).items():
-            base = table.get(code)
-            description = rule.description or (base.description if base else f"XID {code}")
-            table[code] = XidInfo(
-                code, rule.severity, rule.action, description, "operator override"
-            )
+            table[code] = _overridden(code, rule)
         self._table = table
         self._unknown = unknown or XidRule(severity="critical", action="operator_check")
 
@@ -164,3 +162,87 @@ class XidCatalogue:
 
     def entries(self) -> list[XidInfo]:
         return [self._table[c] for c in sorted(self._table)]
+
+
+# --- printing ------------------------------------------------------------------------
+
+_APP = {"yes": "yes", "check": "check app", "no": "-"}
+
+
+def _cell(text: str) -> str:
+    return (text or "-").replace("|", "\\|")
+
+
+def markdown(entries: Iterable[XidInfo]) -> str:
+    """The catalogue as a Markdown table (docs/health.md's, from the built-in table)."""
+    lines = [
+        "| XID | Mnemonic | Category | App? | Immediate | Investigatory | Severity | Action |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for e in entries:
+        cells = [
+            str(e.code),
+            e.mnemonic,
+            e.category,
+            _APP[e.app],
+            e.immediate,
+            e.investigatory,
+            e.severity,
+            e.action,
+        ]
+        lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def describe(verdict: XidVerdict) -> str:
+    """One entry, as ``gpulet health xid CODE`` prints it."""
+    e = verdict.info
+    healthy = "no (the GPU is unhealthy until cleared or reset)"
+    if verdict.application:
+        healthy = "yes: an application XID (health.app_xids), reported only"
+    elif not verdict.unhealthy:
+        healthy = "yes: reported only"
+    fields = [
+        ("XID", str(e.code)),
+        ("mnemonic", e.mnemonic or "-"),
+        ("description", e.description),
+        ("category", e.category or "-"),
+        ("application can cause it", _APP[e.app].replace("-", "no")),
+        ("NVIDIA immediate", e.immediate or "-"),
+        ("NVIDIA investigatory", e.investigatory or "-"),
+        ("severity", e.severity),
+        ("action", e.action),
+        ("GPU stays healthy", healthy),
+        ("source", e.source),
+    ]
+    if e.note:
+        fields.append(("note", e.note))
+    width = max(len(k) for k, _ in fields)
+    return "\n".join(f"{k + ':':<{width + 1}} {v}" for k, v in fields) + "\n"
+
+
+def table(catalogue: XidCatalogue) -> str:
+    """Every entry, one line each, as ``gpulet health xid`` prints it."""
+    rows = [("XID", "MNEMONIC", "SEVERITY", "ACTION", "APP", "IMMEDIATE")]
+    for e in catalogue.entries():
+        app = "app-xid" if e.code in catalogue.app_xids else _APP[e.app]
+        rows.append((str(e.code), e.mnemonic or "-", e.severity, e.action, app, e.immediate or "-"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return (
+        "\n".join(
+            "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows
+        )
+        + "\n"
+    )
+
+
+def main(argv: list[str]) -> int:
+    if argv != ["--markdown"]:
+        print("usage: python -m gpulet_health.catalogue --markdown", file=sys.stderr)
+        return 2
+    sys.stdout.write(markdown(BUILTIN_XIDS.values()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

@@ -15,6 +15,12 @@ ECC is off); a GPU without event support registers nothing and is *not* unhealth
 that. The set of GPUs to watch comes from the async side (:meth:`watch`); a change
 makes the thread build a fresh event set.
 
+Right after an XID event the thread reads the GPU's recovery action (NVML field 230,
+R570+; :mod:`gpulet_health.recovery`) and posts it with the event
+(``EventReceived.recovery``), once per GPU and batch; for a GPU whose last reading asked
+for an action it reads the field again every ``device_poll_s`` (posted as an event of
+no type), since the return to NONE comes with no event.
+
 Everything the thread learns is posted as a :data:`SourceItem` into a bounded memory
 object stream; when the stream is full the thread waits (checking the stop flag), so
 no event is dropped and memory stays bounded. Besides events it posts:
@@ -44,13 +50,24 @@ from anyio.streams.memory import MemoryObjectSendStream
 
 from gpulet_common.nvml.adapter import HEALTH_EVENT_MASK, NvmlAdapter, NvmlEvent
 from gpulet_common.nvml.errors import GpuLostError, NvmlCallError, NvmlError, NvmlUnavailable
+from gpulet_health import recovery
 
 log = logging.getLogger("gpulet.health.events")
+
+# Most events taken from NVML and handed to the event loop at once (see _drain).
+DRAIN_BATCH = 256
+
+
+# EventReceived.recovery when the field was not read with the event.
+NOT_READ = -1
 
 
 @dataclass(frozen=True, slots=True)
 class EventReceived:
     event: NvmlEvent
+    # The GPU's recovery action (NVML field 230) read right after an XID event: None
+    # where the driver does not report it, NOT_READ when it was not read.
+    recovery: int | None = NOT_READ
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +129,10 @@ class NvmlEventSource:
         self._count: int | None = None
         self._generation = 0
         self._limiter = anyio.CapacityLimiter(1)
+        # GPUs whose driver does not report the recovery action (field 230), and those
+        # whose last reading asked for an action (read again every device_poll_s).
+        self._no_recovery: set[int] = set()
+        self._asking: dict[int, int] = {}
 
     def watch(
         self, indexes: Sequence[int], count: int | None = None, *, force: bool = False
@@ -184,6 +205,95 @@ class NvmlEventSource:
                 stop.set()
                 return
 
+    def _drain(
+        self,
+        stop: threading.Event,
+        send: MemoryObjectSendStream[SourceItem],
+        adapter: NvmlAdapter,
+        event_set: Any,
+        first: EventReceived,
+    ) -> None:
+        """Post ``first`` with the events already waiting behind it (no wait, at most
+        :data:`DRAIN_BATCH`), in as few hand-overs to the event loop as the stream takes:
+        in a storm one hand-over per event would cap the rate well below the driver's
+        (the queue then overflows and drops a different, newer fault). A failing wait
+        posts what it took first, then raises as before."""
+        batch: list[SourceItem] = [first]
+        try:
+            while len(batch) < DRAIN_BATCH:
+                more = adapter.wait_event(event_set, 0)
+                if more is None:
+                    break
+                batch.append(EventReceived(more))
+            batch = self._with_recovery(adapter, batch)
+        finally:
+            while batch and not stop.is_set():
+                try:
+                    sent = anyio.from_thread.run_sync(_send_some, send, batch)
+                except (
+                    anyio.BrokenResourceError,
+                    anyio.ClosedResourceError,
+                    anyio.RunFinishedError,
+                ):
+                    stop.set()
+                    return
+                del batch[:sent]
+                if batch:
+                    stop.wait(0.005)
+
+    def _with_recovery(self, adapter: NvmlAdapter, batch: list[SourceItem]) -> list[SourceItem]:
+        """The first XID event of each GPU in a batch carries the GPU's recovery action
+        (field 230), read now: the driver changes it with a fault (and logs XID 154).
+        Once per GPU and batch, so a storm costs one read a batch; not again for a GPU
+        whose driver answered NOT_SUPPORTED (until NVML is initialised again)."""
+        read: set[int] = set()
+        out: list[SourceItem] = []
+        for item in batch:
+            index = item.event.gpu_index if isinstance(item, EventReceived) else None
+            if (
+                isinstance(item, EventReceived)
+                and item.event.xid is not None
+                and index is not None
+                and index not in read
+                and index not in self._no_recovery
+            ):
+                read.add(index)
+                try:
+                    value = recovery.read(adapter.module, index)
+                except Exception as exc:  # a lost GPU, NVML going away: not read
+                    log.debug("recovery action of GPU %s not read: %s", index, exc)
+                else:
+                    self._note_recovery(index, value)
+                    item = EventReceived(item.event, value)
+            out.append(item)
+        return out
+
+    def _note_recovery(self, index: int, value: int | None) -> None:
+        if value is None:
+            self._no_recovery.add(index)
+        if value:
+            self._asking[index] = value
+        else:
+            self._asking.pop(index, None)
+
+    def _poll_recovery(self, adapter: NvmlAdapter, post: Callable[[SourceItem], None]) -> None:
+        """Read field 230 again for GPUs whose driver asked for an action: the value going
+        back to NONE (after the reset) comes with no event. A reading is posted as an
+        EventReceived whose NVML event has no type (no family but the recovery rule
+        looks at it)."""
+        for index in list(self._asking):
+            try:
+                value = recovery.read(adapter.module, index)
+                uuid = adapter.uuid_of(index)
+            except Exception as exc:  # lost, or NVML away: read on the next poll
+                log.debug("recovery action of GPU %s not read: %s", index, exc)
+                continue
+            self._note_recovery(index, value)
+            reading = NvmlEvent(
+                gpu_index=index, gpu_uuid=uuid, event_type=0, event_data=0, timestamp=time.time()
+            )
+            post(EventReceived(reading, value))
+
     def _loop(
         self,
         stop: threading.Event,
@@ -234,14 +344,16 @@ class NvmlEventSource:
                             if last_count is not None:
                                 post(CountChanged(count, time.time()))
                             last_count = count
+                        self._poll_recovery(adapter, post)
                     if down:
                         down = False
+                        self._no_recovery.clear()  # the driver may be another one now
                         log.info("NVML is back")
                         post(NvmlUp(time.time()))
                     event = adapter.wait_event(event_set, self._timeout_ms)
                     backoff = _BACKOFF_MIN_S
                     if event is not None:
-                        post(EventReceived(event))
+                        self._drain(stop, send, adapter, event_set, EventReceived(event))
                 except GpuLostError as exc:
                     announce()
                     now_s = time.time()
@@ -330,3 +442,13 @@ class NvmlEventSource:
                 masks[index] = 0
                 log.warning("cannot register NVML events for GPU %d: %s", index, exc)
         return masks
+
+
+def _send_some(send: MemoryObjectSendStream[SourceItem], items: Sequence[SourceItem]) -> int:
+    """On the event loop: send what the stream takes now; how many were sent."""
+    for n, item in enumerate(items):
+        try:
+            send.send_nowait(item)
+        except anyio.WouldBlock:
+            return n
+    return len(items)

@@ -13,7 +13,8 @@ node's stream and hands each event to the hub's stream with an acknowledgement:
   service and resumes where it stopped;
 * each event is published, in stream order, on ``gpu.events.<node>`` (which the node's
   hub user may publish; the hub's ``GPU_FLEET`` stream captures it) with
-  ``Nats-Msg-Id = event_id``, as a request: the hub's JetStream answers with a publish
+  ``Nats-Msg-Id = <node>:<event_id>`` (de-duplicated per node: one node's ids never
+  collide with another's), as a request: the hub's JetStream answers with a publish
   ack once the event is stored on a quorum of its replicas;
 * only then is the node's message acked. No ack from the hub (timeout, no responders
   while the leaf reconnects, a 503 during a leader election) -> back off
@@ -91,6 +92,7 @@ class FleetRelay:
             "gpulet.fleet.relay_retries", description="Relays to the hub that were retried"
         )
         self._fail_log = RateLimitedLog(log, per_minute=6)
+        self._malformed_log = RateLimitedLog(log, per_minute=10)
         self.relayed = 0
         self.duplicates = 0
 
@@ -141,7 +143,9 @@ class FleetRelay:
         try:
             event = HEALTH_EVENT.decode(msg.data)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            log.warning("not relaying a malformed message on %s: %s", msg.subject, exc)
+            self._malformed_log.warning(
+                "not relaying a malformed message on %s: %s", msg.subject[:200], exc
+            )
             await msg.term()
             return
         delay = self._settings.relay_retry_initial_s
@@ -179,7 +183,8 @@ class FleetRelay:
             self._subject,
             data,
             timeout=self._settings.relay_timeout_s,
-            headers={"Nats-Msg-Id": event_id},
+            # Scoped to this node (the subject's): subjects.event_msg_id.
+            headers={"Nats-Msg-Id": subjects.event_msg_id(self._node, event_id)},
         )
         try:
             ack = json.loads(reply.data)

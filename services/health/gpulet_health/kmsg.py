@@ -45,7 +45,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from gpulet_common.logutil import RateLimitedLog
+from gpulet_common.safefile import write_atomic
+
 log = logging.getLogger("gpulet.health.kmsg")
+# Once per kmsg record handed on while the cursor cannot be saved: rate-limited.
+_cursor_log = RateLimitedLog(log, per_minute=2)
 
 MAX_RECORD_BYTES = 8192  # the kernel's own limit for one /dev/kmsg record
 _BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
@@ -142,13 +147,11 @@ class Cursor:
         if seq <= self.seq:
             return
         self.seq = seq
-        tmp = self._path.with_suffix(".tmp")
         try:
-            self._path.parent.mkdir(parents=True, exist_ok=True)
-            tmp.write_text(f"{self.boot_id} {seq}\n")
-            os.replace(tmp, self._path)
+            # Not fsync'd: a cursor lost in a crash costs XIDs reported twice, not lost.
+            write_atomic(self._path, f"{self.boot_id} {seq}\n".encode(), durable=False)
         except OSError as exc:
-            log.warning("cannot save the kmsg cursor %s: %s", self._path, exc)
+            _cursor_log.warning("cannot save the kmsg cursor %s: %s", self._path, exc)
 
 
 def boot_id() -> str:

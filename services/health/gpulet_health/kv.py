@@ -30,9 +30,12 @@ from nats.js.kv import KeyValue
 from gpulet_common import subjects
 from gpulet_common.bus import Bus
 from gpulet_common.codec import GPU_HEALTH
+from gpulet_common.logutil import RateLimitedLog
 from gpulet_common.messages import GpuHealth
 
 log = logging.getLogger("gpulet.health.kv")
+# One per malformed entry: a node could hold many (rate-limited, counted).
+_malformed_log = RateLimitedLog(log, per_minute=10)
 
 _RETRY_MIN_S = 0.1
 _RETRY_MAX_S = 5.0
@@ -101,7 +104,7 @@ class StateStore:
                 try:
                     found.append(GPU_HEALTH.decode(entry.value))
                 except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                    log.warning("ignoring malformed health state %s: %s", key, exc)
+                    _malformed_log.warning("ignoring malformed health state %s: %s", key, exc)
             return found
 
     def mark(self, uuids: set[str]) -> None:

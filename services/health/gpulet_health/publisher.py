@@ -6,9 +6,11 @@ One task owns publishing, so order is kept without locks: events arrive from the
 engine through a bounded memory object stream and leave in that order.
 
 * Each event is published to JetStream on ``gpu.health.<node>`` with
-  ``Nats-Msg-Id = event_id``. A JetStream publish is an ordinary NATS publish that the
-  ``GPU_HEALTH`` stream also stores, so a plain ``nats sub 'gpu.health.*'`` sees every
-  event live, and a consumer that was away replays them from the stream.
+  ``Nats-Msg-Id = <node>:<event_id>`` (scoped to the node: a stream shared by several
+  nodes never drops one node's event for another's id). A JetStream publish is an
+  ordinary NATS publish that the ``GPU_HEALTH`` stream also stores, so a plain
+  ``nats sub 'gpu.health.*'`` sees every event live, and a consumer that was away
+  replays them from the stream.
 * When NATS is not connected, the publish is not acked within
   ``stream.publish_timeout_s``, or the stream is missing, the event goes to the
   :class:`~gpulet_health.buffer.DiskBuffer`, and so does every later event until the
@@ -40,7 +42,7 @@ from gpulet_common.codec import HEALTH_EVENT
 from gpulet_common.logutil import RateLimitedLog
 from gpulet_common.messages import HealthEvent
 from gpulet_health.buffer import DiskBuffer, Overflow
-from gpulet_health.dedup import event_id
+from gpulet_health.dedup import EventIds
 
 log = logging.getLogger("gpulet.health.publisher")
 
@@ -67,9 +69,11 @@ class HealthPublisher:
         publish_timeout_s: float,
         ensure_stream: Callable[[], Awaitable[None]],
         meter: metrics.Meter,
+        ids: EventIds | None = None,
     ) -> None:
         self._bus = bus
         self._node = node
+        self._ids = ids or EventIds()
         self._subject = subjects.health(node)
         self._buffer = buffer
         self._timeout_s = publish_timeout_s
@@ -206,7 +210,7 @@ class HealthPublisher:
                 self._subject,
                 stamped,
                 HEALTH_EVENT,
-                msg_id=event.event_id,
+                msg_id=subjects.event_msg_id(self._node, event.event_id),
                 timeout_s=self._timeout_s,
             )
         except (nats.errors.Error, OSError, TimeoutError) as exc:
@@ -274,7 +278,7 @@ class HealthPublisher:
         first = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(overflow.first_at))
         last = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(overflow.last_at))
         return HealthEvent(
-            event_id=event_id(self._node, "buffer_overflow", overflow.first_at, overflow.dropped),
+            event_id=self._ids(self._node, "buffer_overflow", overflow.first_at, overflow.dropped),
             node=self._node,
             gpu_uuid="",
             kind="buffer_overflow",

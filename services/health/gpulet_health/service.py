@@ -32,6 +32,16 @@ One task group, all of it structured (nothing outlives the service):
   listed, not present and unhealthy, until it is back.
 
 Without NVML the service runs *degraded* and retries, like the collector.
+
+Layout
+------
+:class:`HealthService` is the lifecycle only: it wires the stages, starts them in one
+task group, restores what a previous run left (KV state, expected GPUs), adopts NVML
+when it is (or becomes) available, and keeps the status board true. The stages live
+beside it: the scan stage (:mod:`.scan`), the rule-driving stage (:mod:`.inputs`: NVML
+events, samples, inventories, the kernel log), the publish stage (:mod:`.emit`, then
+:mod:`.publisher`), the endpoints (:mod:`.endpoints`) and the gauges (:mod:`.gauges`);
+:mod:`.stages` carries what the stages share.
 """
 
 from __future__ import annotations
@@ -43,67 +53,33 @@ from pathlib import Path
 import anyio
 import anyio.abc
 import nats.errors
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
-from opentelemetry import metrics
 
 from gpulet_common import codec, subjects
-from gpulet_common.bus import BusError, Delivery, Refused
+from gpulet_common.bus import BusError
 from gpulet_common.lifecycle import idle_disabled
-from gpulet_common.logutil import RateLimitedLog
-from gpulet_common.messages import (
-    GpuHealth,
-    GpuInfo,
-    HealthClearRequest,
-    HealthEvent,
-    HealthState,
-    HealthStateRequest,
-    Inventory,
-    InventoryRequest,
-    SampleBatch,
-)
+from gpulet_common.messages import GpuHealth, InventoryRequest
 from gpulet_common.nvml.adapter import NvmlAdapter
-from gpulet_common.nvml.errors import GpuLostError, NvmlCallError, NvmlUnavailable
-from gpulet_common.ordering import SenderOrder
 from gpulet_common.runtime import Runtime
 from gpulet_health.buffer import DiskBuffer
-from gpulet_health.events_source import (
-    CountChanged,
-    EventReceived,
-    LostSignal,
-    NvmlDown,
-    NvmlEventSource,
-    NvmlUp,
-    Registered,
-    SourceItem,
-)
+from gpulet_health.dedup import load_id_key
+from gpulet_health.emit import EventStage
+from gpulet_health.endpoints import HealthEndpoints
+from gpulet_health.events_source import SourceItem
 from gpulet_health.fleet_relay import run_relay
 from gpulet_health.fleet_status import FleetStatusPublisher
-from gpulet_health.kmsg import (
-    CrossSourceDedup,
-    Cursor,
-    KmsgReader,
-    KmsgXid,
-    boot_id,
-    boot_wall_time,
-    pci_key,
-)
+from gpulet_health.gauges import HealthGauges
+from gpulet_health.inputs import RuleDriver
+from gpulet_health.kmsg import boot_id
 from gpulet_health.known import KnownGpus
 from gpulet_health.kv import StateStore
 from gpulet_health.publisher import HealthPublisher
-from gpulet_health.rules import RuleEngine, UnknownCondition, UnknownGpu
+from gpulet_health.rules import RuleEngine
+from gpulet_health.scan import GpuScanner
+from gpulet_health.stages import HealthStages
 
 log = logging.getLogger("gpulet.health")
 
-# Events between the rule engine and the publisher. A full queue makes the producers
-# wait (backpressure), it never drops.
-EVENT_QUEUE = 4096
 SOURCE_QUEUE = 1024
-# A GPU scan that takes longer than this (a hung GPU) is given up for this round.
-SCAN_TIMEOUT_S = 10.0
-# While a GPU is lost or removed, scan this often to see it come back even without
-# the collector's samples.
-GONE_RESCAN_S = 5.0
-MIN_RESCAN_GAP_S = 0.05
 
 
 class HealthService:
@@ -113,20 +89,19 @@ class HealthService:
         self._rt = runtime
         self._settings = runtime.settings.health
         self._node = runtime.node
-        self.engine = RuleEngine(self._node, self._settings)
-        directory = self._settings.buffer.directory or str(
-            Path(runtime.settings.state_dir) / "health-buffer"
-        )
+        self._state_dir = Path(runtime.settings.state_dir)
+        # The node's event-id key (gpulet_health.dedup): ids stable across restarts,
+        # unguessable by anyone else. A tiny file read, once, at construction.
+        id_key = load_id_key(self._state_dir / "health" / "event-id.key")
+        self.engine = RuleEngine(self._node, self._settings, id_key=id_key, boot_id=boot_id())
+        directory = self._settings.buffer.directory or str(self._state_dir / "health-buffer")
         self.buffer = DiskBuffer(
             Path(directory),
             max_bytes=self._settings.buffer.max_bytes,
             max_events=self._settings.buffer.max_events,
             segment_bytes=self._settings.buffer.segment_bytes,
         )
-        self.known = KnownGpus(
-            Path(runtime.settings.state_dir) / "health" / "gpus.json", self._node
-        )
-        self._known_log = RateLimitedLog(log, per_minute=2)
+        self.known = KnownGpus(self._state_dir / "health" / "gpus.json", self._node)
         self.store = StateStore(
             runtime.bus,
             self._node,
@@ -140,6 +115,7 @@ class HealthService:
             publish_timeout_s=self._settings.stream.publish_timeout_s,
             ensure_stream=self._ensure_stream,
             meter=runtime.meter,
+            ids=self.engine.ids,
         )
         # The node's summary for the hub's fleet view (docs/fleet.md).
         self.fleet_status = FleetStatusPublisher(
@@ -148,52 +124,32 @@ class HealthService:
             lambda: self.engine.state(time.time(), None),
             runtime.settings.fleet,
         )
-        self._events_send: MemoryObjectSendStream[HealthEvent]
-        self._events_recv: MemoryObjectReceiveStream[HealthEvent]
-        self._events_send, self._events_recv = anyio.create_memory_object_stream[HealthEvent](
-            EVENT_QUEUE
+        self.stage = EventStage(
+            self.engine,
+            self.store,
+            runtime.meter,
+            on_state_change=self._update_status,
+            on_rescan_wanted=lambda: self.scanner.request(),
         )
-        self._adapter: NvmlAdapter | None = None
-        self._source: NvmlEventSource | None = None
-        self._rescan = anyio.Event()
-        self._last_scan_count: int | None = None
+        self.scanner = GpuScanner(self.engine, self.stage, self.known, self._settings)
+        stages = HealthStages(runtime.bus, self._node, self.engine, self.stage, self.scanner)
+        self.inputs = RuleDriver(
+            stages,
+            settings=self._settings,
+            gauges=HealthGauges(self.engine, self._node, runtime.meter),
+            status=runtime.status,
+            meter=runtime.meter,
+            on_nvml=self._nvml_changed,
+        )
+        self.endpoints = HealthEndpoints(stages)
         self._nvml_down = False
-        # What the event thread registered, per GPU index (for logs and tests), and
-        # for which watch generation.
-        self.registered: dict[int, int] = {}
-        self._registered_generation = -1
-        self._registration = anyio.Event()
-        # Every PCI address a GPU of this node has had (kept after a loss: XID 79 is
-        # logged for a GPU that NVML no longer answers for), for the kernel log's XIDs.
-        self._pci: dict[tuple[int, int, int], str] = {}
-        self._xid_dedup = CrossSourceDedup(self._settings.kmsg.dedup_window_s)
         # Set when the state a previous run left could not be read (said in /readyz).
         self._restore_problem = ""
-        self._state_dir = Path(runtime.settings.state_dir)
-        self._sample_order = SenderOrder()
-        self._inventory_order = SenderOrder()
-        self._late_samples = runtime.meter.create_counter(
-            "gpulet.health.samples_late",
-            description="Sample batches dropped: older than the newest seen from the collector",
-        )
-        self._event_counter = runtime.meter.create_counter(
-            "gpulet.health.events", description="Health events produced, by kind and severity"
-        )
-        # Labels of each GPU as the collector's gauges carry them (dcgm-exporter style), so
-        # alert rules can join health with temperature and the like.
-        self._gpu_labels: dict[str, dict[str, str]] = {}
-        runtime.meter.create_observable_gauge(
-            "gpulet.gpu.healthy",
-            [self._observe_health],
-            unit="1",
-            description="1 while the GPU is healthy, 0 while any unhealthy condition is active",
-        )
-        runtime.meter.create_observable_gauge(
-            "gpulet.gpu.conditions",
-            [self._observe_conditions],
-            unit="1",
-            description="Active health conditions of the GPU, by kind and severity",
-        )
+
+    @property
+    def registered(self) -> dict[int, int]:
+        """What the NVML event thread registered, per GPU index."""
+        return self.scanner.registered
 
     # --- lifecycle -------------------------------------------------------------------
 
@@ -207,13 +163,13 @@ class HealthService:
             await self._prepare_jetstream()
             handle = await self._rt.nvml.get()
             async with anyio.create_task_group() as tg:
-                await tg.start(self.publisher.run, self._events_recv)
+                await tg.start(self.publisher.run, self.stage.receive)
                 await tg.start(self.store.run, self._snapshot)
-                await tg.start(self._serve_state)
-                await tg.start(self._serve_clear)
-                await tg.start(self._consume_samples)
-                await tg.start(self._consume_inventory)
-                await tg.start(self._rescan_loop)
+                await tg.start(self.endpoints.serve_state)
+                await tg.start(self.endpoints.serve_clear)
+                await tg.start(self.inputs.consume_samples)
+                await tg.start(self.inputs.consume_inventory)
+                await tg.start(self.scanner.rescan_loop)
                 tg.start_soon(self._tick_loop)
                 if handle.adapter is not None:
                     await self._adopt(tg, handle.adapter)
@@ -221,10 +177,12 @@ class HealthService:
                 else:
                     reason = handle.reason or "NVML unavailable"
                     self._rt.status.set(self.name, "degraded", reason)
-                    await self._emit(self.engine.observe_nvml_unavailable(reason, time.time()))
+                    await self.stage.emit(self.engine.observe_nvml_unavailable(reason, time.time()))
                     tg.start_soon(self._wait_for_nvml, tg)
                 tg.start_soon(self._ask_collector)
-                tg.start_soon(self._kmsg_loop)
+                tg.start_soon(
+                    self.inputs.kmsg_loop, self._state_dir, self._rt.settings.nvml.backend
+                )
                 if self._rt.settings.fleet.status_enabled:
                     await tg.start(self.fleet_status.run)
                 if self._rt.settings.fleet.relay_enabled:
@@ -278,23 +236,26 @@ class HealthService:
         )
 
     async def _adopt(self, tg: anyio.abc.TaskGroup, adapter: NvmlAdapter) -> None:
-        self._adapter = adapter
-        await self._scan("start")
-        self._source = NvmlEventSource(
-            adapter,
-            timeout_ms=self._settings.event_wait_timeout_ms,
-            device_poll_s=self._settings.device_poll_s,
-        )
-        self._source.watch(self._watch_list(), self._last_scan_count)
+        self.scanner.adapter = adapter
+        await self.scanner.scan("start")
+        source = self.scanner.start_source(adapter)
         send, receive = anyio.create_memory_object_stream[SourceItem](SOURCE_QUEUE)
-        await tg.start(self._consume_source, receive)
-        await tg.start(self._source.run, send)
+        await tg.start(self.inputs.consume_source, receive)
+        await tg.start(source.run, send)
 
     async def _wait_for_nvml(self, tg: anyio.abc.TaskGroup) -> None:
         adapter = await self._rt.nvml.wait_available()
-        await self._emit(self.engine.observe_nvml_available(time.time()))
+        await self.stage.emit(self.engine.observe_nvml_available(time.time()))
         await self._adopt(tg, adapter)
         self._update_status()
+
+    def _nvml_changed(self, reason: str | None) -> None:
+        """The event thread saw NVML go away (``reason``) or come back (None)."""
+        self._nvml_down = reason is not None
+        if reason is not None:
+            self._rt.status.set(self.name, "degraded", f"NVML unavailable: {reason}")
+        else:
+            self._update_status()
 
     def _update_status(self) -> None:
         if self._nvml_down:
@@ -311,378 +272,9 @@ class HealthService:
             return
         self._rt.status.set(self.name, "ready", detail)
 
-    # --- the engine's output -----------------------------------------------------------
-
-    async def _emit(self, events: list[HealthEvent]) -> None:
-        for event in events:
-            self._event_counter.add(1, {"kind": event.kind, "severity": event.severity})
-            if event.kind not in ("recovered", "cleared", "gpu_added"):
-                log.log(
-                    logging.WARNING if not event.healthy else logging.INFO,
-                    "GPU %s (%s): %s [%s, action %s]",
-                    event.gpu_index,
-                    event.gpu_uuid,
-                    event.reason,
-                    event.severity,
-                    event.action,
-                )
-            else:
-                log.info(
-                    "GPU %s (%s): %s: %s", event.gpu_index, event.gpu_uuid, event.kind, event.reason
-                )
-            await self._queue(event)
-        dirty = self.engine.take_dirty()
-        if dirty:
-            self.store.mark(dirty)
-            self._update_status()
-        if self.engine.rescan_wanted:
-            self.engine.rescan_wanted = False
-            self._rescan.set()
-
-    async def _queue(self, event: HealthEvent) -> None:
-        # send_nowait first: it is no checkpoint, so a cancellation (shutdown) cannot
-        # drop an event between the engine producing it and the queue holding it; the
-        # publisher saves what is queued when it stops.
-        try:
-            try:
-                self._events_send.send_nowait(event)
-            except anyio.WouldBlock:
-                await self._events_send.send(event)
-        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-            log.error(  # noqa: TRY400 - an expected end, not a bug: no traceback
-                "shutting down: health event %s (%s, GPU %s) could not be queued",
-                event.event_id,
-                event.kind,
-                event.gpu_uuid,
-            )
-
     def _snapshot(self, uuid: str) -> GpuHealth | None:
         gpu = self.engine.gpus.get(uuid)
         return gpu.snapshot() if gpu is not None else None
-
-    def _watch_list(self) -> list[int]:
-        return sorted(
-            g.index
-            for g in self.engine.gpus.values()
-            if g.present and g.index is not None and "lost" not in g.conditions
-        )
-
-    # --- GPU scans -------------------------------------------------------------------
-
-    def _scan_blocking(
-        self, adapter: NvmlAdapter
-    ) -> tuple[int, list[GpuInfo], list[tuple[int, str | None]]]:
-        # Handles cached by index are stale after a re-enumeration: start afresh, as
-        # the adapter's own inventory does.
-        adapter.invalidate()
-        count = adapter.device_count()
-        found: list[GpuInfo] = []
-        lost: list[tuple[int, str | None]] = []
-        for index in range(count):
-            try:
-                found.append(adapter.gpu_info(index))
-            except GpuLostError as exc:
-                lost.append((index, exc.uuid))
-            except NvmlCallError as exc:
-                log.warning("GPU %d left out of the health scan: %s", index, exc)
-        return count, found, lost
-
-    async def _scan(self, why: str) -> None:
-        adapter = self._adapter
-        if adapter is None:
-            return
-        previous = self.engine.index_map()
-        previous_count = self._last_scan_count
-        scanned_at = time.time()
-        try:
-            with anyio.fail_after(SCAN_TIMEOUT_S):
-                count, found, lost = await anyio.to_thread.run_sync(
-                    self._scan_blocking, adapter, abandon_on_cancel=True
-                )
-        except TimeoutError:
-            log.warning("GPU scan (%s) took longer than %.0fs; will retry", why, SCAN_TIMEOUT_S)
-            return
-        except NvmlUnavailable as exc:
-            log.warning("GPU scan (%s) failed: %s", why, exc.reason)
-            return
-        now = time.time()
-        self._last_scan_count = count
-        self._learn_pci(found)
-        events: list[HealthEvent] = []
-        for index, uuid in lost:
-            if uuid is None and previous_count == count:
-                uuid = previous.get(index)
-            if uuid is not None:
-                events += self.engine.observe_lost(
-                    uuid, now, "GPU_IS_LOST while reading its identity", scanned_at=scanned_at
-                )
-        events += self.engine.observe_inventory(found, now, scanned_at=scanned_at)
-        log.debug(
-            "GPU scan (%s): %d GPUs, %d answering, %d lost", why, count, len(found), len(lost)
-        )
-        await self._emit_watched(events, count)
-        await self._remember()
-
-    async def _remember(self) -> None:
-        """Keep the list of expected GPUs on disk up to date."""
-        gpus = self.engine.expected()
-        if not self.known.changed(gpus):
-            return
-        try:
-            await anyio.to_thread.run_sync(self.known.save, gpus)
-        except OSError as exc:
-            self._known_log.warning("cannot save the expected GPUs to %s: %s", self.known.path, exc)
-
-    async def _emit_watched(self, events: list[HealthEvent], count: int | None) -> None:
-        """Emit, after updating the event thread's GPU list.
-
-        A new or returning GPU is registered before anyone is told about it: whoever
-        reacts to gpu_added can count on that GPU's events being seen. (Not for use
-        from the task that consumes the event thread's items: it would wait for
-        itself.)
-        """
-        if self._source is not None:
-            added = any(e.kind == "gpu_added" for e in events)
-            generation = self._source.watch(self._watch_list(), count, force=added)
-            if added:
-                await self._await_registration(generation)
-        await self._emit(events)
-
-    async def _await_registration(self, generation: int) -> None:
-        # The thread re-registers between two waits; a hung GPU may hold it longer, so
-        # this only waits a few wait timeouts.
-        limit = max(1.0, 5 * self._settings.event_wait_timeout_ms / 1000)
-        with anyio.move_on_after(limit):
-            while self._registered_generation < generation:
-                await self._registration.wait()
-
-    async def _rescan_loop(
-        self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
-    ) -> None:
-        task_status.started()
-        while True:
-            gone = any(not g.present or "lost" in g.conditions for g in self.engine.gpus.values())
-            with anyio.move_on_after(GONE_RESCAN_S if gone else float("inf")):
-                await self._rescan.wait()
-            self._rescan = anyio.Event()
-            await self._scan("change")
-            # A scan may ask for another (its result was overtaken by newer news);
-            # spacing them keeps a GPU that keeps doing that from spinning the loop.
-            await anyio.sleep(MIN_RESCAN_GAP_S)
-
-    # --- inputs ----------------------------------------------------------------------
-
-    async def _consume_source(
-        self,
-        receive: MemoryObjectReceiveStream[SourceItem],
-        *,
-        task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
-    ) -> None:
-        task_status.started()
-        async with receive:
-            async for item in receive:
-                await self._handle_source(item)
-
-    async def _handle_source(self, item: SourceItem) -> None:
-        engine = self.engine
-        if isinstance(item, EventReceived):
-            event = item.event
-            xid = event.xid
-            if (
-                xid is not None
-                and event.gpu_uuid is not None
-                and not self._xid_dedup.admit("nvml", event.gpu_uuid, xid, time.monotonic())
-            ):
-                return  # the kernel log reported this XID first
-            await self._emit(engine.observe_nvml_event(event))
-        elif isinstance(item, LostSignal):
-            uuid = item.uuid
-            if uuid is None and item.index is not None:
-                uuid = engine.index_map().get(item.index)
-            if uuid is not None:
-                await self._emit(engine.observe_lost(uuid, item.timestamp, item.detail))
-            # Also when NVML did not say which GPU: the scan finds out.
-            self._rescan.set()
-        elif isinstance(item, CountChanged):
-            log.info("GPU count changed to %d", item.count)
-            self._rescan.set()
-        elif isinstance(item, Registered):
-            self.registered = dict(item.masks)
-            self._registered_generation = item.generation
-            self._registration.set()
-            self._registration = anyio.Event()
-            log.debug("NVML events registered: %s", {i: hex(m) for i, m in item.masks.items()})
-        elif isinstance(item, NvmlDown):
-            self._nvml_down = True
-            self._rt.status.set(self.name, "degraded", f"NVML unavailable: {item.reason}")
-            await self._emit(engine.observe_nvml_unavailable(item.reason, item.timestamp))
-        elif isinstance(item, NvmlUp):
-            self._nvml_down = False
-            await self._emit(engine.observe_nvml_available(item.timestamp))
-            self._update_status()
-            self._rescan.set()
-
-    async def _consume_samples(
-        self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
-    ) -> None:
-        async with self._rt.bus.subscribe(
-            subjects.samples(self._node), codec.SAMPLES, node=self._node
-        ) as stream:
-            task_status.started()
-            async for delivery in stream:
-                await self._on_samples(delivery.value)
-
-    async def _on_samples(self, batch: SampleBatch) -> None:
-        if batch.node != self._node:
-            return
-        if not self._sample_order.accept(batch.boot_id, batch.seq):
-            self._late_samples.add(1)
-            log.debug("dropped a late sample batch (seq %d of %s)", batch.seq, batch.boot_id)
-            return
-        events: list[HealthEvent] = []
-        for sample in batch.samples:
-            events += self.engine.observe_sample(sample)
-        if any(e.kind == "gpu_added" for e in events):
-            # A lost GPU answers again: watch it before saying so.
-            await self._emit_watched(events, self._last_scan_count)
-        else:
-            await self._emit(events)
-
-    async def _consume_inventory(
-        self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
-    ) -> None:
-        async with self._rt.bus.subscribe(
-            subjects.inventory(self._node), codec.INVENTORY, node=self._node
-        ) as stream:
-            task_status.started()
-            async for delivery in stream:
-                if self._on_inventory(delivery.value):
-                    # NVLinks up and down are the collector's word (its inventory).
-                    await self._emit(self.engine.observe_nvlinks(delivery.value.gpus, time.time()))
-
-    def _labels(self, uuid: str, index: int | None) -> dict[str, str]:
-        return self._gpu_labels.get(uuid) or {
-            "gpu": "" if index is None else str(index),
-            "UUID": uuid,
-            "Hostname": self._node,
-        }
-
-    def _observe_health(self, _options: metrics.CallbackOptions) -> list[metrics.Observation]:
-        return [
-            metrics.Observation(1.0 if gpu.healthy else 0.0, self._labels(gpu.uuid, gpu.index))
-            for gpu in list(self.engine.gpus.values())
-            if gpu.uuid
-        ]
-
-    def _observe_conditions(self, _options: metrics.CallbackOptions) -> list[metrics.Observation]:
-        counts: dict[tuple[str, str, str], int] = {}
-        indices: dict[str, int | None] = {}
-        for gpu in list(self.engine.gpus.values()):
-            indices[gpu.uuid] = gpu.index
-            for condition in list(gpu.conditions.values()):
-                wire = condition.wire()
-                key = (gpu.uuid, wire.kind, wire.severity)
-                counts[key] = counts.get(key, 0) + 1
-        return [
-            metrics.Observation(
-                float(n), {**self._labels(uuid, indices[uuid]), "kind": kind, "severity": sev}
-            )
-            for (uuid, kind, sev), n in counts.items()
-        ]
-
-    def _on_inventory(self, inventory: Inventory) -> bool:
-        """Take the collector's inventory; False when it is not this node's, degraded,
-        or older than one already seen."""
-        if inventory.node != self._node or inventory.degraded_reason is not None:
-            return False
-        if not self._inventory_order.accept(inventory.boot_id, inventory.seq):
-            return False  # an older one of the collector's, delivered late
-        self._gpu_labels = {
-            g.uuid: {
-                "gpu": str(g.index),
-                "UUID": g.uuid,
-                "pci_bus_id": g.pci_bus_id,
-                "modelName": g.name,
-                "Hostname": inventory.node,
-            }
-            for g in inventory.gpus
-        }
-        self._learn_pci(inventory.gpus)
-        theirs = {(g.index, g.uuid) for g in inventory.gpus}
-        ours = {(i, u) for i, u in self.engine.index_map().items()}
-        if theirs != ours:
-            log.info(
-                "the collector's inventory (generation %d) differs from ours: rescanning",
-                inventory.generation,
-            )
-            self._rescan.set()
-        return True
-
-    def _learn_pci(self, gpus: list[GpuInfo]) -> None:
-        for gpu in gpus:
-            key = pci_key(gpu.pci_bus_id) if gpu.pci_bus_id else None
-            if key is not None:
-                self._pci[key] = gpu.uuid
-
-    async def _kmsg_loop(self) -> None:
-        """XIDs from the kernel log, from its ring buffer on; degraded without access."""
-        cfg = self._settings.kmsg
-        component = "health.kmsg"
-        path = cfg.path or ("/dev/kmsg" if self._rt.settings.nvml.backend != "mock" else "")
-        if not cfg.enabled or not path:
-            return
-        cursor = await anyio.to_thread.run_sync(
-            Cursor, self._state_dir / "health-kmsg.cursor", boot_id()
-        )
-        reader = KmsgReader(path, cursor)
-        try:
-            await anyio.to_thread.run_sync(reader.open)
-        except OSError as exc:
-            self._rt.status.set(
-                component,
-                "degraded",
-                f"cannot read the kernel log {path} ({exc.strerror or exc}): XIDs come "
-                "from NVML events only, and XIDs from while the agent was down are missed",
-            )
-            return
-        self._rt.status.set(component, "ready", f"reading XIDs from {path}")
-        boot = boot_wall_time()
-        try:
-            while True:
-                if not self.engine.gpus:  # nothing to tie a PCI address to yet
-                    await anyio.sleep(cfg.poll_s)
-                    continue
-                try:
-                    xids = await anyio.to_thread.run_sync(reader.poll)
-                except OSError as exc:
-                    self._rt.status.set(component, "degraded", f"reading {path}: {exc}")
-                    await anyio.sleep(max(cfg.poll_s, 5.0))
-                    continue
-                for xid in xids:
-                    await self._on_kmsg_xid(xid, boot)
-                if xids:
-                    await anyio.to_thread.run_sync(reader.commit, xids[-1].seq)
-                else:
-                    await anyio.sleep(cfg.poll_s)
-        finally:
-            reader.close()
-
-    async def _on_kmsg_xid(self, xid: KmsgXid, boot: float) -> None:
-        uuid = self._pci.get(xid.pci)
-        if uuid is None:
-            log.warning(
-                "kernel log XID %d for PCI %04x:%02x:%02x, not a GPU of this node: ignored",
-                xid.xid,
-                *xid.pci,
-            )
-            return
-        if not self._xid_dedup.admit("kmsg", uuid, xid.xid, time.monotonic()):
-            return  # NVML reported it first
-        now = time.time()
-        logged_at = boot + xid.usec / 1e6
-        ago = max(0.0, now - logged_at)
-        seen_in = "from the kernel log" + (f", logged {ago:.0f} s earlier" if ago >= 2 else "")
-        await self._emit(self.engine.observe_xid(uuid, xid.xid, now, seen_in=seen_in))
 
     async def _ask_collector(self) -> None:
         # The reply is also published on gpu.inventory.<node>, where we listen.
@@ -700,73 +292,5 @@ class HealthService:
     async def _tick_loop(self) -> None:
         while True:
             await anyio.sleep(self._settings.tick_s)
-            await self._emit(self.engine.tick(time.time()))
+            await self.stage.emit(self.engine.tick(time.time()))
             self._update_status()
-
-    # --- endpoints -------------------------------------------------------------------
-
-    async def _serve_state(
-        self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
-    ) -> None:
-        async def answer(request: Delivery[HealthStateRequest]) -> HealthState:
-            gpu = request.value.gpu
-            try:
-                return self.engine.state(time.time(), gpu)
-            except UnknownGpu:
-                raise Refused("unknown_gpu", self._unknown_gpu(gpu or "")) from None
-
-        await self._rt.bus.serve(
-            subjects.health_state(self._node),
-            answer,
-            codec.HEALTH_STATE_REQUEST,
-            codec.HEALTH_STATE,
-            task_status=task_status,
-        )
-
-    async def _serve_clear(
-        self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
-    ) -> None:
-        async def answer(request: Delivery[HealthClearRequest]) -> HealthState:
-            value = request.value
-            if not value.gpu.strip():
-                raise Refused("invalid_request", "gpu must be a GPU UUID or index")
-            if value.condition is not None and not value.condition.strip():
-                raise Refused("invalid_request", "condition must not be empty")
-            now = time.time()
-            try:
-                gpu, events = self.engine.clear(value.gpu, value.condition, now, value.requested_by)
-            except UnknownGpu:
-                raise Refused("unknown_gpu", self._unknown_gpu(value.gpu)) from None
-            except UnknownCondition:
-                gpu = self.engine.find(value.gpu)
-                active = ", ".join(sorted(gpu.conditions)) or "none"
-                raise Refused(
-                    "unknown_condition",
-                    f"GPU {value.gpu} has no active condition {value.condition!r} "
-                    f"(active: {active})",
-                ) from None
-            log.info(
-                "%s cleared %s on GPU %s (%d condition(s))",
-                value.requested_by,
-                value.condition or "the sticky conditions",
-                gpu.uuid,
-                len([e for e in events if e.kind == "cleared"]),
-            )
-            await self._emit(events)
-            await self._remember()
-            return HealthState(node=self._node, gpus=[gpu.snapshot()], updated_at=now)
-
-        await self._rt.bus.serve(
-            subjects.health_clear(self._node),
-            answer,
-            codec.HEALTH_CLEAR_REQUEST,
-            codec.HEALTH_STATE,
-            task_status=task_status,
-        )
-
-    def _unknown_gpu(self, ref: str) -> str:
-        known = ", ".join(
-            f"{g.index}={g.uuid}"
-            for g in sorted(self.engine.gpus.values(), key=lambda g: g.index or 0)
-        )
-        return f"no GPU {ref!r} on node {self._node} (known: {known or 'none'})"

@@ -59,6 +59,10 @@ class Condition:
     observed_value: float | None = None
     threshold: float | None = None
     xid: int | None = None
+    # By-product XIDs (45, 43 after it) counted as evidence for this condition.
+    evidence: int = 0
+    # The node's boot id when it was raised (a hold until a reboot compares it).
+    boot_id: str = ""
 
     @property
     def unhealthy(self) -> bool:
@@ -74,6 +78,8 @@ class Condition:
             action=self.action,
             sticky=self.sticky,
             since=self.since,
+            evidence_count=self.evidence,
+            boot_id=self.boot_id,
         )
 
 
@@ -125,6 +131,9 @@ class GpuState:
     # When the GPU last answered (a good sample, a scan that found it): a scan that
     # began before that cannot say it is gone.
     last_answer: float = 0.0
+    # The driver's recovery action last read (gpulet_health.recovery): "" never read,
+    # "unsupported" on drivers without it, else its name ("none", "gpu_reset", ...).
+    recovery: str = ""
 
     @property
     def healthy(self) -> bool:
@@ -170,6 +179,8 @@ class GpuState:
                 sticky=c.sticky,
                 message=c.message,
                 xid=xid,
+                evidence=c.evidence_count,
+                boot_id=c.boot_id,
             )
         state.updated_at = health.updated_at
         return state

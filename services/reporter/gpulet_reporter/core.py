@@ -29,8 +29,9 @@ from gpulet_common.logutil import RateLimitedLog
 from gpulet_common.messages import GpuHealth, GpuInfo, Inventory
 from gpulet_common.settings.reporter import ReporterSettings
 from gpulet_reporter.debounce import Debouncer
-from gpulet_reporter.desired import DesiredState, NodeFacts, build_desired, fallback_pcie_root
+from gpulet_reporter.desired import DesiredState, build_desired, fallback_pcie_root
 from gpulet_reporter.health_view import HealthView
+from gpulet_reporter.labels import NodeFacts
 
 log = logging.getLogger("gpulet.reporter")
 

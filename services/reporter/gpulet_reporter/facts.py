@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Final
 
 from gpulet_common.settings import Settings
-from gpulet_reporter.desired import MACHINE_UNKNOWN, WHOLE_GPU_RESOURCE, NodeFacts
+from gpulet_reporter.labels import MACHINE_UNKNOWN, WHOLE_GPU_RESOURCE, NodeFacts
 
 log = logging.getLogger("gpulet.reporter")
 

@@ -17,18 +17,16 @@ against an API server, and an unchanged state rewrites nothing.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import os
 import re
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import anyio
 
+from gpulet_common.safefile import write_atomic
 from gpulet_common.settings.reporter import ReporterSettings
 from gpulet_reporter.desired import DesiredState, JsonObj, device_differs, render_device
 from gpulet_reporter.writer import WriteError
@@ -43,16 +41,8 @@ def _file_token(node: str) -> str:
 
 
 def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    # The one safe writer (gpulet_common.safefile): never through a symlink.
+    write_atomic(path, text.encode("utf-8"))
 
 
 def _read_json(path: Path) -> JsonObj | None:

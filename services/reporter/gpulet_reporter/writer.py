@@ -70,9 +70,9 @@ from gpulet_reporter.desired import (
     DesiredState,
     JsonObj,
     device_differs,
-    node_label_patch,
     render_device,
 )
+from gpulet_reporter.labels import node_label_patch
 from gpulet_reporter.metrics import ReporterMetrics
 
 log = logging.getLogger("gpulet.reporter")

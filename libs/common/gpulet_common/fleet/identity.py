@@ -39,7 +39,6 @@ which must then reach the hub (:meth:`push` or a config reload with the new prel
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +49,7 @@ import nkeys
 from gpulet_common import subjects
 from gpulet_common.fleet import jwt
 from gpulet_common.fleet.roles import FLEET_ACCOUNT, ROLES, SYSTEM_ACCOUNT, Role
+from gpulet_common.safefile import write_atomic
 
 __all__ = ["FLEET_ACCOUNT", "ROLES", "SYSTEM_ACCOUNT", "Credential", "IdentityStore", "Role"]
 
@@ -76,6 +76,17 @@ class CredentialLedger(msgspec.Struct, kw_only=True):
 _LEDGER = msgspec.json.Decoder(CredentialLedger)
 
 
+def _consumer_rights(stream: str) -> list[str]:
+    """What any user that reads ``stream`` through a consumer of its own publishes."""
+    return [
+        "$JS.API.INFO",
+        f"$JS.API.STREAM.INFO.{stream}",
+        f"$JS.API.CONSUMER.CREATE.{stream}",
+        f"$JS.API.CONSUMER.CREATE.{stream}.>",
+        f"$JS.API.CONSUMER.INFO.{stream}.*",
+    ]
+
+
 def user_permissions(role: Role, node: str = "") -> jwt.UserNats:
     """What a user of each role may do on the hub."""
     inbox = f"_INBOX.{role}.>"
@@ -97,12 +108,8 @@ def user_permissions(role: Role, node: str = "") -> jwt.UserNats:
         return jwt.UserNats(
             pub=jwt.Permission(
                 allow=[
-                    "$JS.API.INFO",
-                    f"$JS.API.STREAM.INFO.{stream}",
-                    f"$JS.API.CONSUMER.CREATE.{stream}",
-                    f"$JS.API.CONSUMER.CREATE.{stream}.>",
+                    *_consumer_rights(stream),
                     f"$JS.API.CONSUMER.DURABLE.CREATE.{stream}.*",
-                    f"$JS.API.CONSUMER.INFO.{stream}.*",
                     f"$JS.API.CONSUMER.MSG.NEXT.{stream}.*",
                     f"$JS.ACK.{stream}.>",
                 ]
@@ -113,16 +120,12 @@ def user_permissions(role: Role, node: str = "") -> jwt.UserNats:
         return jwt.UserNats(
             pub=jwt.Permission(
                 allow=[
-                    "$JS.API.INFO",
-                    f"$JS.API.STREAM.INFO.{kv_stream}",
+                    *_consumer_rights(kv_stream),
                     f"$JS.API.STREAM.INFO.{stream}",
                     f"$JS.API.DIRECT.GET.{kv_stream}",
                     f"$JS.API.DIRECT.GET.{kv_stream}.>",
                     f"$JS.API.STREAM.MSG.GET.{kv_stream}",
-                    f"$JS.API.CONSUMER.CREATE.{kv_stream}",
-                    f"$JS.API.CONSUMER.CREATE.{kv_stream}.>",
                     f"$JS.API.CONSUMER.DELETE.{kv_stream}.*",
-                    f"$JS.API.CONSUMER.INFO.{kv_stream}.*",
                     # Flow control replies of the bucket watch (an ordered consumer).
                     f"$JS.FC.{kv_stream}.>",
                 ]
@@ -174,11 +177,8 @@ class IdentityStore:
     def _write_secret(self, rel: str, text: str) -> None:
         target = self.path / rel
         target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        tmp = target.with_name(target.name + ".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, target)
+        # Mode 0600, a random temporary name, never through a symlink (safefile).
+        write_atomic(target, text.encode(), mode=0o600)
 
     def _read(self, rel: str) -> str:
         try:

@@ -1,10 +1,12 @@
 """The mock NVML: a fake ``pynvml`` driven by scenario files, with live fault injection.
 
-Layers: :mod:`.scenario` (TOML files to checked Structs), :mod:`.mock` (the
-module-shaped fake that plays a scenario and takes live faults, :meth:`MockNvml.inject`). The
-NVML adapter uses a :class:`MockNvml` exactly as it uses ``pynvml``.
+Layers: :mod:`.scenario` (TOML files to checked Structs, with :mod:`.topology` and
+:mod:`.faultspec`), :mod:`.mock` (the module-shaped fake that plays a scenario and takes
+live faults, :meth:`MockNvml.inject`; its pieces are listed there). The NVML adapter uses
+a :class:`MockNvml` exactly as it uses ``pynvml``.
 """
 
+from gpulet_common.mock_nvml.faultspec import FAULT_KINDS, FaultSpec
 from gpulet_common.mock_nvml.mock import (
     ManualClock,
     MockDeviceHandle,
@@ -13,19 +15,17 @@ from gpulet_common.mock_nvml.mock import (
     MockNvml,
 )
 from gpulet_common.mock_nvml.scenario import (
-    FAULT_KINDS,
     SCENARIO_DIR,
-    FaultSpec,
     GpuSpec,
     Scenario,
     ScenarioError,
     SystemSpec,
-    TopologySpec,
     list_scenarios,
     load_scenario,
     resolve_scenario,
     scenario_from_toml,
 )
+from gpulet_common.mock_nvml.topology import TopologySpec
 
 __all__ = [
     "FAULT_KINDS",

@@ -2,13 +2,14 @@
 
 Why
 ---
-A mock that answers every call in microseconds hides what sampling really costs.
-On a real H100 (``/work/shared/reference/real-h100.md``, driver 580, nvidia-ml-py
-13.615) the first read of a field travels to the GPU's firmware and costs
-milliseconds, later reads are cheap, and a few calls stay dear on every read
-(thresholds, ECC mode, the energy counter, field-value batches). The ``h100``
-profile replays those figures, so that benchmarks and the slow-cadence design can
-be judged against the mock honestly.
+A mock that answers every call in microseconds hides what sampling really costs. On a
+real H100 (measured for gpulet on an H100 80GB HBM3, driver 580.159.04, CUDA 13.0,
+nvidia-ml-py 13.615.71: the figures of the profile table below; the calls are NVIDIA's,
+https://docs.nvidia.com/deploy/nvml-api/) the first read of a field travels to the GPU's
+firmware and costs milliseconds, later reads are cheap, and a few calls stay dear on
+every read (thresholds, ECC mode, the energy counter, field-value batches). The ``h100``
+profile replays those figures, so that benchmarks and the slow-cadence design can be
+judged against the mock honestly.
 
 How the time is spent
 ---------------------

@@ -28,12 +28,14 @@ Layers: TOML text -> dict (``tomllib``) -> base and ``gpu_defaults`` merged ->
 checks (indices, levels, links, faults) -> generated fields filled (UUID, bus id,
 serial, minor, board id). Every error is a :class:`ScenarioError` naming the file,
 the entry and the problem.
+
+The ``[topology]`` table and its resolution live in :mod:`.topology`, the timeline's
+faults (kinds, spec, checks) in :mod:`.faultspec`.
 """
 
 from __future__ import annotations
 
 import hashlib
-import math
 import re
 import tomllib
 import uuid as uuid_module
@@ -44,26 +46,16 @@ import msgspec
 
 from gpulet_common.config import deep_merge
 from gpulet_common.errors import UsageError
+from gpulet_common.mock_nvml.faultspec import FaultSpec, check_fault
+from gpulet_common.mock_nvml.migspec import MigSpec, check_mig
+from gpulet_common.mock_nvml.topology import (
+    NVLINK_MAX_LINKS,
+    TopologySpec,
+    nvlink_matrix,
+    parse_level,
+)
 
 SCENARIO_DIR: Final = Path(__file__).with_name("scenarios")
-
-# NVML's NVML_NVLINK_MAX_LINKS (nvidia-ml-py 13): no GPU can have more links.
-NVLINK_MAX_LINKS: Final = 36
-
-LEVELS: Final[dict[str, int]] = {
-    "INTERNAL": 0,
-    "SINGLE": 10,
-    "PIX": 10,
-    "MULTIPLE": 20,
-    "PXB": 20,
-    "HOSTBRIDGE": 30,
-    "PHB": 30,
-    "NODE": 40,
-    "CPU": 40,
-    "SYSTEM": 50,
-    "SYS": 50,
-}
-_LEVEL_VALUES: Final = frozenset(LEVELS.values())
 
 EVENT_TYPES: Final[dict[str, int]] = {
     "single_bit_ecc": 0x1,
@@ -72,40 +64,6 @@ EVENT_TYPES: Final[dict[str, int]] = {
     "xid": 0x8,
     "clock": 0x10,
     "gpu_unavailable": 0x4000,
-}
-
-# Every fault kind, for the timeline and for live injection.
-FAULT_KINDS: Final = (
-    "xid",
-    "ecc_sbe",
-    "ecc_dbe",
-    "temperature",
-    "lost",
-    "fall_off_bus",
-    "remove",
-    "hot_add",
-    "remap_pending",
-    "remap_failure",
-    "hang",
-    "pcie_replay",
-    "nvlink_error",
-    "clock_event",
-    "nvlink_down",
-    "nvlink_up",
-    "nvml_vanish",
-    "nvml_return",
-    "reset",
-)
-NODE_FAULTS: Final = frozenset({"nvml_vanish", "nvml_return"})
-# Faults that need a GPU; hot_add takes one optionally (re-adding a removed GPU).
-GPU_FAULTS: Final = frozenset(FAULT_KINDS) - NODE_FAULTS - {"hot_add"}
-
-# nvml_vanish: which NVML error every call returns while NVML is gone.
-VANISH_ERRORS: Final[dict[str, int]] = {
-    "uninitialized": 1,
-    "no_permission": 4,
-    "driver_not_loaded": 9,
-    "library_not_found": 12,
 }
 
 EventName = Literal["single_bit_ecc", "double_bit_ecc", "pstate", "xid", "clock", "gpu_unavailable"]
@@ -185,6 +143,14 @@ class GpuSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
     # Tensor-pipe activity in percent, answered by GPM (compute capability 9.0 and
     # later; older GPUs answer GPM as unsupported).
     tensor_util_pct: int = 0
+    # Lost before the mock starts (a GPU that fell into GPU_IS_LOST before the agent
+    # did). NVML still counts it, as real NVML does. "handle": nvmlDeviceGetHandleByIndex
+    # fails with GPU_IS_LOST, so only its index is known. "calls": the handle is given
+    # and nvmlDeviceGetPciInfo still answers, every other call on it fails with
+    # GPU_IS_LOST. "" : not lost. A ``reset`` fault brings it back.
+    lost_at_start: Literal["", "handle", "calls"] = ""
+    # MIG (see mock_nvml/migspec.py); None: the GPU has no MIG at all.
+    mig: MigSpec | None = None
 
     @property
     def memory_total_bytes(self) -> int:
@@ -203,64 +169,6 @@ class GpuSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
         if isinstance(self.cpu_affinity, str):
             return parse_cpu_list(self.cpu_affinity)
         return list(self.cpu_affinity)
-
-
-class LevelGroup(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    level: int | str
-    gpus: list[int]
-
-
-class PairLevel(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    gpus: tuple[int, int]
-    level: int | str
-
-
-class NvLinkPair(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    gpus: tuple[int, int]
-    links: int
-
-
-class TopologySpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """PCIe levels and NVLinks between GPUs (scenario indices).
-
-    The level of a pair is, by precedence: ``matrix`` (full table, "X" on the
-    diagonal), ``pairs``, the closest of the ``groups`` holding both GPUs, then
-    ``default_level``. NVLinks: ``nvlinks`` entries, else ``nvlinks_default``, plus the
-    NVSwitch fabric (``nvswitch_links`` of the GPUs).
-    """
-
-    default_level: int | str = "SYSTEM"
-    groups: list[LevelGroup] = []
-    pairs: list[PairLevel] = []
-    matrix: list[list[int | str]] | None = None
-    nvlinks_default: int = 0
-    nvlinks: list[NvLinkPair] = []
-
-
-class FaultSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """One fault: an entry of the timeline, or a live injection (``at`` ignored).
-
-    ``gpu`` is the scenario index ("slot") of the GPU, stable while NVML indices shift
-    when GPUs disappear; hot-added GPUs take the next slots. ``value`` is the XID, the
-    error count (for ``nvlink_error``: each NVLink error counter of the GPU rises by
-    it), the target temperature, the NVLink number (``nvlink_down``, ``nvlink_up``) or
-    the NVML error code, by kind. For ``temperature``: ``from`` (default: the current
-    temperature), ``ramp_s`` up,
-    ``duration_s`` held (absent: for ever), ``back_s`` down to the baseline.
-    """
-
-    fault: str
-    at: float = 0.0
-    gpu: int | None = None
-    value: float | None = None
-    duration_s: float | None = None
-    from_c: float | None = msgspec.field(default=None, name="from")
-    ramp_s: float = 0.0
-    back_s: float = 0.0
-    # nvml_vanish: a name of VANISH_ERRORS, instead of a numeric value.
-    error: str | None = None
-    # hot_add of a new GPU: GpuSpec fields overriding a copy of the first GPU.
-    spec: dict[str, Any] | None = None
 
 
 class Scenario(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -297,18 +205,6 @@ def parse_cpu_list(text: str) -> list[int]:
         else:
             cpus.append(int(part))
     return sorted(set(cpus))
-
-
-def parse_level(value: int | str) -> int:
-    """A topology level name ("PIX", "NODE", ...) or NVML value to the NVML value."""
-    if isinstance(value, int):
-        if value in _LEVEL_VALUES:
-            return value
-        raise ValueError(f"level {value} is not an NVML topology level {sorted(_LEVEL_VALUES)}")
-    level = LEVELS.get(value.strip().upper())
-    if level is None:
-        raise ValueError(f"unknown topology level {value!r} (known: {', '.join(LEVELS)})")
-    return level
 
 
 def _digest(*parts: object) -> bytes:
@@ -356,81 +252,6 @@ def _normalize_bus(bus_id: str) -> str:
     if len(parts) != 3 or "." not in parts[2]:
         raise ValueError(f"bus id {bus_id!r} is not DOMAIN:BUS:DEVICE.FUNCTION")
     return f"{int(parts[0], 16):08X}:{int(parts[1], 16):02X}:{parts[2]}"
-
-
-# --- fault checks (shared with live injection) -----------------------------------
-
-
-def _whole(value: float | None) -> bool:
-    return value is not None and math.isfinite(value) and float(value).is_integer()
-
-
-def check_fault(fault: FaultSpec, gpu_count: int, *, live: bool) -> str | None:
-    """What is wrong with ``fault`` on a node of ``gpu_count`` slots, or None.
-
-    Checks what can be checked without the node's current state; whether the fault
-    applies now (e.g. removing a GPU already removed) is decided when applying it.
-    """
-    kind = fault.fault
-    if kind not in FAULT_KINDS:
-        return f"unknown fault {kind!r} (known: {', '.join(FAULT_KINDS)})"
-    if kind in GPU_FAULTS and fault.gpu is None:
-        return f"fault {kind!r} needs a gpu"
-    if kind not in NODE_FAULTS and fault.gpu is not None and not 0 <= fault.gpu < gpu_count:
-        last = f"0-{gpu_count - 1}" if gpu_count else "none"
-        return f"GPU {fault.gpu} does not exist (GPUs: {last})"
-    if not live and fault.at < 0:
-        return "'at' must be >= 0"
-    if fault.duration_s is not None and not fault.duration_s >= 0:
-        return "duration_s must be >= 0"
-    if fault.spec is not None and kind != "hot_add":
-        return "'spec' is only for hot_add"
-    value = fault.value
-    if kind == "xid":
-        if not _whole(value) or value is None or value < 0:
-            return "fault 'xid' needs value = the XID number (a whole number >= 0)"
-    elif kind in ("ecc_sbe", "ecc_dbe", "remap_pending", "pcie_replay", "nvlink_error"):
-        if value is not None and (not _whole(value) or value < 1):
-            return f"fault {kind!r}: value is a count, a whole number >= 1"
-    elif kind == "temperature":
-        if value is None and not live:
-            return "fault 'temperature' needs value = the target temperature (C)"
-        if value is not None and not -50 <= value <= 200:
-            return f"fault 'temperature': {value} C is not a plausible temperature"
-        if fault.ramp_s < 0 or fault.back_s < 0:
-            return "fault 'temperature': ramp_s and back_s must be >= 0"
-    elif kind == "hang":
-        if fault.duration_s is None or fault.duration_s <= 0:
-            return "fault 'hang' needs duration_s > 0"
-    elif kind == "clock_event":
-        if value is None or not _whole(value) or not 0 <= value <= 0xFFFF:
-            return (
-                "fault 'clock_event' needs value = the clock-event reason bits the GPU "
-                "reports (0x8 HW slowdown, 0x80 power brake, 0x4 SW power cap; 0 ends it)"
-            )
-    elif kind in ("nvlink_down", "nvlink_up"):
-        if value is not None and (not _whole(value) or not 0 <= value < NVLINK_MAX_LINKS):
-            return (
-                f"fault {kind!r}: value is the GPU's NVLink number (0-{NVLINK_MAX_LINKS - 1}); "
-                "absent: every NVLink of the GPU"
-            )
-    elif kind == "nvml_vanish":
-        if fault.error is not None and fault.error not in VANISH_ERRORS:
-            return f"unknown NVML error {fault.error!r} (known: {', '.join(VANISH_ERRORS)})"
-        if value is not None and (not _whole(value) or int(value) not in VANISH_ERRORS.values()):
-            return (
-                f"fault 'nvml_vanish': value {value} is not one of the NVML codes "
-                f"{sorted(VANISH_ERRORS.values())}"
-            )
-    return None
-
-
-def vanish_code(fault: FaultSpec) -> int:
-    if fault.error is not None:
-        return VANISH_ERRORS[fault.error]
-    if fault.value is not None:
-        return int(fault.value)
-    return VANISH_ERRORS["library_not_found"]
 
 
 # --- resolving and loading --------------------------------------------------------
@@ -566,6 +387,10 @@ def _complete(scenario: Scenario) -> Scenario:
             raise ScenarioError(source, entry, "memory_used_mib must be within memory_total_mib")
         if spec.nvswitch_links < 0:
             raise ScenarioError(source, f"{entry}.nvswitch_links", "must be >= 0")
+        if spec.mig is not None:
+            problem = check_mig(spec.mig, spec.memory_total_mib)
+            if problem is not None:
+                raise ScenarioError(source, f"{entry}.mig", problem)
     uuids = [g.uuid for g in gpus]
     if len(set(uuids)) != len(uuids):
         raise ScenarioError(source, "gpus", "two GPUs have the same uuid")
@@ -660,47 +485,10 @@ def _check_timeline(scenario: Scenario, count: int, source: str) -> None:
 def hot_add_spec(template: GpuSpec, overrides: dict[str, Any] | None) -> GpuSpec:
     """A new GPU: a copy of ``template`` without its identity, with ``overrides``."""
     tree = msgspec.to_builtins(template)
-    for key in ("uuid", "bus_id", "minor", "serial", "board_id", "module_id"):
+    for key in ("uuid", "bus_id", "minor", "serial", "board_id", "module_id", "lost_at_start"):
         tree.pop(key, None)
     tree.update(overrides or {})
     try:
         return msgspec.convert(tree, GpuSpec)
     except msgspec.ValidationError as exc:
         raise ValueError(str(exc)) from exc
-
-
-# --- topology resolution ----------------------------------------------------------
-
-
-def level_matrix(topology: TopologySpec, count: int) -> list[list[int]]:
-    """NVML common-ancestor level of every pair of scenario GPUs (diagonal INTERNAL)."""
-    default = parse_level(topology.default_level)
-    levels = [[default] * count for _ in range(count)]
-    for group in topology.groups:
-        level = parse_level(group.level)
-        for a in group.gpus:
-            for b in group.gpus:
-                if a != b and level < levels[a][b]:
-                    levels[a][b] = level
-    for pair in topology.pairs:
-        a, b = pair.gpus
-        levels[a][b] = levels[b][a] = parse_level(pair.level)
-    if topology.matrix is not None:
-        for a, row in enumerate(topology.matrix):
-            for b, cell in enumerate(row):
-                if a != b:
-                    levels[a][b] = parse_level(cell)
-    for i in range(count):
-        levels[i][i] = LEVELS["INTERNAL"]
-    return levels
-
-
-def nvlink_matrix(topology: TopologySpec, count: int) -> list[list[int]]:
-    """Direct NVLinks between every pair of scenario GPUs (NVSwitch links excluded)."""
-    links = [
-        [topology.nvlinks_default if a != b else 0 for b in range(count)] for a in range(count)
-    ]
-    for pair in topology.nvlinks:
-        a, b = pair.gpus
-        links[a][b] = links[b][a] = pair.links
-    return links

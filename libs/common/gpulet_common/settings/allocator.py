@@ -180,7 +180,7 @@ class AllocatorSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     # Deadline of one PodResources call.
     pod_resources_timeout_s: PositiveSeconds = 5.0
     # A container's gpu-core and gpu-memory Allocate calls, adjacent and within this
-    # window, are joined into one share on one card (rule: gpulet_allocator.core).
+    # window, are joined into one share on one card (rule: gpulet_allocator.decide.joining).
     share_join_window_s: PositiveSeconds = 5.0
     # Ask the collector (inventory) and the health service (state) this often until
     # they answer, so the start order of the services does not matter.

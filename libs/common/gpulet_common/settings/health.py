@@ -190,14 +190,33 @@ class HealthSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # XIDs reported (severity and action from the catalogue) that never make the GPU
     # unhealthy. Default: NVIDIA's device plugin skip list.
     app_xids: list[int] = msgspec.field(default_factory=lambda: list(DEFAULT_APP_XIDS))
-    # Per-XID classification replacing the built-in catalogue (TOML: [health.xid_overrides.74]).
+    # Per-XID classification replacing the built-in catalogue's severity and action (and
+    # description, if given) for that code; `gpulet health xid N` shows the result
+    # (TOML: [health.xid_overrides.74]; JSON: {"74": {"severity": "warning"}}).
     xid_overrides: dict[int, XidRule] = {}
     # XIDs in neither the catalogue nor the overrides: like NVIDIA's device plugin,
     # which treats every XID outside its skip list as fatal for the GPU.
     unknown_xid: XidRule = msgspec.field(default_factory=XidRule)
     # Repeats of the same fault on the same GPU within this window (s) are folded into
     # one event with a count (GPUd de-duplicates per minute). 0 publishes every repeat.
+    # For XIDs from the kernel log the message counts too (pid and process name taken
+    # out): a new message is published at once.
     dedup_window_s: NonNegFloat = 60.0
+    # XID 45 (preemptive cleanup), and XID 43 (GPU stopped processing), within this many
+    # seconds after another XID on the same GPU, or while an XID condition of the GPU is
+    # active, are by-products: counted as evidence for that fault (evidence_count),
+    # never reported as faults of their own. NVIDIA's catalogue: when another XID comes
+    # with a 45, act on the other one. Alone, 45 is informational (its catalogue entry).
+    xid_byproduct_window_s: NonNegFloat = 60.0
+    # The repeat rule: the same XID on the same GPU in this many separate bursts (a
+    # burst: a de-duplication window) within xid_repeat_window_s raises the sticky
+    # `xid_repeated:<code>` (critical, operator_check). Only XIDs that do not already
+    # make the GPU unhealthy count; 45 and the app_xids never do (NVSentinel's
+    # RepeatedXIDErrorOnSameGPU, 5 in 24 h, which raised 672 fatal events in 3 h from
+    # XID 45 before it skipped it). 0 turns the rule off.
+    xid_repeat_count: Annotated[int, msgspec.Meta(ge=0)] = 5
+    # The window of the repeat rule (s): 24 h, as NVSentinel's.
+    xid_repeat_window_s: PosFloat = 24 * 3600.0
     # The NVML event wait's timeout (ms): bounds how long shutdown waits for the
     # waiting thread. Events themselves are delivered as soon as they happen.
     event_wait_timeout_ms: Annotated[int, msgspec.Meta(ge=10, le=5000)] = 200
@@ -213,3 +232,8 @@ class HealthSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     buffer: BufferSettings = msgspec.field(default_factory=BufferSettings)
     alerts: AlertSettings = msgspec.field(default_factory=AlertSettings)
     kmsg: KmsgSettings = msgspec.field(default_factory=KmsgSettings)
+
+    def __post_init__(self) -> None:
+        negative = sorted(code for code in self.xid_overrides if code < 0)
+        if negative:
+            raise ValueError(f"xid_overrides: XID numbers are 0 or more, not {negative[0]}")

@@ -13,11 +13,15 @@ log; operator clears and the housekeeping tick.
 Rule families, one module each, whose docstrings state their rules (defaults in
 :mod:`gpulet_common.settings.health`): :mod:`.xid`, :mod:`.ecc`, :mod:`.remap`,
 :mod:`.thermal`, :mod:`.clocks`, :mod:`.link_errors` (PCIe and NVLink error-counter
-rates), :mod:`.nvlink` (links down, from the collector's inventory:
+rates), :mod:`.recovery` (the driver's recovery action holding a GPU until evidence:
+:meth:`RuleEngine.observe_recovery_action`, and XID 154 from the kernel log),
+:mod:`.nvlink` (links down, from the collector's inventory:
 :meth:`RuleEngine.observe_nvlinks`), :mod:`.presence` (the GPU list, lost, removed and
-missing GPUs, NVML unavailable). The engine hands every input to the families, in the
-order of :data:`FAMILIES`, and passes what they emit through the de-duplication stage
-(:meth:`.Deduplicator.apply`): repeats are folded after the rules, never inside them.
+missing GPUs, NVML unavailable), and :mod:`.unreadable` (GPUs NVML counts that do not
+answer and that the node has no record of: :meth:`RuleEngine.observe_unreadable`). The
+engine hands every input to the families, in the order of :data:`FAMILIES`, and passes
+what they emit through the de-duplication stage (:meth:`.Deduplicator.apply`): repeats
+are folded after the rules, never inside them.
 
 Adding a family: a module with a :class:`~.base.Family` subclass that overrides the
 inputs it watches (``sample``, ``nvml_event``, ``tick``, ``reset``) and changes
@@ -37,23 +41,36 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Sequence
 
-from gpulet_common.messages import GpuHealth, GpuInfo, GpuSample, HealthEvent, HealthState
+from gpulet_common.logutil import RateLimitedLog
+from gpulet_common.messages import (
+    GpuHealth,
+    GpuInfo,
+    GpuSample,
+    HealthEvent,
+    HealthState,
+    UnreadableGpu,
+)
 from gpulet_common.nvml.adapter import NvmlEvent
 from gpulet_common.settings.health import HealthSettings
 from gpulet_health.catalogue import XidCatalogue
-from gpulet_health.dedup import Deduplicator, Emit, refreshed
+from gpulet_health.dedup import DedupKey, Deduplicator, Emit, EventIds, refreshed
+from gpulet_health.recovery import from_xid_154
 from gpulet_health.rules.base import Family, Kit
 from gpulet_health.rules.clocks import Clocks
 from gpulet_health.rules.ecc import Ecc
 from gpulet_health.rules.link_errors import LinkErrors
 from gpulet_health.rules.nvlink import NvLink
 from gpulet_health.rules.presence import GONE_CONDITIONS, Presence
+from gpulet_health.rules.recovery import XID_RECOVERY, Recovery
 from gpulet_health.rules.remap import Remap
 from gpulet_health.rules.thermal import Thermal
+from gpulet_health.rules.unreadable import Unreadable, is_placeholder
 from gpulet_health.rules.xid import Xid
 from gpulet_health.state import STICKY_KINDS, GpuState
 
 log = logging.getLogger("gpulet.health.rules")
+# Once per NVML event for a GPU the engine does not know: rate-limited.
+_unknown_log = RateLimitedLog(log, per_minute=10)
 
 # The families between XID (first) and presence (last), in the order they see inputs.
 FAMILIES: tuple[type[Family], ...] = (
@@ -75,14 +92,28 @@ class UnknownCondition(LookupError):
 
 class RuleEngine(Kit):
     def __init__(
-        self, node: str, settings: HealthSettings, catalogue: XidCatalogue | None = None
+        self,
+        node: str,
+        settings: HealthSettings,
+        catalogue: XidCatalogue | None = None,
+        *,
+        id_key: bytes | None = None,
+        boot_id: str = "",
     ) -> None:
-        super().__init__(node, settings, catalogue or XidCatalogue.from_settings(settings))
-        self._dedup = Deduplicator(settings.dedup_window_s)
+        """``id_key``: the node's event-id key (:func:`~gpulet_health.dedup.load_id_key`);
+        None: a random one (ids unique, not stable across restarts)."""
+        super().__init__(
+            node, settings, catalogue or XidCatalogue.from_settings(settings), EventIds(id_key)
+        )
+        self.boot_id = boot_id
+        self._dedup = Deduplicator(settings.dedup_window_s, self.ids)
         self.xid, self.presence, self.nvlink = Xid(self), Presence(self), NvLink(self)
+        self.recovery = Recovery(self)
+        self.unreadable = Unreadable(self)
         self.families = [
             self.xid,
             *(family(self) for family in FAMILIES),
+            self.recovery,
             self.nvlink,
             self.presence,
         ]
@@ -141,7 +172,11 @@ class RuleEngine(Kit):
     def expected(self) -> list[GpuInfo]:
         """Every GPU this node is known to have (present or not), as last described."""
         return sorted(
-            (g.info for g in self.gpus.values() if g.info is not None),
+            (
+                g.info
+                for g in self.gpus.values()
+                if g.info is not None and not is_placeholder(g.uuid)
+            ),
             key=lambda i: (i.index, i.uuid),
         )
 
@@ -158,6 +193,13 @@ class RuleEngine(Kit):
         scan is asked for.
         """
         return self._dedup.apply(self.presence.inventory(gpus, now, scanned_at))
+
+    def observe_unreadable(
+        self, gpus: Sequence[UnreadableGpu], count: int, found: Sequence[GpuInfo], now: float
+    ) -> list[HealthEvent]:
+        """The GPUs NVML counts that do not answer, after the scan's GPU list
+        (:meth:`observe_inventory`): :mod:`.unreadable`."""
+        return self._dedup.apply(self.unreadable.observe(gpus, count, found, now))
 
     def observe_nvlinks(self, gpus: Sequence[GpuInfo], now: float) -> list[HealthEvent]:
         """The GPUs of the collector's inventory: their NVLinks up and down
@@ -187,13 +229,15 @@ class RuleEngine(Kit):
     def observe_nvml_available(self, now: float) -> list[HealthEvent]:
         return self._dedup.apply(self.presence.nvml_available(now))
 
-    def observe_nvml_event(self, event: NvmlEvent) -> list[HealthEvent]:
+    def observe_nvml_event(self, event: NvmlEvent, recovery: int | None = -1) -> list[HealthEvent]:
+        """An NVML event; ``recovery``: the GPU's recovery action (field 230) read with it
+        (None: the driver does not report it; -1: not read)."""
         uuid = event.gpu_uuid
         if uuid not in self.gpus and event.gpu_index is not None:
             uuid = self.index_map().get(event.gpu_index)
         gpu = self.gpus.get(uuid) if uuid is not None else None
         if gpu is None:
-            log.warning(
+            _unknown_log.warning(
                 "NVML event %s for an unknown GPU (%s, %s): rescanning",
                 sorted(event.kinds) or hex(event.event_type),
                 event.gpu_index,
@@ -202,14 +246,44 @@ class RuleEngine(Kit):
             self.rescan_wanted = True
             return []
         now = event.timestamp
-        return self._dedup.apply([e for f in self.families for e in f.nvml_event(gpu, event, now)])
+        kinds = event.kinds
+        emits = self.recovery.observe(gpu, recovery, now) if recovery != -1 else []
+        return self._dedup.apply(
+            emits
+            + [
+                e
+                for f in self.families
+                if type(f).nvml_event is not Family.nvml_event
+                and (f.event_kinds is None or f.event_kinds & kinds)
+                for e in f.nvml_event(gpu, event, now)
+            ]
+        )
 
     def observe_xid(
-        self, uuid: str, code: int, now: float, *, seen_in: str = ""
+        self, uuid: str, code: int, now: float, *, seen_in: str = "", detail: str = ""
     ) -> list[HealthEvent]:
-        """An XID on a GPU; ``seen_in`` says where, when not from an NVML event."""
+        """An XID on a GPU; ``seen_in`` says where, when not from an NVML event;
+        ``detail``: the kernel log's text after the code (pid, name, message)."""
         gpu = self.gpus.get(uuid)
-        return self._dedup.apply(self.xid.observe(gpu, code, now, seen_in)) if gpu else []
+        if gpu is None:
+            return []
+        emits: list[Emit] = []
+        if code == XID_RECOVERY:  # the kernel log's form of the recovery action
+            value = from_xid_154(detail)
+            if value is not None:
+                emits += self.recovery.observe(gpu, value, now)
+        emits += self.xid.observe(gpu, code, now, seen_in, detail)
+        return self._dedup.apply(emits)
+
+    def observe_recovery_action(
+        self, uuid: str, value: int | None, now: float
+    ) -> list[HealthEvent]:
+        """NVML field 230 read for a GPU (None: the driver does not report it)."""
+        gpu = self.gpus.get(uuid)
+        return self._dedup.apply(self.recovery.observe(gpu, value, now)) if gpu else []
+
+    def absorb(self, key: DedupKey, variant: str, now: float) -> bool:
+        return self._dedup.absorb(key, variant, now)
 
     def observe_sample(self, sample: GpuSample) -> list[HealthEvent]:
         gpu = self.gpus.get(sample.uuid)

@@ -21,7 +21,7 @@ from gpulet_common.messages import Action, GpuSample, HealthEvent, HealthKind, S
 from gpulet_common.nvml.adapter import NvmlEvent
 from gpulet_common.settings.health import HealthSettings
 from gpulet_health.catalogue import XidCatalogue
-from gpulet_health.dedup import Emit, event_id
+from gpulet_health.dedup import DedupKey, Emit, EventIds
 from gpulet_health.state import Condition, GpuState
 
 EndKind = Literal["recovered", "cleared"]
@@ -45,8 +45,19 @@ def memo(gpu: GpuState, name: str, make: type[M]) -> M:
 class Kit:
     """The GPUs, and the only ways to change their conditions."""
 
-    def __init__(self, node: str, settings: HealthSettings, catalogue: XidCatalogue) -> None:
+    def __init__(
+        self,
+        node: str,
+        settings: HealthSettings,
+        catalogue: XidCatalogue,
+        ids: EventIds | None = None,
+    ) -> None:
         self.node = node
+        # Every event id of this node (keyed: see gpulet_health.dedup).
+        self.ids = ids or EventIds()
+        # The node's boot id (/proc/sys/kernel/random/boot_id), given by the service:
+        # a hold until a reboot compares it (rules/recovery.py). Empty: not known.
+        self.boot_id = ""
         self.settings = settings
         self.catalogue = catalogue
         self.gpus: dict[str, GpuState] = {}
@@ -108,14 +119,16 @@ class Kit:
             gpu.conditions[cond.condition] = cond
             gpu.below.pop(cond.condition, None)
             self.touch(gpu, now)
-            eid = event_id(self.node, gpu.uuid, "raise", cond.condition, cond.since)
+            eid = self.ids(self.node, gpu.uuid, "raise", cond.condition, cond.since)
             return [Emit("raise", key, self._about(gpu, cond, eid, now))]
         if not repeats:
             return []
-        eid = event_id(self.node, gpu.uuid, "occurrence", cond.condition, now)
+        eid = self.ids(self.node, gpu.uuid, "occurrence", cond.condition, now)
         event = self._about(gpu, active, eid, now, cond.reason)
         if cond.observed_value is not None:
             event = msgspec.structs.replace(event, observed_value=cond.observed_value)
+        if cond.message and cond.message != event.message:  # e.g. an XID's new message
+            event = msgspec.structs.replace(event, message=cond.message)
         return [Emit("offer", key, event)]
 
     def end(
@@ -134,7 +147,7 @@ class Kit:
         gpu.below.pop(condition, None)
         self.touch(gpu, now)
         event = self._about(
-            gpu, cond, event_id(self.node, gpu.uuid, "end", condition, cond.since), now, reason
+            gpu, cond, self.ids(self.node, gpu.uuid, "end", condition, cond.since), now, reason
         )
         event = msgspec.structs.replace(
             event, kind=how, severity="info", action="none", message="", observed_value=value
@@ -153,13 +166,21 @@ class Kit:
         action: Action = "none",
         value: float | None = None,
         xid: int | None = None,
+        message: str = "",
     ) -> list[Emit]:
         """A one-off fact that raises no condition (de-duplicated by ``key``)."""
         self.touch(gpu, now)
-        eid = event_id(self.node, gpu.uuid, "report", key, now)
+        eid = self.ids(self.node, gpu.uuid, "report", key, now)
         event = self.event(gpu, eid, now, kind, severity, reason)
-        event = msgspec.structs.replace(event, action=action, observed_value=value, xid=xid)
+        event = msgspec.structs.replace(
+            event, action=action, observed_value=value, xid=xid, message=message
+        )
         return [Emit("offer", (gpu.uuid, "report:" + key), event)]
+
+    def absorb(self, key: DedupKey, variant: str, now: float) -> bool:
+        """Count a repeat of ``key`` inside its open de-duplication window, before any
+        event is built (True: counted, nothing to emit). The engine implements it."""
+        return False
 
     def reset_observed(self, gpu: GpuState, now: float, why: str) -> list[Emit]:
         """A GPU reset was seen: its sticky conditions end, every family starts afresh."""
@@ -201,6 +222,9 @@ class Family:
     """One rule family: override the inputs it watches; each returns what it emits."""
 
     name: ClassVar[str]
+    # The NVML event kinds its nvml_event watches (None: every event); the engine hands
+    # it only those, so a storm of one kind costs the other families nothing.
+    event_kinds: ClassVar[frozenset[str] | None] = None
 
     def __init__(self, kit: Kit) -> None:
         self.kit = kit

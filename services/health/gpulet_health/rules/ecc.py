@@ -47,6 +47,8 @@ class Ecc(Family):
         m.corrected = m.uncorrected = None
         m.sbe_credit = m.dbe_credit = 0
 
+    event_kinds = frozenset({"double_bit_ecc", "single_bit_ecc"})
+
     def nvml_event(self, gpu: GpuState, event: NvmlEvent, now: float) -> list[Emit]:
         m = memo(gpu, self.name, _Ecc)
         out: list[Emit] = []

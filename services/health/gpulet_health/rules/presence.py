@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 from gpulet_common.messages import GpuInfo, HealthKind
 from gpulet_common.nvml.adapter import NvmlEvent
-from gpulet_health.dedup import Emit, event_id
+from gpulet_health.dedup import Emit
 from gpulet_health.rules.base import Family, where
 from gpulet_health.state import Condition, GpuState
 
@@ -34,6 +34,8 @@ GONE_CONDITIONS = frozenset({"lost", "removed", "missing"})
 class Presence(Family):
     name = "presence"
     _inventory_seen = False
+
+    event_kinds = frozenset({"gpu_unavailable"})
 
     def nvml_event(self, gpu: GpuState, event: NvmlEvent, now: float) -> list[Emit]:
         if "gpu_unavailable" not in event.kinds:
@@ -96,7 +98,7 @@ class Presence(Family):
         return self.kit.raise_(gpu, cond, now)
 
     def _added(self, gpu: GpuState, now: float, reason: str) -> list[Emit]:
-        eid = event_id(self.kit.node, gpu.uuid, "added", now)
+        eid = self.kit.ids(self.kit.node, gpu.uuid, "added", now)
         event = self.kit.event(gpu, eid, now, "gpu_added", "info", reason)
         return [Emit("pass", (gpu.uuid, "added"), event)]
 

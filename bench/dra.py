@@ -1,0 +1,277 @@
+"""DRA: Prepare through the fake kubelet, fault → device taint in the API, writes at rest.
+
+Method
+------
+* **Prepare**: the DRA kubelet plugin (``gpulet_allocator/kubelet/dra``) serves its
+  real sockets in a temporary dir; the fake DRA kubelet (:mod:`support.fake_dra_kubelet`)
+  registers it and calls ``NodePrepareResources`` with one claim per call, each claim
+  allocated one whole GPU in the API emulator, then ``NodeUnprepareResources`` (not
+  timed). Each call reads the claim over HTTP, reserves it, writes and fsyncs the CDI
+  spec (on tmpfs, as ``/var/run/cdi`` is on a node) and the checkpoint (on disk).
+  **The decision core is the in-memory one of the tests**
+  (support.dra_core) until the plugin is bound to the allocator's core: the figure
+  leaves out the ledger's own checkpoint. The claims live in the API emulator on
+  127.0.0.1, not a real API server. Target p99 < 10 ms.
+* **Fault → taint**: a real nats-server, the node read model (NodeView), the slice
+  publisher with the default debounce (quiet 0.5 s, at most 2 s) and the API emulator
+  (its slice validation off: 45 ms of Python jsonschema a write, which a real API
+  server does not spend; the tests validate every slice).
+  A fatal XID 79 is written to the health KV as the health service writes it; the time
+  until the emulator holds the slice with the taint (polled every 2 ms), and the same
+  for the clear. Target p99 < quiet window + 200 ms.
+* **Writes at rest**: with the pool published, the same inventory is published again
+  every second and the health state rewritten unchanged for ``--rest`` seconds; the
+  API emulator counts slice writes. Target 0.
+
+No NVML is involved: the inventory is the 8-GPU stand-in of the reporter tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import shutil
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import anyio
+import msgspec
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+from _util import percentile, table
+from kubernetes_asyncio import client as k8s_client
+
+from gpulet_allocator.kubelet.dra.claims import KubeClaimReader
+from gpulet_allocator.kubelet.dra.plugin import DraPlugin, PluginSettings
+from gpulet_allocator.kubelet.dra.server import DraKubeletPlugin, Sockets
+from gpulet_common import codec, subjects
+from gpulet_common.bus import Bus, Delivery
+from gpulet_common.dra.settings import DraSettings
+from gpulet_common.embedded_nats import EmbeddedNats
+from gpulet_common.messages import Inventory, InventoryRequest
+from gpulet_common.nodeview import NodeView
+from gpulet_common.settings.nats import NatsSettings
+from gpulet_reporter.slices.publisher import SlicePublisher
+from support.dra_core import InMemoryCore, InMemoryHealth
+from support.fake_dra_kubelet import registered
+from support.health_kv import gpu_health, health_bucket, put_health
+from support.kube_emulator import KubeEmulator
+from support.kube_emulator_dra import RESOURCE_SLICES, add_claim, enable_dra, slices
+from support.reporter_harness import make_inventory
+from support.waiting import wait_until
+
+NODE = "bench-node"
+DRIVER = "gpu.gpulet.io"
+
+
+def ms(seconds: float) -> str:
+    return f"{seconds * 1000:.1f}"
+
+
+def run_dir() -> str:
+    """Where the CDI specs go: tmpfs, as /var/run is on a node (else /tmp)."""
+    return "/dev/shm" if Path("/dev/shm").is_dir() else "/tmp"
+
+
+async def bench_prepare(calls: int) -> list[float]:
+    # Sockets and the checkpoint on disk (/var/lib/kubelet, /var/lib/gpulet on a node).
+    root = Path(tempfile.mkdtemp(prefix="dra", dir="/tmp"))
+    run = Path(tempfile.mkdtemp(prefix="dra-cdi", dir=run_dir()))
+    try:
+        async with KubeEmulator.running() as emu:
+            enable_dra(emu)
+            core = InMemoryCore.with_gpus(8)
+            settings = PluginSettings(
+                driver=DRIVER,
+                pool=NODE,
+                cdi_dir=run / "cdi",
+                checkpoint=root / "state" / "checkpoint.json",
+                dev_root=root,
+            )
+            sockets = Sockets.for_driver(DRIVER, root / "registry", root / "plugins")
+            async with (
+                k8s_client.ApiClient(k8s_client.Configuration(host=emu.url)) as api,
+                anyio.create_task_group() as tg,
+            ):
+                plugin = DraPlugin(core, KubeClaimReader(api), settings)
+                server = DraKubeletPlugin(plugin, InMemoryHealth(NODE, []), sockets, DRIVER)
+                await tg.start(server.run)
+                timings: list[float] = []
+                async with registered(root / "registry", DRIVER) as kubelet:
+                    for i in range(calls):
+                        name = f"c{i}"
+                        uid = str(uuid.uuid4())
+                        result = {
+                            "request": "gpu",
+                            "driver": DRIVER,
+                            "pool": NODE,
+                            "device": f"gpu-{i % 8}",
+                        }
+                        add_claim(
+                            emu,
+                            {
+                                "metadata": {"name": name, "namespace": "default", "uid": uid},
+                                "spec": {},
+                                "status": {"allocation": {"devices": {"results": [result]}}},
+                            },
+                        )
+                        started = time.perf_counter()
+                        answer = await kubelet.prepare(("default", uid, name))
+                        timings.append(time.perf_counter() - started)
+                        if answer.claims[uid].error:
+                            raise SystemExit(f"prepare failed: {answer.claims[uid].error}")
+                        await kubelet.unprepare(("default", uid, name))
+                tg.cancel_scope.cancel()
+        return timings
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(run, ignore_errors=True)
+
+
+def tainted(emu: KubeEmulator, device: str) -> bool:
+    for body in slices(emu):
+        for d in body["spec"]["devices"]:
+            if d["name"] == device:
+                return bool(d.get("taints"))
+    return False
+
+
+async def bench_taints(faults: int, rest_s: float) -> tuple[list[float], list[float], int]:
+    settings = DraSettings(mode="dra")
+    inventory = msgspec.structs.replace(make_inventory(NODE, 8), seq=1, boot_id="bench")
+    with tempfile.TemporaryDirectory() as state:
+        async with (
+            EmbeddedNats.running(state_dir=Path(state), port=0) as nats,
+            KubeEmulator.running() as emu,
+        ):
+            # Without the emulator's schema check (45 ms a write here, a cost of the
+            # emulator's Python jsonschema, not of an API server): the tests validate.
+            enable_dra(emu, validate=False)
+            emu.add_node(NODE)
+            nats_settings = NatsSettings(url=nats.url)
+            async with (
+                Bus.connect(nats_settings, name="collector", max_initial_attempts=5) as collector,
+                Bus.connect(nats_settings, name="reporter", max_initial_attempts=5) as reader,
+                k8s_client.ApiClient(k8s_client.Configuration(host=emu.url)) as api,
+                anyio.create_task_group() as tg,
+            ):
+
+                async def answer(_request: Delivery[InventoryRequest]) -> Inventory:
+                    return inventory
+
+                await tg.start(
+                    collector.serve,
+                    subjects.inventory_request(NODE),
+                    answer,
+                    codec.INVENTORY_REQUEST,
+                    codec.INVENTORY,
+                )
+                await health_bucket(collector)
+                view = NodeView(reader, NODE, retry_s=0.05, who="bench")
+                await tg.start(view.run)
+                publisher = SlicePublisher(api, NODE, settings)
+                publisher.attach(view)
+                tg.start_soon(publisher.run)
+                await wait_until(lambda: len(slices(emu)) == 1, timeout_s=10, what="pool")
+                uuid_ = inventory.gpus[3].uuid
+                raised: list[float] = []
+                cleared: list[float] = []
+                for _ in range(faults):
+                    for healthy, out in ((False, raised), (True, cleared)):
+                        started = time.perf_counter()
+                        state_ = gpu_health(uuid_, healthy=healthy, severity="fatal")
+                        await put_health(collector, NODE, state_)
+                        await wait_until(
+                            lambda h=healthy: tainted(emu, "gpu-3") != h,  # type: ignore[misc]
+                            timeout_s=10,
+                            interval_s=0.002,
+                            what="taint",
+                        )
+                        out.append(time.perf_counter() - started)
+                # At rest: the same facts again and again.
+                await anyio.sleep(settings.max_delay_s + 0.5)
+                before = emu.stats.total_writes(RESOURCE_SLICES)
+                deadline = time.monotonic() + rest_s
+                while time.monotonic() < deadline:
+                    await collector.publish(subjects.inventory(NODE), inventory, codec.INVENTORY)
+                    await put_health(collector, NODE, gpu_health(uuid_, healthy=True))
+                    await anyio.sleep(1.0)
+                at_rest = emu.stats.total_writes(RESOURCE_SLICES) - before
+                tg.cancel_scope.cancel()
+    return raised, cleared, at_rest
+
+
+async def main_async(args: argparse.Namespace) -> None:
+    prepare = await bench_prepare(args.calls)
+    raised, cleared, at_rest = await bench_taints(args.faults, args.rest)
+    print(
+        table(
+            f"DRA Prepare through the fake kubelet ({args.calls} calls, one claim each; "
+            "in-memory core, API emulator)",
+            ["", "p50 ms", "p99 ms", "max ms", "target"],
+            [
+                [
+                    "NodePrepareResources",
+                    ms(percentile(prepare, 50)),
+                    ms(percentile(prepare, 99)),
+                    ms(max(prepare)),
+                    "p99 < 10 ms",
+                ]
+            ],
+        )
+    )
+    print()
+    quiet = DraSettings().quiet_window_s
+    print(
+        table(
+            f"Fault -> device taint in the API ({args.faults} faults; debounce quiet "
+            f"{quiet:.1f} s)",
+            ["", "p50 ms", "p99 ms", "max ms", "target"],
+            [
+                [
+                    "XID 79 -> NoSchedule taint",
+                    ms(percentile(raised, 50)),
+                    ms(percentile(raised, 99)),
+                    ms(max(raised)),
+                    f"p99 < {ms(quiet + 0.2)} ms",
+                ],
+                [
+                    "clear -> taint removed",
+                    ms(percentile(cleared, 50)),
+                    ms(percentile(cleared, 99)),
+                    ms(max(cleared)),
+                    f"p99 < {ms(quiet + 0.2)} ms",
+                ],
+            ],
+        )
+    )
+    print()
+    print(
+        table(
+            "ResourceSlice writes at rest",
+            ["window s", "writes", "target"],
+            [[f"{args.rest:.0f}", at_rest, "0"]],
+        )
+    )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--calls", type=int, default=500)
+    parser.add_argument("--faults", type=int, default=30)
+    parser.add_argument("--rest", type=float, default=60.0)
+    parser.add_argument("--quick", action="store_true", help="100 calls, 5 faults, 10 s rest")
+    args = parser.parse_args()
+    if args.quick:
+        args.calls, args.faults, args.rest = 100, 5, 10.0
+    logging.basicConfig(level=logging.WARNING)
+    anyio.run(main_async, args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

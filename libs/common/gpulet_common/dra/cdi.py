@@ -1,0 +1,216 @@
+"""The CDI spec of a prepared claim: what the container gets, written atomically.
+
+One transient spec per claim (``cncf-tags/container-device-interface``), in
+``<cdi_dir>/<vendor>-<class>_<claimUID>.json`` (``/var/run/cdi`` by default), kind
+``<driver>/gpu`` (``gpu.gpulet.io/gpu``). Each allocated device is a CDI device
+``<claimUID>-<device>`` (``…=8f1c…-gpu-3``): its edits add its device node
+``/dev/nvidia<minor>``. The spec's own edits, applied once whichever of its devices a
+container gets, carry what the device plugin's Allocate gives today
+(``gpulet_allocator.core``):
+
+* ``NVIDIA_VISIBLE_DEVICES`` = the claim's GPU UUIDs, in device order, and
+  ``GPULET_ALLOCATION_ID`` = the claim's allocation in the ledger;
+* the control device nodes (``nvidiactl``, ``nvidia-uvm``, ``nvidia-uvm-tools``,
+  ``nvidia-modeset``) that exist on the node;
+* for a share: ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` (the share's cores) and
+  ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`` (``<ordinal>=<MiB>M`` per shared GPU, the
+  ordinal being its place in ``NVIDIA_VISIBLE_DEVICES``), and the MPS pipe directory,
+  mounted, when one is configured: the same enforcement as the device plugin's shares.
+
+Writing (:func:`write_spec`): through :func:`write_file_atomic`, a temporary file of a
+random name created with ``O_EXCL|O_NOFOLLOW`` inside the directory opened with
+``O_DIRECTORY|O_NOFOLLOW`` (no symlink, planted or not, is followed), fsynced, renamed
+over the spec, the directory fsynced: a container runtime reading the directory sees
+the old spec or the new one, never half of one. It is a small function on purpose,
+to be swapped for the shared safe writer of ``gpulet_common`` when that lands.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+CDI_VERSION: Final = "0.6.0"
+CLASS: Final = "gpu"
+ALLOCATION_ENV: Final = "GPULET_ALLOCATION_ID"
+CONTROL_DEVICES: Final = ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools", "nvidia-modeset")
+SPEC_MODE: Final = 0o644
+JsonObj = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class PreparedDevice:
+    """One device of a claim as the decision core reserved it."""
+
+    device: str  # the DRA device name, gpu-<minor>
+    uuid: str
+    minor: int
+    # A share: the cores (percent) and memory (MiB) it was given; None for whole GPUs.
+    cores: int | None = None
+    memory_mib: int | None = None
+
+
+def kind(driver: str) -> str:
+    return f"{driver}/{CLASS}"
+
+
+def device_name(claim_uid: str, device: str) -> str:
+    return f"{check_uid(claim_uid)}-{device}"
+
+
+def device_id(driver: str, claim_uid: str, device: str) -> str:
+    """The fully qualified CDI device ID kubelet hands to the runtime."""
+    return f"{kind(driver)}={device_name(claim_uid, device)}"
+
+
+_UID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9-]{0,62}$")
+
+
+def check_uid(claim_uid: str) -> str:
+    """``claim_uid`` if it is safe in a file name and a CDI device name, else ValueError
+    (it comes from kubelet's request: never let it name another path)."""
+    if not _UID.match(claim_uid):
+        raise ValueError(f"claim UID {claim_uid[:80]!r} is not a UID")
+    return claim_uid
+
+
+def spec_file(cdi_dir: str | Path, driver: str, claim_uid: str) -> Path:
+    return Path(cdi_dir) / f"{driver}-{CLASS}_{check_uid(claim_uid)}.json"
+
+
+def build_spec(
+    driver: str,
+    claim_uid: str,
+    allocation: str,
+    devices: Sequence[PreparedDevice],
+    *,
+    dev_root: str | Path = "/dev",
+    host_dev: str = "/dev",
+    mps_pipe_directory: str = "",
+) -> JsonObj:
+    """The spec's JSON document; control nodes only where ``dev_root`` has them."""
+    env = [
+        "NVIDIA_VISIBLE_DEVICES=" + ",".join(d.uuid for d in devices),
+        f"{ALLOCATION_ENV}={allocation}",
+    ]
+    shares = [(i, d) for i, d in enumerate(devices) if d.cores is not None or d.memory_mib]
+    mounts: list[JsonObj] = []
+    if shares:
+        cores = [d.cores for _, d in shares if d.cores is not None]
+        if cores:
+            env.append(f"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE={min(cores)}")
+        limits = [f"{i}={d.memory_mib}M" for i, d in shares if d.memory_mib]
+        if limits:
+            env.append("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=" + ",".join(limits))
+        if mps_pipe_directory:
+            env.append(f"CUDA_MPS_PIPE_DIRECTORY={mps_pipe_directory}")
+            mounts.append(
+                {
+                    "hostPath": mps_pipe_directory,
+                    "containerPath": mps_pipe_directory,
+                    "options": ["rbind", "rw"],
+                }
+            )
+    root = Path(dev_root)
+    control = [
+        {"path": f"{host_dev}/{name}", "hostPath": f"{host_dev}/{name}", "permissions": "rw"}
+        for name in CONTROL_DEVICES
+        if (root / name).exists()
+    ]
+    edits: JsonObj = {"env": env}
+    if control:
+        edits["deviceNodes"] = control
+    if mounts:
+        edits["mounts"] = mounts
+    return {
+        "cdiVersion": CDI_VERSION,
+        "kind": kind(driver),
+        "devices": [
+            {
+                "name": device_name(claim_uid, d.device),
+                "containerEdits": {
+                    "deviceNodes": [
+                        {
+                            "path": f"{host_dev}/nvidia{d.minor}",
+                            "hostPath": f"{host_dev}/nvidia{d.minor}",
+                            "permissions": "rw",
+                        }
+                    ]
+                },
+            }
+            for d in devices
+        ],
+        "containerEdits": edits,
+    }
+
+
+def write_file_atomic(
+    directory: str | Path, name: str, data: bytes, mode: int = SPEC_MODE, *, durable: bool = True
+) -> None:
+    """Replace ``directory/name`` with ``data`` atomically, following no symlink.
+
+    The directory is made if missing (``0o755``) and then opened with ``O_NOFOLLOW``:
+    a symlink in its place is refused (OSError ELOOP/ENOTDIR). ``name`` must be a
+    plain file name. ``durable`` False skips the two fsyncs: readers still see the old
+    or the new file, but a power loss may leave the old one (or an empty one). Raises
+    OSError.
+    """
+    if not name or "/" in name or name in (".", ".."):
+        raise ValueError(f"not a plain file name: {name!r}")
+    Path(directory).mkdir(mode=0o755, parents=True, exist_ok=True)
+    dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        tmp = f".{name}.{secrets.token_hex(8)}.tmp"
+        fd = os.open(
+            tmp,
+            os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+            mode,
+            dir_fd=dir_fd,
+        )
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(data)
+                fh.flush()
+                if durable:
+                    os.fsync(fh.fileno())
+            os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=dir_fd)
+            raise
+        if durable:
+            os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def write_spec(cdi_dir: str | Path, driver: str, claim_uid: str, spec: JsonObj) -> Path:
+    path = spec_file(cdi_dir, driver, claim_uid)
+    data = json.dumps(spec, indent=2, sort_keys=True).encode() + b"\n"
+    write_file_atomic(path.parent, path.name, data)
+    return path
+
+
+def remove_spec(cdi_dir: str | Path, driver: str, claim_uid: str) -> bool:
+    """Remove the claim's spec; False when there was none. Raises other OSErrors."""
+    path = spec_file(cdi_dir, driver, claim_uid)
+    try:
+        dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return False
+    try:
+        os.unlink(path.name, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return False
+    else:
+        os.fsync(dir_fd)
+        return True
+    finally:
+        os.close(dir_fd)

@@ -1,0 +1,258 @@
+"""One GPU of the inventory as a DRA device: name, attributes, capacity.
+
+Names follow NVIDIA's DRA driver (``kubernetes-sigs/dra-driver-nvidia-gpu``), so a
+user's CEL selectors carry over with only the domain changed (``gpu.nvidia.com`` →
+ours): the device is ``gpu-<minor>`` (the index when NVML gives no minor), and its
+attributes are
+
+* strings ``type`` (``gpu``), ``uuid``, ``productName``, ``brand``, ``architecture``;
+* versions (semver 2.0) ``cudaComputeCapability`` (``9.0.0``), ``driverVersion``,
+  ``cudaDriverVersion``: NVML's ``535.104.05`` becomes ``535.104.5`` (semver forbids
+  leading zeros), ``12.4`` becomes ``12.4.0``; a version that cannot be made semver is
+  left out rather than published wrong;
+* the standard ``resource.kubernetes.io/pciBusID`` (``0000:3b:00.0``) and
+  ``resource.kubernetes.io/pcieRoot`` (``pci0000:3a``, from a resolver the caller
+  passes: sysfs on a node; omitted when unknown);
+* gpulet's own ``index``, ``minor``, ``numaNode`` and ``nvlinkIsland``: GPUs joined by
+  active NVLinks (directly or through NVSwitch) form one island, named by the smallest
+  GPU index in it, so ``matchAttribute: gpu.gpulet.io/nvlinkIsland`` keeps a multi-GPU
+  claim on one island and ``numaNode`` on one socket's memory.
+
+The inventory carries no brand, so ``brand`` is ``Nvidia`` (NVML's name of the brand
+of data-centre parts since Hopper); ``architecture`` comes from the compute
+capability.
+
+Capacity ``memory`` is the GPU's memory in bytes. With sharing on, the device also
+allows multiple allocations and offers ``cores`` (100, in percent) beside ``memory``,
+each with a request policy: a claim that names no amount takes all of it (default),
+one that does gets a share within ``validRange`` in ``step`` units; the scheduler
+decides both halves of a share together.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Final
+
+from gpulet_common.dra import limits
+from gpulet_common.messages import GpuInfo, Inventory
+
+JsonObj = dict[str, Any]
+
+STANDARD_DOMAIN: Final = "resource.kubernetes.io"
+PCI_BUS_ID: Final = f"{STANDARD_DOMAIN}/pciBusID"
+PCIE_ROOT: Final = f"{STANDARD_DOMAIN}/pcieRoot"
+CORES: Final = "cores"
+MEMORY: Final = "memory"
+CORES_TOTAL: Final = 100
+DEFAULT_BRAND: Final = "Nvidia"
+
+# Compute capability (major, minor) → NVML's architecture name; a major alone where
+# every minor of it is one architecture.
+_ARCH_EXACT: Final = {(7, 0): "Volta", (7, 2): "Volta", (7, 5): "Turing", (8, 9): "Ada Lovelace"}
+_ARCH_MAJOR: Final = {
+    3: "Kepler",
+    5: "Maxwell",
+    6: "Pascal",
+    7: "Volta",
+    8: "Ampere",
+    9: "Hopper",
+    10: "Blackwell",
+    12: "Blackwell",
+}
+
+
+def device_name(gpu: GpuInfo) -> str:
+    return f"gpu-{gpu.minor if gpu.minor is not None else gpu.index}"
+
+
+def architecture(cc: tuple[int, int] | None) -> str:
+    if cc is None:
+        return ""
+    return _ARCH_EXACT.get(cc) or _ARCH_MAJOR.get(cc[0], "")
+
+
+_NUMERIC = re.compile(r"^\d+(\.\d+){0,2}$")
+
+
+def semver(version: str | None) -> str | None:
+    """``535.104.05`` → ``535.104.5``, ``12.4`` → ``12.4.0``; None if it is no version."""
+    if not version:
+        return None
+    text = version.strip()
+    if not _NUMERIC.match(text):
+        return None
+    parts = [str(int(p)) for p in text.split(".")]
+    parts += ["0"] * (3 - len(parts))
+    result = ".".join(parts)
+    return result if limits.is_semver(result) else None
+
+
+def pci_bus_id(bus_id: str) -> str:
+    """NVML's ``00000000:3B:00.0`` as the standard attribute wants it: ``0000:3b:00.0``."""
+    bus = bus_id.strip().lower()
+    domain, sep, rest = bus.partition(":")
+    if sep and rest.count(":") == 1 and len(domain) > 4:
+        try:
+            return f"{int(domain, 16):04x}:{rest}"
+        except ValueError:
+            return ""
+    if sep and rest.count(":") == 1:
+        return bus
+    return ""
+
+
+def nvlink_islands(gpus: Iterable[GpuInfo]) -> dict[str, int]:
+    """GPU uuid → island id (the smallest index among the GPUs its active NVLinks reach).
+
+    A link counts when either end reports it active (a peer's report may lag), and only
+    between GPUs of this inventory.
+    """
+    listed = list(gpus)
+    by_uuid = {g.uuid: g for g in listed}
+    parent = {g.uuid: g.uuid for g in listed}
+
+    def find(uuid: str) -> str:
+        while parent[uuid] != uuid:
+            parent[uuid] = parent[parent[uuid]]
+            uuid = parent[uuid]
+        return uuid
+
+    for gpu in listed:
+        for link in gpu.topology:
+            if link.nvlinks > 0 and link.peer_uuid in by_uuid:
+                a, b = find(gpu.uuid), find(link.peer_uuid)
+                if a != b:
+                    parent[a] = b
+    members: dict[str, list[int]] = {}
+    for gpu in listed:
+        members.setdefault(find(gpu.uuid), []).append(gpu.index)
+    return {g.uuid: min(members[find(g.uuid)]) for g in listed}
+
+
+def _string(value: str) -> JsonObj | None:
+    return {"string": value} if value and len(value) <= limits.MAX_STRING_VALUE else None
+
+
+def attributes(
+    gpu: GpuInfo,
+    inventory: Inventory,
+    *,
+    island: int,
+    pcie_root: Callable[[str], str] | None = None,
+) -> JsonObj:
+    cc = gpu.compute_capability
+    found: dict[str, JsonObj | None] = {
+        "type": {"string": "gpu"},
+        "uuid": _string(gpu.uuid),
+        "productName": _string(gpu.name),
+        "brand": {"string": DEFAULT_BRAND},
+        "architecture": _string(architecture(cc)),
+        "cudaComputeCapability": (
+            {"version": v} if cc and (v := semver(f"{cc[0]}.{cc[1]}")) else None
+        ),
+        "driverVersion": ({"version": v} if (v := semver(inventory.driver_version)) else None),
+        "cudaDriverVersion": (
+            {"version": v} if (v := semver(inventory.cuda_driver_version)) else None
+        ),
+        "index": {"int": gpu.index},
+        "minor": {"int": gpu.minor} if gpu.minor is not None else None,
+        "numaNode": {"int": gpu.numa_node} if gpu.numa_node is not None else None,
+        "nvlinkIsland": {"int": island},
+    }
+    bus = pci_bus_id(gpu.pci_bus_id)
+    if bus:
+        found[PCI_BUS_ID] = {"string": bus}
+        root = pcie_root(gpu.pci_bus_id) if pcie_root is not None else ""
+        found[PCIE_ROOT] = _string(root)
+    return {k: v for k, v in found.items() if v is not None}
+
+
+def quantity(value: int) -> str:
+    """An integer quantity as the API server writes it back (its canonical form):
+    the largest binary suffix that keeps it whole, else plain digits."""
+    if value > 0:
+        for suffix, power in (("Ei", 60), ("Pi", 50), ("Ti", 40), ("Gi", 30), ("Mi", 20)):
+            if value % (1 << power) == 0:
+                return f"{value >> power}{suffix}"
+        if value % 1024 == 0 and value >= 1024:
+            return f"{value >> 10}Ki"
+    return str(value)
+
+
+_QUANTITY = re.compile(r"^([0-9]+)(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$")
+_MULTIPLIER: Final = {
+    None: 1,
+    "Ki": 1 << 10,
+    "Mi": 1 << 20,
+    "Gi": 1 << 30,
+    "Ti": 1 << 40,
+    "Pi": 1 << 50,
+    "Ei": 1 << 60,
+    "k": 10**3,
+    "M": 10**6,
+    "G": 10**9,
+    "T": 10**12,
+    "P": 10**15,
+    "E": 10**18,
+}
+
+
+def parse_quantity(text: Any) -> int | None:
+    """A whole-number quantity's value (None for anything else: fractions, junk)."""
+    if isinstance(text, bool) or not isinstance(text, str | int):
+        return None
+    if isinstance(text, int):
+        return text
+    match = _QUANTITY.match(text.strip())
+    if match is None:
+        return None
+    return int(match[1]) * _MULTIPLIER[match[2]]
+
+
+def _policy(total: int, step: int) -> JsonObj:
+    return {
+        "default": quantity(total),
+        "validRange": {"min": quantity(step), "max": quantity(total), "step": quantity(step)},
+    }
+
+
+def capacity(gpu: GpuInfo, *, sharing: bool, memory_step: int) -> JsonObj:
+    memory = gpu.memory_total_bytes
+    if not sharing:
+        return {MEMORY: {"value": quantity(memory)}}
+    step = min(memory_step, memory) if memory > 0 else memory_step
+    # A range whose maximum is not a whole number of steps is refused: round it down.
+    top = memory - memory % step if memory >= step else memory
+    return {
+        CORES: {"value": quantity(CORES_TOTAL), "requestPolicy": _policy(CORES_TOTAL, 1)},
+        MEMORY: {"value": quantity(memory), "requestPolicy": _policy(top, step)},
+    }
+
+
+def device(
+    gpu: GpuInfo,
+    inventory: Inventory,
+    *,
+    island: int,
+    sharing: bool,
+    memory_step: int,
+    pcie_root: Callable[[str], str] | None = None,
+    taints: list[JsonObj] | None = None,
+) -> JsonObj:
+    """The device's JSON body (``resource.k8s.io/v1`` ``Device``)."""
+    body: JsonObj = {
+        "name": device_name(gpu),
+        "attributes": attributes(gpu, inventory, island=island, pcie_root=pcie_root),
+        "capacity": capacity(gpu, sharing=sharing, memory_step=memory_step),
+    }
+    if sharing:
+        body["allowMultipleAllocations"] = True
+    if taints:
+        body["taints"] = taints
+    return body
+
+
+def by_name(devices: Iterable[Mapping[str, Any]]) -> dict[str, Mapping[str, Any]]:
+    return {str(d.get("name")): d for d in devices}

@@ -1,0 +1,1 @@
+"""Kubelet plugin registration API, ``pluginregistration.Registration`` (stubs in ``v1``)."""

@@ -1,0 +1,316 @@
+"""The allocator's decision core: one small, typed interface for every kubelet adapter.
+
+Kubelet never says which pod it allocates for: an ``Allocate`` call carries only the
+device IDs it picked of one resource, one list per container. The core bridges that to
+the engine's ledger, synchronously and without I/O, so the NATS service
+(:mod:`gpulet_allocator.service`) and the in-process benchmark drive the very same
+code, and a second kubelet adapter (DRA's kubelet plugin) will too.
+
+Interface
+---------
+:class:`AllocatorCore`: ``allocate`` and ``preferred`` (kubelet's calls), ``release``
+and ``reconcile`` (explicit, and from PodResources), ``update_inventory`` and
+``set_health`` (the node's read model), ``withheld`` (cards not to be offered whole),
+``snapshot``/``restore`` (the checkpoint), ``adopt``/``mark_lost``/``end_loss`` (a lost
+record), ``state`` and ``allocation_views``. Every refusal is a
+:class:`~gpulet_common.refusal.Refused` with a code of the one table.
+
+Pieces, by concern (each a module of :mod:`gpulet_allocator.decide`):
+
+* :mod:`.books` -- ledger access and health gating: the ledger, the grants, the
+  inventory, the change version;
+* :mod:`.checks` -- what a request must be before anything is decided;
+* the engine (:mod:`.engine`) -- whole-GPU placement, topology- and
+  fragmentation-aware; :mod:`.joining` -- gpulet's shares and the join rule;
+* :mod:`.handshake` -- koord-scheduler's decisions (:mod:`.koordinator`'s book);
+* :mod:`.record` -- checkpoint snapshots, restores and the lost record;
+* :mod:`.release` -- releases, explicit and of pods that are gone;
+* :mod:`.answers` and :mod:`.views` -- what a container and an operator are told.
+
+**Grants.** Each container list of an ``Allocate`` call is a *grant*, keyed by a hash
+of the resource name and the sorted device IDs (:func:`~.books.grant_key`). Kubelet
+never gives the same device ID to two live containers, so the key names one
+container's request, and a retry of the call (kubelet's, or after an allocator
+restart, since grants are checkpointed with the allocations) finds the grant and gets
+the recorded answer: nothing is allocated twice -- unless the pod watch says the call
+is another pod's, which is refused as already held (:mod:`.handshake`). An allocation
+(the ledger's entry) is owned by the key of its first grant, which is also its ID
+(``gpulet.io/allocation`` annotation, ``GPULET_ALLOCATION_ID`` env).
+
+**Resources.** ``nvidia.com/gpu`` IDs are GPU UUIDs; kubelet's pick is honoured (and
+steered beforehand by ``GetPreferredAllocation``, which the engine answers
+topology- and fragmentation-aware). A named GPU that may not take it (the ledger's one
+answer, :meth:`~.engine.Ledger.refusal`: unhealthy, lost, held, holding shares) is
+refused precisely rather than swapped, so kubelet's accounting never drifts from
+ours. Share IDs (``<uuid>::core-<n>``, ``<uuid>::mem-<n>``) are only counted, as
+gpu-manager does: N core IDs are N core units wherever kubelet took them from, and the
+allocator places the share itself (:mod:`.joining`); 150 core units are refused
+(``invalid_core_units``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+
+from gpulet_allocator.decide import checks
+from gpulet_allocator.decide.answers import Answers
+from gpulet_allocator.decide.books import Books, Undo, grant_key
+from gpulet_allocator.decide.engine import Ledger, Owner
+from gpulet_allocator.decide.handshake import Handshake, RefusalHook
+from gpulet_allocator.decide.joining import ShareJoiner
+from gpulet_allocator.decide.koordinator import PodBook
+from gpulet_allocator.decide.record import Adoption, HeldDevices, PodRef, Record
+from gpulet_allocator.decide.release import Releases
+from gpulet_allocator.decide.views import allocation_views, gpu_views
+from gpulet_allocator.protocol import (
+    AllocationView,
+    ContainerAllocation,
+    PreferredRequest,
+    ReleaseRequest,
+    StateReply,
+    parse_device_id,
+    resource_specs,
+)
+from gpulet_allocator.state.records import Grant, GrantKind, StoredState
+from gpulet_common.messages import Inventory
+from gpulet_common.refusal import Refused
+from gpulet_common.settings.allocator import CdiSettings, MpsSettings, ResourceNames
+
+
+class AllocatorCore:
+    """The decision core (see the module docstring). Not thread-safe: one event loop."""
+
+    def __init__(
+        self,
+        *,
+        node: str,
+        names: ResourceNames,
+        shares: bool = True,
+        mps: MpsSettings | None = None,
+        cdi: CdiSettings | None = None,
+        join_window_s: float = 5.0,
+        release_grace_s: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+        health_of: Callable[[str], bool] = lambda _uuid: True,
+        profile: str = "gpulet",
+        book: PodBook | None = None,
+        on_refusal: RefusalHook | None = None,
+    ) -> None:
+        self.node = node
+        self.books = Books(clock=clock, wall_clock=wall_clock, health_of=health_of)
+        self._kinds: dict[str, GrantKind] = {
+            spec.name: spec.kind.value
+            for spec in resource_specs(names, shares=shares, profile=profile)
+        }
+        self.handshake = Handshake(
+            self.books, book, koordinator=profile == "koordinator", on_refusal=on_refusal
+        )
+        self.joiner = ShareJoiner(self.books, join_window_s)
+        self.record = Record(self.books, node, self._kinds)
+        self.releases = Releases(
+            self.books,
+            grace_s=release_grace_s,
+            kind_of=self.resource_kind,
+            on_release=self.joiner.forget,
+        )
+        self._answers = Answers(self.books, mps or MpsSettings(), cdi or CdiSettings())
+
+    # --- what the pieces hold -----------------------------------------------------------
+
+    @property
+    def ledger(self) -> Ledger:
+        return self.books.ledger
+
+    @property
+    def version(self) -> int:
+        """Bumped on every change that must reach the checkpoint."""
+        return self.books.version
+
+    @property
+    def book(self) -> PodBook | None:
+        """This node's watched pods (koord-scheduler's decisions); None: no handshake."""
+        return self.handshake.book
+
+    @property
+    def lost(self) -> str | None:
+        """Why the record of allocations is lost (None: it is not); Allocate is refused."""
+        return self.record.lost
+
+    @property
+    def rebuild_blocker(self) -> str:
+        return self.record.rebuild_blocker
+
+    @rebuild_blocker.setter
+    def rebuild_blocker(self, why: str) -> None:
+        self.record.rebuild_blocker = why
+
+    @property
+    def decisions_followed(self) -> int:
+        return self.handshake.followed
+
+    @property
+    def decisions_refused(self) -> int:
+        return self.handshake.refused
+
+    @property
+    def join_mismatches(self) -> int:
+        return self.releases.join_mismatches
+
+    @property
+    def ready(self) -> bool:
+        return self.books.inventory is not None
+
+    @property
+    def inventory_generation(self) -> int:
+        inventory = self.books.inventory
+        return inventory.generation if inventory else 0
+
+    # --- inputs ---------------------------------------------------------------------------
+
+    def kind_of(self, resource: str) -> GrantKind | None:
+        return self._kinds.get(resource)
+
+    def resource_kind(self, resource: str) -> GrantKind:
+        kind = self._kinds.get(resource)
+        if kind is None:
+            served = ", ".join(sorted(self._kinds))
+            raise Refused("unknown_resource", f"{resource!r} is not served here ({served})")
+        return kind
+
+    def update_inventory(self, inventory: Inventory) -> bool:
+        return self.books.update_inventory(inventory)
+
+    def set_health(self, uuid: str, healthy: bool) -> bool:
+        return self.books.set_health(uuid, healthy)
+
+    def withheld(self) -> dict[str, str]:
+        return self.books.withheld()
+
+    # --- Allocate ---------------------------------------------------------------------------
+
+    def allocate(
+        self, resource: str, containers: Sequence[Sequence[str]]
+    ) -> tuple[list[ContainerAllocation], Undo]:
+        """Answer kubelet's Allocate; all containers or none (raises :class:`Refused`).
+
+        The returned undo reverts what this call changed, for a checkpoint that failed.
+        """
+        kind = self.resource_kind(resource)
+        if self.record.lost is not None:
+            raise self.record.lost_refusal()
+        if not self.ready:
+            raise Refused("not_ready", "the allocator has no GPU inventory yet")
+        if not containers:
+            raise Refused("invalid_request", "the request names no container")
+        checks.check_across(containers)
+        undo: list[Undo] = []
+        try:
+            answers = [
+                self._answers.answer(self._allocate_one(resource, kind, list(ids), n, undo))
+                for n, ids in enumerate(containers)
+            ]
+        except Exception:
+            # All or nothing (a refusal, or a bug that then surfaces): an earlier
+            # container of this call is given back. The open half is closed too:
+            # kubelet fails this pod and moves on to the next.
+            self._revert(undo)
+            self.joiner.close()
+            raise
+        return answers, lambda: self._revert(undo)
+
+    def _revert(self, undo: list[Undo]) -> None:
+        if not undo:
+            return
+        for step in reversed(undo):
+            step()
+        self.joiner.after_revert()
+        self.books.version += 1
+
+    def _allocate_one(
+        self, resource: str, kind: GrantKind, ids: list[str], n: int, undo: list[Undo]
+    ) -> Grant:
+        books = self.books
+        checks.check_ids(books, resource, kind, ids, n)
+        key = grant_key(kind, resource, ids)
+        existing = books.grants.get(key)
+        if existing is not None:
+            self.handshake.check_retry(existing, resource, kind, ids)
+            return existing
+        if kind == "whole":
+            uuids = [parse_device_id(i).gpu_uuid for i in ids]
+            claim = self.handshake.whole_claim(resource, uuids)
+            books.ledger.allocate_whole(Owner(allocation_id=key), devices=uuids)
+            self.joiner.close()
+            who = (str(claim.pod), claim.container) if claim is not None else ("", "")
+            grant = books.grant(key, resource, kind, len(ids), key, pod=who[0], container=who[1])
+            books.new_grant(grant, undo, own=True)
+            self.handshake.mark(claim, key, undo)
+            return grant
+        if kind in ("core", "ratio") and self.handshake.koordinator:
+            return self.handshake.decided_share(resource, kind, ids, key, undo)
+        return self.joiner.place(key, resource, kind, len(ids), undo)
+
+    # --- GetPreferredAllocation ---------------------------------------------------------
+
+    def preferred(self, resource: str, requests: Sequence[PreferredRequest]) -> list[list[str]]:
+        kind = self.resource_kind(resource)
+        if kind != "whole":
+            return [checks.preferred_share(r) for r in requests]
+        if not self.ready:
+            raise Refused("not_ready", "the allocator has no GPU inventory yet")
+        return [self.handshake.preferred(resource, r) or self._preferred_one(r) for r in requests]
+
+    def _preferred_one(self, request: PreferredRequest) -> list[str]:
+        unknown_must = [u for u in request.must_include if not self.books.known_gpu(u)]
+        if unknown_must:
+            raise Refused("unknown_device", f"unknown GPU IDs: {', '.join(unknown_must)}")
+        # Unknown offers are left out rather than failing the hint for the whole node.
+        available = [u for u in request.available if u in self.ledger.topology]
+        return self.ledger.preferred(available, request.must_include, request.size)
+
+    # --- release --------------------------------------------------------------------------
+
+    def release(self, request: ReleaseRequest) -> list[AllocationView]:
+        return self.releases.release(request)
+
+    def reconcile(self, live: Mapping[str, PodRef]) -> list[AllocationView]:
+        return self.releases.reconcile(live)
+
+    # --- the record -----------------------------------------------------------------------
+
+    def lost_refusal(self) -> Refused:
+        return self.record.lost_refusal()
+
+    def adopt(self, held: Iterable[HeldDevices]) -> Adoption:
+        return self.record.adopt(held)
+
+    def mark_lost(self, reason: str) -> None:
+        self.record.mark_lost(reason)
+
+    def end_loss(self) -> str | None:
+        return self.record.end_loss()
+
+    def snapshot(self) -> StoredState:
+        return self.record.snapshot()
+
+    def restore(self, state: StoredState) -> list[str]:
+        return self.record.restore(state)
+
+    # --- views ----------------------------------------------------------------------------
+
+    def allocation_views(self) -> list[AllocationView]:
+        return allocation_views(self.books)
+
+    def state(self, *, checkpoint: str = "") -> StateReply:
+        lost = self.record.lost
+        return StateReply(
+            node=self.node,
+            ready=self.ready and lost is None,
+            gpus=gpu_views(self.books),
+            allocations=self.allocation_views(),
+            checkpoint=checkpoint,
+            inventory_generation=self.inventory_generation,
+            lost=self.record.lost_refusal().message if lost is not None else "",
+        )

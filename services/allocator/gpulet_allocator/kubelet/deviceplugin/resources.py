@@ -1,0 +1,136 @@
+"""Resource model of the device plugin: which kubelet resources exist and their devices.
+
+Why
+---
+Kubelet counts *devices*: a pod asking for ``gpulet.io/gpu-core: 30`` gets 30 device
+IDs of that resource. Fractional sharing is therefore modelled as many small devices
+per physical GPU, the way time-slicing replicas are in NVIDIA's plugin:
+
+- ``nvidia.com/gpu`` (whole GPUs): one device per GPU, ID = the GPU UUID;
+- ``gpulet.io/gpu-core``: :data:`~gpulet_allocator.protocol.CORES_PER_GPU` devices per GPU,
+  ID ``<uuid>::core-<n>``;
+- ``gpulet.io/gpu-memory``: one device per
+  :data:`~gpulet_allocator.protocol.MEMORY_UNIT_BYTES` of GPU memory,
+  ID ``<uuid>::mem-<n>``.
+
+Under the ``koordinator`` profile (``allocator.plugin.profile``) the shares are
+Koordinator's: ``koordinator.sh/gpu-core`` (100 devices per GPU, like gpulet's core
+units) and ``koordinator.sh/gpu-memory-ratio`` (100 devices per GPU, percent of its
+memory, ID ``<uuid>::ratio-<n>``). ``koordinator.sh/gpu-memory`` is counted in bytes,
+which no device plugin can serve (kubelet would need one device per byte); the
+amount comes from koord-scheduler's annotation instead (docs/koordinator.md).
+
+Every device carries its GPU's health and NUMA node, so a GPU turning unhealthy
+withdraws all of its shares too (NVIDIA #1929 is about replicas that did not).
+
+A card holding shares may not go whole (the allocator's one answer,
+:meth:`~gpulet_allocator.decide.engine.Ledger.refusal`). Kubelet has no "busy" state, so
+such a card's whole-GPU device is listed ``Unhealthy`` while it holds shares: kubelet
+then stops counting it as an allocatable ``nvidia.com/gpu`` and the scheduler does not
+send a pod there that admission would refuse. Its share devices stay ``Healthy``.
+
+Layers
+------
+Pure data and functions, no gRPC and no I/O: :mod:`.server` turns
+:class:`PluginDevice` into kubelet's ``Device`` messages. The units, the device IDs
+and the resources served are the allocator contract's (:mod:`gpulet_allocator.protocol`),
+so the allocator maps IDs back to GPUs (``parse_device_id``) by the same rules.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Sequence
+from typing import Final
+
+import msgspec
+
+from gpulet_allocator.protocol import (
+    CORES_PER_GPU,
+    RATIO_UNITS_PER_GPU,
+    ResourceKind,
+    ResourceSpec,
+    core_device_id,
+    memory_device_id,
+    memory_units,
+    ratio_device_id,
+)
+from gpulet_common.messages import GpuInfo
+
+HEALTHY: Final = "Healthy"
+UNHEALTHY: Final = "Unhealthy"
+
+
+class PluginGpu(msgspec.Struct, frozen=True, kw_only=True):
+    """What the plugin needs to know about one physical GPU."""
+
+    uuid: str
+    index: int
+    # None when the inventory could not tell; such a GPU gets no /dev/nvidiaN spec.
+    minor: int | None
+    memory_total_bytes: int
+    numa_node: int | None = None
+    healthy: bool = True
+    # Holds shares, so it may not go whole (the allocator says; ``withheld``): listed
+    # Unhealthy for the whole-GPU resource only, Healthy for its shares.
+    withheld: bool = False
+
+
+class PluginDevice(msgspec.Struct, frozen=True, kw_only=True):
+    """One kubelet device of one resource."""
+
+    id: str
+    gpu_uuid: str
+    healthy: bool
+    numa_node: int | None
+
+    @property
+    def health(self) -> str:
+        return HEALTHY if self.healthy else UNHEALTHY
+
+
+def build_devices(kind: ResourceKind, gpus: Iterable[PluginGpu]) -> list[PluginDevice]:
+    """The devices of one resource, in GPU index order (kubelet shows them that way)."""
+    devices: list[PluginDevice] = []
+    for gpu in sorted(gpus, key=lambda g: (g.index, g.uuid)):
+        if kind is ResourceKind.WHOLE:
+            ids = [gpu.uuid]
+        elif kind is ResourceKind.CORE:
+            ids = [core_device_id(gpu.uuid, n) for n in range(CORES_PER_GPU)]
+        elif kind is ResourceKind.RATIO:
+            ids = [ratio_device_id(gpu.uuid, n) for n in range(RATIO_UNITS_PER_GPU)]
+        else:
+            ids = [
+                memory_device_id(gpu.uuid, n) for n in range(memory_units(gpu.memory_total_bytes))
+            ]
+        healthy = gpu.healthy and not (kind is ResourceKind.WHOLE and gpu.withheld)
+        devices.extend(
+            PluginDevice(id=i, gpu_uuid=gpu.uuid, healthy=healthy, numa_node=gpu.numa_node)
+            for i in ids
+        )
+    return devices
+
+
+def build_inventory(
+    specs: Sequence[ResourceSpec], gpus: Sequence[PluginGpu]
+) -> dict[str, list[PluginDevice]]:
+    """Device lists of every served resource, keyed by resource name."""
+    return {spec.name: build_devices(spec.kind, gpus) for spec in specs}
+
+
+def plugin_gpus_from_inventory(
+    gpus: Iterable[GpuInfo], unhealthy: Collection[str] = (), withheld: Collection[str] = ()
+) -> list[PluginGpu]:
+    """Adapt the collector's inventory plus the unhealthy and the withheld UUIDs."""
+    return [
+        PluginGpu(
+            uuid=g.uuid,
+            index=g.index,
+            minor=g.minor,
+            memory_total_bytes=g.memory_total_bytes,
+            # NVML reports -1 when the platform has no NUMA information.
+            numa_node=g.numa_node if g.numa_node is not None and g.numa_node >= 0 else None,
+            healthy=g.uuid not in unhealthy,
+            withheld=g.uuid in withheld,
+        )
+        for g in gpus
+    ]

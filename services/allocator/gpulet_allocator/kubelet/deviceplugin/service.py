@@ -1,0 +1,219 @@
+"""The device-plugin service: kubelet's device plugin, fed from the bus, deciding over NATS.
+
+Flow
+----
+1. Follow the node's inventory and health (:class:`~gpulet_common.nodeview.NodeView`,
+   the health service's KV state) into a :class:`~.devicelist.DeviceList`: every
+   ``ListAndWatch`` stream then sends the new list when a GPU turns unhealthy *and*
+   when it recovers.
+2. Wait for kubelet's device-plugin directory. Where there is none (``gpulet run`` on
+   a laptop, a node without kubelet) the service stays up, *degraded*, saying why on
+   the status board (``/readyz``), and checks again every few seconds instead of
+   crashing the agent.
+3. Follow which cards hold shares and so may not go whole (the allocator's
+   ``withheld`` long poll): their whole-GPU device is listed ``Unhealthy`` while they
+   do (see :mod:`.resources`). Without an answer the last known set stays.
+4. Run the :class:`~.manager.DevicePluginManager` with the NATS backend
+   (:class:`~.nats_backend.NatsAllocationBackend`): it serves one
+   socket per resource, registers with kubelet and re-registers after kubelet
+   restarts. The status says whether kubelet accepted the registration.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import anyio
+import anyio.abc
+
+from gpulet_allocator.kubelet.deviceplugin.devicelist import DeviceList
+from gpulet_allocator.kubelet.deviceplugin.manager import DevicePluginManager
+from gpulet_allocator.kubelet.deviceplugin.metrics import PluginMetrics
+from gpulet_allocator.kubelet.deviceplugin.nats_backend import NatsAllocationBackend
+from gpulet_allocator.kubelet.deviceplugin.resources import plugin_gpus_from_inventory
+from gpulet_allocator.protocol import MAX_WITHHELD_WAIT_S
+from gpulet_common.bus import BusError
+from gpulet_common.lifecycle import idle_disabled
+from gpulet_common.messages import GpuInfo
+from gpulet_common.nodeview import NodeChange, NodeView
+from gpulet_common.runtime import Runtime
+
+log = logging.getLogger("gpulet.device-plugin")
+
+# Kubelet's dir is looked for this many watch intervals apart (2 s by default).
+DIR_POLL_INTERVALS = 4
+RESTART_DELAY_S = 5.0
+# sun_path holds 108 bytes, the terminating NUL included.
+MAX_SOCKET_PATH = 107
+# The withheld long poll: how long one request waits, and the back-off when it fails.
+WITHHELD_WAIT_S = MAX_WITHHELD_WAIT_S / 2
+WITHHELD_RETRY_MAX_S = 5.0
+
+
+class DevicePluginService:
+    name = "device-plugin"
+
+    def __init__(self, runtime: Runtime) -> None:
+        self._rt = runtime
+        self._settings = runtime.settings.allocator
+        self._config = self._settings.plugin
+        self.state = DeviceList()
+        self._gpus: list[GpuInfo] = []
+        self._have_inventory = False
+        # Cards holding shares (the allocator's answer): not offered whole.
+        self._withheld: frozenset[str] = frozenset()
+        self.view = NodeView(
+            runtime.bus,
+            runtime.node,
+            retry_s=self._settings.request_retry_s,
+            who="device-plugin",
+        )
+        self.view.listen(self._on_view)
+        self._metrics = PluginMetrics(runtime.meter)
+        #: The running manager, once kubelet's directory exists (for tests).
+        self.manager: DevicePluginManager | None = None
+
+    async def run(
+        self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        if not self._settings.enabled:
+            await idle_disabled(self.name, "allocator.enabled", self._rt.status, task_status)
+        backend = NatsAllocationBackend(
+            self._rt.bus, self._rt.node, timeout_s=self._settings.request_timeout_s
+        )
+        async with anyio.create_task_group() as tg:
+            await tg.start(self.view.run)
+            await tg.start(backend.run)
+            tg.start_soon(self._follow_withheld, backend)
+            # Said before "started", so the status board never shows a ready plugin
+            # that kubelet cannot see.
+            if not await self._plugin_dir_exists():
+                self._dir_missing()
+            else:
+                self._waiting_for_kubelet()
+            task_status.started()
+            while True:
+                await self._wait_for_plugin_dir()
+                manager = DevicePluginManager(
+                    self._config, self.state, backend, metrics=self._metrics
+                )
+                self.manager = manager
+                failure: str | None = None
+                try:
+                    async with anyio.create_task_group() as inner:
+                        inner.start_soon(self._report, manager)
+                        try:
+                            await manager.run()
+                        except (OSError, RuntimeError) as exc:
+                            # The dir is not writable by us, or gRPC cannot bind there.
+                            failure = self._cannot_serve(manager, exc)
+                        inner.cancel_scope.cancel()
+                finally:
+                    self.manager = None
+                if failure is not None:
+                    self._rt.status.set(self.name, "degraded", failure)
+                    await anyio.sleep(RESTART_DELAY_S)
+
+    def _cannot_serve(self, manager: DevicePluginManager, exc: Exception) -> str:
+        detail = f"cannot serve in {self._config.plugin_dir}: {exc}"
+        too_long = [str(p) for p in manager.socket_paths if len(os.fsencode(p)) > MAX_SOCKET_PATH]
+        if too_long:
+            detail = (
+                f"socket path {too_long[0]} is longer than the {MAX_SOCKET_PATH} bytes a unix "
+                "socket allows (shorten plugin_dir or socket_prefix)"
+            )
+        return f"{detail}; retrying in {RESTART_DELAY_S:g} s"
+
+    async def _plugin_dir_exists(self) -> bool:
+        return await anyio.Path(self._config.plugin_dir).is_dir()
+
+    def _dir_missing(self) -> None:
+        self._rt.status.set(
+            self.name,
+            "degraded",
+            f"kubelet's device-plugin directory {self._config.plugin_dir} does not exist "
+            "(not a Kubernetes node?); waiting for it",
+        )
+
+    def _waiting_for_kubelet(self) -> None:
+        socket = f"{self._config.plugin_dir.rstrip('/')}/{self._config.kubelet_socket}"
+        self._rt.status.set(
+            self.name, "degraded", f"waiting for kubelet to accept the registration at {socket}"
+        )
+
+    async def _wait_for_plugin_dir(self) -> None:
+        while not await self._plugin_dir_exists():
+            self._dir_missing()
+            await anyio.sleep(self._config.watch_interval_s * DIR_POLL_INTERVALS)
+
+    async def _report(self, manager: DevicePluginManager) -> None:
+        """Keep the status board in step with the registration and the GPUs."""
+        while True:
+            # Sleep first: a manager that fails at once reports its own reason.
+            await anyio.sleep(self._config.watch_interval_s)
+            if manager.all_registered():
+                gpus = self.state.snapshot().gpus
+                unhealthy = sum(1 for g in gpus if not g.healthy)
+                names = ", ".join(s.spec.name for s in manager.servers)
+                detail = f"registered {names}; {len(gpus)} GPUs"
+                if unhealthy:
+                    detail += f" ({unhealthy} unhealthy)"
+                self._rt.status.set(self.name, "ready", detail)
+            else:
+                self._waiting_for_kubelet()
+
+    async def _follow_withheld(self, backend: NatsAllocationBackend) -> None:
+        """Keep the withheld cards in step with the allocator (a long poll)."""
+        epoch, version = "", 0
+        delay = self._settings.request_retry_s
+        while True:
+            try:
+                reply = await backend.withheld(epoch, version, WITHHELD_WAIT_S)
+            except BusError as exc:
+                log.debug("withheld cards unknown (%s); asking again in %.1f s", exc, delay)
+                await anyio.sleep(delay)
+                delay = min(delay * 2, WITHHELD_RETRY_MAX_S)
+                continue
+            delay = self._settings.request_retry_s
+            if (reply.epoch, reply.version) == (epoch, version):
+                # Nothing changed (the poll's time ran out): a breath, never a hot loop.
+                await anyio.sleep(0.05)
+                continue
+            epoch, version = reply.epoch, reply.version
+            withheld = frozenset(reply.withheld)
+            if withheld != self._withheld:
+                for uuid in sorted(withheld - self._withheld):
+                    log.info("GPU %s not offered whole: %s", uuid, reply.withheld[uuid])
+                self._withheld = withheld
+                self._publish()
+
+    def _on_view(self, change: NodeChange) -> None:
+        inventory = self.view.inventory
+        if change.inventory and inventory is not None:
+            if inventory.degraded_reason and not inventory.gpus and self._have_inventory:
+                # NVML failed: that says nothing about the GPUs, so kubelet keeps the list.
+                log.warning(
+                    "keeping the GPU list: inventory degraded (%s)", inventory.degraded_reason
+                )
+            else:
+                self._have_inventory = True
+                self._gpus = list(inventory.gpus)
+        self._publish()
+
+    def _publish(self) -> None:
+        gpus = self._gpus
+        if self._have_inventory:
+            # A GPU the health service reports not present (lost, or missing since the
+            # agent started) stays in kubelet's list as Unhealthy: kubelet then keeps
+            # counting it in the node's capacity and the operator sees a broken GPU,
+            # not one GPU fewer.
+            listed = {g.uuid for g in gpus}
+            gpus = gpus + [
+                h.info
+                for u, h in sorted(self.view.healths().items())
+                if not h.present and h.info is not None and h.info.uuid == u and u not in listed
+            ]
+        plugin_gpus = plugin_gpus_from_inventory(gpus, self.view.unhealthy(), self._withheld)
+        if self.state.publish(plugin_gpus):
+            log.debug("device list version %d", self.state.snapshot().version)

@@ -1,0 +1,146 @@
+"""A ResourceClaim read from the API server, decoded totally into our devices.
+
+What Prepare may act on (``resource.k8s.io/v1``, ``status.allocation.devices.results``)
+is checked here, never assumed:
+
+* the object is a claim whose ``metadata.uid``, ``namespace`` and ``name`` are the ones
+  kubelet named (a claim deleted and created again under the same name has another
+  UID: preparing it would hand the old pod's devices to a new claim);
+* it is allocated (``status.allocation`` present);
+* only results whose ``driver`` is ours are taken (a claim may also hold other
+  drivers' devices: theirs are theirs to prepare); each must name our pool (this node)
+  and a device name that is a DNS label;
+* ``request`` ``main/sub`` (a prioritized-list sub-request) counts as ``main``;
+* ``consumedCapacity`` of a shared device gives the share: ``cores`` (percent, 1-100)
+  and ``memory`` (bytes, a whole quantity).
+
+Anything else is a :class:`ClaimError` whose message is the per-claim ``error`` kubelet
+sees. Nothing here raises anything else, whatever the JSON.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+import anyio
+from kubernetes_asyncio import client as k8s_client
+from kubernetes_asyncio.client.exceptions import ApiException
+
+from gpulet_allocator.kubelet.dra.contract import ClaimDevice, ClaimReadError, JsonObj
+from gpulet_common.dra import limits
+from gpulet_common.dra.devices import parse_quantity
+
+MAX_RESULTS: Final = 128
+GROUP: Final = "resource.k8s.io"
+VERSION: Final = "v1"
+
+
+class ClaimError(ValueError):
+    """The claim cannot be prepared; the message says why (kubelet shows it)."""
+
+
+def _dict(value: Any) -> JsonObj:
+    return value if isinstance(value, dict) else {}
+
+
+def devices_of(
+    claim: Any, *, uid: str, namespace: str, name: str, driver: str, pool: str
+) -> list[ClaimDevice]:
+    """Our driver's devices of an allocated claim; raises ClaimError."""
+    if not isinstance(claim, dict):
+        raise ClaimError("the API server's answer is not a ResourceClaim")
+    meta = _dict(claim.get("metadata"))
+    if meta.get("uid") != uid:
+        raise ClaimError(
+            f"claim {namespace}/{name} has UID {str(meta.get('uid'))[:64]!r}, not {uid}"
+        )
+    if meta.get("namespace") != namespace or meta.get("name") != name:
+        raise ClaimError(f"the API server answered with another claim for {namespace}/{name}")
+    allocation = _dict(claim.get("status")).get("allocation")
+    if not isinstance(allocation, dict):
+        raise ClaimError(f"claim {namespace}/{name} is not allocated")
+    results = _dict(allocation.get("devices")).get("results")
+    if results is None:
+        results = []
+    if not isinstance(results, list) or len(results) > MAX_RESULTS:
+        raise ClaimError(f"claim {namespace}/{name}: malformed allocation results")
+    found: list[ClaimDevice] = []
+    seen: set[tuple[str, str, str]] = set()
+    for i, result in enumerate(results):
+        if not isinstance(result, dict):
+            raise ClaimError(f"claim {namespace}/{name}: result {i} is not an object")
+        if result.get("driver") != driver:
+            continue
+        device = _one(result, i, pool=pool, where=f"{namespace}/{name}")
+        key = (device.pool, device.device, device.share_id)
+        if key in seen:
+            # The same device twice in one claim (two requests): merge request names.
+            merged = next(d for d in found if (d.pool, d.device, d.share_id) == key)
+            found[found.index(merged)] = ClaimDevice(
+                merged.pool,
+                merged.device,
+                tuple(dict.fromkeys(merged.requests + device.requests)),
+                merged.cores,
+                merged.memory_bytes,
+                merged.share_id,
+            )
+            continue
+        seen.add(key)
+        found.append(device)
+    return found
+
+
+def _one(result: JsonObj, i: int, *, pool: str, where: str) -> ClaimDevice:
+    got_pool, device, request = result.get("pool"), result.get("device"), result.get("request")
+    if got_pool != pool:
+        raise ClaimError(f"claim {where}: result {i} is in pool {str(got_pool)[:64]!r}, not {pool}")
+    if not isinstance(device, str) or not limits.is_dns_label(device):
+        raise ClaimError(f"claim {where}: result {i} names no valid device")
+    if not isinstance(request, str) or not request:
+        raise ClaimError(f"claim {where}: result {i} names no request")
+    main = request.split("/", 1)[0]
+    share = result.get("shareID")
+    share_id = share if isinstance(share, str) else ""
+    consumed = result.get("consumedCapacity")
+    cores = memory = None
+    if consumed is not None:
+        if not isinstance(consumed, dict):
+            raise ClaimError(f"claim {where}: result {i} has malformed consumedCapacity")
+        if "cores" in consumed:
+            cores = parse_quantity(consumed["cores"])
+            if cores is None or not 1 <= cores <= 100:
+                raise ClaimError(f"claim {where}: result {i} consumes invalid cores")
+        if "memory" in consumed:
+            memory = parse_quantity(consumed["memory"])
+            if memory is None or memory <= 0:
+                raise ClaimError(f"claim {where}: result {i} consumes invalid memory")
+    return ClaimDevice(pool, device, (main,), cores, memory, share_id)
+
+
+class KubeClaimReader:
+    """:class:`~.contract.ClaimReader` through kubernetes-asyncio (raw JSON)."""
+
+    def __init__(self, api: Any, *, timeout_s: float = 10.0) -> None:
+        self._custom = k8s_client.CustomObjectsApi(api)
+        self._timeout = timeout_s
+
+    async def get_claim(self, namespace: str, name: str) -> JsonObj | None:
+        try:
+            with anyio.fail_after(self._timeout + 1):
+                found = await self._custom.get_namespaced_custom_object(
+                    GROUP,
+                    VERSION,
+                    namespace,
+                    "resourceclaims",
+                    name,
+                    _request_timeout=self._timeout,
+                )
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise ClaimReadError(f"get claim {namespace}/{name}: HTTP {exc.status}") from exc
+        except (TimeoutError, OSError) as exc:
+            raise ClaimReadError(f"get claim {namespace}/{name}: {type(exc).__name__}") from exc
+        except Exception as exc:  # aiohttp errors and undecodable answers alike
+            raise ClaimReadError(f"get claim {namespace}/{name}: {type(exc).__name__}") from exc
+        return found if isinstance(found, dict) else {}

@@ -1,0 +1,129 @@
+"""``DRAResourceHealth.NodeWatchResources`` (KEP-4680), in every version kubelet dials.
+
+kubelet opens the stream on the plugin's DRA socket and keeps it open; each message
+is the complete list of the driver's devices with their health (``HEALTHY``,
+``UNHEALTHY`` or ``UNKNOWN``), the time it was last determined and a message. A
+device missing from the list turns ``Unknown`` after kubelet's timeout, so every
+message lists every device. We send the list when the stream opens and again on every
+change of the :class:`~.contract.HealthSource`, and never end the stream ourselves
+(kubelet retries a closed stream every 5 s; an Unimplemented answer makes it retry
+for ever). The same servicer serves ``v1alpha1`` (what the Go helper advertises),
+``v1beta1`` and ``v1``: their messages differ only in the fields v1alpha1 lacks.
+
+:class:`NodeViewHealth` is the production source: the node read model, the one the
+device plugin's ListAndWatch and the slices' taints read too.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from types import ModuleType
+from typing import Any, Final
+
+import anyio
+import grpc.aio
+
+from gpulet_allocator.kubelet.dra.contract import DeviceHealth, Health, HealthSource
+from gpulet_common.dra.devices import device_name
+from gpulet_common.kubelet_api.dra_health.v1 import api_pb2 as health_v1
+from gpulet_common.kubelet_api.dra_health.v1 import api_pb2_grpc as health_v1_grpc
+from gpulet_common.kubelet_api.dra_health.v1alpha1 import api_pb2 as health_v1alpha1
+from gpulet_common.kubelet_api.dra_health.v1alpha1 import api_pb2_grpc as health_v1alpha1_grpc
+from gpulet_common.kubelet_api.dra_health.v1beta1 import api_pb2 as health_v1beta1
+from gpulet_common.kubelet_api.dra_health.v1beta1 import api_pb2_grpc as health_v1beta1_grpc
+from gpulet_common.nodeview import NodeChange, NodeView
+
+MAX_MESSAGE: Final = 1024
+VERSIONS: Final = (
+    (health_v1alpha1, health_v1alpha1_grpc),
+    (health_v1beta1, health_v1beta1_grpc),
+    (health_v1, health_v1_grpc),
+)
+_STATUS: Final = {"healthy": "HEALTHY", "unhealthy": "UNHEALTHY", "unknown": "UNKNOWN"}
+
+
+def to_message(pb: ModuleType, devices: list[DeviceHealth]) -> Any:
+    rich = "message" in pb.DeviceHealth.DESCRIPTOR.fields_by_name
+    out = []
+    for d in devices:
+        fields: dict[str, Any] = {
+            "device": pb.DeviceIdentifier(pool_name=d.pool, device_name=d.device),
+            "health": pb.HealthStatus.Value(_STATUS.get(d.health, "UNKNOWN")),
+            "last_updated_time": int(d.since or time.time()),
+        }
+        if rich and d.message:
+            fields["message"] = d.message[:MAX_MESSAGE]
+        out.append(pb.DeviceHealth(**fields))
+    return pb.NodeWatchResourcesResponse(devices=out)
+
+
+class HealthServicer:
+    """One per version; all read the same source."""
+
+    def __init__(self, pb: ModuleType, source: HealthSource) -> None:
+        self._pb = pb
+        self._source = source
+        self.streams = 0
+
+    async def NodeWatchResources(
+        self, request: Any, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[Any]:
+        self.streams += 1
+        version = await self._source.wait_changed(-1)
+        while True:
+            yield to_message(self._pb, list(self._source.device_health()))
+            version = await self._source.wait_changed(version)
+
+
+def add_health_servicers(server: grpc.aio.Server, source: HealthSource) -> list[HealthServicer]:
+    servicers = []
+    for pb, pb_grpc in VERSIONS:
+        servicer = HealthServicer(pb, source)
+        pb_grpc.add_DRAResourceHealthServicer_to_server(servicer, server)
+        servicers.append(servicer)
+    return servicers
+
+
+class NodeViewHealth:
+    """:class:`~.contract.HealthSource` from the node read model: every GPU of the
+    inventory as ``gpu-<minor>`` of ``pool``, healthy unless the health service says
+    otherwise (the same rule as :meth:`NodeView.healthy`), the active conditions'
+    reasons as the message, the health service's ``updated_at`` as the time."""
+
+    def __init__(self, view: NodeView, pool: str) -> None:
+        self._view = view
+        self._pool = pool
+        self.version = 0
+        self._changed = anyio.Event()
+        view.listen(self._on_change)
+
+    def _on_change(self, _change: NodeChange) -> None:
+        self.version += 1
+        self._changed.set()
+        self._changed = anyio.Event()
+
+    def device_health(self) -> list[DeviceHealth]:
+        inventory = self._view.inventory
+        if inventory is None:
+            return []
+        out = []
+        for gpu in sorted(inventory.gpus, key=lambda g: g.index):
+            health = self._view.health(gpu.uuid)
+            state: Health = "healthy" if self._view.healthy(gpu.uuid) else "unhealthy"
+            message = ""
+            since = 0.0
+            if health is not None:
+                since = health.updated_at
+                message = "; ".join(
+                    f"{c.condition or c.kind}: {c.reason}" for c in health.conditions
+                )
+                if not health.present:
+                    message = "GPU not present" + (f"; {message}" if message else "")
+            out.append(DeviceHealth(self._pool, device_name(gpu), state, since, message))
+        return out
+
+    async def wait_changed(self, version: int) -> int:
+        while version >= 0 and version == self.version:
+            await self._changed.wait()
+        return self.version

@@ -1,0 +1,266 @@
+"""NodePrepareResources / NodeUnprepareResources: the rules, apart from gRPC.
+
+Prepare, for each claim of the request (one claim's failure is that claim's ``error``
+entry, never the call's):
+
+1. the UID must be a UID (it names a file); a claim listed twice is prepared once;
+2. the claim is read from the API server (:class:`~.contract.ClaimReader`) and decoded
+   by :func:`~.claims.devices_of`: same UID, allocated, our driver's results only, in
+   our pool;
+3. the decision core reserves the devices for the claim UID in the shared ledger
+   (idempotent: the same claim again gets the same reservation; a device held by
+   another claim or by the device plugin is refused);
+4. the claim's CDI spec is written atomically (written again on a repeat, so a spec
+   lost or left stale is repaired), the claim is checkpointed;
+5. the answer lists each device with its CDI ID.
+
+A failure after step 3 releases a reservation that this call made (not one an earlier
+Prepare made and kubelet still counts on).
+
+Unprepare, for each claim: release the claim in the ledger, remove its CDI spec and
+its checkpoint entry, each by the UID alone, so it works after a restart without the
+claim object, and for a UID never prepared (an empty, successful entry): idempotent.
+
+Order: calls for one claim UID are serialized by a per-claim lock, and Prepare reads
+the claim afresh each time. So an Unprepare that arrives while a Prepare of the same
+claim is in flight waits for it and then undoes it, and a Prepare that comes after an
+Unprepare prepares again only if the claim is still allocated to this node (NVIDIA's
+#641: the reverse order leaked devices there). Each claim is bounded by
+``claim_timeout_s`` (kubelet gives the whole call about 45 s).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import anyio
+
+from gpulet_allocator.kubelet.dra.checkpoint import CheckpointFile, PreparedClaim, PreparedDevice
+from gpulet_allocator.kubelet.dra.claims import ClaimError, devices_of
+from gpulet_allocator.kubelet.dra.contract import (
+    ClaimDevice,
+    ClaimReader,
+    ClaimReadError,
+    DecisionCore,
+    Reservation,
+)
+from gpulet_common.dra import cdi
+from gpulet_common.logutil import RateLimitedLog
+from gpulet_common.refusal import BusError, bounded
+
+log = logging.getLogger("gpulet.dra.plugin")
+
+
+@dataclass(frozen=True)
+class ClaimRef:
+    namespace: str
+    uid: str
+    name: str
+
+
+@dataclass
+class PrepareResult:
+    devices: list[PreparedDevice] = field(default_factory=list)
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class PluginSettings:
+    driver: str
+    pool: str  # the node's pool: the node name
+    cdi_dir: Path
+    checkpoint: Path
+    dev_root: Path = Path("/dev")
+    host_dev: str = "/dev"
+    mps_pipe_directory: str = ""
+    claim_timeout_s: float = 30.0
+
+
+class _Locks:
+    """One lock per claim UID, dropped when nobody holds or waits for it."""
+
+    def __init__(self) -> None:
+        self._locks: dict[str, tuple[anyio.Lock, int]] = {}
+
+    def acquire_ref(self, uid: str) -> anyio.Lock:
+        lock, users = self._locks.get(uid, (anyio.Lock(), 0))
+        self._locks[uid] = (lock, users + 1)
+        return lock
+
+    def release_ref(self, uid: str) -> None:
+        lock, users = self._locks[uid]
+        if users <= 1:
+            del self._locks[uid]
+        else:
+            self._locks[uid] = (lock, users - 1)
+
+    def __len__(self) -> int:
+        return len(self._locks)
+
+
+class DraPlugin:
+    def __init__(self, core: DecisionCore, reader: ClaimReader, settings: PluginSettings) -> None:
+        self._core = core
+        self._reader = reader
+        self.settings = settings
+        self.checkpoint = CheckpointFile(settings.checkpoint)
+        self.locks = _Locks()
+        self._log = RateLimitedLog(log, per_minute=10)
+
+    def load(self) -> None:
+        """Read the checkpoint (blocking file I/O: call at start, off the loop if need be)."""
+        self.checkpoint.load()
+
+    # --- Prepare -------------------------------------------------------------------------
+
+    async def prepare(self, claims: Sequence[ClaimRef]) -> dict[str, PrepareResult]:
+        out: dict[str, PrepareResult] = {}
+        unique = list({c.uid: c for c in claims}.values())
+
+        async def one(claim: ClaimRef) -> None:
+            out[claim.uid] = await self._serialized_prepare(claim)
+
+        async with anyio.create_task_group() as tg:
+            for claim in unique:
+                tg.start_soon(one, claim)
+        return out
+
+    async def _serialized_prepare(self, claim: ClaimRef) -> PrepareResult:
+        try:
+            cdi.check_uid(claim.uid)
+        except ValueError as exc:
+            return PrepareResult(error=str(exc))
+        lock = self.locks.acquire_ref(claim.uid)
+        try:
+            async with lock:
+                result: PrepareResult | None = None
+                with anyio.move_on_after(self.settings.claim_timeout_s):
+                    result = await self._prepare(claim)
+                if result is None:
+                    limit = self.settings.claim_timeout_s
+                    return PrepareResult(error=f"prepare timed out after {limit:.0f}s")
+                return result
+        except Exception as exc:  # a bug of ours must not fail the other claims
+            log.exception("prepare of claim %s failed", claim.uid)
+            return PrepareResult(error=f"internal error: {type(exc).__name__}")
+        finally:
+            self.locks.release_ref(claim.uid)
+
+    async def _prepare(self, claim: ClaimRef) -> PrepareResult:
+        s = self.settings
+        where = f"{claim.namespace}/{claim.name}"
+        try:
+            body = await self._reader.get_claim(claim.namespace, claim.name)
+        except ClaimReadError as exc:
+            return PrepareResult(error=bounded(str(exc)))
+        if body is None:
+            return PrepareResult(error=f"claim {where} not found")
+        try:
+            wanted = devices_of(
+                body,
+                uid=claim.uid,
+                namespace=claim.namespace,
+                name=claim.name,
+                driver=s.driver,
+                pool=s.pool,
+            )
+        except ClaimError as exc:
+            return PrepareResult(error=bounded(str(exc)))
+        held_before = claim.uid in self.checkpoint.claims
+        if not wanted:
+            # Nothing of ours in this claim: nothing to reserve, nothing to inject.
+            return PrepareResult()
+        try:
+            reservation = self._core.reserve_claim(claim.uid, wanted)
+        except BusError as exc:
+            return PrepareResult(error=bounded(f"claim {where}: {exc.message}"))
+        missing = {w.device for w in wanted} - {d.device for d in reservation.devices}
+        if missing:
+            if not held_before:
+                self._core.release_claim(claim.uid)
+            return PrepareResult(error=f"claim {where}: not reserved: {sorted(missing)}")
+        try:
+            prepared = await anyio.to_thread.run_sync(self._write, claim, wanted, reservation)
+        except OSError as exc:
+            if not held_before:
+                self._core.release_claim(claim.uid)
+            self._log.warning(
+                "prepare of %s: cannot write its CDI spec or checkpoint: %s", where, exc
+            )
+            return PrepareResult(error=bounded(f"claim {where}: cannot write CDI spec: {exc}"))
+        return PrepareResult(devices=prepared.devices)
+
+    def _write(
+        self, claim: ClaimRef, wanted: Sequence[ClaimDevice], reservation: Reservation
+    ) -> PreparedClaim:
+        s = self.settings
+        by_device = {d.device: d for d in reservation.devices}
+        spec = cdi.build_spec(
+            s.driver,
+            claim.uid,
+            reservation.allocation,
+            [
+                cdi.PreparedDevice(d.device, d.uuid, d.minor, d.cores, d.memory_mib)
+                for d in reservation.devices
+            ],
+            dev_root=s.dev_root,
+            host_dev=s.host_dev,
+            mps_pipe_directory=s.mps_pipe_directory,
+        )
+        cdi.write_spec(s.cdi_dir, s.driver, claim.uid, spec)
+        devices = [
+            PreparedDevice(
+                requests=list(w.requests),
+                pool=w.pool,
+                device=w.device,
+                cdi_ids=[cdi.device_id(s.driver, claim.uid, w.device)]
+                if w.device in by_device
+                else [],
+            )
+            for w in wanted
+        ]
+        prepared = PreparedClaim(
+            uid=claim.uid,
+            namespace=claim.namespace,
+            name=claim.name,
+            allocation=reservation.allocation,
+            devices=devices,
+        )
+        self.checkpoint.put(prepared)
+        return prepared
+
+    # --- Unprepare -----------------------------------------------------------------------
+
+    async def unprepare(self, claims: Sequence[ClaimRef]) -> dict[str, str]:
+        out: dict[str, str] = {}
+        for claim in {c.uid: c for c in claims}.values():
+            out[claim.uid] = await self._serialized_unprepare(claim)
+        return out
+
+    async def _serialized_unprepare(self, claim: ClaimRef) -> str:
+        try:
+            cdi.check_uid(claim.uid)
+        except ValueError as exc:
+            return str(exc)
+        lock = self.locks.acquire_ref(claim.uid)
+        try:
+            async with lock:
+                self._core.release_claim(claim.uid)
+                await anyio.to_thread.run_sync(self._forget, claim.uid)
+                return ""
+        except BusError as exc:
+            return bounded(f"claim {claim.uid}: {exc.message}")
+        except OSError as exc:
+            return bounded(f"claim {claim.uid}: cannot remove its CDI spec: {exc}")
+        except Exception as exc:
+            log.exception("unprepare of claim %s failed", claim.uid)
+            return f"internal error: {type(exc).__name__}"
+        finally:
+            self.locks.release_ref(claim.uid)
+
+    def _forget(self, uid: str) -> None:
+        cdi.remove_spec(self.settings.cdi_dir, self.settings.driver, uid)
+        self.checkpoint.drop(uid)

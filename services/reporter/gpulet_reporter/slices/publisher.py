@@ -1,0 +1,215 @@
+"""The ResourceSlice publisher: node read model → debounce → :class:`SliceWriter`.
+
+Flow
+----
+* :meth:`SlicePublisher.attach` listens to a :class:`~gpulet_common.nodeview.NodeView`:
+  every change of the inventory or of a GPU's health submits a :class:`SliceInput`
+  to a :class:`~gpulet_reporter.debounce.Debouncer` (quiet window, maximum delay,
+  latest wins). A GPU that appears or disappears, a fault, a recovery: each is a new
+  input, so the pool follows the node without a restart. The device plugin adapter
+  calls :meth:`set_held` when the GPUs it holds change (mode ``both``).
+* A :class:`~gpulet_reporter.writer.WriteLoop` applies the newest input through the
+  writer, which writes only what differs from what the API server holds: at rest no
+  write at all, and each failure is retried with back-off until it sticks.
+* A watch on the node's slices of our driver notices a slice that someone else
+  deleted or changed (kubelet deletes a node's slices when it starts): it forgets the
+  observation and submits the last input again, so the pool is back within the
+  debounce. A watched slice that is exactly what gpulet last applied (its own write,
+  seen before the write's answer) is taken as observed, without a re-read. The loop's
+  reconcile timer (``resync_s``) re-lists even when the watch is
+  down. Each time a watch opens (the first, or again after it ended or failed) the
+  slices are read again too, since nothing tells what happened while none was open. Watch lines are
+  decoded totally; one bad line is counted, never fatal.
+
+An inventory that NVML could not read (``degraded_reason``) is not published: it would
+delete the pool on a transient NVML failure; the last pool stays until a usable one
+arrives (the health service taints the GPUs meanwhile if they are really gone).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import aiohttp
+import anyio
+from kubernetes_asyncio.client.exceptions import ApiException
+from opentelemetry import metrics
+
+from gpulet_common.dra.settings import DraSettings
+from gpulet_common.logutil import RateLimitedLog
+from gpulet_common.nodeview import NodeChange, NodeView
+from gpulet_common.settings.reporter import ReporterSettings
+from gpulet_reporter.debounce import Debouncer
+from gpulet_reporter.metrics import ReporterMetrics
+from gpulet_reporter.slices.writer import GROUP, PLURAL, VERSION, SliceInput, SliceWriter
+from gpulet_reporter.writer import NodeClient, WriteLoop
+
+log = logging.getLogger("gpulet.reporter.slices")
+
+WATCH_BACKOFF_MAX_S = 30.0
+
+
+def loop_settings(settings: DraSettings) -> ReporterSettings:
+    """The write loop's knobs, from the DRA section."""
+    return ReporterSettings(
+        quiet_window_s=settings.quiet_window_s,
+        max_delay_s=settings.max_delay_s,
+        reconcile_interval_s=settings.resync_s,
+        api_timeout_s=settings.api_timeout_s,
+        backoff_base_s=settings.backoff_base_s,
+        backoff_max_s=settings.backoff_max_s,
+        field_manager=settings.field_manager,
+    )
+
+
+class SlicePublisher:
+    def __init__(
+        self,
+        api: Any,
+        node: str,
+        settings: DraSettings,
+        *,
+        meter: metrics.Meter | None = None,
+        pcie_root: Callable[[str], str] | None = None,
+        server: str = "",
+    ) -> None:
+        self._settings = settings
+        loop = loop_settings(settings)
+        self.metrics = ReporterMetrics(meter or metrics.get_meter("gpulet.dra"))
+        self._client = NodeClient(
+            api, node, loop, self.metrics, missing="slices carry no owner reference"
+        )
+        self.writer = SliceWriter(self._client, settings, pcie_root=pcie_root, server=server)
+        self.debouncer: Debouncer[SliceInput] = Debouncer(
+            settings.quiet_window_s, settings.max_delay_s
+        )
+        self._loop = WriteLoop(self.writer, self.debouncer, loop, self.metrics)
+        self._view: NodeView | None = None
+        self._held: frozenset[str] = frozenset()
+        self.last: SliceInput | None = None
+        self.watch_events = 0
+        self.watches = 0
+        self.repairs = 0
+        self.bad_lines = 0
+        self._log = RateLimitedLog(log, per_minute=4)
+
+    # --- inputs --------------------------------------------------------------------
+
+    def attach(self, view: NodeView) -> None:
+        self._view = view
+        view.listen(self._on_change)
+        self._on_change(NodeChange(inventory=True))
+
+    def _on_change(self, _change: NodeChange) -> None:
+        view = self._view
+        if view is None or view.inventory is None:
+            return
+        if view.inventory.degraded_reason:
+            self._log.warning(
+                "slices of %s kept as they are: the inventory is degraded (%s)",
+                view.inventory.node,
+                view.inventory.degraded_reason,
+            )
+            return
+        self.submit(SliceInput(view.inventory, dict(view.healths()), self._held))
+
+    def set_held(self, uuids: Iterable[str]) -> None:
+        held = frozenset(uuids)
+        if held == self._held:
+            return
+        self._held = held
+        if self.last is not None:
+            self.submit(SliceInput(self.last.inventory, self.last.healths, held))
+
+    def submit(self, desired: SliceInput) -> None:
+        if desired == self.last:
+            return
+        self.last = desired
+        self.debouncer.submit(desired)
+
+    def _repair(self, why: str) -> None:
+        self.repairs += 1
+        log.info("slices of %s: %s; publishing again", self.writer.node, why)
+        self.writer.listed = False
+        if self.last is not None:
+            self.debouncer.submit(self.last)
+
+    # --- tasks ---------------------------------------------------------------------
+
+    async def run(self) -> None:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._loop.run)
+            tg.start_soon(self._watch_forever)
+
+    async def _watch_forever(self) -> None:
+        attempt = 0
+        while True:
+            try:
+                await self._watch_once()
+                attempt = 0
+            except (ApiException, aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
+                attempt += 1
+                delay = random.uniform(0, min(WATCH_BACKOFF_MAX_S, 0.2 * 2 ** min(attempt, 10)))
+                self._log.warning("watch of resourceslices failed (%s); again in %.1fs", exc, delay)
+                await anyio.sleep(delay)
+
+    async def _watch_once(self) -> None:
+        seconds = max(1, int(self._settings.watch_timeout_s))
+        custom = self.writer._custom
+        response: Any = await custom.list_cluster_custom_object(
+            GROUP,
+            VERSION,
+            PLURAL,
+            field_selector=f"spec.nodeName={self.writer.node},spec.driver={self._settings.driver}",
+            watch=True,
+            timeout_seconds=seconds,
+            _request_timeout=seconds + self._settings.api_timeout_s,
+            _preload_content=False,
+        )
+        try:
+            if response.status != 200:
+                raise ApiException(status=response.status, reason=str(response.reason))
+            # Whatever happened while no watch was open (before the first, during a
+            # back-off) sent no event: now that one is open, read the slices again.
+            self.watches += 1
+            self._repair("a watch opened")
+            async for line in response.content:
+                if line.strip():
+                    self._on_line(line)
+        finally:
+            response.release()
+
+    def _on_line(self, line: bytes) -> None:
+        try:
+            event = json.loads(line)
+        except ValueError:
+            self.bad_lines += 1
+            return
+        if not isinstance(event, dict) or not isinstance(event.get("object"), dict):
+            self.bad_lines += 1
+            return
+        self.watch_events += 1
+        kind, obj = event.get("type"), event["object"]
+        meta = obj.get("metadata") if isinstance(obj.get("metadata"), dict) else {}
+        spec = obj.get("spec") if isinstance(obj.get("spec"), dict) else {}
+        name = meta.get("name")
+        if kind not in ("ADDED", "MODIFIED", "DELETED") or not isinstance(name, str):
+            return
+        if spec.get("nodeName") != self.writer.node or spec.get("driver") != self._settings.driver:
+            return  # not ours, whatever the server's selector let through
+        held = self.writer.observed.get(name)
+        if kind == "DELETED":
+            # One we still want (a surplus slice we deleted ourselves is not wanted).
+            if name in self.writer.wanted or self.writer.pool is None:
+                self._repair(f"{name} was deleted")
+            return
+        version = meta.get("resourceVersion")
+        if held is not None and (held.get("metadata") or {}).get("resourceVersion") == version:
+            return
+        if self.writer.accept_if_ours(name, obj):
+            return  # our own write, seen before its answer: no re-read needed
+        self._repair(f"{name} changed outside gpulet ({kind})")

@@ -1,0 +1,177 @@
+"""CDI specs of prepared claims: content, the CDI project's JSON schema, atomic writes.
+
+The schema files are verbatim copies of the CDI project's (tests/dra/data/cdi-schema,
+SOURCE.md names the commits). A real CDI consumer (podman resolving the spec) is the
+image tests' job (issue 26's end-to-end part).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from referencing import Registry, Resource
+
+from gpulet_common.dra import cdi
+
+SCHEMA_DIR = Path(__file__).parent / "data" / "cdi-schema"
+DRIVER = "gpu.gpulet.io"
+UID = "8f1c2d3e-0000-4000-8000-00000000abcd"
+_ENV = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
+
+
+def validator() -> jsonschema.Draft7Validator:
+    schema = json.loads((SCHEMA_DIR / "schema.json").read_text())
+    defs = json.loads((SCHEMA_DIR / "defs.json").read_text())
+    registry: Registry[Any] = Registry().with_resource(
+        "defs.json", Resource.from_contents(defs, default_specification=_draft7())
+    )
+    return jsonschema.Draft7Validator(schema, registry=registry)
+
+
+def _draft7() -> Any:
+    from referencing.jsonschema import DRAFT7
+
+    return DRAFT7
+
+
+def check(spec: dict[str, Any]) -> None:
+    validator().validate(spec)
+    # What the upstream schema cannot check (its env items use "ref", not "$ref").
+    edits = [spec.get("containerEdits", {})] + [d["containerEdits"] for d in spec["devices"]]
+    for edit in edits:
+        for entry in edit.get("env", []):
+            assert isinstance(entry, str)
+            assert _ENV.match(entry), entry
+    names = [d["name"] for d in spec["devices"]]
+    assert len(set(names)) == len(names)
+    assert all(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.:-]*", n) for n in names)
+
+
+def fake_dev(tmp_path: Path, *names: str) -> Path:
+    root = tmp_path / "dev"
+    root.mkdir()
+    for name in names:
+        (root / name).touch()
+    return root
+
+
+def test_a_whole_gpu_claim(tmp_path: Path) -> None:
+    dev = fake_dev(tmp_path, "nvidiactl", "nvidia-uvm", "nvidia3")
+    devices = [cdi.PreparedDevice("gpu-3", "GPU-3", 3), cdi.PreparedDevice("gpu-5", "GPU-5", 5)]
+    spec = cdi.build_spec(DRIVER, UID, "alloc-1", devices, dev_root=dev)
+    check(spec)
+    assert spec["kind"] == "gpu.gpulet.io/gpu"
+    assert [d["name"] for d in spec["devices"]] == [f"{UID}-gpu-3", f"{UID}-gpu-5"]
+    assert spec["devices"][0]["containerEdits"]["deviceNodes"][0]["path"] == "/dev/nvidia3"
+    assert spec["containerEdits"]["env"] == [
+        "NVIDIA_VISIBLE_DEVICES=GPU-3,GPU-5",
+        "GPULET_ALLOCATION_ID=alloc-1",
+    ]
+    # Only the control files that exist (a missing one would fail the container).
+    assert [n["path"] for n in spec["containerEdits"]["deviceNodes"]] == [
+        "/dev/nvidiactl",
+        "/dev/nvidia-uvm",
+    ]
+    assert cdi.device_id(DRIVER, UID, "gpu-3") == f"gpu.gpulet.io/gpu={UID}-gpu-3"
+
+
+def test_a_share_gets_the_device_plugins_mps_limits(tmp_path: Path) -> None:
+    share = cdi.PreparedDevice("gpu-1", "GPU-1", 1, cores=30, memory_mib=20 * 1024)
+    spec = cdi.build_spec(
+        DRIVER, UID, "alloc-2", [share], dev_root=tmp_path, mps_pipe_directory="/run/mps"
+    )
+    check(spec)
+    env = spec["containerEdits"]["env"]
+    assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=30" in env
+    assert "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=20480M" in env
+    assert "CUDA_MPS_PIPE_DIRECTORY=/run/mps" in env
+    assert spec["containerEdits"]["mounts"][0]["hostPath"] == "/run/mps"
+
+
+def test_spec_files_are_written_atomically_and_removed(tmp_path: Path) -> None:
+    cdi_dir = tmp_path / "cdi"
+    spec = cdi.build_spec(DRIVER, UID, "a", [cdi.PreparedDevice("gpu-0", "GPU-0", 0)])
+    path = cdi.write_spec(cdi_dir, DRIVER, UID, spec)
+    assert path == cdi_dir / f"gpu.gpulet.io-gpu_{UID}.json"
+    assert json.loads(path.read_text()) == spec
+    assert oct(path.stat().st_mode & 0o777) == oct(cdi.SPEC_MODE)
+    # Rewriting replaces the file (a new inode), leaving no temporary behind.
+    inode = path.stat().st_ino
+    cdi.write_spec(cdi_dir, DRIVER, UID, {**spec, "devices": []})
+    assert path.stat().st_ino != inode
+    assert sorted(p.name for p in cdi_dir.iterdir()) == [path.name]
+    assert cdi.remove_spec(cdi_dir, DRIVER, UID)
+    assert not cdi.remove_spec(cdi_dir, DRIVER, UID)
+    assert list(cdi_dir.iterdir()) == []
+
+
+def test_a_symlinked_cdi_dir_is_refused(tmp_path: Path) -> None:
+    target = tmp_path / "elsewhere"
+    target.mkdir()
+    (tmp_path / "cdi").symlink_to(target)
+    with pytest.raises(OSError, match=r"(?i)symbolic|not a directory|too many levels"):
+        cdi.write_spec(tmp_path / "cdi", DRIVER, UID, {"devices": []})
+    assert list(target.iterdir()) == []
+
+
+def test_a_planted_symlink_is_replaced_not_followed(tmp_path: Path) -> None:
+    cdi_dir = tmp_path / "cdi"
+    cdi_dir.mkdir()
+    victim = tmp_path / "victim"
+    victim.write_text("keep")
+    (cdi_dir / cdi.spec_file(cdi_dir, DRIVER, UID).name).symlink_to(victim)
+    cdi.write_spec(cdi_dir, DRIVER, UID, {"devices": []})
+    assert victim.read_text() == "keep"
+    assert not cdi.spec_file(cdi_dir, DRIVER, UID).is_symlink()
+
+
+@pytest.mark.parametrize("uid", ["../etc", "a/b", "", "-x", "x" * 64, "a b", "ü"])
+def test_a_uid_that_is_not_one_never_names_a_path(tmp_path: Path, uid: str) -> None:
+    with pytest.raises(ValueError, match="not a UID"):
+        cdi.write_spec(tmp_path, DRIVER, uid, {"devices": []})
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_failed_write_leaves_the_old_spec_and_no_temporary(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cdi.write_spec(tmp_path, DRIVER, UID, {"old": True})
+
+    def broken(*_args: Any, **_kwargs: Any) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", broken)
+    with pytest.raises(OSError, match="No space"):
+        cdi.write_spec(tmp_path, DRIVER, UID, {"new": True})
+    monkeypatch.undo()
+    files = list(tmp_path.iterdir())
+    assert [p.name for p in files] == [cdi.spec_file(tmp_path, DRIVER, UID).name]
+    assert json.loads(files[0].read_text()) == {"old": True}
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.integers(0, 255),
+            st.one_of(st.none(), st.integers(1, 100)),
+            st.one_of(st.none(), st.integers(1, 200_000)),
+        ),
+        min_size=1,
+        max_size=8,
+        unique_by=lambda t: t[0],
+    )
+)
+@settings(max_examples=60, deadline=None)
+def test_every_spec_passes_the_cdi_schema(gpus: list[tuple[int, int | None, int | None]]) -> None:
+    devices = [
+        cdi.PreparedDevice(f"gpu-{m}", f"GPU-{m}", m, cores=c, memory_mib=mem) for m, c, mem in gpus
+    ]
+    check(cdi.build_spec(DRIVER, UID, "alloc", devices, mps_pipe_directory="/run/mps"))

@@ -1,0 +1,366 @@
+"""The DRA kubelet plugin, rule by rule, through kubelet's gRPC over unix sockets.
+
+Claims live in the API emulator (resource.k8s.io/v1 from support.kube_emulator_dra)
+and are read with the real client; the decision core is the in-memory one of
+support.dra_core until the lead binds the plugin to the allocator's core.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+from kubernetes_asyncio import client as k8s_client
+
+from gpulet_allocator.kubelet.dra.claims import KubeClaimReader
+from gpulet_allocator.kubelet.dra.plugin import DraPlugin, PluginSettings
+from gpulet_allocator.kubelet.dra.server import DraKubeletPlugin, Sockets
+from gpulet_common.dra import cdi
+from gpulet_common.kubelet_api.dra_health.v1 import api_pb2 as h1
+from gpulet_common.kubelet_api.dra_health.v1 import api_pb2_grpc as h1_grpc
+from gpulet_common.kubelet_api.dra_health.v1alpha1 import api_pb2 as h1a1
+from gpulet_common.kubelet_api.dra_health.v1alpha1 import api_pb2_grpc as h1a1_grpc
+from gpulet_common.kubelet_api.dra_health.v1beta1 import api_pb2 as h1b1
+from gpulet_common.kubelet_api.dra_health.v1beta1 import api_pb2_grpc as h1b1_grpc
+from support.dra_core import InMemoryCore, InMemoryHealth
+from support.fake_dra_kubelet import FakeDraKubelet, registered
+from support.kube_emulator import KubeEmulator
+from support.kube_emulator_dra import add_claim, enable_dra
+from support.waiting import wait_until
+
+pytestmark = pytest.mark.anyio
+
+DRIVER = "gpu.gpulet.io"
+NODE = "node-a"
+
+
+@pytest.fixture
+def short_dir() -> Iterator[Path]:
+    # Unix socket paths are limited to 107 bytes; pytest's tmp_path can be longer.
+    path = Path(tempfile.mkdtemp(prefix="dra", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+async def emu() -> AsyncIterator[KubeEmulator]:
+    async with KubeEmulator.running() as emulator:
+        enable_dra(emulator)
+        emulator.add_node(NODE)
+        yield emulator
+
+
+def result(device: str, request: str = "gpu", driver: str = DRIVER, **extra: Any) -> dict[str, Any]:
+    return {"request": request, "driver": driver, "pool": NODE, "device": device, **extra}
+
+
+def claim(emu: KubeEmulator, name: str, *results: dict[str, Any], allocated: bool = True) -> str:
+    body: dict[str, Any] = {"metadata": {"name": name, "namespace": "default"}, "spec": {}}
+    if allocated:
+        body["status"] = {"allocation": {"devices": {"results": list(results)}}}
+    return str(add_claim(emu, body)["metadata"]["uid"])
+
+
+@dataclass
+class Rig:
+    emu: KubeEmulator
+    core: InMemoryCore
+    health: InMemoryHealth
+    root: Path
+    kubelet: FakeDraKubelet
+    server: DraKubeletPlugin
+
+    @property
+    def cdi_dir(self) -> Path:
+        return self.root / "cdi"
+
+    def spec(self, uid: str) -> dict[str, Any]:
+        return dict(json.loads(cdi.spec_file(self.cdi_dir, DRIVER, uid).read_text()))
+
+
+@asynccontextmanager
+async def rig(
+    emu: KubeEmulator, root: Path, core: InMemoryCore | None = None
+) -> AsyncIterator[Rig]:
+    core = core if core is not None else InMemoryCore.with_gpus(4)
+    health = InMemoryHealth(NODE, sorted(core.gpus))
+    settings = PluginSettings(
+        driver=DRIVER,
+        pool=NODE,
+        cdi_dir=root / "cdi",
+        checkpoint=root / "state" / "dra-checkpoint.json",
+        dev_root=root,
+    )
+    sockets = Sockets.for_driver(DRIVER, root / "registry", root / "plugins")
+    async with (
+        k8s_client.ApiClient(k8s_client.Configuration(host=emu.url)) as api,
+        anyio.create_task_group() as tg,
+    ):
+        plugin = DraPlugin(core, KubeClaimReader(api, timeout_s=5), settings)
+        server = DraKubeletPlugin(plugin, health, sockets, DRIVER)
+        await tg.start(server.run)
+        async with registered(root / "registry", DRIVER) as kubelet:
+            yield Rig(emu, core, health, root, kubelet, server)
+        tg.cancel_scope.cancel()
+
+
+async def test_registration_answers_what_kubelet_checks(emu: KubeEmulator, short_dir: Path) -> None:
+    async with rig(emu, short_dir) as r:
+        info = r.kubelet.info
+        assert (info.type, info.name) == ("DRAPlugin", DRIVER)
+        assert info.endpoint == str(short_dir / "plugins" / DRIVER / "dra.sock")
+        assert list(info.supported_versions) == ["v1.DRAPlugin"]
+        with anyio.fail_after(2):
+            await r.server.registration.registered.wait()
+        assert r.server.registration.status == (True, "")
+
+
+async def test_prepare_reserves_writes_cdi_and_answers_its_ids(
+    emu: KubeEmulator, short_dir: Path
+) -> None:
+    async with rig(emu, short_dir) as r:
+        uid = claim(emu, "two", result("gpu-1"), result("gpu-2", request="gpu/h100"))
+        answer = await r.kubelet.prepare(("default", uid, "two"))
+        entry = answer.claims[uid]
+        assert entry.error == ""
+        got = [
+            (list(d.request_names), d.pool_name, d.device_name, list(d.cdi_device_ids))
+            for d in entry.devices
+        ]
+        assert got == [
+            (["gpu"], NODE, "gpu-1", [f"{DRIVER}/gpu={uid}-gpu-1"]),
+            (["gpu"], NODE, "gpu-2", [f"{DRIVER}/gpu={uid}-gpu-2"]),  # sub-request stripped
+        ]
+        assert sorted(d.device for d in r.core.claims[uid].devices) == ["gpu-1", "gpu-2"]
+        spec = r.spec(uid)
+        assert "NVIDIA_VISIBLE_DEVICES=GPU-1,GPU-2" in spec["containerEdits"]["env"]
+        assert [d["name"] for d in spec["devices"]] == [f"{uid}-gpu-1", f"{uid}-gpu-2"]
+
+
+async def test_one_bad_claim_never_fails_the_others(emu: KubeEmulator, short_dir: Path) -> None:
+    async with rig(emu, short_dir) as r:
+        good = claim(emu, "good", result("gpu-0"))
+        pending = claim(emu, "pending", allocated=False)
+        unknown_dev = claim(emu, "nodev", result("gpu-9"))
+        other_pool = claim(emu, "elsewhere", {**result("gpu-1"), "pool": "node-b"})
+        missing = str(uuid.uuid4())
+        answer = await r.kubelet.prepare(
+            ("default", good, "good"),
+            ("default", pending, "pending"),
+            ("default", unknown_dev, "nodev"),
+            ("default", other_pool, "elsewhere"),
+            ("default", missing, "gone"),
+            ("default", "../../etc", "evil"),
+            ("default", str(uuid.uuid4()), "good"),  # the right name, another UID
+        )
+        errors = {uid: e.error for uid, e in answer.claims.items()}
+        assert len(errors) == 7
+        assert errors[good] == ""
+        assert "not allocated" in errors[pending]
+        assert "no device gpu-9" in errors[unknown_dev]
+        assert "pool 'node-b'" in errors[other_pool]
+        assert "not found" in errors[missing]
+        assert "not a UID" in errors["../../etc"]
+        assert sum("has UID" in e for e in errors.values()) == 1
+        assert set(r.core.claims) == {good}
+        assert sorted(p.name for p in r.cdi_dir.iterdir()) == [f"{DRIVER}-gpu_{good}.json"]
+
+
+async def test_prepare_is_idempotent(emu: KubeEmulator, short_dir: Path) -> None:
+    async with rig(emu, short_dir) as r:
+        uid = claim(emu, "c", result("gpu-0"))
+        first = await r.kubelet.prepare(("default", uid, "c"))
+        # A lost or stale spec is repaired by the repeat (NVIDIA #1380).
+        cdi.spec_file(r.cdi_dir, DRIVER, uid).unlink()
+        again = await r.kubelet.prepare(("default", uid, "c"), ("default", uid, "c"))
+        assert again.claims[uid] == first.claims[uid]
+        assert len(r.core.claims) == 1
+        assert cdi.spec_file(r.cdi_dir, DRIVER, uid).exists()
+
+
+async def test_only_our_drivers_results_are_taken(emu: KubeEmulator, short_dir: Path) -> None:
+    async with rig(emu, short_dir) as r:
+        mixed = claim(emu, "mixed", result("nic-0", driver="nic.example.com"), result("gpu-3"))
+        foreign = claim(emu, "foreign", result("gpu-0", driver="gpu.nvidia.com"))
+        answer = await r.kubelet.prepare(
+            ("default", mixed, "mixed"), ("default", foreign, "foreign")
+        )
+        assert [d.device_name for d in answer.claims[mixed].devices] == ["gpu-3"]
+        assert answer.claims[foreign].error == ""
+        assert list(answer.claims[foreign].devices) == []
+        assert set(r.core.claims) == {mixed}
+        assert not cdi.spec_file(r.cdi_dir, DRIVER, foreign).exists()
+
+
+async def test_a_device_held_elsewhere_is_refused_for_that_claim(
+    emu: KubeEmulator, short_dir: Path
+) -> None:
+    core = InMemoryCore.with_gpus(4)
+    core.device_plugin.add("gpu-2")
+    async with rig(emu, short_dir, core) as r:
+        first = claim(emu, "first", result("gpu-1"))
+        second = claim(emu, "second", result("gpu-1"))
+        by_plugin = claim(emu, "dp", result("gpu-2"))
+        answer = await r.kubelet.prepare(("default", first, "first"))
+        assert answer.claims[first].error == ""
+        answer = await r.kubelet.prepare(
+            ("default", second, "second"), ("default", by_plugin, "dp")
+        )
+        assert "held by another claim" in answer.claims[second].error
+        assert "device plugin" in answer.claims[by_plugin].error
+        assert set(r.core.claims) == {first}
+        assert not cdi.spec_file(r.cdi_dir, DRIVER, second).exists()
+
+
+async def test_two_shares_of_one_gpu_get_their_limits(emu: KubeEmulator, short_dir: Path) -> None:
+    async with rig(emu, short_dir) as r:
+        a = claim(
+            emu,
+            "a",
+            result("gpu-0", shareID="s1", consumedCapacity={"cores": "30", "memory": "20Gi"}),
+        )
+        b = claim(
+            emu,
+            "b",
+            result("gpu-0", shareID="s2", consumedCapacity={"cores": "50", "memory": "40Gi"}),
+        )
+        too_much = claim(
+            emu,
+            "c",
+            result("gpu-0", shareID="s3", consumedCapacity={"cores": "30", "memory": "1Gi"}),
+        )
+        answer = await r.kubelet.prepare(("default", a, "a"), ("default", b, "b"))
+        assert answer.claims[a].error == answer.claims[b].error == ""
+        env = r.spec(a)["containerEdits"]["env"]
+        assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=30" in env
+        assert "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=20480M" in env
+        answer = await r.kubelet.prepare(("default", too_much, "c"))
+        assert "cores" in answer.claims[too_much].error
+
+
+async def test_unprepare_is_idempotent_and_knows_no_strangers(
+    emu: KubeEmulator, short_dir: Path
+) -> None:
+    async with rig(emu, short_dir) as r:
+        uid = claim(emu, "c", result("gpu-0"))
+        await r.kubelet.prepare(("default", uid, "c"))
+        stranger = str(uuid.uuid4())
+        for _ in range(2):
+            answer = await r.kubelet.unprepare(("default", uid, "c"), ("default", stranger, "x"))
+            assert {k: v.error for k, v in answer.claims.items()} == {uid: "", stranger: ""}
+        assert r.core.claims == {}
+        assert list(r.cdi_dir.iterdir()) == []
+        assert r.server.plugin.checkpoint.claims == {}
+
+
+async def test_unprepare_after_a_restart_without_the_claim(
+    emu: KubeEmulator, short_dir: Path
+) -> None:
+    core = InMemoryCore.with_gpus(4)  # the ledger outlives the plugin (its own checkpoint)
+    uid = claim(emu, "c", result("gpu-0"))
+    async with rig(emu, short_dir, core) as r:
+        answer = await r.kubelet.prepare(("default", uid, "c"))
+        assert answer.claims[uid].error == ""
+    checkpoint = json.loads((short_dir / "state" / "dra-checkpoint.json").read_text())
+    assert set(checkpoint["claims"]) == {uid}
+    emu.delete_object("resourceclaims", "default/c")
+    async with rig(emu, short_dir, core) as r:
+        assert set(r.server.plugin.checkpoint.claims) == {uid}
+        undone = await r.kubelet.unprepare(("default", uid, "c"))
+        assert undone.claims[uid].error == ""
+        assert core.claims == {}
+        assert not cdi.spec_file(r.cdi_dir, DRIVER, uid).exists()
+
+
+async def test_a_corrupt_checkpoint_is_kept_aside_and_the_plugin_starts(
+    emu: KubeEmulator, short_dir: Path
+) -> None:
+    state = short_dir / "state"
+    state.mkdir()
+    (state / "dra-checkpoint.json").write_text("{not json")
+    async with rig(emu, short_dir) as r:
+        assert r.server.plugin.checkpoint.claims == {}
+        uid = claim(emu, "c", result("gpu-0"))
+        assert (await r.kubelet.prepare(("default", uid, "c"))).claims[uid].error == ""
+    assert any(".corrupt-" in p.name for p in state.iterdir())
+
+
+async def test_unprepare_during_prepare_undoes_it(emu: KubeEmulator, short_dir: Path) -> None:
+    """NVIDIA's #641: Unprepare overtakes a Prepare still reading the claim."""
+    async with rig(emu, short_dir) as r:
+        uid = claim(emu, "slow", result("gpu-0"))
+        emu.faults.delay(0.5, method="GET", path="resourceclaims/slow", count=1)
+        answers: dict[str, Any] = {}
+
+        async def prepare() -> None:
+            answers["prepare"] = await r.kubelet.prepare(("default", uid, "slow"))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(prepare)
+            await wait_until(lambda: len(r.server.plugin.locks) > 0, what="prepare in flight")
+            answers["unprepare"] = await r.kubelet.unprepare(("default", uid, "slow"))
+        assert answers["prepare"].claims[uid].error == ""
+        assert answers["unprepare"].claims[uid].error == ""
+        # Unprepare waited for the Prepare and undid it: nothing leaks.
+        assert r.core.claims == {}
+        assert list(r.cdi_dir.iterdir()) == []
+
+
+async def test_prepare_after_unprepare_of_a_deleted_claim_holds_nothing(
+    emu: KubeEmulator, short_dir: Path
+) -> None:
+    async with rig(emu, short_dir) as r:
+        uid = claim(emu, "c", result("gpu-0"))
+        await r.kubelet.unprepare(("default", uid, "c"))
+        emu.delete_object("resourceclaims", "default/c")
+        answer = await r.kubelet.prepare(("default", uid, "c"))
+        assert "not found" in answer.claims[uid].error
+        assert r.core.claims == {}
+
+
+@pytest.mark.parametrize(("pb", "pb_grpc"), [(h1a1, h1a1_grpc), (h1b1, h1b1_grpc), (h1, h1_grpc)])
+async def test_health_streams_every_device_in_every_version(
+    emu: KubeEmulator, short_dir: Path, pb: Any, pb_grpc: Any
+) -> None:
+    async with rig(emu, short_dir) as r:
+        stream = r.kubelet.health_stream(pb, pb_grpc)
+        with anyio.fail_after(5):
+            first = await stream.read()
+            assert len(first.devices) == 4
+            assert {d.health for d in first.devices} == {pb.HEALTHY}
+            r.health.set("gpu-2", "unhealthy", "XID 79")
+            second = await stream.read()
+        stream.cancel()
+        bad = [d for d in second.devices if d.health == pb.UNHEALTHY]
+        assert [(d.device.pool_name, d.device.device_name) for d in bad] == [(NODE, "gpu-2")]
+        assert len(second.devices) == 4
+        if "message" in pb.DeviceHealth.DESCRIPTOR.fields_by_name:
+            assert bad[0].message == "XID 79"
+
+
+async def test_a_stale_socket_is_replaced(emu: KubeEmulator, short_dir: Path) -> None:
+    sockets = Sockets.for_driver(DRIVER, short_dir / "registry", short_dir / "plugins")
+    for path in (sockets.registration, sockets.endpoint):
+        path.parent.mkdir(parents=True)
+        path.write_text("left over")
+    async with rig(emu, short_dir) as r:
+        answer = await r.kubelet.unprepare(("default", str(uuid.uuid4()), "x"))
+        assert len(answer.claims) == 1
+    assert not sockets.endpoint.exists()
+    assert not sockets.registration.exists()
+
+
+def test_socket_paths_that_do_not_fit_are_refused() -> None:
+    from gpulet_allocator.kubelet.dra import server
+
+    with pytest.raises(ValueError, match="longer than 107"):
+        server._check_path(Path("/" + "x" * 120))

@@ -1,0 +1,310 @@
+"""The ResourceSlice publisher against the API emulator (resource.k8s.io/v1 added by
+support.kube_emulator_dra, which validates every slice as the server would).
+
+The real-server version of these tests (kube-apiserver and kube-scheduler at 1.37)
+comes with the control-plane fixture of issue 25.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import anyio
+import msgspec
+import pytest
+from kubernetes_asyncio import client as k8s_client
+
+from gpulet_common.dra.settings import DraSettings
+from gpulet_common.messages import ActiveCondition, GpuHealth
+from gpulet_reporter.slices.publisher import SlicePublisher
+from gpulet_reporter.slices.writer import SliceInput
+from support.kube_emulator import KubeEmulator
+from support.kube_emulator_dra import RESOURCE_SLICES, enable_dra, slices
+from support.reporter_harness import make_inventory
+from support.waiting import wait_until
+
+pytestmark = pytest.mark.anyio
+
+NODE = "node-a"
+FAST = DraSettings(mode="dra", quiet_window_s=0.02, max_delay_s=0.1, backoff_base_s=0.02)
+
+
+def fault(uuid: str, xid: int = 79) -> GpuHealth:
+    return GpuHealth(
+        gpu_uuid=uuid,
+        healthy=False,
+        conditions=[
+            ActiveCondition(
+                condition=f"xid:{xid}", kind="xid", severity="fatal", reason="Xid", since=1.0
+            )
+        ],
+    )
+
+
+@pytest.fixture
+async def emu() -> AsyncIterator[KubeEmulator]:
+    async with KubeEmulator.running() as emulator:
+        enable_dra(emulator)
+        emulator.add_node(NODE)
+        yield emulator
+
+
+@asynccontextmanager
+async def publishing(
+    emu: KubeEmulator, settings: DraSettings = FAST
+) -> AsyncIterator[SlicePublisher]:
+    async with (
+        k8s_client.ApiClient(k8s_client.Configuration(host=emu.url)) as api,
+        anyio.create_task_group() as tg,
+    ):
+        publisher = SlicePublisher(api, NODE, settings)
+        tg.start_soon(publisher.run)
+        try:
+            yield publisher
+        finally:
+            tg.cancel_scope.cancel()
+
+
+def slice_writes(emu: KubeEmulator) -> int:
+    return emu.stats.total_writes(RESOURCE_SLICES) + sum(
+        n for (p, _), n in emu.stats.deletes.items() if p == RESOURCE_SLICES
+    )
+
+
+def devices(emu: KubeEmulator) -> dict[str, dict[str, object]]:
+    return {d["name"]: d for s in slices(emu) for d in s["spec"]["devices"]}
+
+
+def generation(emu: KubeEmulator) -> set[int]:
+    return {s["spec"]["pool"]["generation"] for s in slices(emu)}
+
+
+async def published(emu: KubeEmulator, count: int) -> None:
+    await wait_until(lambda: len(devices(emu)) == count, what=f"{count} devices published")
+
+
+async def test_publishes_the_pool_then_writes_nothing_at_rest(emu: KubeEmulator) -> None:
+    inventory = make_inventory(NODE, 8)
+    async with publishing(emu) as pub:
+        pub.submit(SliceInput(inventory))
+        await published(emu, 8)
+        (body,) = slices(emu)
+        owner = body["metadata"]["ownerReferences"][0]
+        node = emu.get_object("nodes", NODE)
+        assert node is not None
+        assert (owner["kind"], owner["uid"]) == ("Node", node["metadata"]["uid"])
+        writes = slice_writes(emu)
+        # The same facts again, a fresh but equal input, and a reconcile: no write.
+        for _ in range(5):
+            pub.submit(SliceInput(inventory))
+            pub.submit(SliceInput(make_inventory(NODE, 8, generation=2)))
+        await pub.writer.refresh()
+        pub.debouncer.submit(SliceInput(inventory))
+        await wait_until(lambda: pub.writer.listed and not pub.debouncer.pending, what="re-read")
+        await anyio.sleep(0.3)
+        assert slice_writes(emu) == writes
+
+
+async def test_a_fault_taints_and_recovery_untaints_with_a_rising_generation(
+    emu: KubeEmulator,
+) -> None:
+    inventory = make_inventory(NODE, 2)
+    uuid = inventory.gpus[1].uuid
+    async with publishing(emu) as pub:
+        pub.submit(SliceInput(inventory))
+        await published(emu, 2)
+        assert generation(emu) == {1}
+        pub.submit(SliceInput(inventory, {uuid: fault(uuid)}))
+        await wait_until(lambda: "taints" in devices(emu)["gpu-1"], what="taint")
+        taint = devices(emu)["gpu-1"]["taints"][0]  # type: ignore[index]
+        assert (taint["key"], taint["value"], taint["effect"]) == (
+            "gpu.gpulet.io/xid",
+            "79",
+            "NoSchedule",
+        )
+        assert generation(emu) == {2}
+        pub.submit(SliceInput(inventory))
+        await wait_until(lambda: "taints" not in devices(emu)["gpu-1"], what="taint removed")
+        assert generation(emu) == {3}
+
+
+async def test_a_slice_deleted_by_someone_else_comes_back(emu: KubeEmulator) -> None:
+    async with publishing(emu) as pub:
+        pub.submit(SliceInput(make_inventory(NODE, 4)))
+        await published(emu, 4)
+        (body,) = slices(emu)
+        before = body["metadata"]["uid"]
+        # kubelet deletes the node's slices when it starts.
+        assert emu.delete_object(RESOURCE_SLICES, body["metadata"]["name"])
+        with anyio.fail_after(3):  # the debounce (0.1 s) plus a round trip
+            await wait_until(lambda: len(slices(emu)) == 1, timeout_s=3, what="slice back")
+        assert slices(emu)[0]["metadata"]["uid"] != before
+        assert pub.repairs >= 1
+
+
+async def test_an_edited_slice_is_put_back(emu: KubeEmulator) -> None:
+    async with publishing(emu) as pub:
+        pub.submit(SliceInput(make_inventory(NODE, 1)))
+        await published(emu, 1)
+        (body,) = slices(emu)
+        edited = msgspec.json.decode(msgspec.json.encode(body))
+        edited["spec"]["devices"][0]["attributes"]["productName"] = {"string": "forged"}
+        emu.put_object(RESOURCE_SLICES, edited)
+        await wait_until(
+            lambda: devices(emu)["gpu-0"]["attributes"]["productName"]["string"] != "forged",  # type: ignore[index]
+            what="edit reverted",
+        )
+
+
+async def test_gpus_that_come_and_go_reshape_the_pool(emu: KubeEmulator) -> None:
+    async with publishing(emu) as pub:
+        pub.submit(SliceInput(make_inventory(NODE, 130)))
+        await published(emu, 130)
+        assert len(slices(emu)) == 2
+        pub.submit(SliceInput(make_inventory(NODE, 3)))
+        await wait_until(lambda: len(slices(emu)) == 1, what="surplus slice deleted")
+        assert len(devices(emu)) == 3
+        assert {s["spec"]["pool"]["resourceSliceCount"] for s in slices(emu)} == {1}
+        pub.submit(SliceInput(make_inventory(NODE, 0)))
+        await wait_until(lambda: not slices(emu), what="no GPU, no slice")
+
+
+async def test_a_restart_with_the_same_facts_writes_nothing(emu: KubeEmulator) -> None:
+    inventory = make_inventory(NODE, 4)
+    uuid = inventory.gpus[0].uuid
+    facts = SliceInput(inventory, {uuid: fault(uuid)})
+    async with publishing(emu) as pub:
+        pub.submit(facts)
+        await published(emu, 4)
+    writes = slice_writes(emu)
+    stamp = devices(emu)["gpu-0"]["taints"]
+    async with publishing(emu) as again:
+        again.submit(facts)
+        await wait_until(lambda: again.writer.pool is not None, what="second publisher applied")
+    assert slice_writes(emu) == writes
+    assert devices(emu)["gpu-0"]["taints"] == stamp
+
+
+async def test_failed_publishes_are_retried(emu: KubeEmulator) -> None:
+    emu.faults.fail_next(3, 500, method="POST", path="resourceslices")
+    emu.faults.fail_next(1, 429, method="GET", path="resourceslices", retry_after=0)
+    async with publishing(emu) as pub:
+        pub.submit(SliceInput(make_inventory(NODE, 2)))
+        await published(emu, 2)
+        assert pub.metrics.failures_total >= 3
+        # The 429 met the watch (its GET came first): it reopened, and still repairs.
+        (body,) = slices(emu)
+        emu.delete_object(RESOURCE_SLICES, body["metadata"]["name"])
+        await wait_until(lambda: len(slices(emu)) == 1, timeout_s=5, what="slice back")
+
+
+async def test_other_nodes_and_drivers_are_never_touched(emu: KubeEmulator) -> None:
+    async with publishing(emu) as pub:
+        pub.submit(SliceInput(make_inventory("node-b", 2)))  # wrong node: refused
+        other = SliceInput(make_inventory(NODE, 1))
+        pub.submit(other)
+        await published(emu, 1)
+    async with publishing(emu, msgspec.structs.replace(FAST, driver="gpu.other.io")) as pub:
+        pub.submit(SliceInput(make_inventory(NODE, 2)))
+        await wait_until(lambda: len(slices(emu)) == 2, what="the second driver's pool")
+    drivers = sorted(s["spec"]["driver"] for s in slices(emu))
+    assert drivers == ["gpu.gpulet.io", "gpu.other.io"]
+
+
+async def test_an_invalid_pool_is_never_written(emu: KubeEmulator) -> None:
+    inventory = make_inventory(NODE, 2)
+    twin = msgspec.structs.replace(inventory.gpus[1], minor=0)
+    bad = msgspec.structs.replace(inventory, gpus=[inventory.gpus[0], twin])
+    async with publishing(emu) as pub:
+        pub.submit(SliceInput(bad))
+        await wait_until(lambda: pub.metrics.failures_total >= 1, what="refused")
+        assert slices(emu) == []
+        pub.submit(SliceInput(inventory))
+        await published(emu, 2)
+
+
+async def test_the_emulator_refuses_what_the_server_would(emu: KubeEmulator) -> None:
+    """The emulator's DRA validation is what makes the tests above mean something."""
+    body = {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceSlice",
+        "metadata": {"name": "bad"},
+        "spec": {
+            "driver": "gpu.gpulet.io",
+            "nodeName": NODE,
+            "pool": {"name": NODE, "generation": 1, "resourceSliceCount": 1},
+            "devices": [{"name": "GPU_0"}],
+        },
+    }
+    async with k8s_client.ApiClient(k8s_client.Configuration(host=emu.url)) as api:
+        custom = k8s_client.CustomObjectsApi(api)
+        with pytest.raises(k8s_client.ApiException) as refused:
+            await custom.create_cluster_custom_object(
+                "resource.k8s.io", "v1", "resourceslices", body
+            )
+        assert refused.value.status == 422
+        body["spec"]["devices"] = [{"name": "gpu-0", "unknownField": 1}]  # type: ignore[index]
+        with pytest.raises(k8s_client.ApiException) as unknown:
+            await custom.create_cluster_custom_object(
+                "resource.k8s.io", "v1", "resourceslices", body
+            )
+        assert unknown.value.status == 422
+        assert slices(emu) == []
+
+
+async def test_server_defaults_are_no_difference(emu: KubeEmulator) -> None:
+    """A server that writes fields back at their zero value (bindsToNode: false,
+    taints: []) or a quantity in another form must not cost a write per resync."""
+    async with publishing(emu) as pub:
+        pub.submit(SliceInput(make_inventory(NODE, 1)))
+        await published(emu, 1)
+        (body,) = slices(emu)
+        device = body["spec"]["devices"][0]
+        device["bindsToNode"] = False
+        device["taints"] = []
+        device["capacity"]["memory"]["value"] = "85899345920"  # 80Gi in bytes
+        await wait_until(lambda: pub.watches >= 1 and not pub.debouncer.pending, what="watch")
+        writes = slice_writes(emu)
+        repairs = pub.repairs
+        stored = emu.put_object(RESOURCE_SLICES, body)
+        name, version = stored["metadata"]["name"], stored["metadata"]["resourceVersion"]
+        # The watch sees an equal slice: held as observed, no re-read, no write.
+        await wait_until(
+            lambda: pub.writer.observed[name]["metadata"]["resourceVersion"] == version,
+            what="the edit observed",
+        )
+        assert pub.repairs == repairs
+        await pub.writer.refresh()
+        pub.debouncer.submit(SliceInput(make_inventory(NODE, 1)))
+        await wait_until(lambda: pub.writer.listed and not pub.debouncer.pending, what="again")
+        assert slice_writes(emu) == writes
+        assert slices(emu)[0]["spec"]["devices"][0]["bindsToNode"] is False
+
+
+async def test_watch_lines_are_decoded_totally(emu: KubeEmulator) -> None:
+    async with k8s_client.ApiClient(k8s_client.Configuration(host=emu.url)) as api:
+        publisher = SlicePublisher(api, NODE, FAST)
+    other = {"metadata": {"name": "s"}, "spec": {"nodeName": "other"}}
+    lines = [
+        b"not json",
+        b"[]",
+        b'{"type": "ADDED"}',
+        b'{"type": "ADDED", "object": []}',
+        b'{"type": "DELETED", "object": {"metadata": "x", "spec": 1}}',
+        b'{"type": "MODIFIED", "object": {"metadata": {"name": 5}}}',
+        json.dumps({"type": "MODIFIED", "object": other}).encode(),
+        b'{"type": "BOOKMARK", "object": {"metadata": {"resourceVersion": "9"}}}',
+        b"\xff\xfe",
+    ]
+    for line in lines:
+        publisher._on_line(line)
+    assert publisher.repairs == 0
+    assert publisher.bad_lines == 5
+    # Ours, unknown to the writer: a repair.
+    publisher._on_line(
+        b'{"type": "ADDED", "object": {"metadata": {"name": "s", "resourceVersion": "3"},'
+        b' "spec": {"nodeName": "node-a", "driver": "gpu.gpulet.io"}}}'
+    )
+    assert publisher.repairs == 1
