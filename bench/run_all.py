@@ -17,6 +17,7 @@ HERE = Path(__file__).resolve().parent
 BENCHES: list[tuple[str, list[str], list[str]]] = [
     # name, full arguments, quick arguments
     ("collector_cost.py", [], ["--periods", "500", "--steady", "5", "--messages", "5000"]),
+    ("pod_footprint.py", [], ["--settle", "15", "--idle", "5"]),
     ("health_latency.py", [], ["--faults", "50"]),
     ("listandwatch_latency.py", [], ["--faults", "10"]),
     ("health_storm.py", [], ["--seconds", "5", "--idle", "2"]),

@@ -1,4 +1,9 @@
-"""Shared fixtures: the asyncio backend for anyio and a real nats-server per test."""
+"""Shared fixtures: the asyncio backend for anyio and a real nats-server per test.
+
+Timeouts: every test has one (pytest-timeout; the default in pyproject.toml). A test
+marked ``slow`` gets :data:`SLOW_TIMEOUT_S` unless it names its own with
+``@pytest.mark.timeout(N)``: a hang then fails with every thread's stack.
+"""
 
 from __future__ import annotations
 
@@ -51,6 +56,16 @@ setattr(  # noqa: B010 - patching the runner class of anyio's pytest plugin
     "_exception_handler",
     _quiet_grpc_poller(_anyio_asyncio.TestRunner._exception_handler),
 )
+
+
+SLOW_TIMEOUT_S = 600
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker("slow") and not item.get_closest_marker("timeout"):
+            item.add_marker(pytest.mark.timeout(SLOW_TIMEOUT_S))
 
 
 @pytest.fixture

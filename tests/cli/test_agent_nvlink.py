@@ -115,8 +115,13 @@ def test_nvlink_down_and_up_through_gpulet_run(agent: Agent) -> None:
     assert state["gpus"][0]["healthy"] is True
     assert until(lambda: links_down_metric(agent), lambda v: v == 6, "the metric") == 6
 
-    restored = gpulet(agent, "mock", "inject", "--gpu", "0", "--fault", "nvlink_up")
+    # --gpu takes a UUID as well as an index, in every command.
+    uuid = next(g["uuid"] for g in down["gpus"] if g["index"] == 0)
+    restored = gpulet(agent, "mock", "inject", "--gpu", uuid, "--fault", "nvlink_up")
     assert restored.returncode == 0, restored.stderr
+    unknown = gpulet(agent, "mock", "inject", "--gpu", "GPU-none", "--fault", "nvlink_up")
+    assert unknown.returncode == 1
+    assert "has no GPU GPU-none" in unknown.stderr
     back = until(lambda: inventory(agent), lambda i: pair(i, 0, 1) == (4, 0), "links up")
     assert back["gpus"][0].get("nvlinks_down", []) == []
     until(lambda: health(agent), lambda s: not nvlink_conditions(s), "the recoveries")

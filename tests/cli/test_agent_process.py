@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from gpulet_common.embedded_nats import free_port
+from support import agent_process
 from support.agent_process import GPULET, Agent
 from support.agent_process import http_get as _get
 from support.host import HIDDEN_DRIVER, without_driver
@@ -129,12 +131,13 @@ def test_without_nvml_it_says_so_and_points_to_the_mock(tmp_path: Path) -> None:
 
 def test_a_killed_agent_leaves_no_nats_server_behind(agent: Agent) -> None:
     agent.wait_ready()
+    nats_port = agent.nats_port
     agent.proc.kill()
     agent.proc.wait(5)
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
         try:
-            with socket.create_connection(("127.0.0.1", agent.nats_port), timeout=0.2):
+            with socket.create_connection(("127.0.0.1", nats_port), timeout=0.2):
                 pass
         except OSError:
             return
@@ -158,3 +161,34 @@ def test_invalid_setting_is_a_clear_error() -> None:
     result = _gpulet("config", "show", "--set", "collector.sample_period_s=fast")
     assert result.returncode == 2
     assert "collector.sample_period_s" in result.stderr
+
+
+def test_an_agent_that_exits_fails_the_wait_at_once(tmp_path: Path) -> None:
+    agent = Agent(tmp_path, "--only", "collector", "--set", "nats.embedded_host=256.1.1.1")
+    try:
+        started = time.monotonic()
+        with pytest.raises(AssertionError, match="exited with status 2"):
+            agent.wait_ready(timeout_s=60)
+        assert time.monotonic() - started < 30  # not the wait's whole timeout
+        assert agent.attempts == 1  # not a busy port: no second start
+    finally:
+        agent.stop()
+
+
+def test_a_metrics_port_taken_before_the_agent_binds_it_is_retried(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = int(taken.getsockname()[1])
+        ports = iter([busy])
+        monkeypatch.setattr(agent_process, "free_port", lambda: next(ports, None) or free_port())
+        agent = Agent(tmp_path, "--only", "collector")
+        try:
+            agent.wait_ready(timeout_s=60)
+            assert agent.attempts == 2
+            assert agent.http_port != busy
+            assert "already in use" in agent.output()
+        finally:
+            agent.stop()

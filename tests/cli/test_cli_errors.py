@@ -109,6 +109,7 @@ def test_unknown_mock_scenario_in_a_sidecar(tmp_path: Path) -> None:
     # A sidecar retries its NATS forever; the scenario is checked before that.
     line = _fails_in_one_line(
         [
+            "serve",
             "collector",
             "--nvml",
             "mock:doesnotexist",
@@ -120,11 +121,6 @@ def test_unknown_mock_scenario_in_a_sidecar(tmp_path: Path) -> None:
             str(free_port()),
         ]
     )
-    assert "scenario doesnotexist: not found" in line
-
-
-def test_unknown_mock_scenario_in_reporter_preview() -> None:
-    line = _fails_in_one_line(["reporter-preview", "--nvml", "mock:doesnotexist"])
     assert "scenario doesnotexist: not found" in line
 
 

@@ -217,6 +217,8 @@ def test_numbers_out_of_range_are_malformed() -> None:
         (1.0, validate.STALE_TIMESTAMP),
         (NOW - 40 * 86400, validate.STALE_TIMESTAMP),
     ],
+    # Stable ids (not the clock's values): pytest-xdist's workers must collect alike.
+    ids=["an_hour_ahead", "far_future", "epoch", "forty_days_old"],
 )
 def test_timestamps_are_checked_against_the_receivers_clock(when: float, reason: str) -> None:
     batch = SampleBatch(

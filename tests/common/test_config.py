@@ -1,11 +1,16 @@
 from __future__ import annotations
 
+import typing
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any, Literal
 
+import msgspec
 import pytest
 
 from gpulet_common import config
 from gpulet_common.config import ConfigError
+from gpulet_common.settings import Settings
 
 
 def test_defaults_need_no_file() -> None:
@@ -96,3 +101,23 @@ def test_inbox_prefix_default_and_per_user_values() -> None:
     for prefix in ("_INBOX.device-plugin", "_INBOX_health", "replies.node-1.alerts"):
         settings = config.load(env={"GPULET_NATS__INBOX_PREFIX": prefix})
         assert settings.nats.inbox_prefix == prefix
+
+
+def _literal_settings(hint: Any = Settings, path: str = "") -> Iterator[tuple[str, list[str]]]:
+    """Every setting whose type is a Literal, with its values (walking the sections)."""
+    for field in msgspec.structs.fields(hint):
+        dotted = f"{path}{field.name}"
+        if isinstance(field.type, type) and issubclass(field.type, msgspec.Struct):
+            yield from _literal_settings(field.type, dotted + ".")
+        elif typing.get_origin(field.type) is Literal:
+            yield dotted, [str(v) for v in typing.get_args(field.type)]
+
+
+def test_every_enum_setting_error_names_the_allowed_values() -> None:
+    found = dict(_literal_settings())
+    assert "nvml.mock_latency" in found  # the walk sees nested sections
+    for dotted, values in found.items():
+        with pytest.raises(ConfigError) as exc:
+            config.load(env={}, overrides=config.overrides_layer([f"{dotted}=bogus"]))
+        assert exc.value.setting == dotted
+        assert exc.value.problem.endswith(f"(one of: {', '.join(values)})"), exc.value

@@ -41,6 +41,33 @@ async def test_starts_with_jetstream_and_stops(tmp_path: Path) -> None:
     assert (tmp_path / "nats" / "jetstream").is_dir()
 
 
+async def test_port_zero_is_bound_by_the_server_and_read_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No pick-and-release: the server binds a free port itself and says which."""
+
+    def no_picking(host: str = "") -> int:
+        raise AssertionError("a port was picked and released for the server")
+
+    monkeypatch.setattr("gpulet_common.embedded_nats.free_port", no_picking)
+    server = EmbeddedNats(state_dir=tmp_path / "nats")
+    await server.start()
+    try:
+        bound = server.port
+        assert bound > 0
+        assert server.url == f"nats://127.0.0.1:{bound}"
+        stream = await anyio.connect_tcp(server.host, bound)
+        assert (await stream.receive()).startswith(b"INFO ")
+        await stream.aclose()
+        assert not list((tmp_path / "nats").glob("*.ports"))  # read, then removed
+        # A restart binds the same port again: clients reconnect to the same URL.
+        await server.kill()
+        await server.start()
+        assert server.port == bound
+    finally:
+        await server.stop()
+
+
 async def test_a_taken_port_is_a_usage_error_saying_so(tmp_path: Path) -> None:
     async with EmbeddedNats(state_dir=tmp_path / "a") as first:
         second = EmbeddedNats(state_dir=tmp_path / "b", port=first.port)

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.parse
@@ -25,6 +23,7 @@ from typing import Any
 import pytest
 
 from gpulet_common.embedded_nats import free_port
+from support.agent_process import Agent
 from support.deploy import start_prometheus, stop_process
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
@@ -59,42 +58,29 @@ def _get(url: str) -> Any:
 
 
 @pytest.fixture
-def agent(tmp_path: Path) -> Iterator[tuple[int, Path]]:
-    metrics_port = free_port()
-    log = tmp_path / "agent.log"
-    command = [
-        sys.executable,
-        "-m",
-        "gpulet",
-        "run",
-        "--nvml",
-        "mock",
-        "--node",
-        "dcgm-dash-node",
-        "--state-dir",
-        str(tmp_path / "agent"),
-        "--metrics-port",
-        str(metrics_port),
+def agent(tmp_path: Path) -> Iterator[Agent]:
+    """``gpulet run --nvml mock`` on 127.0.0.1; fails at once if it exits."""
+    running = Agent(
+        tmp_path,
         "--set",
         "telemetry.http_host=127.0.0.1",
-        "--set",
-        f"nats.embedded_port={free_port()}",
         # GPM activity needs two slow reads: make them a second apart.
         "--set",
         "collector.slow_period_s=1",
         "--set",
         f"collector.pod_resources_socket={tmp_path / 'pod-resources.sock'}",
+        # Whatever services `gpulet run` starts, none may touch the host's kubelet.
         "--set",
         f"allocator.plugin.plugin_dir={tmp_path / 'device-plugins'}/",
         "--set",
         f"allocator.pod_resources_socket={tmp_path / 'pod-resources.sock'}",
-    ]
-    with log.open("wb") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+        node="dcgm-dash-node",
+    )
     try:
-        yield metrics_port, log
+        running.wait_readyz(lambda *_: True, timeout_s=60, what="an answer")
+        yield running
     finally:
-        stop_process(process)
+        running.stop()
 
 
 class PromApi:
@@ -147,8 +133,8 @@ def run_dashboard(api: PromApi, path: Path) -> dict[str, list[dict[str, Any]]]:
 
 
 @pytest.mark.slow
-def test_every_dcgm_dashboard_query_returns_data(agent: tuple[int, Path], tmp_path: Path) -> None:
-    metrics_port, agent_log = agent
+def test_every_dcgm_dashboard_query_returns_data(agent: Agent, tmp_path: Path) -> None:
+    metrics_port = agent.http_port
     web_port = free_port()
     server, log = start_prometheus(tmp_path, metrics_port, web_port)
     api = PromApi(f"http://127.0.0.1:{web_port}")
@@ -159,6 +145,7 @@ def test_every_dcgm_dashboard_query_returns_data(agent: tuple[int, Path], tmp_pa
         deadline = time.monotonic() + DEADLINE_S
         while time.monotonic() < deadline:
             assert server.poll() is None, log.read_text()[-3000:]
+            agent.check_running()
             try:
                 if len(api.query(ready)) == 8:
                     break
@@ -169,7 +156,7 @@ def test_every_dcgm_dashboard_query_returns_data(agent: tuple[int, Path], tmp_pa
             results[path] = run_dashboard(api, path)
     finally:
         stop_process(server)
-    context = f"agent log:\n{agent_log.read_text()[-3000:]}"
+    context = f"agent log:\n{agent.output()[-3000:]}"
     for path, answers in results.items():
         for query, result in answers.items():
             assert result, f"{path.name}: no data for {query}\n{context}"

@@ -29,6 +29,7 @@ import pytest
 import yaml
 
 from gpulet import services
+from gpulet.cli import build_parser
 from gpulet_common import config
 from support.deploy import (
     DEPLOY,
@@ -178,9 +179,14 @@ def test_services_run_as_sidecars_of_one_pod(build: tuple[str, list[dict[str, An
     images = {containers[c]["image"] for c in containers if c != "nats"}
     assert len(images) == 1, images
     assert containers["nats"]["image"].startswith("nats:")
+    parser = build_parser()
     for service in GPULET_CONTAINERS:
         assert service in services.REGISTRY
-        assert containers[service]["args"][0] == service
+        # What the image's entrypoint makes of the args: this service, run alone.
+        args = parser.parse_args(containers[service]["args"])
+        assert (args.command, args.service) == ("serve", service)
+    if "alerts" in containers:
+        assert parser.parse_args(containers["alerts"]["args"]).command == "alerts"
     for c in containers.values():
         if c["name"] == "nats":
             assert c["command"] == ["nats-server"]

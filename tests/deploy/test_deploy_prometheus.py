@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.parse
@@ -25,6 +24,7 @@ import pytest
 import yaml
 
 from gpulet_common.embedded_nats import free_port
+from support.agent_process import Agent
 from support.deploy import PROMETHEUS_DIR, prometheus_tool, start_prometheus, stop_process
 
 RULES = PROMETHEUS_DIR / "gpulet-rules.yaml"
@@ -83,46 +83,29 @@ def _get(url: str) -> Any:
 
 
 @pytest.fixture
-def agent(tmp_path: Path) -> Iterator[tuple[int, Path]]:
-    """``gpulet run --nvml mock`` on free ports, all on 127.0.0.1."""
-    metrics_port = free_port()
-    log = tmp_path / "agent.log"
-    command = [
-        sys.executable,
-        "-m",
-        "gpulet",
-        "run",
-        "--nvml",
-        "mock",
-        "--node",
-        "prom-test-node",
-        "--state-dir",
-        str(tmp_path / "agent"),
-        "--metrics-port",
-        str(metrics_port),
+def agent(tmp_path: Path) -> Iterator[Agent]:
+    """``gpulet run --nvml mock`` on 127.0.0.1; fails at once if it exits."""
+    running = Agent(
+        tmp_path,
         "--set",
         "telemetry.http_host=127.0.0.1",
-        "--set",
-        f"nats.embedded_port={free_port()}",
         # Whatever services `gpulet run` starts, none may touch the host's kubelet.
         "--set",
         f"allocator.plugin.plugin_dir={tmp_path / 'device-plugins'}/",
         "--set",
         f"allocator.pod_resources_socket={tmp_path / 'pod-resources.sock'}",
-    ]
-    with log.open("wb") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+        node="prom-test-node",
+    )
     try:
-        yield metrics_port, log
+        running.wait_readyz(lambda *_: True, timeout_s=60, what="an answer")
+        yield running
     finally:
-        stop_process(process)
+        running.stop()
 
 
 @pytest.mark.slow
-def test_prometheus_scrapes_gpu_temperature_from_gpulet_run(
-    agent: tuple[int, Path], tmp_path: Path
-) -> None:
-    metrics_port, agent_log = agent
+def test_prometheus_scrapes_gpu_temperature_from_gpulet_run(agent: Agent, tmp_path: Path) -> None:
+    metrics_port = agent.http_port
     web_port = free_port()
     shutil.copy(RULES, tmp_path / RULES.name)
     server, log = start_prometheus(tmp_path, metrics_port, web_port, rule_files=[RULES.name])
@@ -133,6 +116,7 @@ def test_prometheus_scrapes_gpu_temperature_from_gpulet_run(
         deadline = time.monotonic() + DEADLINE_S
         while time.monotonic() < deadline:
             assert server.poll() is None, log.read_text()[-3000:]
+            agent.check_running()
             try:
                 answer = _get(f"{base}/api/v1/query?{query}")
             except (urllib.error.URLError, ConnectionError, TimeoutError):
@@ -145,9 +129,7 @@ def test_prometheus_scrapes_gpu_temperature_from_gpulet_run(
         rules = _get(f"{base}/api/v1/rules")["data"]["groups"]
     finally:
         stop_process(server)
-    assert len(series) == 8, (
-        f"got {len(series)} series; agent log:\n{agent_log.read_text()[-3000:]}"
-    )
+    assert len(series) == 8, f"got {len(series)} series; agent log:\n{agent.output()[-3000:]}"
     assert sorted(int(s["metric"]["gpu"]) for s in series) == list(range(8))
     for s in series:
         assert s["metric"]["job"] == "gpulet"

@@ -1,7 +1,7 @@
 """The pod as deployed: every service its own process, its own NATS user.
 
 This is the DaemonSet's (and docker-compose's) layout run on one machine: a nats-server
-with deploy/nats/node.conf and the mock variant of auth.conf, then ``gpulet collector``,
+with deploy/nats/node.conf and the mock variant of auth.conf, then ``gpulet serve collector``,
 ``health``, ``reporter``, ``allocator``, ``device-plugin`` and ``alerts`` as separate
 processes, each connecting with its own user and password from the environment, the
 way the containers get them from the Secret. A fake kubelet stands in for the real one.
@@ -114,7 +114,7 @@ async def pod(
         common = ["--nats", server.url, "--state-dir", str(state), "--metrics-port", "0"]
         commands: dict[str, tuple[list[str], dict[str, str]]] = {
             name: (
-                [*base, name, *common, *args],
+                [*base, "serve", name, *common, *args],
                 _env(
                     name,
                     {

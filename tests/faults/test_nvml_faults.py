@@ -9,7 +9,7 @@
   two layouts gpulet runs in:
 
   - one process (``gpulet run``): collector and health service share one NVML;
-  - sidecars: ``gpulet collector`` and ``gpulet health`` as their own processes, each
+  - sidecars: ``gpulet serve collector`` and ``gpulet serve health`` as their own processes, each
     with its own NVML (here: its own mock, both hit by one injection over NATS).
 
   The failure is reported (an ``nvml_unavailable`` event and an unhealthy GPU for

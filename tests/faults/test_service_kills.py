@@ -1,6 +1,6 @@
 """Every service SIGKILLed under load and restarted, one after the other.
 
-The pod as deployed, one process per service (``gpulet collector``, ``health``,
+The pod as deployed, one process per service (``gpulet serve collector``, ``health``,
 ``reporter``, ``allocator``, ``device-plugin``; NATS auth left out), a real
 nats-server, the Kubernetes API emulator (the reporter in cluster mode, through a
 kubeconfig) and a fake kubelet speaking the device-plugin gRPC API. Each mock-NVML

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
 import anyio
 import pytest
 
-from gpulet_common.embedded_nats import EmbeddedNats
+from gpulet_common.embedded_nats import EmbeddedNats, free_port
+from support.agent_process import GPULET, http_get
 from support.health_harness import health_node
 
 pytestmark = pytest.mark.anyio
@@ -37,7 +39,7 @@ async def test_health_state_and_clear_commands(nats_server: EmbeddedNats, tmp_pa
         assert "xid:79" in out
         assert "action: reboot" in out
 
-        code, out, err = await gpulet("health", "clear", "0", "--by", "ops-oncall", *where)
+        code, out, err = await gpulet("health", "clear", "--gpu", "0", "--by", "ops-oncall", *where)
         assert code == 0, err
         assert "healthy" in out
         assert "UNHEALTHY" not in out
@@ -45,7 +47,7 @@ async def test_health_state_and_clear_commands(nats_server: EmbeddedNats, tmp_pa
         assert cleared.healthy
         assert "ops-oncall" in cleared.reason
 
-        code, _, err = await gpulet("health", "clear", "9", *where)
+        code, _, err = await gpulet("health", "clear", "--gpu", "9", *where)
         assert code == 1
         assert "unknown_gpu" in err
         code, _, err = await gpulet(
@@ -53,3 +55,38 @@ async def test_health_state_and_clear_commands(nats_server: EmbeddedNats, tmp_pa
         )
         assert code == 1
         assert "no health service answered" in err
+
+
+async def test_alerts_with_a_metrics_port_answers_its_liveness_probe(
+    nats_server: EmbeddedNats, tmp_path: Path
+) -> None:
+    # The DaemonSet's alerts container: --metrics-port=5683 and an httpGet /healthz probe.
+    port = free_port()
+    with (tmp_path / "alerts.log").open("wb") as log:
+        process = await anyio.open_process(
+            [*GPULET, "alerts", "--nats", nats_server.url, "--metrics-port", str(port)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    async with process:
+        try:
+            with anyio.fail_after(60):
+                while True:
+                    assert process.returncode is None, (tmp_path / "alerts.log").read_text()
+                    try:
+                        status, body = await anyio.to_thread.run_sync(
+                            http_get, f"http://127.0.0.1:{port}/readyz"
+                        )
+                    except OSError:
+                        status, body = 0, b"{}"
+                    if status == 200:
+                        break
+                    await anyio.sleep(0.1)
+            assert json.loads(body)["components"]["alerts"]["state"] == "ready"
+            url = f"http://127.0.0.1:{port}/healthz"
+            status, _ = await anyio.to_thread.run_sync(http_get, url)
+            assert status == 200
+        finally:
+            process.terminate()
+            with anyio.fail_after(10):
+                await process.wait()

@@ -33,6 +33,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         if str(item.path).startswith(here):
             item.add_marker(pytest.mark.image)
             item.add_marker(pytest.mark.slow)
+            # The first test pays for the session's image build.
+            item.add_marker(pytest.mark.timeout(BUILD_TIMEOUT_S + 900))
             if not enabled():
                 item.add_marker(pytest.mark.skip(reason=SKIP_REASON))
 

@@ -210,19 +210,52 @@ async def test_gpulet_run_on_a_laptop_shows_the_device(
     assert device["metadata"]["labels"]["node.koordinator.sh/gpu-model"]
 
 
-async def test_reporter_preview_renders_from_nvml(tmp_path: Path) -> None:
-    from gpulet_reporter.cli import preview
+async def test_reporter_preview_asks_the_running_agent(
+    nats_server: EmbeddedNats, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What its help says: the agent's inventory over NATS, never NVML of its own."""
+    from gpulet.agent import run_agent
+    from gpulet_reporter.cli import PreviewError, preview
 
-    settings = Settings(node_name=NODE, state_dir=str(tmp_path))
-    settings.nvml.backend = "mock"
-    settings.nvml.scenario = "t4"
-    result = await preview(settings)
+    agent_settings = Settings(
+        node_name=NODE,
+        state_dir=str(tmp_path / "agent"),
+        nats=NatsSettings(url=nats_server.url),
+    )
+    agent_settings.nvml.backend = "mock"
+    agent_settings.nvml.scenario = "t4"
+    agent_settings.telemetry.http_port = 0
+    # The preview's own settings: no NVML it could open (a real backend without a
+    # library), so an answer can only have come from the agent.
+    # No NATS URL configured, as beside `make run`: the node-local server, which here
+    # is the test's.
+    monkeypatch.setattr("gpulet_common.cli_support.LOCAL_NATS_URL", nats_server.url)
+    settings = Settings(node_name=NODE, state_dir=str(tmp_path / "preview"))
+    settings.nvml.backend = "nvml"
+    settings.nvml.library = str(tmp_path / "no-libnvidia-ml.so")
+
+    with pytest.raises(PreviewError, match="is the agent running"):
+        await preview(settings, timeout_s=0.3)
+
+    async def agent(*, task_status: anyio.abc.TaskStatus[object]) -> None:
+        await run_agent(
+            agent_settings,
+            ["collector"],
+            embedded_nats=False,
+            handle_signals=False,
+            task_status=task_status,
+        )
+
+    async with anyio.create_task_group() as tg:
+        await tg.start(agent)
+        result = await preview(settings, timeout_s=5)
+        tg.cancel_scope.cancel()
     device = result["device"]
     assert device["metadata"]["name"] == NODE
     assert device["metadata"]["labels"]["node.koordinator.sh/gpu-model"] == "Tesla-T4"
     assert CrdSchema.from_file(DEFAULT_CRD_PATH).validate(device) == []
     assert result["nodeLabels"]["nvidia.com/gpu.product"] == "Tesla-T4"
-    # No health service behind NVML read directly: the condition says it does not know.
+    # No health service in that agent: the condition says it does not know.
     condition = result["nodeCondition"]
     assert (condition["type"], condition["status"], condition["reason"]) == (
         "GpuletGPUHealthy",
@@ -230,4 +263,4 @@ async def test_reporter_preview_renders_from_nvml(tmp_path: Path) -> None:
         "HealthServiceUnreachable",
     )
     assert result["nodeTaint"]["present"] is False  # policy none: never ours
-    assert not [p async for p in anyio.Path(tmp_path).iterdir()]  # nothing written
+    assert not (tmp_path / "preview").exists()  # nothing written

@@ -26,18 +26,38 @@ def http_get(url: str, timeout_s: float = 1.0) -> tuple[int, bytes]:
         return int(exc.code), bytes(exc.read())
 
 
+def _server_url(readyz: dict[str, Any]) -> str | None:
+    component = readyz.get("components", {}).get("nats-server") or {}
+    found = re.match(r"(nats://\S+)", str(component.get("detail", "")))
+    return found.group(1) if found else None
+
+
 class Agent:
-    """``gpulet run --nvml mock`` on free ports, its output in ``agent.log``."""
+    """``gpulet run --nvml mock``, its output in ``agent.log``.
+
+    Its embedded nats-server binds a port of its own choosing (``nats.embedded_port=0``)
+    and :attr:`nats_url` reads it from ``/readyz``. The HTTP port has to be known to ask
+    ``/readyz`` at all, so it is picked free; when another process takes it before the
+    agent binds it (the agent then exits 2 saying the port is in use), the agent is
+    started again on another one. Every wait fails at once, with the log, when the
+    agent has exited otherwise.
+    """
+
+    START_ATTEMPTS = 5
 
     def __init__(self, tmp_path: Path, *extra: str, node: str = "test.node") -> None:
-        self.nats_port = free_port()
-        self.http_port = free_port()
-        while self.http_port == self.nats_port:  # two calls may get the same free port
-            self.http_port = free_port()
-        self.nats_url = f"nats://127.0.0.1:{self.nats_port}"
         self.node = node
         self.state_dir = tmp_path / "state"
+        self.extra = extra
         self.log = (tmp_path / "agent.log").open("w+b")
+        self.attempts = 0
+        self._nats_url: str | None = None
+        self._spawn()
+
+    def _spawn(self) -> None:
+        self.attempts += 1
+        self.http_port = free_port()
+        self._nats_url = None
         self.proc = subprocess.Popen(
             [
                 *GPULET,
@@ -45,18 +65,47 @@ class Agent:
                 "--nvml",
                 "mock",
                 "--node",
-                node,
+                self.node,
                 "--state-dir",
                 str(self.state_dir),
                 "--set",
-                f"nats.embedded_port={self.nats_port}",
+                "nats.embedded_port=0",
                 "--metrics-port",
                 str(self.http_port),
-                *extra,
+                *self.extra,
             ],
             stdout=self.log,
             stderr=subprocess.STDOUT,
         )
+
+    def check_running(self) -> None:
+        """Raise with the agent's log if it has exited; restart it if its HTTP port was
+        taken by another process between the pick and the bind."""
+        code = self.proc.poll()
+        if code is None:
+            return
+        output = self.output()
+        if code == 2 and "already in use" in output and self.attempts < self.START_ATTEMPTS:
+            self.log.write(f"\n--- port {self.http_port} was taken; starting again\n".encode())
+            self._spawn()
+            return
+        raise AssertionError(f"the agent exited with status {code}:\n{output[-4000:]}")
+
+    @property
+    def nats_url(self) -> str:
+        """The embedded nats-server's URL, as the agent's ``/readyz`` reports it."""
+        if self._nats_url is None:
+            _, _, body = self.wait_readyz(
+                lambda _, body: _server_url(body) is not None,
+                what="the nats-server component to name its URL",
+            )
+            self._nats_url = _server_url(body)
+        assert self._nats_url is not None
+        return self._nats_url
+
+    @property
+    def nats_port(self) -> int:
+        return int(self.nats_url.rsplit(":", 1)[1])
 
     def readyz(self) -> tuple[int, dict[str, Any]] | None:
         """``/readyz`` as (HTTP status, body), or None while nothing answers."""
@@ -78,7 +127,7 @@ class Agent:
         """Poll ``/readyz`` until ``predicate(status, body)``: (time it held, status, body)."""
         deadline = time.monotonic() + timeout_s
         while True:
-            assert self.proc.poll() is None, self.output()
+            self.check_running()
             answer = self.readyz()
             if answer is not None and predicate(*answer):
                 return time.monotonic(), answer[0], answer[1]

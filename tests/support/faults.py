@@ -6,7 +6,7 @@ and services run as their own processes.
 * :func:`device_view` and :func:`device_matches` read the node's Device from the
   Kubernetes API emulator and compare it with a health state (the health service's
   own view), GPU by GPU.
-* :class:`Sidecars` starts ``python -m gpulet <service>`` processes, kills them with
+* :class:`Sidecars` starts ``python -m gpulet serve <service>`` processes, kills them with
   SIGKILL, restarts them and always stops them in the end, like kubelet would.
 
 Every wait here is bounded.
@@ -210,7 +210,7 @@ class Sidecar:
 
 
 class Sidecars:
-    """``python -m gpulet <service>`` processes; stopped (SIGTERM, then SIGKILL) on exit."""
+    """``python -m gpulet serve <service>`` processes; stopped (SIGTERM, then SIGKILL) on exit."""
 
     def __init__(self, logs: Path, common: Sequence[str], env: Mapping[str, str]) -> None:
         self.logs = logs
@@ -219,7 +219,7 @@ class Sidecars:
         self.by_name: dict[str, Sidecar] = {}
 
     def add(self, name: str, args: Sequence[str], env: Mapping[str, str] | None = None) -> Sidecar:
-        command = [sys.executable, "-m", "gpulet", name, *self.common, *args]
+        command = [sys.executable, "-m", "gpulet", "serve", name, *self.common, *args]
         sidecar = Sidecar(name, command, {**self.env, **(env or {})}, self.logs / f"{name}.log")
         self.by_name[name] = sidecar
         return sidecar

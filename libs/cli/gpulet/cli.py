@@ -1,9 +1,25 @@
 """The ``gpulet`` command line.
 
 ``gpulet run`` starts every service in one process (with an embedded nats-server
-unless ``--nats`` is given); ``gpulet <service>`` starts one service, the way each
-sidecar container of the DaemonSet does. The tools (``watch``, ``schema``, ``mock``,
-``config``) talk to a running agent over NATS or print what they know.
+unless ``--nats`` is given); ``gpulet serve <service>`` starts one service, the way each
+sidecar container of the DaemonSet does. Only these two (and ``config show``) take the
+server's flags (``--nvml``, ``--state-dir``, ``--metrics-port``, ``--log-level``).
+Everything else is a client of a running agent (``health state``, ``allocator state``,
+``watch``, ``mock inject``, ``reporter-preview``, ``fleet status``) or prints what it
+knows (``schema``, ``config reference``, ``--version``), and takes only the flags that
+say where the agent is: ``--config``, ``--set``, ``--node``, ``--nats``. ``gpulet
+alerts`` is a client that keeps running, so it adds ``--metrics-port`` and
+``--log-level``. A command group without its command (``gpulet health``) is its
+``state``; it never starts a service.
+
+Imports
+-------
+Every sidecar is a ``gpulet`` process, and what it imports stays resident. So ``run``
+and ``serve`` build a parser without the client commands (their modules are not
+imported; a client command imports only its own module), :mod:`gpulet.services` imports
+no service until it is asked for, and a process whose services do not use aiohttp does
+not load it (:func:`skip_unused_aiohttp`). tests/cli/test_sidecar_imports.py holds each
+sidecar to its service's imports.
 
 Errors
 ------
@@ -34,17 +50,26 @@ from typing import Any, NoReturn
 
 import anyio
 
-from gpulet import services, tools
+from gpulet import services
+from gpulet.version import VersionAction
 from gpulet_common import config
+from gpulet_common.cli_support import LOCAL_NATS_URL
 from gpulet_common.config import ConfigError
 from gpulet_common.errors import explained, one_line
 from gpulet_common.logutil import setup_logging
 from gpulet_common.settings import Settings
 
-DEFAULT_SIDECAR_NATS = "nats://127.0.0.1:4222"
+DEFAULT_SIDECAR_NATS = LOCAL_NATS_URL
 
 
-def _settings_flags(parser: argparse.ArgumentParser) -> None:
+def _client_flags(
+    parser: argparse.ArgumentParser, *, serves: bool = False
+) -> argparse._ArgumentGroup:
+    """What every command that reads settings takes: where the node's NATS is, which node.
+
+    ``serves``: the command keeps running and serves ``/healthz`` (``gpulet alerts``):
+    ``--metrics-port`` and ``--log-level`` too.
+    """
     group = parser.add_argument_group("settings (override file and environment)")
     group.add_argument("--config", "-c", help="config file (TOML or JSON); also $GPULET_CONFIG")
     group.add_argument(
@@ -56,15 +81,25 @@ def _settings_flags(parser: argparse.ArgumentParser) -> None:
         help="override any setting, e.g. --set collector.sample_period_s=0.5",
     )
     group.add_argument("--node", help="node name (default: $NODE_NAME, then the host name)")
-    group.add_argument("--nats", help="NATS server URL(s), comma-separated")
+    group.add_argument(
+        "--nats",
+        help=f"NATS server URL(s), comma-separated (default for tools: {LOCAL_NATS_URL})",
+    )
+    if serves:
+        group.add_argument("--metrics-port", type=int, help="port of /metrics, /healthz, /readyz")
+        group.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    return group
+
+
+def _server_flags(parser: argparse.ArgumentParser) -> None:
+    """What the commands that run services take besides :func:`_client_flags`."""
+    group = _client_flags(parser, serves=True)
     group.add_argument(
         "--nvml",
         metavar="auto|nvml|mock[:SCENARIO]",
         help="NVML backend; mock runs against a scenario (default dgx-h100)",
     )
     group.add_argument("--state-dir", help="directory for state (checkpoints, buffers, NATS)")
-    group.add_argument("--metrics-port", type=int, help="port of /metrics, /healthz, /readyz")
-    group.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
 
 
 def _flag_overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -160,15 +195,36 @@ def preflight(
         )
 
 
-def _run_services(args: argparse.Namespace, names: list[str], *, sidecar: bool) -> int:
-    from gpulet.agent import run_agent
-    from gpulet_common.telemetry import Telemetry
+def skip_unused_aiohttp(settings: Settings, names: Sequence[str]) -> bool:
+    """Keep aiohttp (~11 MB of RSS) out of a process whose services do not use it.
 
+    nats-py imports aiohttp for its WebSocket transport only, and carries on without it
+    when the import fails; so when no service here uses it (see
+    :data:`services.USES_AIOHTTP`) and no NATS URL is a WebSocket one, the import is
+    made to fail. True when it was.
+    """
+    urls = [u.strip().lower() for u in settings.nats.url.split(",")]
+    if services.USES_AIOHTTP.intersection(names) or any(u.startswith("ws") for u in urls):
+        return False
+    if "aiohttp" in sys.modules:
+        return sys.modules["aiohttp"] is None
+    sys.modules["aiohttp"] = None  # type: ignore[assignment]
+    return True
+
+
+def _run_services(args: argparse.Namespace, names: list[str], *, sidecar: bool) -> int:
     settings = load_settings(args)
     embedded = not settings.nats.url
     if embedded and sidecar:
         settings.nats.url = DEFAULT_SIDECAR_NATS
         embedded = False
+    skip_unused_aiohttp(settings, names)
+
+    from gpulet.agent import run_agent
+    from gpulet_common.telemetry import Telemetry
+
+    for name in names:  # now, so that a missing extra (grpcio...) stops it at once
+        services.factory(name)
     preflight(settings, embedded_nats=embedded, names=names)
     setup_logging(settings.telemetry.log_level, settings.telemetry.log_format)
     telemetry = Telemetry.install(settings.telemetry, "gpulet-" + "-".join(names))
@@ -213,49 +269,106 @@ def _cmd_config_reference(_args: argparse.Namespace) -> int:
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """argparse, with a mistake reported as one line (and exit 2) instead of the usage."""
+    """argparse, with a mistake reported as one line (and exit 2) instead of the usage.
+
+    A command group may name a ``default_action``: ``gpulet health --node X`` is then
+    ``gpulet health state --node X`` (what an operator asking about health means),
+    and ``gpulet health --help`` still lists the group's commands.
+    """
+
+    default_action: str | None = None
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        if self.default_action is not None and args is not None:
+            args = self._command_first(list(args), self.default_action)
+        return super().parse_known_args(args, namespace)
+
+    def _command_first(self, args: list[str], default: str) -> list[str]:
+        """``[--nats URL, state, --gpu 0]`` as ``[state, --nats URL, --gpu 0]``: the
+        settings flags may come before the command; no command is ``default``."""
+        commands = {
+            name: child
+            for action in self._actions
+            if isinstance(action, argparse._SubParsersAction)
+            for name, child in action.choices.items()
+        }
+        options = commands[default]._option_string_actions
+        at = 0
+        while at < len(args):
+            arg = args[at]
+            if arg in HELP:
+                return args
+            if arg in commands:
+                return [arg, *args[:at], *args[at + 1 :]]
+            action = options.get(arg)
+            at += 2 if action is not None and action.nargs != 0 else 1
+        return [default, *args]
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {one_line(message)} (see `{self.prog} --help`)\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
+HELP = ("-h", "--help")
+
+
+# The commands defined here: their parser imports no other command's module, so a
+# sidecar (run, serve) loads only what its service uses.
+OWN_COMMANDS = frozenset({"run", "serve", "config"})
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser for ``command`` (the first argument): with the module of that command
+    only (none for :data:`OWN_COMMANDS`), or with every command when it names none
+    of them (``gpulet --help``, a typo)."""
     parser = OneLineParser(prog="gpulet", description="GPU node agent for Kubernetes, over NATS.")
+    parser.add_argument("--version", action=VersionAction)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    run = sub.add_parser("run", help="run every service in one process")
-    _settings_flags(run)
+    run = sub.add_parser("run", help="run every service in one process (embedded nats-server)")
+    _server_flags(run)
     run.add_argument("--only", help="comma-separated subset of services to run")
     run.set_defaults(func=_cmd_run)
 
-    for name in services.REGISTRY:
-        p = sub.add_parser(name, help=f"run the {name} service alone (sidecar mode)")
-        _settings_flags(p)
-        p.set_defaults(func=_cmd_service, service=name)
+    serve = sub.add_parser(
+        "serve",
+        help="run one service alone, as each sidecar container of the DaemonSet does",
+        description=(
+            "Run one service in this process. It connects to the pod's NATS "
+            f"(--nats, default {LOCAL_NATS_URL}) instead of starting a server."
+        ),
+    )
+    serve.add_argument("service", choices=list(services.REGISTRY), metavar="SERVICE")
+    _server_flags(serve)
+    serve.set_defaults(func=_cmd_service)
 
     cfg = sub.add_parser("config", help="show the effective settings")
     cfg_sub = cfg.add_subparsers(dest="config_command", required=True)
     show = cfg_sub.add_parser("show", help="print the merged settings as JSON")
-    _settings_flags(show)
+    _server_flags(show)
     show.set_defaults(func=_cmd_config_show)
 
     reference = cfg_sub.add_parser("reference", help="print the settings reference (Markdown)")
     reference.set_defaults(func=_cmd_config_reference)
 
-    tools.add_commands(sub, _settings_flags, load_settings)
-    for module_name in services.COMMAND_MODULES:
+    if command in OWN_COMMANDS:
+        return parser
+    owners = [m for m, names in services.COMMAND_MODULES.items() if command in names]
+    for module_name in owners or services.COMMAND_MODULES:
         try:
             module = import_module(module_name)
         except ModuleNotFoundError as exc:
             if exc.name != module_name:
                 raise
             continue
-        module.add_commands(sub, _settings_flags, load_settings)
+        module.add_commands(sub, _client_flags, load_settings)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(argv[0] if argv else None)
     args = parser.parse_args(argv)
     try:
         code = args.func(args)

@@ -1,16 +1,19 @@
 """Which services exist and how each is built from a :class:`Runtime`.
 
 Imports are lazy so that a sidecar image holding only one service's extras (say the
-reporter without grpcio) starts without importing the others.
+reporter without grpcio) starts without importing the others, and so that importing
+this module (the CLI does, for every command) costs nothing: not even the NATS client.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from importlib import import_module
+from typing import TYPE_CHECKING
 
-from gpulet_common.lifecycle import Service
-from gpulet_common.runtime import Runtime
+if TYPE_CHECKING:
+    from gpulet_common.lifecycle import Service
+    from gpulet_common.runtime import Runtime
 
 # name -> "module:Class"; the class takes a Runtime.
 REGISTRY: dict[str, str] = {
@@ -28,18 +31,25 @@ REGISTRY: dict[str, str] = {
 # in the DaemonSet they run as root without capabilities and the directory is uid 65532's.
 WRITES_STATE_DIR: frozenset[str] = frozenset({"health", "reporter"})
 
+# The services that use aiohttp (the Kubernetes client: the reporter's writes, the
+# allocator's pod watch). A process running none of the others never loads it: nats-py
+# imports it only for its WebSocket transport (see gpulet.cli.skip_unused_aiohttp).
+USES_AIOHTTP: frozenset[str] = frozenset({"reporter", "allocator"})
+
 # `gpulet run` starts these, in this order (producers before consumers).
 RUN_ORDER: tuple[str, ...] = ("collector", "health", "reporter", "allocator", "device-plugin")
 
 # Packages that add their own subcommands through a `cli` module with
-# `add_commands(subparsers, add_settings_flags, load_settings)`.
-COMMAND_MODULES: tuple[str, ...] = (
-    "gpulet_health.cli",
-    "gpulet_alerting.cli",
-    "gpulet_reporter.cli",
-    "gpulet_allocator.cli",
-    "gpulet.fleet",
-)
+# `add_commands(subparsers, add_flags, load_settings)`, and the commands each adds: the
+# CLI imports only the module of the command it runs (all of them for `gpulet --help`).
+COMMAND_MODULES: dict[str, tuple[str, ...]] = {
+    "gpulet.tools": ("watch", "schema", "mock"),
+    "gpulet_health.cli": ("health",),
+    "gpulet_alerting.cli": ("alerts",),
+    "gpulet_reporter.cli": ("reporter-preview",),
+    "gpulet_allocator.cli": ("allocator",),
+    "gpulet.fleet": ("fleet",),
+}
 
 
 def factory(name: str) -> Callable[[Runtime], Service]:

@@ -13,7 +13,14 @@ import msgspec
 
 from gpulet_common import catalog, codec, subjects
 from gpulet_common.bus import Bus, BusError, Refused, RequestTimeout
-from gpulet_common.cli_support import AddFlags, LoadSettings, bind, tool_nats
+from gpulet_common.cli_support import (
+    AddFlags,
+    LoadSettings,
+    add_gpu_flag,
+    bind,
+    gpu_index,
+    tool_nats,
+)
 from gpulet_common.messages import InventoryRequest, MockInjectRequest
 from gpulet_common.mock_nvml.faultspec import FAULT_KINDS
 from gpulet_common.settings import Settings
@@ -86,11 +93,37 @@ def _cmd_schema(args: argparse.Namespace, _load: LoadSettings) -> int:
     return 0
 
 
-async def inject(settings: Settings, request: MockInjectRequest, timeout_s: float) -> int:
+async def _index_of(bus: Bus, settings: Settings, uuid: str, timeout_s: float) -> int | None:
+    """The index of the GPU ``uuid`` in the agent's inventory (the mock takes indices)."""
+    inventory = await bus.request(
+        subjects.inventory_request(settings.node_name),
+        InventoryRequest(reason="gpulet mock inject"),
+        codec.INVENTORY_REQUEST,
+        codec.INVENTORY,
+        timeout_s=timeout_s,
+    )
+    return next((g.index for g in inventory.gpus if g.uuid == uuid), None)
+
+
+async def inject(
+    settings: Settings, request: MockInjectRequest, timeout_s: float, *, gpu: str | None = None
+) -> int:
+    """Send ``request``; ``gpu`` (a UUID or an index) names its GPU."""
     async with Bus.connect(
         tool_nats(settings), name="gpulet-mock", max_initial_attempts=3, limits=settings.limits
     ) as bus:
         try:
+            if gpu is not None:
+                index = gpu_index(gpu)
+                if index is None:
+                    index = await _index_of(bus, settings, gpu, timeout_s)
+                    if index is None:
+                        print(
+                            f"gpulet mock inject: node {settings.node_name!r} has no GPU {gpu}",
+                            file=sys.stderr,
+                        )
+                        return 1
+                request = msgspec.structs.replace(request, gpu=index)
             reply = await bus.request(
                 subjects.mock_inject(settings.node_name),
                 request,
@@ -121,15 +154,10 @@ def _cmd_mock_inject(args: argparse.Namespace, load: LoadSettings) -> int:
         print("gpulet mock inject: give --fault or --xid", file=sys.stderr)
         return 2
     request = MockInjectRequest(
-        gpu=args.gpu,
-        fault=fault,
-        value=value,
-        duration_s=args.duration,
-        gi=args.gi,
-        ci=args.ci,
+        fault=fault, value=value, duration_s=args.duration, gi=args.gi, ci=args.ci
     )
     try:
-        return anyio.run(lambda: inject(settings, request, args.timeout))
+        return anyio.run(lambda: inject(settings, request, args.timeout, gpu=args.gpu))
     except BusError as exc:
         print(f"gpulet mock inject: {exc}", file=sys.stderr)
         return 1
@@ -160,7 +188,7 @@ def add_commands(sub: Any, add_flags: AddFlags, load: LoadSettings) -> None:
     mock = sub.add_parser("mock", help="drive the mock NVML of a running agent")
     mock_sub = mock.add_subparsers(dest="mock_command", required=True)
     inj = mock_sub.add_parser("inject", help="inject a fault, e.g. --gpu 2 --xid 79")
-    inj.add_argument("--gpu", type=int, help="GPU index (omit for node-wide faults)")
+    add_gpu_flag(inj, "the GPU (omit for node-wide faults)")
     inj.add_argument("--xid", type=int, help="shorthand for --fault xid --value N")
     inj.add_argument(
         "--fault",

@@ -1,15 +1,19 @@
 """What a package needs to add its own subcommands to ``gpulet``.
 
 The ``gpulet`` CLI imports each service's ``cli`` module and calls its
-``add_commands(subparsers, add_settings_flags, load_settings)``. The types of those
-arguments, the way a tool reaches the node's NATS and the glue between argparse and a
-command live here once, so every service's tools behave alike.
+``add_commands(subparsers, add_flags, load_settings)``. ``add_flags`` adds the flags of
+a client of a running agent (``--config``, ``--set``, ``--node``, ``--nats``; with
+``serves=True`` also ``--metrics-port`` and ``--log-level``); the server's flags
+(``--nvml``, ``--state-dir``) belong to ``gpulet run`` and ``gpulet serve`` only. The
+types of those arguments, the way a tool reaches the node's NATS and the glue between
+argparse and a command live here once, so every service's tools behave alike.
 """
 
 from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from typing import Protocol
 
 import msgspec
 
@@ -20,9 +24,35 @@ from gpulet_common.settings.nats import NatsSettings
 # the pod, or the embedded server of `gpulet run`.
 LOCAL_NATS_URL = "nats://127.0.0.1:4222"
 
-AddFlags = Callable[[argparse.ArgumentParser], None]
+
+class AddFlags(Protocol):
+    def __call__(self, parser: argparse.ArgumentParser, *, serves: bool = False) -> object: ...
+
+
 LoadSettings = Callable[[argparse.Namespace], Settings]
 Command = Callable[[argparse.Namespace, LoadSettings], int]
+
+
+GPU_METAVAR = "UUID|INDEX"
+
+
+def add_gpu_flag(parser: argparse.ArgumentParser, help: str, *, required: bool = False) -> None:
+    """``--gpu``: the one way every command names a GPU, by its UUID or its index."""
+    parser.add_argument(
+        "--gpu", metavar=GPU_METAVAR, required=required, type=_gpu, default=None, help=help
+    )
+
+
+def _gpu(value: str) -> str:
+    value = value.strip()
+    if not value:
+        raise argparse.ArgumentTypeError("a GPU's UUID or index, e.g. --gpu 0 or --gpu GPU-...")
+    return value
+
+
+def gpu_index(value: str) -> int | None:
+    """The index that ``--gpu`` names, or None when it names a UUID."""
+    return int(value) if value.isdecimal() else None
 
 
 def tool_nats(settings: Settings) -> NatsSettings:

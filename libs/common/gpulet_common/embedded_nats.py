@@ -6,6 +6,12 @@ bound to one host and port, with JetStream storing into a state directory; it is
 stopped with SIGTERM (then SIGKILL after a grace period) when the context exits, so a
 crashed test never leaves one behind.
 
+Port 0 means "any free port": the server itself binds a random one (``-p -1``) and
+writes what it got into its ports file (``--ports_file_dir``), which :meth:`start`
+reads; :attr:`port` and :attr:`url` then name it, and a restart binds the same one
+again. Nothing picks a port, releases it and hands it on, so no other process can take
+it in between.
+
 Failures to start are :class:`EmbeddedNatsError` (one line for the CLI, exit 1), with
 the server's own fatal log line in the message; a port another process holds is
 :class:`NatsPortInUse`, a usage error (exit 2).
@@ -27,6 +33,7 @@ happened (it is also the answer when ``embedded_restart_attempts`` is 0).
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 import signal
@@ -36,6 +43,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import anyio
 import anyio.abc
@@ -115,10 +123,21 @@ def nats_server_binary() -> str:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port that was free a moment ago. Another process may take it before the caller
+    binds it: a server that can bind port 0 and report its port should do that."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         port: int = sock.getsockname()[1]
         return port
+
+
+def _read_port(ports_file: Path) -> int | None:
+    """The client port in a nats-server ports file, None while it is absent or partial."""
+    try:
+        urls = json.loads(ports_file.read_bytes()).get("nats") or []
+        return int(urlsplit(urls[0]).port or 0) or None
+    except (OSError, ValueError, AttributeError, IndexError, TypeError):
+        return None
 
 
 def describe_exit(returncode: int) -> str:
@@ -144,7 +163,8 @@ class EmbeddedNats:
     ) -> None:
         self.state_dir = state_dir
         self.host = host
-        self.port = port or free_port(host)
+        # 0 until the first start has read the port the server bound.
+        self.port = port
         self.jetstream = jetstream
         self.config_file = config_file
         self.extra_args = extra_args or []
@@ -178,7 +198,7 @@ class EmbeddedNats:
             "-a",
             self.host,
             "-p",
-            str(self.port),
+            str(self.port or -1),  # -1: a random free port, read back from the ports file
             "--ports_file_dir",
             str(self.state_dir),
         ]
@@ -226,14 +246,15 @@ class EmbeddedNats:
         # that already holds the port.
         ports_file = self.state_dir / f"nats-server_{process.pid}.ports"
         with anyio.move_on_after(STARTUP_TIMEOUT_S):
-            while not ports_file.exists():
+            while (port := _read_port(ports_file)) is None:
                 if process.returncode is not None:
                     raise self._start_failure(process.returncode)
                 await anyio.sleep(0.01)
             ports_file.unlink(missing_ok=True)
+            self.port = port
             return
         raise EmbeddedNatsError(
-            f"nats-server did not listen on {self.host}:{self.port} within "
+            f"nats-server did not listen on {self.host}:{self.port or 'a random port'} within "
             f"{STARTUP_TIMEOUT_S:g}s; see {self.log_path}"
         )
 

@@ -21,17 +21,29 @@ from gpulet_common.cli_support import AddFlags, LoadSettings, bind, tool_nats
 from gpulet_common.settings import Settings
 
 
-async def run_alerts(settings: Settings, *, hub: bool = False) -> None:
-    async with Bus.connect(
-        tool_nats(settings), name="gpulet-alerts", limits=settings.limits
-    ) as bus:
-        if hub:
-            from gpulet_alerting.fleet_alerts import hub_consumer
+async def run_alerts(settings: Settings, *, hub: bool = False, serve: bool = False) -> None:
+    """Deliver until cancelled; ``serve``: ``/healthz``, ``/readyz`` and ``/metrics`` on
+    ``telemetry.http_port`` too (the DaemonSet's liveness probe asks ``/healthz``)."""
+    from gpulet_common.telemetry import StatusBoard, serve_http
 
-            consumer = hub_consumer(bus, settings)
-        else:
-            consumer = AlertsConsumer.from_settings(bus, settings.health.alerts)
-        await consumer.run()
+    status = StatusBoard()
+    status.set("alerts", "starting", "connecting to NATS")
+    async with anyio.create_task_group() as tg:
+        if serve:
+            telemetry = settings.telemetry
+            await tg.start(serve_http, telemetry.http_host, telemetry.http_port, status)
+        async with Bus.connect(
+            tool_nats(settings), name="gpulet-alerts", limits=settings.limits
+        ) as bus:
+            if hub:
+                from gpulet_alerting.fleet_alerts import hub_consumer
+
+                consumer = hub_consumer(bus, settings)
+            else:
+                consumer = AlertsConsumer.from_settings(bus, settings.health.alerts)
+            status.set("alerts", "ready", "delivering health events")
+            await consumer.run()
+        tg.cancel_scope.cancel()
 
 
 def _cmd_alerts(args: argparse.Namespace, load: LoadSettings) -> int:
@@ -61,13 +73,26 @@ def _cmd_alerts(args: argparse.Namespace, load: LoadSettings) -> int:
             file=sys.stderr,
         )
         return 2
+    # Endpoints only when asked for (--metrics-port, as the DaemonSet does): the
+    # default port is the agent's, which this command must not take on a node.
+    serve = args.metrics_port is not None and settings.telemetry.http_port > 0
+    telemetry = None
+    if serve:
+        from gpulet_common.logutil import setup_logging
+        from gpulet_common.telemetry import Telemetry
+
+        setup_logging(settings.telemetry.log_level, settings.telemetry.log_format)
+        telemetry = Telemetry.install(settings.telemetry, "gpulet-alerts")
     try:
-        anyio.run(lambda: run_alerts(settings, hub=bool(getattr(args, "hub", False))))
+        anyio.run(lambda: run_alerts(settings, hub=bool(args.hub), serve=serve))
     except KeyboardInterrupt:
         return 0
     except BusError as exc:
         print(f"gpulet alerts: {exc}", file=sys.stderr)
         return 1
+    finally:
+        if telemetry is not None:
+            telemetry.shutdown()
     return 0
 
 
@@ -109,5 +134,5 @@ def add_commands(sub: Any, add_flags: AddFlags, load: LoadSettings) -> None:
         "durable consumer, see docs/fleet.md); connect with --nats HUB and "
         "--set nats.creds_file=FILE",
     )
-    add_flags(alerts)
+    add_flags(alerts, serves=True)
     alerts.set_defaults(func=bind(_cmd_alerts, load))

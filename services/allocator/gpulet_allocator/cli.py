@@ -1,11 +1,11 @@
-"""``gpulet allocator state|release|reset``: talk to a running allocator.
+"""``gpulet allocator [state]|release|reset``: talk to a running allocator.
 
 Why here
 --------
-``gpulet allocator`` alone runs the allocator service (sidecar mode); these two
-actions are added to that same command, so ``gpulet allocator --help`` shows both.
-They speak the allocator's NATS API (:mod:`.protocol`) with the node's settings, like
-``gpulet watch`` does, and print either a table for people or JSON (``--json``).
+The allocator service itself is ``gpulet serve allocator`` (sidecar mode); ``gpulet
+allocator`` groups the operator's actions on a running one. They speak the allocator's
+NATS API (:mod:`.protocol`) with the node's settings, like ``gpulet watch`` does, and
+print either a table for people or JSON (``--json``).
 
 The protocol is imported when a command runs, not when ``gpulet`` builds its parser:
 it pulls in the plugin package and so grpcio, which a sidecar image without the
@@ -206,12 +206,16 @@ def _cmd_reset(args: argparse.Namespace, load: LoadSettings) -> int:
 
 def add_commands(sub: Any, add_flags: AddFlags, load: LoadSettings) -> None:
 
-    # `gpulet allocator` (the sidecar command) exists already: add actions to it.
-    parser = sub.choices.get("allocator")
-    if parser is None:
-        parser = sub.add_parser("allocator", help="talk to the allocator of a node")
+    # The service itself is `gpulet serve allocator`; `gpulet allocator` alone (or with
+    # only settings flags) is `gpulet allocator state`.
+    parser = sub.add_parser(
+        "allocator",
+        help="show (the default), release or reset a node's allocations",
+        description=("Without a command: state. The service runs with `gpulet serve allocator`."),
+    )
+    parser.default_action = "state"
     actions = parser.add_subparsers(
-        dest="allocator_action", metavar="[state|release|reset]", required=False
+        dest="allocator_action", metavar="{state,release,reset}", required=True
     )
 
     state = actions.add_parser("state", help="show the node's GPUs and allocations")

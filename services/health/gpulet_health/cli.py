@@ -19,7 +19,7 @@ import msgspec
 
 from gpulet_common import codec, subjects
 from gpulet_common.bus import Bus, BusError, Refused, RequestTimeout
-from gpulet_common.cli_support import AddFlags, LoadSettings, bind, tool_nats
+from gpulet_common.cli_support import AddFlags, LoadSettings, add_gpu_flag, bind, tool_nats
 from gpulet_common.messages import HealthClearRequest, HealthState, HealthStateRequest
 from gpulet_common.settings import Settings
 from gpulet_health.xid_cli import add_xid_command
@@ -122,28 +122,24 @@ def _cmd_clear(args: argparse.Namespace, load: LoadSettings) -> int:
 
 def add_commands(sub: Any, add_flags: AddFlags, load: LoadSettings) -> None:
 
-    # `gpulet health` alone runs the health service (the CLI registers one parser per
-    # service); `gpulet health state|clear` are the operator tools, as subcommands of
-    # that same parser.
-    health = sub.choices.get("health") or sub.add_parser(
-        "health", help="run the health service, or query/clear GPU health (state, clear)"
+    # `gpulet health` groups the operator tools; the service itself is `gpulet serve
+    # health`. Without a command it is `state`: `gpulet health --node X` shows that
+    # node's health, it never starts a service.
+    health = sub.add_parser(
+        "health",
+        help="show (the default) or clear the GPU health of a node",
+        description="Without a command: state. The service runs with `gpulet serve health`.",
     )
+    health.default_action = "state"
     health_sub = health.add_subparsers(
-        dest="health_command",
-        required=False,
-        metavar="{state,clear}",
-        description="without a command: run the health service alone (sidecar mode)",
+        dest="health_command", required=True, metavar="{state,clear,xid}"
     )
 
-    # Settings flags may come before or after the command (`gpulet health --nats URL
-    # state` or `gpulet health state --nats URL`): flags absent after it must not reset
-    # those given before it, hence SUPPRESS as the default of the command's flags.
     state = health_sub.add_parser(
         "state",
         help="print each GPU's health and active conditions",
-        argument_default=argparse.SUPPRESS,
     )
-    state.add_argument("--gpu", default=None, help="one GPU: its UUID or index")
+    add_gpu_flag(state, "only this GPU")
     state.add_argument(
         "--json", action="store_true", default=False, help="print the HealthState as JSON"
     )
@@ -154,9 +150,8 @@ def add_commands(sub: Any, add_flags: AddFlags, load: LoadSettings) -> None:
     clear = health_sub.add_parser(
         "clear",
         help="clear sticky conditions (fatal XID, uncorrectable ECC) of a GPU",
-        argument_default=argparse.SUPPRESS,
     )
-    clear.add_argument("gpu", help="the GPU: its UUID or index")
+    add_gpu_flag(clear, "the GPU", required=True)
     clear.add_argument(
         "--condition",
         default=None,

@@ -1,13 +1,12 @@
 """``gpulet reporter-preview``: print the Device, node labels, node condition and taint
 this node would get.
 
-Two sources, so that it answers both "what will the agent write?" and "what is the
-agent writing?":
-
-* with a NATS URL (``--nats`` or settings): ask the running agent for its inventory
-  and health state, exactly as the reporter does at start;
-* without one: read the GPUs directly through NVML (``--nvml mock:dgx-h100`` on a
-  machine without GPUs).
+It asks the running agent (``--nats``, default the node-local server, as every tool
+does) for its inventory and health state, exactly as the reporter does at start, so it
+shows what the agent's reporter writes. It never opens NVML itself: beside a running
+agent that would compete for the GPUs, and a preview that reads other GPUs than the
+agent's would answer another question. To preview without GPUs, run the agent with the
+mock (``gpulet run --nvml mock:dgx-h100``) and ask it.
 
 Nothing is written anywhere; ``--device-only`` prints just the Device, ready for
 ``kubectl apply -f -``.
@@ -25,10 +24,8 @@ import anyio
 
 from gpulet_common import codec, subjects
 from gpulet_common.bus import Bus, BusError, Refused, RequestTimeout
-from gpulet_common.cli_support import AddFlags, LoadSettings
+from gpulet_common.cli_support import AddFlags, LoadSettings, tool_nats
 from gpulet_common.messages import HealthState, HealthStateRequest, Inventory, InventoryRequest
-from gpulet_common.nvml.errors import NvmlUnavailable
-from gpulet_common.runtime import NvmlProvider
 from gpulet_common.settings import Settings
 from gpulet_reporter.desired import build_desired, render_device
 from gpulet_reporter.facts import node_facts, read_machine_type
@@ -42,7 +39,7 @@ class PreviewError(Exception):
 
 async def _from_agent(settings: Settings, timeout_s: float) -> tuple[Inventory, HealthState | None]:
     async with Bus.connect(
-        settings.nats,
+        tool_nats(settings),
         name="gpulet-reporter-preview",
         max_initial_attempts=3,
         limits=settings.limits,
@@ -57,7 +54,8 @@ async def _from_agent(settings: Settings, timeout_s: float) -> tuple[Inventory, 
             )
         except (RequestTimeout, Refused) as exc:
             raise PreviewError(
-                f"no inventory from the agent of {settings.node_name}: {exc}"
+                f"no inventory from the agent of node {settings.node_name!r}: {exc} "
+                "(is the agent running? is --node right?)"
             ) from exc
         try:
             state: HealthState | None = await bus.request(
@@ -72,23 +70,8 @@ async def _from_agent(settings: Settings, timeout_s: float) -> tuple[Inventory, 
     return inventory, state
 
 
-async def _from_nvml(settings: Settings) -> Inventory:
-    provider = NvmlProvider(settings.nvml)
-    try:
-        handle = await provider.get()
-        if handle.adapter is None:
-            raise PreviewError(f"NVML unavailable: {handle.reason}")
-        adapter = handle.adapter
-        try:
-            return await anyio.to_thread.run_sync(adapter.inventory, settings.node_name, 1)
-        except NvmlUnavailable as exc:
-            raise PreviewError(f"NVML unavailable: {exc}") from exc
-    finally:
-        await anyio.to_thread.run_sync(provider.close)
-
-
 async def preview(settings: Settings, *, timeout_s: float = 2.0) -> dict[str, Any]:
-    """The Device and node labels, as the reporter would render them with no cluster."""
+    """The Device and node labels, as the running agent's reporter renders them."""
     # Here, not at the top: node_health pulls in the Kubernetes client (~40 MB), and
     # every `gpulet` process (a collector sidecar too) imports this module's commands.
     from gpulet_reporter.node_health import (
@@ -100,10 +83,7 @@ async def preview(settings: Settings, *, timeout_s: float = 2.0) -> dict[str, An
         unknown,
     )
 
-    if settings.nats.url:
-        inventory, state = await _from_agent(settings, timeout_s)
-    else:
-        inventory, state = await _from_nvml(settings), None
+    inventory, state = await _from_agent(settings, timeout_s)
     view = HealthView()
     for health in state.gpus if state is not None else ():
         view.apply(health.gpu_uuid, health)
@@ -121,12 +101,7 @@ async def preview(settings: Settings, *, timeout_s: float = 2.0) -> dict[str, An
     if state is not None:
         intent = evaluate(inventory, {g.gpu_uuid: g for g in state.gpus}, policy=policy)
     else:
-        why = (
-            "the health service did not answer"
-            if settings.nats.url
-            else "read from NVML directly, without the health service"
-        )
-        intent = unknown(REASON_UNREACHABLE, why, policy=policy)
+        intent = unknown(REASON_UNREACHABLE, "the health service did not answer", policy=policy)
     result: dict[str, Any] = {"device": device, "nodeLabels": labels}
     if settings.reporter.node_condition:
         result["nodeCondition"] = render_condition(intent, None, now=now)
@@ -153,7 +128,8 @@ def _cmd_preview(args: argparse.Namespace, load: LoadSettings) -> int:
 def add_commands(sub: Any, add_flags: AddFlags, load: LoadSettings) -> None:
     p = sub.add_parser(
         "reporter-preview",
-        help="print the Device CR and node labels this node would get (writes nothing)",
+        help="print the Device CR and node labels the running agent's reporter renders "
+        "(asks the agent over NATS; writes nothing)",
     )
     p.add_argument("--device-only", action="store_true", help="print only the Device object")
     p.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for the agent")
