@@ -467,6 +467,21 @@ async def test_xid_79_taints_the_gpu_and_clearing_brings_it_back(dra_node: DraNo
             ),
         )
 
+    def held_by_a_claim() -> bool:
+        body = dra.plane.must("GET", f"{RESOURCE}/namespaces/{dra.namespace}/resourceclaims")
+        return any(
+            r["device"] == name
+            for c in body["items"]
+            for r in ((c.get("status") or {}).get("allocation") or {})
+            .get("devices", {})
+            .get("results", [])
+        )
+
+    # Only the taint may keep the next claim from that GPU: no claim of an earlier test
+    # (deleted with its pod, deallocated by the controller) still holds it.
+    await wait_until(
+        lambda: not held_by_a_claim(), timeout_s=60, interval_s=0.1, what=f"{name} free"
+    )
     settings = NatsSettings(url=dra.agent.nats_url, request_timeout_s=5.0)
     async with Bus.connect(settings, name="test", max_initial_attempts=20) as bus:
         reply = await bus.request(
