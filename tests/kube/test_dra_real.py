@@ -17,6 +17,7 @@ order: each asks for what only it can get, or names its GPU.
 
 from __future__ import annotations
 
+import json
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -275,6 +276,16 @@ async def prepare(dra: DraNode, claim: dict[str, Any]) -> list[str]:
     return ids
 
 
+def spec_env(dra: DraNode, claim: dict[str, Any]) -> dict[str, str]:
+    """The environment the claim's CDI spec (as Prepare wrote it) gives the container."""
+    spec = json.loads(cdi.spec_file(dra.cdi_dir, DRIVER, claim["metadata"]["uid"]).read_text())
+    return {k: v for k, _, v in (e.partition("=") for e in spec["containerEdits"]["env"])}
+
+
+def uuids(dra: DraNode, names: list[str]) -> set[str]:
+    return {dra.devices()[n]["attributes"]["uuid"]["string"] for n in names}
+
+
 async def unprepare(dra: DraNode, claim: dict[str, Any]) -> None:
     uid = claim["metadata"]["uid"]
     async with registered(dra.registry, DRIVER) as kubelet:
@@ -307,6 +318,9 @@ async def test_one_gpu_by_product_name(dra_node: DraNode) -> None:
         [device] = assert_ours(dra, claim, 1)
         assert dra.devices()[device]["attributes"]["productName"]["string"] == product
         assert len(await prepare(dra, claim)) == 1
+        env = spec_env(dra, claim)
+        assert set(env["NVIDIA_VISIBLE_DEVICES"].split(",")) == uuids(dra, [device])
+        assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in env
         await unprepare(dra, claim)
     finally:
         pod.delete()
@@ -359,6 +373,8 @@ async def test_two_gpus_on_one_nvlink_island(dra_node: DraNode) -> None:
         assert first != second
         assert islands[first] == islands[second]
         assert len(await prepare(dra, claim)) == 2
+        env = spec_env(dra, claim)
+        assert set(env["NVIDIA_VISIBLE_DEVICES"].split(",")) == uuids(dra, [first, second])
         await unprepare(dra, claim)
     finally:
         pod.delete()
@@ -434,6 +450,13 @@ async def test_two_shares_of_one_gpu(dra_node: DraNode) -> None:
         other_ids = await prepare(dra, other)
         assert len(ids) == len(other_ids) == 1
         assert ids != other_ids
+        # Prepare applies each share's two halves as the device plugin's shares do.
+        env, other_env = spec_env(dra, claim), spec_env(dra, other)
+        assert env["NVIDIA_VISIBLE_DEVICES"] == other_env["NVIDIA_VISIBLE_DEVICES"] == uuid
+        assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "30"
+        assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=20480M"
+        assert other_env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50"
+        assert other_env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=8192M"
         await unprepare(dra, claim)
         await unprepare(dra, other)
     finally:
