@@ -7,7 +7,10 @@ ResourceClaimTemplates (the examples of docs/dra.md); the real resourceclaim con
 makes the claims and the real kube-scheduler allocates them from gpulet's slices and
 binds the pods to the node. There is no kubelet: the project's fake DRA kubelet then
 calls the agent's kubelet plugin (NodePrepareResources) for each claim, as kubelet
-would, and gets the CDI IDs.
+would, and gets the CDI IDs. Health: an XID 79 injected into the mock (over NATS) taints
+the GPU ``NoSchedule`` in its slice, the real scheduler leaves a claim for it pending,
+and the health service's clear removes the taint so the claim is placed, with no
+restart.
 
 One agent, Node and namespace serve the whole module (a start is seconds on a shared
 machine); each test holds its devices until it ends and deletes its pods, so the
