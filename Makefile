@@ -32,6 +32,10 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
+# Two workers (the CI machine has 2 cores), a test file per worker at a time: the suite
+# waits on servers much of its time. PYTEST_ARGS= runs it in one process.
+PYTEST_ARGS ?= -n 2 --dist loadfile
+
 pytest: $(STAMP) k8s-bins
 	$(BIN)/pytest -q $(PYTEST_ARGS)
 
