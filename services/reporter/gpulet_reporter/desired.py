@@ -64,6 +64,7 @@ import msgspec
 
 from gpulet_common.messages import GpuInfo, Inventory
 from gpulet_common.migrules import MIG_PENDING, parent_block
+from gpulet_common.pci import sysfs_bus_id
 from gpulet_reporter.labels import KOORD_LABELS, NodeFacts, device_labels, node_labels
 
 JsonObj = dict[str, Any]
@@ -192,18 +193,9 @@ def rfc3339(epoch_s: float) -> str:
 
 
 def bus_id_short(bus_id: str) -> str:
-    """NVML's ``00000000:3B:00.0`` as sysfs and koordlet write it: ``0000:3b:00.0``."""
-    bus = bus_id.strip().lower()
-    domain, sep, rest = bus.partition(":")
-    if sep and rest.count(":") == 1 and len(domain) > 4:
-        try:
-            return f"{int(domain, 16):04x}:{rest}"
-        except ValueError:
-            return bus
-    if not sep or rest.count(":") == 0:
-        # "3b:00.0" without a domain.
-        return f"0000:{bus}" if bus.count(":") == 1 else bus
-    return bus
+    """NVML's ``00000000:3B:00.0`` as sysfs and koordlet write it: ``0000:3b:00.0``
+    (:mod:`gpulet_common.pci`; what is not a bus id is kept, in lower case)."""
+    return sysfs_bus_id(bus_id) or bus_id.strip().lower()
 
 
 def fallback_pcie_root(bus_id: str) -> str:

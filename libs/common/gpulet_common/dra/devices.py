@@ -37,6 +37,7 @@ from typing import Any, Final
 
 from gpulet_common.dra import limits
 from gpulet_common.messages import GpuInfo, Inventory
+from gpulet_common.pci import sysfs_bus_id
 
 JsonObj = dict[str, Any]
 
@@ -90,17 +91,9 @@ def semver(version: str | None) -> str | None:
 
 
 def pci_bus_id(bus_id: str) -> str:
-    """NVML's ``00000000:3B:00.0`` as the standard attribute wants it: ``0000:3b:00.0``."""
-    bus = bus_id.strip().lower()
-    domain, sep, rest = bus.partition(":")
-    if sep and rest.count(":") == 1 and len(domain) > 4:
-        try:
-            return f"{int(domain, 16):04x}:{rest}"
-        except ValueError:
-            return ""
-    if sep and rest.count(":") == 1:
-        return bus
-    return ""
+    """NVML's ``00000000:3B:00.0`` as the standard attribute wants it: ``0000:3b:00.0``
+    (:mod:`gpulet_common.pci`); "" for what is not a bus id (the attribute is left out)."""
+    return sysfs_bus_id(bus_id) or ""
 
 
 def nvlink_islands(gpus: Iterable[GpuInfo]) -> dict[str, int]:

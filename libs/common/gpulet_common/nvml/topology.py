@@ -38,6 +38,7 @@ from gpulet_common.nvml.calls import (
     text,
 )
 from gpulet_common.nvml.errors import NVML_ERROR_GPU_IS_LOST, NVML_ERROR_INVALID_ARGUMENT
+from gpulet_common.pci import nvml_bus_id
 
 # The slow fields that count NVLink errors: when one moves, link state is re-read.
 NVLINK_ERROR_FIELDS: Final = (
@@ -68,19 +69,10 @@ def normalize_bus_id(bus_id: str) -> str:
     """A PCI bus id in NVML's canonical form ``DDDDDDDD:BB:DD.F``, upper case.
 
     NVML reports the 8-digit domain form, sysfs and some tools the 4-digit one; link
-    peers are matched on this form so both compare equal.
+    peers are matched on this form so both compare equal (:mod:`gpulet_common.pci`;
+    what is not a bus id is kept as it is, upper case).
     """
-    bus = bus_id.strip().upper()
-    colons = bus.count(":")
-    if colons == 1:
-        return "00000000:" + bus
-    if colons == 2:
-        domain, _, rest = bus.partition(":")
-        try:
-            return f"{int(domain, 16):08X}:{rest}"
-        except ValueError:
-            return bus
-    return bus
+    return nvml_bus_id(bus_id) or bus_id.strip().upper()
 
 
 def pair_links(a: LinkScan, b: LinkScan, bus_a: str, bus_b: str) -> tuple[int, int]:
