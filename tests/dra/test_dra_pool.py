@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from gpulet_common.dra import devices as dev
 from gpulet_common.dra import limits, pool, taints
 from gpulet_common.messages import ActiveCondition, GpuHealth
+from gpulet_common.quantity import binary, parse_whole
 from gpulet_common.settings.dra import DraSettings
 from support.reference import GIB, inventory_from_matrix
 from support.reporter_harness import make_inventory
@@ -140,8 +141,8 @@ def test_memory_range_is_whole_steps_when_memory_is_not() -> None:
     odd = 81559871488  # an H100's 79.6 GiB as NVML reports it
     device = pool.build(make_inventory(NODE, 1, memory=odd), {}, DraSettings()).devices[0]
     memory = device["capacity"]["memory"]
-    assert dev.parse_quantity(memory["value"]) == odd
-    top = dev.parse_quantity(memory["requestPolicy"]["validRange"]["max"])
+    assert parse_whole(memory["value"]) == odd
+    top = parse_whole(memory["requestPolicy"]["validRange"]["max"])
     assert top is not None
     assert top % GIB == 0
     assert odd - GIB < top <= odd
@@ -150,7 +151,7 @@ def test_memory_range_is_whole_steps_when_memory_is_not() -> None:
 
 @given(st.integers(0, 2**62))
 def test_quantities_round_trip(value: int) -> None:
-    assert dev.parse_quantity(dev.quantity(value)) == value
+    assert parse_whole(binary(value)) == value
 
 
 def test_fatal_xid_taints_noschedule_and_noexecute_by_policy() -> None:

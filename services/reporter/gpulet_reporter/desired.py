@@ -65,6 +65,7 @@ import msgspec
 from gpulet_common.messages import GpuInfo, Inventory
 from gpulet_common.migrules import MIG_PENDING, parent_block
 from gpulet_common.pci import sysfs_bus_id
+from gpulet_common.quantity import binary
 from gpulet_reporter.labels import KOORD_LABELS, NodeFacts, device_labels, node_labels
 
 JsonObj = dict[str, Any]
@@ -93,8 +94,6 @@ REASON_UNHEALTHY: Final = "Unhealthy"
 _REASON_OK = re.compile(r"[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?")
 _REASON_MAX = 1024
 _MESSAGE_MAX = 32768
-
-_UNITS: Final = (("Ei", 2**60), ("Pi", 2**50), ("Ti", 2**40), ("Gi", 2**30), ("Mi", 2**20))
 
 
 class GpuCondition(msgspec.Struct, frozen=True, kw_only=True):
@@ -146,14 +145,7 @@ class DesiredState(msgspec.Struct, frozen=True, kw_only=True):
 
 def memory_quantity(total_bytes: int) -> str:
     """Bytes as an exact Kubernetes binary quantity: 80Gi, 81559Mi, 1536Ki or 1000."""
-    if total_bytes <= 0:
-        return "0"
-    for suffix, size in _UNITS:
-        if total_bytes % size == 0:
-            return f"{total_bytes // size}{suffix}"
-    if total_bytes % 1024 == 0:
-        return f"{total_bytes // 1024}Ki"
-    return str(total_bytes)
+    return binary(max(total_bytes, 0))
 
 
 def condition_reason(text: str, *, healthy: bool, xid: int | None = None) -> str:

@@ -38,6 +38,7 @@ from typing import Any, Final
 from gpulet_common.dra import limits
 from gpulet_common.messages import GpuInfo, Inventory
 from gpulet_common.pci import sysfs_bus_id
+from gpulet_common.quantity import binary
 
 JsonObj = dict[str, Any]
 
@@ -162,65 +163,23 @@ def attributes(
     return {k: v for k, v in found.items() if v is not None}
 
 
-def quantity(value: int) -> str:
-    """An integer quantity as the API server writes it back (its canonical form):
-    the largest binary suffix that keeps it whole, else plain digits."""
-    if value > 0:
-        for suffix, power in (("Ei", 60), ("Pi", 50), ("Ti", 40), ("Gi", 30), ("Mi", 20)):
-            if value % (1 << power) == 0:
-                return f"{value >> power}{suffix}"
-        if value % 1024 == 0 and value >= 1024:
-            return f"{value >> 10}Ki"
-    return str(value)
-
-
-_QUANTITY = re.compile(r"^([0-9]+)(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$")
-_MULTIPLIER: Final = {
-    None: 1,
-    "Ki": 1 << 10,
-    "Mi": 1 << 20,
-    "Gi": 1 << 30,
-    "Ti": 1 << 40,
-    "Pi": 1 << 50,
-    "Ei": 1 << 60,
-    "k": 10**3,
-    "M": 10**6,
-    "G": 10**9,
-    "T": 10**12,
-    "P": 10**15,
-    "E": 10**18,
-}
-
-
-def parse_quantity(text: Any) -> int | None:
-    """A whole-number quantity's value (None for anything else: fractions, junk)."""
-    if isinstance(text, bool) or not isinstance(text, str | int):
-        return None
-    if isinstance(text, int):
-        return text
-    match = _QUANTITY.match(text.strip())
-    if match is None:
-        return None
-    return int(match[1]) * _MULTIPLIER[match[2]]
-
-
 def _policy(total: int, step: int) -> JsonObj:
     return {
-        "default": quantity(total),
-        "validRange": {"min": quantity(step), "max": quantity(total), "step": quantity(step)},
+        "default": binary(total),
+        "validRange": {"min": binary(step), "max": binary(total), "step": binary(step)},
     }
 
 
 def capacity(gpu: GpuInfo, *, sharing: bool, memory_step: int) -> JsonObj:
     memory = gpu.memory_total_bytes
     if not sharing:
-        return {MEMORY: {"value": quantity(memory)}}
+        return {MEMORY: {"value": binary(memory)}}
     step = min(memory_step, memory) if memory > 0 else memory_step
     # A range whose maximum is not a whole number of steps is refused: round it down.
     top = memory - memory % step if memory >= step else memory
     return {
-        CORES: {"value": quantity(CORES_TOTAL), "requestPolicy": _policy(CORES_TOTAL, 1)},
-        MEMORY: {"value": quantity(memory), "requestPolicy": _policy(top, step)},
+        CORES: {"value": binary(CORES_TOTAL), "requestPolicy": _policy(CORES_TOTAL, 1)},
+        MEMORY: {"value": binary(memory), "requestPolicy": _policy(top, step)},
     }
 
 

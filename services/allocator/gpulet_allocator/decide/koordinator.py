@@ -56,6 +56,8 @@ from typing import Any, Final
 
 import msgspec
 
+from gpulet_common.quantity import SUFFIX
+
 ANNOTATION_DEVICE_ALLOCATED: Final = "scheduling.koordinator.sh/device-allocated"
 RES_GPU_CORE: Final = "koordinator.sh/gpu-core"
 RES_GPU_MEMORY: Final = "koordinator.sh/gpu-memory"
@@ -70,21 +72,6 @@ _INT32_MAX: Final = 2**31 - 1
 _MIB: Final = 2**20
 
 _QUANTITY = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E|m)?\s*$")
-_SUFFIX: Final[dict[str | None, int]] = {
-    None: 1,
-    "Ki": 2**10,
-    "Mi": 2**20,
-    "Gi": 2**30,
-    "Ti": 2**40,
-    "Pi": 2**50,
-    "Ei": 2**60,
-    "k": 10**3,
-    "M": 10**6,
-    "G": 10**9,
-    "T": 10**12,
-    "P": 10**15,
-    "E": 10**18,
-}
 
 
 class GpuEntry(msgspec.Struct, frozen=True, kw_only=True):
@@ -137,7 +124,7 @@ def parse_quantity(value: Any) -> int | None:
     if suffix == "m":
         whole, _, frac = number.partition(".")
         return math.ceil(int(whole) / 1000) if not frac else math.ceil(float(number) / 1000)
-    scale: int = _SUFFIX[suffix]
+    scale: int = SUFFIX[suffix]
     if "." in number:
         whole, _, frac = number.partition(".")
         numerator = int(whole + frac) * scale

@@ -36,10 +36,10 @@ from typing import Any, Final
 from kubernetes_asyncio import client as k8s_client
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from gpulet_common.dra import devices as dev
 from gpulet_common.dra import pool as dra_pool
 from gpulet_common.dra import taints
 from gpulet_common.messages import GpuHealth, Inventory
+from gpulet_common.quantity import binary, parse_whole
 from gpulet_common.settings.dra import DraSettings
 from gpulet_reporter.writer import MAX_CONFLICT_ROUNDS, NodeClient, WriteError, api_error
 
@@ -78,8 +78,8 @@ def canonical(value: Any, key: str = "") -> Any:
     if isinstance(value, list):
         return [canonical(v) for v in value]
     if isinstance(value, str) and key in ("value", "default", "min", "max", "step"):
-        parsed = dev.parse_quantity(value)
-        return dev.quantity(parsed) if parsed is not None else value
+        parsed = parse_whole(value)
+        return binary(parsed) if parsed is not None else value
     return value
 
 

@@ -28,7 +28,7 @@ from kubernetes_asyncio.client.exceptions import ApiException
 
 from gpulet_allocator.kubelet.dra.contract import ClaimDevice, ClaimReadError, JsonObj
 from gpulet_common.dra import limits
-from gpulet_common.dra.devices import parse_quantity
+from gpulet_common.quantity import parse_whole as parse_quantity
 
 MAX_RESULTS: Final = 128
 GROUP: Final = "resource.k8s.io"
