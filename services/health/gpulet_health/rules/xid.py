@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from gpulet_common.nvml.adapter import NvmlEvent
+from gpulet_health.catalogue import XidInfo
 from gpulet_health.dedup import DedupKey, Emit
 from gpulet_health.rules.base import Family, memo
 from gpulet_health.state import Condition, GpuState
@@ -165,18 +166,7 @@ class Xid(Family):
         else:
             emits = self.kit.raise_(
                 gpu,
-                Condition(
-                    condition=f"xid:{code}",
-                    kind="xid",
-                    severity=info.severity,
-                    reason=f"XID {code}: {info.description}{where}",
-                    action=info.action,
-                    since=now,
-                    sticky=True,
-                    observed_value=float(code),
-                    xid=code,
-                    message=message,
-                ),
+                _xid_condition(f"xid:{code}", code, info, where, now, message),
                 now,
                 repeats=True,
             )
@@ -214,20 +204,8 @@ class Xid(Family):
             )
         if name in gpu.conditions and self.kit.absorb((gpu.uuid, name), "", now):
             return []
-        condition = Condition(
-            condition=name,
-            kind="xid",
-            severity=info.severity,
-            reason=f"XID {code}: {info.description}{where}",
-            action=info.action,
-            since=now,
-            sticky=True,
-            observed_value=float(code),
-            xid=code,
-            message=f"classified by {info.source}; the GPU and its other MIG devices "
-            "are not affected",
-            mig_device=mig[0],
-        )
+        message = f"classified by {info.source}; the GPU and its other MIG devices are not affected"
+        condition = _xid_condition(name, code, info, where, now, message, mig_device=mig[0])
         return self.kit.raise_(gpu, condition, now, repeats=True)
 
     def _fault_before(self, gpu: GpuState, mine: _Memo, now: float) -> _Fault | None:
@@ -305,3 +283,29 @@ def mig_target(gpu: GpuState, event: NvmlEvent) -> tuple[str, str] | None:
         return None
     d = found[0]
     return d.uuid, f"{d.uuid} (gi {gi}, ci {d.compute_instance_id}, {d.profile or 'MIG'})"
+
+
+def _xid_condition(
+    name: str,
+    code: int,
+    info: XidInfo,
+    where: str,
+    now: float,
+    message: str,
+    *,
+    mig_device: str = "",
+) -> Condition:
+    """The sticky condition an XID that makes a GPU (or one MIG device) unhealthy raises."""
+    return Condition(
+        condition=name,
+        kind="xid",
+        severity=info.severity,
+        reason=f"XID {code}: {info.description}{where}",
+        action=info.action,
+        since=now,
+        sticky=True,
+        observed_value=float(code),
+        xid=code,
+        message=message,
+        mig_device=mig_device,
+    )
