@@ -17,9 +17,11 @@ Server URLs are logged through :func:`describe_servers`, which masks credentials
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 import ssl
+from collections.abc import Awaitable
 from contextlib import suppress
 from typing import TYPE_CHECKING, Any
 
@@ -206,7 +208,7 @@ async def close_client(nc: NatsClient, drain_timeout_s: float) -> None:
         anyio.move_on_after(drain_timeout_s + 0.5),
         suppress(nats.errors.Error, OSError, TimeoutError),
     ):
-        await nc.drain()
+        await _foreign_cancel_ignored(nc.drain())
     if not nc.is_closed:
         # close() writes out what nats-py buffered while reconnecting: on a
         # connection the server dropped (the pod's NATS stopped first) that
@@ -216,4 +218,23 @@ async def close_client(nc: NatsClient, drain_timeout_s: float) -> None:
             anyio.move_on_after(0.5),
             suppress(nats.errors.Error, OSError, TimeoutError),
         ):
-            await nc.close()
+            await _foreign_cancel_ignored(nc.close())
+
+
+async def _foreign_cancel_ignored(step: Awaitable[None]) -> None:
+    """Await one nats-py shutdown step; a CancelledError that nobody asked this task
+    for is swallowed.
+
+    nats-py cancels its own reader and flusher tasks while it closes, and when the
+    server went away first (a pod's NATS sidecar stopping before the service) that
+    cancellation can surface in the caller from ``StreamWriter.wait_closed``: it ended
+    a sidecar's SIGTERM with exit status 1. Ours (the deadline above) is told apart by
+    the task's pending cancel requests and goes on to end the step as before.
+    """
+    try:
+        await step
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if task is None or task.cancelling():
+            raise
+        log.debug("nats: a cancellation from inside nats-py while closing, ignored")
