@@ -47,7 +47,6 @@ import msgspec
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from _util import percentile, table
-from kubernetes_asyncio import client as k8s_client
 
 from gpulet_allocator.kubelet.dra.claims import KubeClaimReader
 from gpulet_allocator.kubelet.dra.contract import DecisionCore
@@ -58,6 +57,8 @@ from gpulet_common import codec, subjects
 from gpulet_common.bus import Bus, Delivery
 from gpulet_common.dra.devices import device_name
 from gpulet_common.embedded_nats import EmbeddedNats
+from gpulet_common.kube import KubeConfig
+from gpulet_common.kubeapi import KubeClient
 from gpulet_common.messages import Inventory, InventoryRequest
 from gpulet_common.nodeview import NodeView
 from gpulet_common.settings.dra import DraSettings
@@ -125,7 +126,7 @@ async def bench_prepare(calls: int, which: str) -> list[float]:
             )
             sockets = Sockets.for_driver(DRIVER, root / "registry", root / "plugins")
             async with (
-                k8s_client.ApiClient(k8s_client.Configuration(host=emu.url)) as api,
+                KubeClient(KubeConfig(emu.url)) as api,
                 anyio.create_task_group() as tg,
             ):
                 plugin = DraPlugin(core, KubeClaimReader(api), settings)
@@ -187,7 +188,7 @@ async def bench_taints(faults: int, rest_s: float) -> tuple[list[float], list[fl
             async with (
                 Bus.connect(nats_settings, name="collector", max_initial_attempts=5) as collector,
                 Bus.connect(nats_settings, name="reporter", max_initial_attempts=5) as reader,
-                k8s_client.ApiClient(k8s_client.Configuration(host=emu.url)) as api,
+                KubeClient(KubeConfig(emu.url)) as api,
                 anyio.create_task_group() as tg,
             ):
 

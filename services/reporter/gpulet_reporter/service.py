@@ -39,10 +39,10 @@ from pathlib import Path
 
 import anyio
 import anyio.abc
-from kubernetes_asyncio import client as k8s_client
 
 from gpulet_common import codec, subjects
 from gpulet_common.bus import BusError, Refused
+from gpulet_common.kubeapi import KubeClient
 from gpulet_common.lifecycle import idle_disabled
 from gpulet_common.logutil import RateLimitedLog
 from gpulet_common.messages import HealthStateRequest, Inventory
@@ -216,7 +216,7 @@ class ReporterService:
 
     async def _write(self) -> None:
         target = self.target = await self._resolve_target()
-        if target.offline:
+        if target.configuration is None:
             sink = OfflineSink(
                 self._offline_dir(), self._node, self._settings, reason=target.offline_reason
             )
@@ -234,7 +234,7 @@ class ReporterService:
             target.server,
             target.source,
         )
-        api = k8s_client.ApiClient(target.configuration)
+        api = KubeClient(target.configuration)
         try:
             async with anyio.create_task_group() as tg:
                 node_api = NodeApi(api, self._node, self._settings, self.metrics)
@@ -247,7 +247,7 @@ class ReporterService:
             with anyio.CancelScope(shield=True), anyio.move_on_after(1.0):
                 await api.close()
 
-    async def _run_slices(self, api: k8s_client.ApiClient, server: str) -> None:
+    async def _run_slices(self, api: KubeClient, server: str) -> None:
         """``dra.mode`` dra or both: the node's ResourceSlices (:mod:`.slices`)."""
         self.slices = SlicePublisher(
             api, self._node, self._rt.settings.dra, meter=self._rt.meter, server=server

@@ -3,8 +3,8 @@
 Layers
 ------
 * :class:`KubeWriter` -- one attempt at making the API server match a
-  :class:`~gpulet_reporter.desired.DesiredState`, through the unmodified
-  kubernetes-asyncio client:
+  :class:`~gpulet_reporter.desired.DesiredState`, through gpulet's own small
+  client (:mod:`gpulet_common.kubeapi`):
 
   - it keeps the last Device and Node it read or wrote (the *observed* objects) and
     compares against them before touching the network: an unchanged desired state
@@ -57,10 +57,9 @@ from typing import Any, Final, Generic, Protocol, TypeVar
 
 import aiohttp
 import anyio
-from kubernetes_asyncio import client as k8s_client
-from kubernetes_asyncio.client.exceptions import ApiException
 
 from gpulet_common.bus import backoff_delay
+from gpulet_common.kubeapi import KubeApiError, KubeClient, api_path
 from gpulet_common.logutil import RateLimitedLog
 from gpulet_common.settings.reporter import ReporterSettings
 from gpulet_reporter.debounce import Debouncer
@@ -78,7 +77,6 @@ from gpulet_reporter.metrics import ReporterMetrics
 
 log = logging.getLogger("gpulet.reporter")
 
-MERGE_PATCH: Final = "application/merge-patch+json"
 # Conflicts re-read and retry at once this many times before backing off: a second
 # writer racing us every time is unusual enough to deserve the back-off.
 MAX_CONFLICT_ROUNDS: Final = 5
@@ -149,7 +147,7 @@ def retry_after_seconds(headers: Any) -> float | None:
     return max(0.0, value)
 
 
-def api_error(exc: ApiException, what: str) -> WriteError:
+def api_error(exc: KubeApiError, what: str) -> WriteError:
     status = int(exc.status or 0)
     detail = f"{what}: HTTP {status} {exc.reason or ''}".strip()
     if status == 429:
@@ -162,8 +160,7 @@ def api_error(exc: ApiException, what: str) -> WriteError:
         return WriteError("conflict" if status == 409 else "timeout", detail)
     # 400/401/403/422...: our request or our RBAC is wrong. Retrying soon is pointless, but
     # an RBAC fix or a new desired state may cure it, so keep trying at the slowest pace.
-    body = exc.body.decode(errors="replace") if isinstance(exc.body, bytes) else exc.body
-    return WriteError("4xx", f"{detail}: {str(body)[:500]}", permanent=True)
+    return WriteError("4xx", f"{detail}: {exc.message}", permanent=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,7 +168,7 @@ class NodeApi:
     """What every writer of one node's objects works with: the API client, the node,
     the reporter's settings and its metrics."""
 
-    api: Any
+    api: KubeClient
     node: str
     settings: ReporterSettings
     metrics: ReporterMetrics
@@ -184,7 +181,7 @@ class NodeClient:
 
     def __init__(
         self,
-        api: Any,
+        api: KubeClient,
         node: str,
         settings: ReporterSettings,
         metrics: ReporterMetrics,
@@ -192,8 +189,8 @@ class NodeClient:
         missing: str,
     ) -> None:
         self.api = api
-        self.core = k8s_client.CoreV1Api(api)
         self.node = node
+        self.node_path = api_path("", "v1", "nodes", name=node)
         self._settings = settings
         self._metrics = metrics
         self.node_object: JsonObj | None = None
@@ -213,26 +210,24 @@ class NodeClient:
         timeout = self._settings.api_timeout_s
         try:
             # The client's own timeout covers the request; ours also covers connection
-            # set-up and token refresh, so no call can hang the loop.
+            # set-up, so no call can hang the loop.
             with anyio.fail_after(timeout + 1.0):
-                return await fn(*args, _request_timeout=timeout, **kw)
-        except ApiException:
+                return await fn(*args, timeout_s=timeout, **kw)
+        except KubeApiError:
             raise
         except TimeoutError as exc:
             raise WriteError("timeout", f"{what}: no answer within {timeout:.1f}s") from exc
         except (aiohttp.ClientError, OSError) as exc:
             raise WriteError("connection", f"{what}: {type(exc).__name__}: {exc}") from exc
 
-    def as_dict(self, obj: Any) -> JsonObj | None:
-        if isinstance(obj, dict):
-            return obj
-        data = self.api.sanitize_for_serialization(obj)
-        return data if isinstance(data, dict) else None
+    @staticmethod
+    def as_dict(obj: Any) -> JsonObj | None:
+        return obj if isinstance(obj, dict) else None
 
     async def read_node(self) -> None:
         try:
-            found = await self.call("get node", self.core.read_node, self.node)
-        except ApiException as exc:
+            found = await self.call("get node", self.api.get, self.node_path)
+        except KubeApiError as exc:
             if exc.status != 404:
                 raise api_error(exc, "get node") from exc
             self._missing_log.warning("node %s not found: %s", self.node, self._missing)
@@ -246,16 +241,17 @@ class NodeClient:
         """Read-modify-write under optimistic concurrency, for every object we write.
 
         ``attempt`` reads what is not read yet, builds and writes, and lets a 409 from
-        its write through as :class:`ApiException`: that conflict is counted, ``stale``
-        forgets the read, and the attempt runs again at once; so does one that raised
-        :class:`TryAgain`. After :data:`MAX_CONFLICT_ROUNDS` rounds it is a
-        ``conflict`` :class:`WriteError`, for the loop's back-off."""
+        its write through as :class:`~gpulet_common.kubeapi.KubeApiError`: that
+        conflict is counted, ``stale`` forgets the read, and the attempt runs again at
+        once; so does one that raised :class:`TryAgain`. After
+        :data:`MAX_CONFLICT_ROUNDS` rounds it is a ``conflict`` :class:`WriteError`, for
+        the loop's back-off."""
         for _ in range(MAX_CONFLICT_ROUNDS):
             try:
                 return await attempt()
             except TryAgain:
                 continue
-            except ApiException as exc:
+            except KubeApiError as exc:
                 if exc.status != 409:
                     raise
                 self._metrics.conflict(obj)
@@ -283,13 +279,13 @@ class NodeClient:
             try:
                 result = await self.call(
                     what,
-                    self.core.patch_node,
-                    self.node,
+                    self.api.patch,
+                    self.node_path,
                     patch,
+                    patch="merge",
                     field_manager=self._settings.field_manager,
-                    _content_type=MERGE_PATCH,
                 )
-            except ApiException as exc:
+            except KubeApiError as exc:
                 if exc.status == 409:
                     raise
                 if exc.status == 404:
@@ -313,7 +309,8 @@ class KubeWriter:
         self._kube = NodeClient.of(
             target, missing="the Device gets no owner reference and node labels wait"
         )
-        self._custom = k8s_client.CustomObjectsApi(target.api)
+        self._api = target.api
+        self._device_path = api_path(GROUP, VERSION, PLURAL, name=target.node)
         self._node = target.node
         self._settings = target.settings
         self._metrics = target.metrics
@@ -340,15 +337,8 @@ class KubeWriter:
 
     async def _read_device(self) -> None:
         try:
-            found = await self._kube.call(
-                "get device",
-                self._custom.get_cluster_custom_object,
-                GROUP,
-                VERSION,
-                PLURAL,
-                self._node,
-            )
-        except ApiException as exc:
+            found = await self._kube.call("get device", self._api.get, self._device_path)
+        except KubeApiError as exc:
             if exc.status != 404:
                 raise api_error(exc, "get device") from exc
             found = None
@@ -385,25 +375,20 @@ class KubeWriter:
             if self.device is None:
                 result = await self._kube.call(
                     "create device",
-                    self._custom.create_cluster_custom_object,
-                    GROUP,
-                    VERSION,
-                    PLURAL,
+                    self._api.create,
+                    api_path(GROUP, VERSION, PLURAL),
                     rendered,
                     field_manager=manager,
                 )
             else:
                 result = await self._kube.call(
                     "update device",
-                    self._custom.replace_cluster_custom_object,
-                    GROUP,
-                    VERSION,
-                    PLURAL,
-                    self._node,
+                    self._api.replace,
+                    self._device_path,
                     rendered,
                     field_manager=manager,
                 )
-        except ApiException as exc:
+        except KubeApiError as exc:
             if exc.status == 409:
                 # Stale resourceVersion (someone wrote in between) or AlreadyExists.
                 raise

@@ -28,24 +28,22 @@ arrives (the health service taints the GPUs meanwhile if they are really gone).
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 from collections.abc import Callable, Iterable
-from typing import Any
 
 import aiohttp
 import anyio
-from kubernetes_asyncio.client.exceptions import ApiException
 from opentelemetry import metrics
 
+from gpulet_common.kubeapi import KubeApiError, KubeClient, watch_event
 from gpulet_common.logutil import RateLimitedLog
 from gpulet_common.nodeview import NodeChange, NodeView
 from gpulet_common.settings.dra import DraSettings
 from gpulet_common.settings.reporter import ReporterSettings
 from gpulet_reporter.debounce import Debouncer
 from gpulet_reporter.metrics import ReporterMetrics
-from gpulet_reporter.slices.writer import GROUP, PLURAL, VERSION, SliceInput, SliceWriter
+from gpulet_reporter.slices.writer import SliceInput, SliceWriter
 from gpulet_reporter.writer import NodeClient, WriteLoop
 
 log = logging.getLogger("gpulet.reporter.slices")
@@ -69,7 +67,7 @@ def loop_settings(settings: DraSettings) -> ReporterSettings:
 class SlicePublisher:
     def __init__(
         self,
-        api: Any,
+        api: KubeClient,
         node: str,
         settings: DraSettings,
         *,
@@ -151,7 +149,7 @@ class SlicePublisher:
             try:
                 await self._watch_once()
                 attempt = 0
-            except (ApiException, aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
+            except (KubeApiError, aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
                 attempt += 1
                 delay = random.uniform(0, min(WATCH_BACKOFF_MAX_S, 0.2 * 2 ** min(attempt, 10)))
                 self._log.warning("watch of resourceslices failed (%s); again in %.1fs", exc, delay)
@@ -159,43 +157,29 @@ class SlicePublisher:
 
     async def _watch_once(self) -> None:
         seconds = max(1, int(self._settings.watch_timeout_s))
-        custom = self.writer._custom
-        response: Any = await custom.list_cluster_custom_object(
-            GROUP,
-            VERSION,
-            PLURAL,
+        async with self.writer.api.watch(
+            self.writer.collection,
             field_selector=f"spec.nodeName={self.writer.node},spec.driver={self._settings.driver}",
-            watch=True,
             timeout_seconds=seconds,
-            _request_timeout=seconds + self._settings.api_timeout_s,
-            _preload_content=False,
-        )
-        try:
-            if response.status != 200:
-                raise ApiException(status=response.status, reason=str(response.reason))
+            timeout_s=seconds + self._settings.api_timeout_s,
+        ) as lines:
             # Whatever happened while no watch was open (before the first, during a
             # back-off) sent no event: now that one is open, read the slices again.
             self.watches += 1
             self._repair("a watch opened")
-            async for line in response.content:
-                if line.strip():
-                    self._on_line(line)
-        finally:
-            response.release()
+            async for line in lines:
+                self._on_line(line)
 
     def _on_line(self, line: bytes) -> None:
-        try:
-            event = json.loads(line)
-        except ValueError:
-            self.bad_lines += 1
-            return
-        if not isinstance(event, dict) or not isinstance(event.get("object"), dict):
+        event = watch_event(line)
+        if event is None:
             self.bad_lines += 1
             return
         self.watch_events += 1
-        kind, obj = event.get("type"), event["object"]
-        meta = obj.get("metadata") if isinstance(obj.get("metadata"), dict) else {}
-        spec = obj.get("spec") if isinstance(obj.get("spec"), dict) else {}
+        kind, obj = event
+        meta, spec = obj.get("metadata"), obj.get("spec")
+        meta = meta if isinstance(meta, dict) else {}
+        spec = spec if isinstance(spec, dict) else {}
         name = meta.get("name")
         if kind not in ("ADDED", "MODIFIED", "DELETED") or not isinstance(name, str):
             return
