@@ -1,11 +1,12 @@
-"""A small Kubernetes REST client over aiohttp: what gpulet's services ask of an API server.
+"""A small Kubernetes REST client: what gpulet's services ask of an API server.
 
 Why our own
 -----------
-kubernetes-asyncio's package loads every generated model on import (~40 MB of RSS on
-top of aiohttp) and a sidecar keeps all of it for its whole life, to send a handful
-of JSON requests. gpulet only ever reads and writes raw JSON objects, so this module is
-the few verbs it uses, on paths built by :func:`api_path`:
+kubernetes-asyncio's package loads every generated model on import (~40 MB of RSS, and
+aiohttp's ~11 MB under it) and a sidecar keeps all of it for its whole life, to send a
+handful of JSON requests. gpulet only ever reads and writes raw JSON objects, so this
+module is the few verbs it uses, on paths built by :func:`api_path`, over the HTTP/1.1
+connections of :mod:`gpulet_common.http1`:
 
 * :meth:`KubeClient.get` / :meth:`~KubeClient.list` / :meth:`~KubeClient.create` /
   :meth:`~KubeClient.replace` / :meth:`~KubeClient.patch` (merge, JSON, strategic,
@@ -26,8 +27,10 @@ Every answer is hostile until decoded
 * A non-2xx answer is a :class:`KubeApiError` carrying the HTTP status, the reason,
   the headers (``Retry-After``), the first :data:`ERROR_BODY_MAX` bytes of the body and,
   when it is one, the decoded ``Status`` object. This is the only type the client
-  raises for what the server *said*; what the network did stays aiohttp's
-  (``aiohttp.ClientError``), ``OSError`` or ``TimeoutError``.
+  raises for what the server *said*; what the network did is an ``OSError`` (a
+  connection refused or reset, TLS, an answer that is not HTTP:
+  :class:`~gpulet_common.http1.HttpProtocolError`) or, past a request's
+  ``timeout_s``, a ``TimeoutError``.
 * A body over ``max_body`` bytes (32 MiB by default), or a 2xx body that is not JSON,
   is a :class:`KubeApiError` with status 0 ("no usable answer"), never a crash or an
   unbounded read. A watch line over ``max_line`` bytes ends the watch the same way.
@@ -36,15 +39,16 @@ Every answer is hostile until decoded
 from __future__ import annotations
 
 import base64
-import ssl
 import time
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any, Final, Literal
-from urllib.parse import quote
+from urllib.parse import quote, urlencode
 
-import aiohttp
+import anyio
 import msgspec
+
+from gpulet_common.http1 import BodyTooLarge, Http1Pool, Response
 
 if TYPE_CHECKING:
     from gpulet_common.kube import KubeConfig
@@ -62,7 +66,6 @@ MAX_BODY: Final = 32 << 20
 MAX_LINE: Final = 16 << 20
 ERROR_BODY_MAX: Final = 64 << 10
 TOKEN_REREAD_S: Final = 60.0
-_CHUNK: Final = 1 << 16
 
 _decoder: Final = msgspec.json.Decoder()
 _encoder: Final = msgspec.json.Encoder()
@@ -160,7 +163,7 @@ def _query(**params: str | int | bool | None) -> dict[str, str]:
 
 
 class KubeClient:
-    """One API server, one aiohttp session (opened on first use; :meth:`close` it, or
+    """One API server and its connections (opened on first use; :meth:`close` it, or
     use ``async with``)."""
 
     def __init__(
@@ -170,7 +173,7 @@ class KubeClient:
         self.host = config.host.rstrip("/")
         self._max_body = max_body
         self._max_line = max_line
-        self._session: aiohttp.ClientSession | None = None
+        self._pool: Http1Pool | None = None
         self._token = config.token or ""
         self._token_read = -float("inf")
 
@@ -181,9 +184,9 @@ class KubeClient:
         await self.close()
 
     async def close(self) -> None:
-        session, self._session = self._session, None
-        if session is not None:
-            await session.close()
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            await pool.aclose()
 
     # -- verbs ---------------------------------------------------------------------
 
@@ -248,10 +251,11 @@ class KubeClient:
     ) -> Any:
         """One request; the decoded JSON answer (raises :class:`KubeApiError`)."""
         data = None if body is None else _encoder.encode(body)
-        async with self._open(method, path, timeout_s, query, data, content_type) as response:
-            if response.status >= 300:
-                raise await self._error(response)
-            raw = await self._read(response)
+        with anyio.fail_after(timeout_s):
+            async with self._open(method, path, query, data, content_type) as response:
+                if response.status >= 300:
+                    raise await self._error(response)
+                raw = await self._read(response, self._max_body)
         if not raw.strip():
             return None
         return decode(raw)
@@ -278,10 +282,11 @@ class KubeClient:
             fieldSelector=field_selector,
             labelSelector=label_selector,
         )
-        async with self._open("GET", path, timeout_s, query, None, "") as response:
-            if response.status >= 300:
-                raise await self._error(response)
-            yield self._lines(response)
+        with anyio.fail_after(timeout_s):
+            async with self._open("GET", path, query, None, "") as response:
+                if response.status >= 300:
+                    raise await self._error(response)
+                yield self._lines(response)
 
     # -- plumbing ------------------------------------------------------------------
 
@@ -290,37 +295,26 @@ class KubeClient:
         self,
         method: str,
         path: str,
-        timeout_s: float,
         query: Mapping[str, str] | None,
         data: bytes | None,
         content_type: str,
-    ) -> AsyncIterator[aiohttp.ClientResponse]:
-        headers = {"Accept": "application/json", **self._auth()}
+    ) -> AsyncIterator[Response]:
+        headers = {"Accept": "application/json", "User-Agent": "gpulet", **self._auth()}
         if data is not None:
             headers["Content-Type"] = content_type
-        session = self._session_now()
-        async with session.request(
-            method,
-            self.host + path,
-            params=query or None,
-            data=data,
-            headers=headers,
-            timeout=aiohttp.ClientTimeout(total=timeout_s),
-            server_hostname=self.config.tls_server_name or None,
-        ) as response:
+        target = path + ("?" + urlencode(query) if query else "")
+        async with self._pool_now().request(method, target, headers, data) as response:
             yield response
 
-    def _session_now(self) -> aiohttp.ClientSession:
-        if self._session is None:
-            ssl_context: ssl.SSLContext | bool = False
-            if self.host.startswith("https:"):
-                ssl_context = self.config.ssl_context()
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(ssl=ssl_context, limit=16),
-                skip_auto_headers=("User-Agent",),
-                headers={"User-Agent": "gpulet"},
+    def _pool_now(self) -> Http1Pool:
+        if self._pool is None:
+            tls = self.host.startswith("https:")
+            self._pool = Http1Pool(
+                self.host,
+                ssl_context=self.config.ssl_context() if tls else None,
+                server_hostname=self.config.tls_server_name,
             )
-        return self._session
+        return self._pool
 
     def _auth(self) -> dict[str, str]:
         config = self.config
@@ -338,32 +332,24 @@ class KubeClient:
             return {"Authorization": "Basic " + base64.b64encode(pair).decode()}
         return {}
 
-    async def _read(self, response: aiohttp.ClientResponse, limit: int | None = None) -> bytes:
-        limit = self._max_body if limit is None else limit
-        if (response.content_length or 0) > limit:
-            raise KubeApiError(0, f"answer of {response.content_length} bytes, over {limit}")
-        chunks: list[bytes] = []
-        size = 0
-        async for chunk in response.content.iter_chunked(_CHUNK):
-            size += len(chunk)
-            if size > limit:
-                raise KubeApiError(0, f"answer over {limit} bytes")
-            chunks.append(chunk)
-        return b"".join(chunks)
-
-    async def _error(self, response: aiohttp.ClientResponse) -> KubeApiError:
+    @staticmethod
+    async def _read(response: Response, limit: int) -> bytes:
         try:
-            body = await self._read(response, ERROR_BODY_MAX)
-        except KubeApiError:
-            body = b""  # too long to keep: the status says enough
-        return KubeApiError(
-            response.status, str(response.reason or ""), body=body, headers=response.headers
-        )
+            return await response.read(limit)
+        except BodyTooLarge as exc:
+            raise KubeApiError(0, str(exc)) from exc
 
-    async def _lines(self, response: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+    async def _error(self, response: Response) -> KubeApiError:
+        try:
+            body = await response.read(ERROR_BODY_MAX)
+        except BodyTooLarge:
+            body = b""  # too long to keep: the status says enough
+        return KubeApiError(response.status, response.reason, body=body, headers=response.headers)
+
+    async def _lines(self, response: Response) -> AsyncIterator[bytes]:
         parts: list[bytes] = []  # the line being read, in pieces (no quadratic joins)
         size = 0
-        async for chunk in response.content.iter_any():
+        async for chunk in response.chunks():
             start = 0
             while True:
                 cut = chunk.find(b"\n", start)

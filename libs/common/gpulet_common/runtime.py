@@ -1,7 +1,9 @@
 """What every service receives: settings, the bus, a meter, the status board and NVML.
 
 In ``gpulet run`` all services share one :class:`Runtime`, so one NVML (or one mock
-GPU node) serves them all. In sidecar mode each process builds its own.
+GPU node) serves them all. In sidecar mode each process builds its own. NVML's
+bindings and the mock are imported when NVML is first opened, so a sidecar whose
+service never reads GPUs (reporter, allocator, device plugin) never loads them.
 """
 
 from __future__ import annotations
@@ -9,16 +11,18 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import anyio
 from opentelemetry import metrics
 
 from gpulet_common.bus import Bus
-from gpulet_common.nvml.adapter import NvmlAdapter
-from gpulet_common.nvml.loader import open_nvml
 from gpulet_common.settings import Settings
 from gpulet_common.settings.nvml import NvmlSettings
 from gpulet_common.telemetry import StatusBoard
+
+if TYPE_CHECKING:
+    from gpulet_common.nvml.adapter import NvmlAdapter
 
 log = logging.getLogger("gpulet.nvml")
 
@@ -75,6 +79,8 @@ class NvmlProvider:
             delay = min(delay * 2, NVML_RETRY_MAX_S)
 
     def _open(self) -> NvmlHandle:
+        from gpulet_common.nvml.loader import open_nvml  # pynvml: only where NVML is used
+
         with self._thread_lock:
             adapter, reason = open_nvml(self._settings)
             backend = "none" if adapter is None else adapter.backend

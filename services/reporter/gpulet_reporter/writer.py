@@ -55,7 +55,6 @@ from dataclasses import dataclass
 from email.utils import parsedate_to_datetime
 from typing import Any, Final, Generic, Protocol, TypeVar
 
-import aiohttp
 import anyio
 
 from gpulet_common.bus import backoff_delay
@@ -217,7 +216,7 @@ class NodeClient:
             raise
         except TimeoutError as exc:
             raise WriteError("timeout", f"{what}: no answer within {timeout:.1f}s") from exc
-        except (aiohttp.ClientError, OSError) as exc:
+        except OSError as exc:
             raise WriteError("connection", f"{what}: {type(exc).__name__}: {exc}") from exc
 
     @staticmethod

@@ -44,7 +44,6 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Final
 
-import aiohttp
 import anyio
 import anyio.abc
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
@@ -113,7 +112,7 @@ class PodWatch:
                 self._on_state("")
                 while await self._watch():
                     pass
-            except (KubeApiError, aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
+            except (KubeApiError, OSError, TimeoutError, ValueError) as exc:
                 attempt += 1
                 delay = random.uniform(0, min(BACKOFF_MAX_S, 0.2 * 2 ** min(attempt, 10)))
                 detail = _describe(exc)
@@ -266,7 +265,7 @@ class EventWriter:
                 await self._api.create(
                     api_path("", "v1", "events", namespace=pod.namespace), body, timeout_s=timeout
                 )
-        except (KubeApiError, aiohttp.ClientError, OSError, TimeoutError) as exc:
+        except (KubeApiError, OSError, TimeoutError) as exc:
             self.failed += 1
             self._log.warning("cannot post an Event on %s: %s", pod, _describe(exc))
             return

@@ -32,7 +32,6 @@ import logging
 import random
 from collections.abc import Callable, Iterable
 
-import aiohttp
 import anyio
 from opentelemetry import metrics
 
@@ -149,7 +148,7 @@ class SlicePublisher:
             try:
                 await self._watch_once()
                 attempt = 0
-            except (KubeApiError, aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
+            except (KubeApiError, OSError, TimeoutError, ValueError) as exc:
                 attempt += 1
                 delay = random.uniform(0, min(WATCH_BACKOFF_MAX_S, 0.2 * 2 ** min(attempt, 10)))
                 self._log.warning("watch of resourceslices failed (%s); again in %.1fs", exc, delay)

@@ -136,6 +136,6 @@ class KubeClaimReader:
             raise ClaimReadError(f"get claim {namespace}/{name}: HTTP {exc.status}") from exc
         except (TimeoutError, OSError) as exc:
             raise ClaimReadError(f"get claim {namespace}/{name}: {type(exc).__name__}") from exc
-        except Exception as exc:  # aiohttp errors and undecodable answers alike
+        except Exception as exc:  # whatever else: the claim cannot be read now
             raise ClaimReadError(f"get claim {namespace}/{name}: {type(exc).__name__}") from exc
         return found if isinstance(found, dict) else {}
