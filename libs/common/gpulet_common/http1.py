@@ -286,7 +286,9 @@ class _Stale(Exception):
 async def _response(conn: _Connection) -> Response:
     try:
         status_line = await conn.line()
-    except (anyio.EndOfStream, anyio.BrokenResourceError) as exc:
+    except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.IncompleteRead) as exc:
+        if conn.reader.buffer:
+            raise HttpProtocolError("answer cut short in its status line") from exc
         raise _Stale from exc
     try:
         while True:
