@@ -6,8 +6,9 @@ Koordinator profile). Each service decides what an absent cluster means to it an
 which order it tries the sources; this module only finds a source or says why not:
 
 * **In-cluster**: ``$KUBERNETES_SERVICE_HOST``/``PORT`` plus the service-account
-  token, the DaemonSet case. The token file is re-read as it rotates
-  (kubernetes-asyncio's refresh hook), so bound service-account tokens keep working.
+  token, the DaemonSet case. The token file is re-read as it rotates (every minute,
+  by :class:`~gpulet_common.kubeapi.KubeClient`), so bound service-account tokens keep
+  working.
 * **A kubeconfig**: the path a setting names, else ``$KUBECONFIG`` (a path list; the
   files that exist are merged as kubectl merges them: the first file that names a
   cluster, user or context wins, and the first ``current-context`` set), else

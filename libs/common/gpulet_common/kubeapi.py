@@ -16,6 +16,18 @@ connections of :mod:`gpulet_common.http1`:
   decoded by :func:`watch_event`; the caller decides what a 410 or an ERROR event
   means (re-list).
 
+For example (``timeout_s`` bounds each request, connecting included)::
+
+    async with KubeClient(await lookup(kubeconfig)) as api:
+        pods = await api.list(api_path("", "v1", "pods"), field_selector=f"spec.nodeName={node}",
+                              timeout_s=5)
+        await api.create(api_path("", "v1", "pods", namespace=ns, name=pod,
+                                  subresource="eviction"),
+                         {"apiVersion": "policy/v1", "kind": "Eviction",
+                          "metadata": {"name": pod, "namespace": ns}}, timeout_s=5)
+        await api.create(api_path("events.k8s.io", "v1", "events", namespace=ns), event,
+                         timeout_s=5)
+
 The connection and credentials come from a :class:`~gpulet_common.kube.KubeConfig`
 (in-cluster or a kubeconfig): TLS with the cluster's CA (or none when the kubeconfig
 says ``insecure-skip-tls-verify``), client certificates, a bearer token (a token file
