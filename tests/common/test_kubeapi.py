@@ -151,12 +151,28 @@ async def test_an_unusable_answer_is_a_status_0_error(raw: bytes, why: str) -> N
         b"HTTP/1.1 200 OK\r\nContent-Length: -1\r\n\r\n",
         b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
         b"HTTP/1.1 200 OK\r\nX: " + b"a" * 70000 + b"\r\n\r\n",
+        b"HTTP/1.1 2\xb20 OK\r\n\r\n",  # a digit, but not an ASCII one
+        b"HTTP/1.1 200 OK\r\nContent-Length: \xb2\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nContent-Length: " + b"9" * 5000 + b"\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n-5\r\n",
     ],
 )
 async def test_a_broken_answer_is_an_oserror(raw: bytes) -> None:
     async with serving(raw, close_after=1) as server, client(server) as api:
         with pytest.raises(HttpProtocolError):
             await api.get("/api/v1/nodes", timeout_s=5)
+
+
+async def test_interim_answers_are_skipped_and_line_breaks_never_sent() -> None:
+    interim = b"HTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\n" + answer("200 OK", b"[1]")
+    async with serving(interim) as server, client(server) as api:
+        assert await api.get("/api/v1/nodes", timeout_s=5) == [1]
+    async with serving() as server:
+        forged = KubeClient(KubeConfig(server.url, token="tok\r\nX-Forged: 1"))
+        with pytest.raises(ValueError, match="line break"):
+            await forged.get("/api/v1/nodes", timeout_s=5)
+        await forged.close()
+    assert server.requests == []
 
 
 async def test_a_connection_closed_while_idle_is_replaced_once() -> None:

@@ -142,12 +142,9 @@ class Response:
     async def _chunked(self) -> AsyncIterator[bytes]:
         while True:
             size_line = (await self._conn.line()).split(b";", 1)[0].strip()
-            try:
-                size = int(size_line, 16)
-            except ValueError:
-                raise HttpProtocolError(f"bad chunk size {size_line[:32]!r}") from None
-            if size < 0:
-                raise HttpProtocolError("negative chunk size")
+            if not 0 < len(size_line) <= 15 or size_line.strip(b"0123456789abcdefABCDEF"):
+                raise HttpProtocolError(f"bad chunk size {size_line[:32]!r}")
+            size = int(size_line, 16)
             if size == 0:
                 await _headers(self._conn)  # trailers, read and dropped
                 return
@@ -161,10 +158,16 @@ class BodyTooLarge(Exception):
     """A body over the caller's limit (the connection is dropped, not reused)."""
 
 
+def _number(text: str, what: str) -> int:
+    """A decimal number of at most 18 ASCII digits, or a protocol error."""
+    digits = text.strip()
+    if not (0 < len(digits) <= 18 and digits.isascii() and digits.isdigit()):
+        raise HttpProtocolError(f"bad {what} {text[:32]!r}")
+    return int(digits)
+
+
 def _length(text: str) -> int:
-    if not text.strip().isdigit():
-        raise HttpProtocolError(f"bad Content-Length {text[:32]!r}")
-    return int(text)
+    return _number(text, "Content-Length")
 
 
 async def _headers(conn: _Connection) -> Headers:
@@ -234,6 +237,8 @@ class Http1Pool:
         """Send one request and yield its response (the body still to read)."""
         head = [f"{method} {self.prefix}{target} HTTP/1.1", f"Host: {self.host_header}"]
         head += [f"{k}: {v}" for k, v in headers.items()]
+        if any(c in line for line in head for c in "\r\n"):
+            raise ValueError("a request line or header holds a line break")
         if body is not None or method in ("POST", "PUT", "PATCH"):
             head.append(f"Content-Length: {len(body or b'')}")
         data = ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + (body or b"")
@@ -294,11 +299,12 @@ async def _response(conn: _Connection) -> Response:
         while True:
             version, _, rest = status_line.decode("latin-1").partition(" ")
             code, _, reason = rest.partition(" ")
-            if not version.startswith("HTTP/1.") or not code.isdigit() or len(code) != 3:
+            if not version.startswith("HTTP/1.") or len(code) != 3:
                 raise HttpProtocolError(f"bad status line {status_line[:64]!r}")
+            status = _number(code, "status")
             headers = await _headers(conn)
-            if int(code) != 100:  # 100 Continue: the real answer follows
-                return Response(conn, int(code), reason.strip(), headers)
+            if not 100 <= status < 200:  # 1xx are interim: the real answer follows
+                return Response(conn, status, reason.strip(), headers)
             status_line = await conn.line()
     except _STREAM_ERRORS as exc:
         raise HttpProtocolError(f"answer cut short: {type(exc).__name__}") from exc
