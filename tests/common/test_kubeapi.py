@@ -14,12 +14,14 @@ import json
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import anyio
 import anyio.abc
 import pytest
 from anyio.streams.buffered import BufferedByteReceiveStream
 
+from gpulet_common import kubeapi
 from gpulet_common.http1 import HttpProtocolError
 from gpulet_common.kube import KubeConfig
 from gpulet_common.kubeapi import KubeApiError, KubeClient, api_path, watch_event
@@ -232,3 +234,24 @@ async def test_a_watch_refused_is_the_error_type() -> None:
 )
 def test_watch_event_is_total(line: bytes) -> None:
     assert watch_event(line) is None
+
+
+async def test_a_token_file_is_read_again_as_it_rotates(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    token = tmp_path / "token"
+    token.write_text("one\n")
+    ok = answer("200 OK", b"{}")
+    async with serving(ok, ok, ok, ok) as server:
+        api = KubeClient(KubeConfig(server.url, token="one", token_file=str(token)))
+        async with api:
+            await api.get("/a", timeout_s=5)
+            token.write_text("two\n")
+            await api.get("/a", timeout_s=5)  # within the minute: the token read last
+            monkeypatch.setattr(kubeapi, "TOKEN_REREAD_S", 0.0)
+            token.write_text("")  # mid-rotation: an empty file is not a token
+            await api.get("/a", timeout_s=5)
+            token.write_text("three\n")
+            await api.get("/a", timeout_s=5)
+    auth = [r.split(b"Authorization: ")[1].split(b"\r\n")[0] for r in server.requests]
+    assert auth == [b"Bearer one", b"Bearer one", b"Bearer one", b"Bearer three"]

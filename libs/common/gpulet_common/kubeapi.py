@@ -332,11 +332,13 @@ class KubeClient:
         config = self.config
         if config.token_file and time.monotonic() - self._token_read >= TOKEN_REREAD_S:
             try:
-                with open(config.token_file, encoding="utf-8") as token:
-                    self._token = token.read(1 << 16).strip()
-                self._token_read = time.monotonic()
+                with open(config.token_file, encoding="utf-8", errors="replace") as token:
+                    fresh = token.read(1 << 16).strip()
             except OSError:
-                pass  # the token read last keeps working until it expires
+                fresh = ""
+            if fresh:  # else the token read last keeps working until it expires
+                self._token = fresh
+                self._token_read = time.monotonic()
         if self._token:
             return {"Authorization": f"Bearer {self._token}"}
         if config.username:
