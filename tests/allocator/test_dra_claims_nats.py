@@ -175,6 +175,36 @@ async def test_a_card_never_holds_shares_of_both_adapters(settings: Settings) ->
         await core.reserve_claim(UID_A, [share(dra[other], 20, 4)])
 
 
+async def test_a_device_plugin_share_never_lands_beside_a_claims_share(
+    settings: Settings,
+) -> None:
+    inventory = mock_inventory()
+    dra = names(inventory)
+    async with allocator_stack(settings, inventory=inventory) as stack:
+        core = core_of(stack)
+        card = ids(stack, GPU)[3]
+        await core.reserve_claim(UID_A, [share(dra[card], 20, 4)])
+
+        async def plugin_share_card(first: int, count: int) -> str:
+            before = {a.id for a in (await stack.state()).allocations}
+            await stack.kubelet.allocate(CORE, [ids(stack, CORE)[first : first + count]])
+            state = await stack.state()
+            [placed] = [a for a in state.allocations if a.id not in before]
+            assert placed.kind == "share"
+            [where] = placed.gpus
+            return where
+
+        # Best fit alone would pack the device plugin's share on the claim's card.
+        first = await plugin_share_card(0, 40)
+        assert first != card
+        # After an allocator restart the claim is marked again: a share too big for
+        # the first card (60 % free) would best-fit on the claim's (80 % free).
+        await stack.stop_allocator()
+        await stack.start_allocator()
+        await stack.wait_allocator_ready()
+        assert await plugin_share_card(40, 70) not in (card, first)
+
+
 async def test_unknown_and_unhealthy_devices_are_refused(settings: Settings) -> None:
     inventory = mock_inventory()
     dra = names(inventory)

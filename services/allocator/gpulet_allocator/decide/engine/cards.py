@@ -62,6 +62,9 @@ class CardBook:
     def __init__(self, gpus: Inventory | Iterable[GpuInfo] = ()) -> None:
         self._gpus: dict[str, _LedgerGpu] = {}
         self._allocs: dict[RequestKey, Allocation] = {}
+        # The allocation IDs that are DRA claims (the kubelet DRA plugin's); every other
+        # allocation is the device plugin's. A card never carries shares of both.
+        self._claim_ids: set[str] = set()
         self._topology = Topology.from_gpus(())
         self.update_inventory(gpus)
 
@@ -166,7 +169,15 @@ class CardBook:
     def devices(self) -> list[DeviceState]:
         return [self.device(g.uuid) for g in self._ordered()]
 
-    def refusal(self, uuid: str, *, whole: bool) -> Refused | None:
+    def mark_claim(self, allocation_id: str) -> None:
+        """Say that ``allocation_id`` is a DRA claim's (a restored claim; a new one is
+        marked by :meth:`~.ledger.Ledger.allocate_share`'s ``claim``)."""
+        self._claim_ids.add(allocation_id)
+
+    def is_claim(self, allocation_id: str) -> bool:
+        return allocation_id in self._claim_ids
+
+    def refusal(self, uuid: str, *, whole: bool, claim: bool | None = None) -> Refused | None:
         """Why a known card may not take a new allocation now (None: it may).
 
         ``whole``: the card as a whole GPU. This is the one answer to "may this card go
@@ -174,6 +185,11 @@ class CardBook:
         koord-scheduler's decisions and what the device plugin lists all ask it. A GPU
         that MIG keeps out (``mig_enabled``, ``mig_pending``) is refused here too, whole
         and shared; a MIG device goes whole only.
+
+        ``claim``: who asks for a share, a DRA claim (True) or the device plugin
+        (False); None asks for either. A card never carries shares of both adapters:
+        the scheduler accounts a claim's share in the slice and knows nothing of the
+        device plugin's, and kubelet's device manager knows nothing of a claim's.
         """
         g = self._known(uuid)
         if not g.present:
@@ -200,6 +216,15 @@ class CardBook:
                 "insufficient_capacity",
                 f"{uuid} holds {len(g.shares)} share(s) and is not offered whole",
             )
+        if not whole and claim is not None:
+            return self._mixed_share(g, claim=claim)
+        return None
+
+    def _mixed_share(self, g: _LedgerGpu, *, claim: bool) -> Refused | None:
+        for key in sorted(g.shares):
+            if (key[0] in self._claim_ids) != claim:
+                holder = "a device-plugin share" if claim else "a DRA claim's share"
+                return Refused("insufficient_capacity", f"{g.uuid} holds {holder} ({key[0]})")
         return None
 
     def _ordered(self) -> list[_LedgerGpu]:
@@ -217,12 +242,12 @@ class CardBook:
             raise Refused("unknown_device", f"unknown GPU ID: {uuid}")
         return g
 
-    def _check_named(self, uuids: Sequence[str], *, whole: bool) -> None:
+    def _check_named(self, uuids: Sequence[str], *, whole: bool, claim: bool | None = None) -> None:
         unknown = sorted(u for u in uuids if u not in self._gpus)
         if unknown:
             raise Refused("unknown_device", f"unknown GPU IDs: {', '.join(unknown)}")
         for uuid in uuids:
-            if (refused := self.refusal(uuid, whole=whole)) is not None:
+            if (refused := self.refusal(uuid, whole=whole, claim=claim)) is not None:
                 raise refused
 
     def _largest_card(self) -> tuple[str, int] | None:
@@ -263,6 +288,8 @@ class CardBook:
     def _unrecord(self, alloc: Allocation) -> None:
         key = alloc.owner.key
         del self._allocs[key]
+        if not any(k[0] == key[0] for k in self._allocs):
+            self._claim_ids.discard(key[0])
         if isinstance(alloc, WholeAllocation):
             for uuid in alloc.devices:
                 self._gpus[uuid].whole = None
