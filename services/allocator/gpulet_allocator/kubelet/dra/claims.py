@@ -124,7 +124,7 @@ class KubeClaimReader:
         self._custom = k8s_client.CustomObjectsApi(api)
         self._timeout = timeout_s
 
-    async def get_claim(self, namespace: str, name: str) -> JsonObj | None:
+    async def get_claim(self, namespace: str, name: str, uid: str = "") -> JsonObj | None:
         try:
             with anyio.fail_after(self._timeout + 1):
                 found = await self._custom.get_namespaced_custom_object(
