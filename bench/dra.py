@@ -35,6 +35,7 @@ import contextlib
 import logging
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -81,7 +82,11 @@ from support.reporter_harness import make_inventory
 from support.waiting import wait_until
 
 NODE = "bench-node"
-CORES = {"nats": "the allocator over NATS", "memory": "the tests' in-memory core"}
+CORES = {
+    "nats": "the allocator over NATS, in the bench's process",
+    "nats-process": "the allocator over NATS, in a process of its own",
+    "memory": "the tests' in-memory core",
+}
 DRIVER = "gpu.gpulet.io"
 
 
@@ -98,20 +103,64 @@ def run_dir() -> str:
     return "/dev/shm" if Path("/dev/shm").is_dir() else "/tmp"
 
 
+BENCH_INVENTORY = msgspec.structs.replace(make_inventory(NODE, 8), seq=1, boot_id="bench")
+NAMES = [device_name(g) for g in BENCH_INVENTORY.gpus]
+
+
 @contextlib.asynccontextmanager
-async def allocator_core(root: Path) -> AsyncIterator[tuple[DecisionCore, list[str]]]:
-    """The real allocator service on a real nats-server, and its GPUs' DRA names."""
-    inventory = msgspec.structs.replace(make_inventory(NODE, 8), seq=1, boot_id="bench")
+async def allocator_stack_on_nats(root: Path) -> AsyncIterator[tuple[str, Bus]]:
+    """The real allocator service on a real nats-server: its URL and a connection."""
     (root / "dp").mkdir(parents=True, exist_ok=True)
     async with EmbeddedNats(state_dir=root / "nats", port=0) as nats:
         settings = make_settings(
             nats.url, root / "state", root / "dp", dev_root_with(root / "dev", 8)
         )
         settings.node_name = NODE
-        async with allocator_stack(settings, inventory=inventory, start_plugin=False) as stack:
+        async with allocator_stack(
+            settings, inventory=BENCH_INVENTORY, start_plugin=False
+        ) as stack:
             await stack.wait_allocator_ready()
-            names = [device_name(g) for g in inventory.gpus]
-            yield NatsDecisionCore(stack.bus, NODE, timeout_s=5.0), names
+            yield nats.url, stack.bus
+
+
+@contextlib.asynccontextmanager
+async def allocator_core(root: Path) -> AsyncIterator[tuple[DecisionCore, list[str]]]:
+    """The allocator in this process: its event loop is the plugin's and the fake
+    kubelet's too, so its checkpoint's fsync stalls them all."""
+    async with allocator_stack_on_nats(root) as (_url, bus):
+        yield NatsDecisionCore(bus, NODE, timeout_s=5.0), NAMES
+
+
+@contextlib.asynccontextmanager
+async def allocator_process_core(root: Path) -> AsyncIterator[tuple[DecisionCore, list[str]]]:
+    """The allocator (and its nats-server) in a process of its own, as in the pod."""
+    async with await anyio.open_process(
+        [sys.executable, __file__, "--serve-allocator", str(root / "allocator")]
+    ) as process:
+        assert process.stdout is not None
+        url = ""
+        with anyio.fail_after(60):
+            async for chunk in process.stdout:
+                url += chunk.decode()
+                if url.endswith("\n"):
+                    break
+        try:
+            async with Bus.connect(
+                NatsSettings(url=url.strip()), name="dra-plugin", max_initial_attempts=5
+            ) as bus:
+                yield NatsDecisionCore(bus, NODE, timeout_s=5.0), NAMES
+        finally:
+            process.terminate()
+
+
+async def serve_allocator(root: Path) -> None:
+    """``--serve-allocator``: print the NATS URL, serve until SIGTERM (then stop the
+    nats-server too)."""
+    with anyio.open_signal_receiver(signal.SIGTERM) as signals:
+        async with allocator_stack_on_nats(root) as (url, _bus):
+            print(url, flush=True)
+            async for _ in signals:
+                break
 
 
 @contextlib.asynccontextmanager
@@ -128,7 +177,9 @@ async def bench_prepare(calls: int, which: str, claim_cache: bool = False) -> li
     # Sockets and the checkpoint on disk (/var/lib/kubelet, /var/lib/gpulet on a node).
     root = Path(tempfile.mkdtemp(prefix="dra", dir="/tmp"))
     run = Path(tempfile.mkdtemp(prefix="dra-cdi", dir=run_dir()))
-    make_core = allocator_core if which == "nats" else memory_core
+    make_core = {"nats": allocator_core, "nats-process": allocator_process_core}.get(
+        which, memory_core
+    )
     try:
         async with KubeEmulator.running() as emu, make_core(root) as (core, names):
             enable_dra(emu)
@@ -332,7 +383,12 @@ def main() -> int:
         "--claim-cache", action="store_true", help="read claims from a watch (dra.claim_cache)"
     )
     parser.add_argument("--prepare-only", action="store_true", help="only the Prepare table")
+    parser.add_argument("--serve-allocator", metavar="DIR", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.serve_allocator:
+        logging.basicConfig(level=logging.WARNING)
+        anyio.run(serve_allocator, Path(args.serve_allocator))
+        return 0
     if args.quick:
         args.calls, args.faults, args.rest = 100, 5, 10.0
     logging.basicConfig(level=logging.WARNING)
