@@ -6,14 +6,19 @@ Method
   real sockets in a temporary dir; the fake DRA kubelet (:mod:`support.fake_dra_kubelet`)
   registers it and calls ``NodePrepareResources`` with one claim per call, each claim
   allocated one whole GPU in the API emulator, then ``NodeUnprepareResources`` (not
-  timed). Each call reads the claim over HTTP, reserves it, writes and fsyncs the CDI
-  spec (on tmpfs, as ``/var/run/cdi`` is on a node) and the checkpoint (on disk).
-  The decision core is, as ``gpulet run`` has it, the real allocator service over a
-  real nats-server (:class:`~gpulet_allocator.kubelet.dra.nats_core.NatsDecisionCore`:
-  ``reserve-claim`` answered once the ledger's checkpoint is on disk); ``--core
-  memory`` takes the tests' in-memory core instead (support.dra_core), which leaves the
-  NATS round trip and the ledger's checkpoint out. The claims live in the API emulator
-  on 127.0.0.1, not a real API server. Target p99 < 10 ms.
+  timed). Each call reads the claim over HTTP (``--claim-cache``: from a watch of the
+  node's claims, ``dra.claim_cache``; the bench waits until the watch has the claim, as
+  it has by the time kubelet prepares a pod's claim), reserves it, writes and fsyncs
+  the CDI spec (on tmpfs, as ``/var/run/cdi`` is on a node); the plugin's checkpoint (on
+  disk) is written after the answer. The decision core is, as ``gpulet run`` has it,
+  the real allocator service over a real nats-server
+  (:class:`~gpulet_allocator.kubelet.dra.nats_core.NatsDecisionCore`: ``reserve-claim``
+  answered once the ledger's checkpoint is on disk), in this process (``--core nats``)
+  or, as in the pod, in one of its own (``--core nats-process``); ``--core memory``
+  takes the tests' in-memory core instead (support.dra_core), which leaves the NATS
+  round trip and the ledger's checkpoint out. The claims live in the API emulator on
+  127.0.0.1, not a real API server. Target p99 < 10 ms. ``--prepare-only`` prints
+  only this table; every table says the load average.
 * **Fault → taint**: a real nats-server, the node read model (NodeView), the slice
   publisher with the default debounce (quiet 0.5 s, at most 2 s) and the API emulator
   (its slice validation off: 45 ms of Python jsonschema a write, which a real API
