@@ -142,7 +142,12 @@ class CollectorService:
                 attribution = PodAttribution(
                     Path(self._settings.pod_resources_socket),
                     self._settings.pod_resources_poll_s,
-                    lambda: {g.uuid for g in self._inventory.gpus},
+                    # GPUs and MIG devices (per-GPU-instance series get their holders).
+                    lambda: {
+                        u
+                        for g in self._inventory.gpus
+                        for u in (g.uuid, *(d.uuid for d in g.mig_devices))
+                    },
                     self.dcgm.update_holders,
                 )
                 await tg.start(attribution.run)
