@@ -19,7 +19,12 @@ from pathlib import Path
 import grpc
 import msgspec
 import pytest
-from test_koordinator_handshake import (
+
+from gpulet_common.messages import Inventory
+from gpulet_common.nvml.loader import open_mock
+from gpulet_common.settings import Settings
+from support.allocator_stack import GPU, NODE, Stack, allocator_stack, ids, rpc_error
+from support.koord_handshake import (
     CORE,
     RATIO,
     bound,
@@ -30,14 +35,11 @@ from test_koordinator_handshake import (
     shares,
     synced,
 )
-
-from gpulet_common.messages import Inventory
-from gpulet_common.nvml.loader import open_mock
-from gpulet_common.settings import Settings
-from support.allocator_stack import GPU, NODE, Stack, allocator_stack, ids, rpc_error
 from support.kube_emulator import KubeEmulator, cluster_with_node
 
 pytestmark = pytest.mark.anyio
+
+MIG_1G = "nvidia.com/mig-1g.5gb"
 
 
 @pytest.fixture
@@ -56,9 +58,14 @@ def a100() -> Inventory:
 
 async def on_mig_node(stack: Stack, inventory: Inventory, resource: str, count: int) -> None:
     """Publish the MIG inventory and wait until kubelet lists ``count`` devices of
-    ``resource`` (only GPU 3 is offered whole or shared)."""
+    ``resource`` (only GPU 3 is offered whole or shared). Under ``mixed`` the MIG
+    resources appear with the inventory, and the plugin serves every resource anew:
+    wait for the second registration of ``resource`` first."""
     await stack.publish_inventory(inventory)
     await stack.wait_allocator_ready()
+    if stack.settings.allocator.mig_strategy == "mixed":
+        await stack.kubelet.wait_registered(MIG_1G, timeout_s=10)
+        await stack.kubelet.wait_registered(resource, count=2, timeout_s=10)
     await stack.kubelet.wait_devices(resource, lambda d: len(d) == count, timeout_s=5)
     await synced(stack)
 
