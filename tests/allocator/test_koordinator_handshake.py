@@ -19,8 +19,8 @@ import grpc.aio
 import pytest
 
 from gpulet_common.messages import Inventory
-from gpulet_common.nvml.loader import open_mock
 from gpulet_common.settings import Settings
+from support.agent import mock_inventory
 from support.allocator_stack import GPU, NODE, allocator_stack, ids, rpc_error
 from support.koord_handshake import (
     CORE,
@@ -46,11 +46,7 @@ async def emu(tmp_path: Path) -> AsyncIterator[KubeEmulator]:
 
 
 def h100_inventory() -> Inventory:
-    adapter = open_mock("dgx-h100")
-    try:
-        return adapter.inventory(NODE, 1)
-    finally:
-        adapter.shutdown()
+    return mock_inventory("dgx-h100", NODE)
 
 
 def by_minor(inventory: Inventory) -> dict[int, str]:

@@ -21,8 +21,8 @@ import msgspec
 import pytest
 
 from gpulet_common.messages import Inventory
-from gpulet_common.nvml.loader import open_mock
 from gpulet_common.settings import Settings
+from support.agent import mock_inventory
 from support.allocator_stack import GPU, NODE, Stack, allocator_stack, ids, rpc_error
 from support.koord_handshake import (
     CORE,
@@ -49,11 +49,7 @@ async def emu(tmp_path: Path) -> AsyncIterator[KubeEmulator]:
 
 
 def a100() -> Inventory:
-    adapter = open_mock("a100-mig-mixed")
-    try:
-        return adapter.inventory(NODE, 1)
-    finally:
-        adapter.shutdown()
+    return mock_inventory("a100-mig-mixed", NODE)
 
 
 async def on_mig_node(stack: Stack, inventory: Inventory, resource: str, count: int) -> None:

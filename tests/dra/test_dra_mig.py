@@ -39,12 +39,12 @@ from gpulet_allocator.protocol import ClaimDeviceRequest, ResourceKind
 from gpulet_common.bus import Bus
 from gpulet_common.dra import cdi, pool
 from gpulet_common.dra import mig as dramig
-from gpulet_common.messages import ActiveCondition, GpuHealth, Inventory
+from gpulet_common.messages import ActiveCondition, GpuHealth, GpuInfo, Inventory, MigDevice
 from gpulet_common.nodeview import NodeView
-from gpulet_common.nvml.loader import open_mock
 from gpulet_common.refusal import Refused
 from gpulet_common.settings.allocator import ResourceNames
 from gpulet_common.settings.dra import DraSettings
+from support.agent import mock_inventory
 
 K8S = kubernetes_validate.latest_version()
 NODE = "node-a"
@@ -66,11 +66,14 @@ A100_POOL = [
 
 
 def inventory(scenario: str = "a100-mig-mixed") -> Inventory:
-    adapter = open_mock(scenario)
-    try:
-        return adapter.inventory(NODE, 1)
-    finally:
-        adapter.shutdown()
+    return mock_inventory(scenario, NODE)
+
+
+def fault_on(gpu: GpuInfo, mig: MigDevice) -> GpuHealth:
+    """An XID 79 confined to one MIG device of ``gpu`` (the GPU stays healthy)."""
+    return GpuHealth(
+        gpu_uuid=gpu.uuid, conditions=[xid(79, mig.uuid)], unhealthy_mig_devices=[mig.uuid]
+    )
 
 
 def by_name(devices: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -167,13 +170,7 @@ def test_a_fault_on_one_mig_device_taints_that_device_only() -> None:
     inv = inventory()
     gpu0, gpu1 = inv.gpus[0], inv.gpus[1]
     target = gpu0.mig_devices[2]
-    healths = {
-        gpu0.uuid: GpuHealth(
-            gpu_uuid=gpu0.uuid,
-            conditions=[xid(79, target.uuid)],
-            unhealthy_mig_devices=[target.uuid],
-        )
-    }
+    healths = {gpu0.uuid: fault_on(gpu0, target)}
     devices = by_name(pool.build(inv, healths, DraSettings()).devices)
     tainted = {n for n, d in devices.items() if d.get("taints")}
     assert tainted == {dramig.device_name(gpu0, target)}
@@ -351,9 +348,7 @@ def test_health_stream_names_mig_devices_each_on_its_own() -> None:
     gpu0, gpu1 = inv.gpus[0], inv.gpus[1]
     sick = gpu0.mig_devices[0]
     healths = {
-        gpu0.uuid: GpuHealth(
-            gpu_uuid=gpu0.uuid, conditions=[xid(79, sick.uuid)], unhealthy_mig_devices=[sick.uuid]
-        ),
+        gpu0.uuid: fault_on(gpu0, sick),
         gpu1.uuid: GpuHealth(gpu_uuid=gpu1.uuid, healthy=False, conditions=[xid(48)]),
     }
     states = {
