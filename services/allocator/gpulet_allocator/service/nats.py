@@ -87,8 +87,8 @@ from gpulet_common.lifecycle import idle_disabled
 from gpulet_common.messages import ErrorReply
 from gpulet_common.nodeview import NodeChange, NodeView
 from gpulet_common.refusal import Refused, bounded, one_line
-from gpulet_common.runtime import Runtime
-from gpulet_common.settings import Settings
+from gpulet_common.runtime import Runtime, RuntimeService
+from gpulet_common.settings import AllocatorSettings, Settings
 
 log = logging.getLogger("gpulet.allocator")
 # Once per request whose reply cannot be sent: rate-limited (a caller controls it).
@@ -111,13 +111,11 @@ RESET_NEEDS_CONFIRM = (
 )
 
 
-class AllocatorService:
+class AllocatorService(RuntimeService[AllocatorSettings]):
     name = "allocator"
 
     def __init__(self, runtime: Runtime) -> None:
-        self._rt = runtime
-        self._settings = runtime.settings.allocator
-        self._node = runtime.node
+        super().__init__(runtime, runtime.settings.allocator)
         plugin = self._settings.plugin
         self.view = NodeView(
             runtime.bus, self._node, retry_s=self._settings.request_retry_s, who="allocator"
