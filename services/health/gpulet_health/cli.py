@@ -22,6 +22,7 @@ from gpulet_common.bus import Bus, BusError, Refused, RequestTimeout
 from gpulet_common.cli_support import AddFlags, LoadSettings, add_gpu_flag, bind, tool_nats
 from gpulet_common.messages import HealthClearRequest, HealthState, HealthStateRequest
 from gpulet_common.settings import Settings
+from gpulet_health.remediate_cli import add_remediate_command
 from gpulet_health.xid_cli import add_xid_command
 
 
@@ -132,7 +133,7 @@ def add_commands(sub: Any, add_flags: AddFlags, load: LoadSettings) -> None:
     )
     health.default_action = "state"
     health_sub = health.add_subparsers(
-        dest="health_command", required=True, metavar="{state,clear,xid}"
+        dest="health_command", required=True, metavar="{state,clear,xid,remediate}"
     )
 
     state = health_sub.add_parser(
@@ -165,3 +166,4 @@ def add_commands(sub: Any, add_flags: AddFlags, load: LoadSettings) -> None:
     add_flags(clear)
     clear.set_defaults(func=bind(_cmd_clear, load))
     add_xid_command(health_sub, add_flags, load)
+    add_remediate_command(health_sub, add_flags, load)
