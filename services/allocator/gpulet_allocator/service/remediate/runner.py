@@ -107,6 +107,8 @@ class Remediator:
         self._wake = anyio.Event()
         self._log = RateLimitedLog(log, per_minute=6)
         self.evictions_requested = 0
+        #: Passes of :meth:`step` (tests wait on it).
+        self.passes = 0
         #: (monotonic time a fault was first seen, time its first eviction was sent).
         self.latencies: list[tuple[float, float]] = []
         self._first_seen: dict[str, float] = {}
@@ -221,6 +223,7 @@ class Remediator:
 
     async def step(self) -> float | None:
         """One pass; returns when the next retry is due (None: nothing pending)."""
+        self.passes += 1
         now = self._clock()
         faults = self._faults()
         devices = {f.device for f in faults}
