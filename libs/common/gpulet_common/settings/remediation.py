@@ -31,10 +31,13 @@ class RemediationSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tr
     # Circuit breaker: never remediate more than this share of the node's GPUs within
     # window_s (at least one GPU); beyond it a storm is suspected and eviction stops.
     max_fraction: Fraction = 0.5
+    # The circuit breaker's window: a GPU remediated counts against the share this long.
     window_s: PositiveSeconds = 600.0
     # An eviction a PodDisruptionBudget blocks (429) or that fails is retried with
-    # exponential backoff between these bounds, for as long as the fault stands.
+    # exponential backoff, first after this long, for as long as the fault stands.
     retry_initial_s: PositiveSeconds = 1.0
+    # The longest wait between two tries of an eviction (and between two looks while a
+    # fault stands).
     retry_max_s: PositiveSeconds = 60.0
     # Namespace of the Events posted on the Node (cluster-scoped), as kubelet does.
     node_event_namespace: str = "default"
