@@ -96,6 +96,8 @@ def format_plan(plan: RemediationPlan) -> str:
         f"(max_fraction {b.max_fraction:g}, tripped {b.trips} time(s))"
         + (f": {b.detail}" if b.detail else ""),
     ]
+    if plan.mode == "off":
+        lines.append("remediation is off: below is what mode evict would do")
     if not plan.gpus:
         lines.append("no GPU has a fault that remediates: nothing to do")
     for gpu in plan.gpus:
