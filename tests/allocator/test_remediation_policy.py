@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import anyio
 import pytest
 
 from gpulet_allocator.protocol import AllocationView, GrantView, core_device_id
@@ -359,3 +360,38 @@ async def test_off_does_nothing() -> None:
     await r.run()  # returns at once
     assert kube.evictions == []
     assert kube.events == []
+
+
+async def test_a_pod_on_two_failed_gpus_is_evicted_once() -> None:
+    clock = Clock()
+    kube = FakeKube([PodInfo("ns", "wide", "u1")])
+    both = AllocationView(id="a", kind="whole", gpus=["GPU-1", "GPU-2"], grants=[grant("ns/wide")])
+    healths = {"GPU-1": gpu(1, XID79), "GPU-2": gpu(2, XID79)}
+    r = remediator(EVICT, healths, kube, clock, [both])
+    await r.step()
+    assert kube.evictions == ["ns/wide"]
+    plan = await r.plan()
+    assert [p.state for g in plan.gpus for p in g.pods] == ["evicted", "evicted"]
+
+
+async def test_a_failing_pass_does_not_end_the_loop() -> None:
+    clock = Clock()
+    kube = FakeKube([PodInfo("ns", "hit", "u1")])
+    r = remediator(EVICT, {"GPU-1": gpu(1, XID79)}, kube, clock, [whole(1, "hit")])
+    calls = 0
+
+    async def broken() -> list[PodInfo]:
+        nonlocal calls
+        calls += 1
+        raise RuntimeError("a bug")
+
+    kube.list_pods = broken  # type: ignore[method-assign]
+    with anyio.move_on_after(5):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(r.run)
+            while calls < 2:
+                r.poke()
+                await anyio.sleep(0.01)
+            tg.cancel_scope.cancel()
+    assert calls >= 2
+    assert kube.evictions == []

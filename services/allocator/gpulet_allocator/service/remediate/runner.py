@@ -109,9 +109,6 @@ class Remediator:
         self.evictions_requested = 0
         #: Passes of :meth:`step` (tests wait on it).
         self.passes = 0
-        #: (monotonic time a fault was first seen, time its first eviction was sent).
-        self.latencies: list[tuple[float, float]] = []
-        self._first_seen: dict[str, float] = {}
         self._evictions = self._breaker_open = self._trips = None
         if meter is not None:
             self._evictions = meter.create_counter(
@@ -136,7 +133,11 @@ class Remediator:
         log.info("remediation on node %s: mode %s", self.node, self.settings.mode)
         while True:
             self._wake = anyio.Event()
-            next_at = await self.step()
+            try:
+                next_at = await self.step()
+            except Exception:  # a bug here must not end the allocator: say it, go on
+                self._log.exception("remediation pass failed")
+                next_at = self._clock() + self.settings.retry_max_s
             delay = None if next_at is None else max(0.0, next_at - self._clock())
             with anyio.move_on_after(delay if delay is not None else 3600.0):
                 await self._wake.wait()
@@ -228,9 +229,6 @@ class Remediator:
         faults = self._faults()
         devices = {f.device for f in faults}
         self._tracks = {k: t for k, t in self._tracks.items() if k[0] in devices}
-        self._first_seen = {d: t for d, t in self._first_seen.items() if d in devices}
-        for fault in faults:
-            self._first_seen.setdefault(fault.device, now)
         if self.breaker.settle({f.gpu_uuid for f in faults}) is False:
             await self._breaker_closed()
         if not faults:
@@ -255,11 +253,21 @@ class Remediator:
             for holder in holders:
                 track = self._tracks.setdefault((fault.device, holder.key), Track(holder))
                 track.holder = holder
+                if self._evicted_for_another(fault.device, holder.key):
+                    # One pod holding two failed devices is evicted once.
+                    track.state, track.detail = "evicted", "with another failed device"
+                    continue
                 await self._act(fault, track)
                 if track.state in ("blocked_by_pdb", "failed"):
                     pending.append(track.next_at)
         # While a fault stands, look again now and then: a holder may show up late.
         return min(pending) if pending else now + self.settings.retry_max_s
+
+    def _evicted_for_another(self, device: str, pod: str) -> bool:
+        return any(
+            d != device and k == pod and t.state == "evicted" and not t.detail
+            for (d, k), t in self._tracks.items()
+        )
 
     async def _act(self, fault: Fault, track: Track) -> None:
         holder = track.holder
@@ -276,8 +284,6 @@ class Remediator:
         if self.kube is None:
             return
         track.attempts += 1
-        if track.attempts == 1 and fault.device in self._first_seen:
-            self.latencies.append((self._first_seen[fault.device], self._clock()))
         self.evictions_requested += 1
         outcome = await self.kube.evict(holder.namespace, holder.name, holder.uid)
         if self._evictions is not None:
