@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from pathlib import Path
 
 import anyio
@@ -16,31 +15,17 @@ import msgspec
 import pytest
 
 from gpulet_allocator import protocol as p
-from gpulet_common.messages import ActiveCondition, GpuHealth
 from gpulet_common.nvml.loader import open_mock
 from gpulet_common.remediation import REMEDIATION_PLAN, REMEDIATION_REQUEST, RemediationRequest
 from gpulet_common.settings import Settings
 from gpulet_common.settings.remediation import RemediationSettings
 from support.allocator_stack import NODE, allocator_stack
 from support.fake_kubelet import FakeContainer, FakePod
-from support.health_kv import put_health
+from support.health_kv import gpu_health, put_health
 
 pytestmark = pytest.mark.anyio
 
 GPU = "nvidia.com/gpu"
-
-
-def fatal(uuid: str, index: int) -> GpuHealth:
-    xid79 = ActiveCondition(
-        condition="xid:79",
-        kind="xid",
-        severity="fatal",
-        action="reboot",
-        reason="XID 79: GPU has fallen off the bus",
-        sticky=True,
-        since=time.time(),
-    )
-    return GpuHealth(gpu_uuid=uuid, gpu_index=index, healthy=False, conditions=[xid79])
 
 
 async def test_the_dry_run_shows_the_pods_of_the_failed_gpu(
@@ -73,7 +58,8 @@ async def test_the_dry_run_shows_the_pods_of_the_failed_gpu(
     ) as stack:
         allocator = stack.allocator
         assert allocator is not None
-        await put_health(stack.bus, NODE, fatal(u0, 0))
+        xid79 = gpu_health(u0, healthy=False, severity="fatal", action="reboot", index=0)
+        await put_health(stack.bus, NODE, xid79)
         await stack.wait_for(lambda: not allocator.view.healthy(u0), "the fault in the view")
         plan = await stack.ask(
             p.ENDPOINT_REMEDIATION, RemediationRequest(), REMEDIATION_REQUEST, REMEDIATION_PLAN

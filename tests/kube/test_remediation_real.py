@@ -30,13 +30,14 @@ from gpulet_allocator.service.podresources import live_grants
 from gpulet_allocator.service.remediate.kube import KubeClient
 from gpulet_allocator.service.remediate.runner import Remediator, Sources
 from gpulet_common.kubelet_api.podresources.v1 import api_pb2 as pr
-from gpulet_common.messages import ActiveCondition, GpuHealth
+from gpulet_common.messages import GpuHealth
 from gpulet_common.settings.allocator import HandshakeSettings, ResourceNames
 from gpulet_common.settings.remediation import RemediationSettings
 from support import reference
 from support.control_plane import ControlPlane
 from support.deploy import KUSTOMIZE, kustomize
 from support.gpulet_on_kube import AGENT_USER, AgentIdentity, agent_identity, must_apply
+from support.health_kv import gpu_health
 from support.waiting import wait_until
 
 pytestmark = pytest.mark.anyio
@@ -45,14 +46,6 @@ GPU = "nvidia.com/gpu"
 HANDSHAKE = HandshakeSettings(api_timeout_s=5.0)
 SETTINGS = RemediationSettings(
     mode="evict", max_fraction=0.5, window_s=600, retry_initial_s=0.2, retry_max_s=1.0
-)
-XID79 = ActiveCondition(
-    condition="xid:79",
-    kind="xid",
-    severity="fatal",
-    action="reboot",
-    reason="XID 79: GPU has fallen off the bus",
-    sticky=True,
 )
 
 
@@ -230,7 +223,9 @@ class Node:
     def fail(self, *gpus: int) -> None:
         for n in gpus:
             u = self.uuids[n]
-            self.healths[u] = GpuHealth(gpu_uuid=u, gpu_index=n, healthy=False, conditions=[XID79])
+            self.healths[u] = gpu_health(
+                u, healthy=False, severity="fatal", action="reboot", index=n
+            )
 
     def remediator(self, api: client.ApiClient, node: str) -> Remediator:
         async def podresources() -> pr.ListPodResourcesResponse:

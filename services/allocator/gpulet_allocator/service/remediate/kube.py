@@ -17,8 +17,6 @@ server or a failed connection: each returns what happened.
 from __future__ import annotations
 
 import json
-import time
-import uuid
 from dataclasses import dataclass
 from typing import Any, Final, Literal, Protocol
 
@@ -28,6 +26,7 @@ from kubernetes_asyncio import client as k8s_client
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from gpulet_allocator.service.remediate.policy import PodInfo, pod_info
+from gpulet_common.kube_events import event_body
 
 EVENT_COMPONENT: Final = "gpulet-allocator"
 EvictResult = Literal["evicted", "blocked_by_pdb", "gone", "failed"]
@@ -146,27 +145,20 @@ class KubeClient:
         self, target: EventTarget, reason: str, message: str, *, warning: bool = True
     ) -> bool:
         namespace = target.namespace if target.kind == "Pod" else self._node_ns
-        stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         involved: dict[str, str] = {"apiVersion": "v1", "kind": target.kind, "name": target.name}
         if target.kind == "Pod":
             involved["namespace"] = target.namespace
         if target.uid:
             involved["uid"] = target.uid
-        body: Any = {
-            "apiVersion": "v1",
-            "kind": "Event",
-            "metadata": {"name": f"{target.name}.{uuid.uuid4().hex[:16]}", "namespace": namespace},
-            "involvedObject": involved,
-            "reason": reason,
-            "message": message[:1024],
-            "type": "Warning" if warning else "Normal",
-            "source": {"component": EVENT_COMPONENT, "host": self._node},
-            "reportingComponent": EVENT_COMPONENT,
-            "reportingInstance": self._node,
-            "firstTimestamp": stamp,
-            "lastTimestamp": stamp,
-            "count": 1,
-        }
+        body: Any = event_body(
+            namespace=namespace,
+            involved=involved,
+            reason=reason,
+            message=message,
+            component=EVENT_COMPONENT,
+            node=self._node,
+            warning=warning,
+        )
         try:
             with anyio.fail_after(self._timeout + 1):
                 await self._core.create_namespaced_event(

@@ -26,6 +26,7 @@ failing API or PodResources is a problem in the plan and a rate-limited log line
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
@@ -375,18 +376,5 @@ def _why(fault: Fault) -> str:
 
 
 def _planned_gpu(fault: Fault, admitted: bool, pods: list[PlannedPod]) -> PlannedGpu:
-    return PlannedGpu(
-        gpu_uuid=fault.gpu_uuid,
-        gpu_index=fault.gpu_index,
-        device=fault.device,
-        condition=fault.condition,
-        kind=fault.kind,
-        severity=fault.severity,
-        action=fault.action,
-        reason=fault.reason,
-        xid=fault.xid,
-        mnemonic=fault.mnemonic,
-        bucket=fault.bucket,
-        admitted=admitted,
-        pods=pods,
-    )
+    # A Fault's fields are PlannedGpu's first ones, by the same names.
+    return PlannedGpu(**dataclasses.asdict(fault), admitted=admitted, pods=pods)
