@@ -15,7 +15,8 @@ ones fit again, or when their faults end. A GPU already admitted keeps being
 remediated (pods retried after a PodDisruptionBudget refusal, a pod that arrives later).
 
 The caller says it (a log line, an Event on the Node, the
-``gpulet.allocator.remediation.breaker_open`` gauge and ``..._breaker_trips`` counter)
+``gpulet_allocator_remediation_breaker_open`` gauge and
+``gpulet_allocator_remediation_breaker_trips_total`` counter)
 on each transition: :meth:`Breaker.admit` answers whether the state changed.
 """
 
