@@ -186,8 +186,9 @@ def test_namespace_create_renders_the_base_namespace(tmp_path: Path) -> None:
         (["nats.mode=existing"], ["nats-leaf"]),
         (["nats.mode=fleet"], ["nats-fleet"]),
         (["alerting.enabled=true"], ["alerts"]),
+        (["remediation.enabled=true"], ["remediation"]),
     ],
-    ids=["nats-existing", "nats-fleet", "alerting"],
+    ids=["nats-existing", "nats-fleet", "alerting", "remediation"],
 )
 def test_values_render_what_the_kustomize_components_do(
     values: list[str], components: list[str], tmp_path: Path

@@ -19,6 +19,7 @@ from gpulet_common import codec, subjects
 from gpulet_common.cli_support import AddFlags, LoadSettings, add_gpu_flag, ask_agent, bind
 from gpulet_common.messages import HealthClearRequest, HealthState, HealthStateRequest
 from gpulet_common.settings import Settings
+from gpulet_health.remediate_cli import add_remediate_command
 from gpulet_health.xid_cli import add_xid_command
 
 
@@ -111,7 +112,7 @@ def add_commands(sub: Any, add_flags: AddFlags, load: LoadSettings) -> None:
     )
     health.default_action = "state"
     health_sub = health.add_subparsers(
-        dest="health_command", required=True, metavar="{state,clear,xid}"
+        dest="health_command", required=True, metavar="{state,clear,xid,remediate}"
     )
 
     state = health_sub.add_parser(
@@ -144,3 +145,4 @@ def add_commands(sub: Any, add_flags: AddFlags, load: LoadSettings) -> None:
     add_flags(clear)
     clear.set_defaults(func=bind(_cmd_clear, load))
     add_xid_command(health_sub, add_flags, load)
+    add_remediate_command(health_sub, add_flags, load)

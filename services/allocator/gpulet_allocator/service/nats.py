@@ -21,6 +21,9 @@ Flow
    alive and release the allocations of the others (:mod:`.release`).
 5. With ``allocator.handshake.enabled``, watch this node's pods into the core's book
    and post refused decisions as Events (:mod:`.handshake`, docs/koordinator.md).
+6. With ``remediation.mode`` ``report`` or ``evict``, follow the health of the GPUs
+   and evict the pods that hold a failed one (:mod:`.remediate`, docs/health.md);
+   ``remediation`` answers what it would do now.
 
 Lost record
 -----------
@@ -72,6 +75,7 @@ from gpulet_allocator.decide.core import AllocatorCore
 from gpulet_allocator.service.claims import ClaimEndpoints
 from gpulet_allocator.service.handshake import HandshakeRunner, pod_book
 from gpulet_allocator.service.release import PodResourcesFollower
+from gpulet_allocator.service.remediate.service import RemediationService
 from gpulet_allocator.service.replies import Replies, handler_for
 from gpulet_allocator.service.status import AllocatorStatus
 from gpulet_allocator.service.withheld import WithheldFeed, held_feed
@@ -169,6 +173,11 @@ class AllocatorService(RuntimeService[AllocatorSettings]):
         self.claims = ClaimEndpoints(
             self.core, replies, self._answer_durably, self._on_record_change
         )
+        #: Evicting the pods of a failed GPU (remediation.mode; docs/health.md).
+        self.remediation = RemediationService(
+            runtime.settings, self._node, self.core, self.view, meter
+        )
+        self._replies = replies
         #: The running nats.micro service (for tests and the status line).
         self.micro: Service | None = None
 
@@ -247,6 +256,9 @@ class AllocatorService(RuntimeService[AllocatorSettings]):
                     p.ENDPOINT_RESERVE_CLAIM: self.claims.on_reserve,
                     p.ENDPOINT_RELEASE_CLAIM: self.claims.on_release,
                     p.ENDPOINT_HELD: lambda req: self.held.on_request(req, tg),
+                    p.ENDPOINT_REMEDIATION: lambda req: self.remediation.on_request(
+                        req, self._replies
+                    ),
                 }
                 for endpoint, handler in handlers.items():
                     await service.add_endpoint(
@@ -260,6 +272,7 @@ class AllocatorService(RuntimeService[AllocatorSettings]):
                 tg.start_soon(self.pod_resources.run, self._probe_checkpoint)
                 if self.core.book is not None:
                     tg.start_soon(self.handshake.run, self.core.book)
+                tg.start_soon(self.remediation.run)
                 self._update_status()
                 started()
                 await anyio.sleep_forever()
@@ -311,6 +324,8 @@ class AllocatorService(RuntimeService[AllocatorSettings]):
                 if self.core.set_health(device, healthy):
                     log.info("GPU %s is now %s", device, "healthy" if healthy else "unhealthy")
         self.withheld.follow()
+        if change.gpus:
+            self.remediation.on_view()
 
     def _count_held(self) -> None:
         held = self.core.ledger.count()
