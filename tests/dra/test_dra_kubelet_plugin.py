@@ -298,9 +298,9 @@ async def test_the_checkpoint_is_written_after_the_answer_and_a_failed_write_aga
         uid = claim(emu, "c", result("gpu-0"))
         assert (await r.kubelet.prepare(("default", uid, "c"))).claims[uid].error == ""
         assert set(r.server.plugin.checkpoint.claims) == {uid}
+        # Out of the way: the writer tries again, without another Prepare (and makes
+        # the directory itself).
         (short_dir / "state").unlink()
-        (short_dir / "state").mkdir()
-        # The writer tries again, without another Prepare.
         await wait_until(lambda: checkpointed(short_dir) == {uid}, timeout_s=10)
         assert (await r.kubelet.unprepare(("default", uid, "c"))).claims[uid].error == ""
         await wait_until(lambda: checkpointed(short_dir) == set(), timeout_s=10)

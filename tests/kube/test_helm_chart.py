@@ -207,9 +207,10 @@ def test_namespace_create_renders_the_base_namespace(tmp_path: Path) -> None:
         (["nats.mode=existing"], ["nats-leaf"], ()),
         (["nats.mode=fleet"], ["nats-fleet"], ()),
         (["alerting.enabled=true"], ["alerts"], ()),
+        (["remediation.enabled=true"], ["remediation"], ()),
         (["dra.mode=both"], ["dra"], (DRA_MODE,)),
     ],
-    ids=["nats-existing", "nats-fleet", "alerting", "dra"],
+    ids=["nats-existing", "nats-fleet", "alerting", "remediation", "dra"],
 )
 def test_values_render_what_the_kustomize_components_do(
     values: list[str],
@@ -260,11 +261,12 @@ def test_dra_values_reach_the_settings_mounts_classes_and_rbac() -> None:
     assert mounts["dra-plugin"] == "/data/kubelet/plugins/gpu.example.com"
     assert mounts["cdi"] == "/var/run/cdi"
     classes = {d["metadata"]["name"]: d for d in docs if d["kind"] == "DeviceClass"}
-    assert sorted(classes) == ["gpu-share.gpulet.io", "whole.example.com"]
-    for cls in classes.values():
+    assert sorted(classes) == ["gpu-share.gpulet.io", "mig.gpulet.io", "whole.example.com"]
+    for name, cls in classes.items():
         expression = cls["spec"]["selectors"][0]["cel"]["expression"]
+        kind = "mig" if name == "mig.gpulet.io" else "gpu"
         assert "device.driver == 'gpu.example.com'" in expression
-        assert "device.attributes['gpu.example.com'].type == 'gpu'" in expression
+        assert f"device.attributes['gpu.example.com'].type == '{kind}'" in expression
     (role,) = [
         d for d in docs if d["kind"] == "ClusterRole" and d["metadata"]["name"] == "gpulet-dra"
     ]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import signal
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol
 
 import anyio
@@ -96,3 +96,17 @@ async def idle_disabled(
     status.set(name, "ready", f"disabled ({setting} = false)")
     task_status.started()
     await anyio.sleep_forever()
+
+
+async def repeat_every(
+    interval_s: float,
+    step: Callable[[], Awaitable[object]],
+    *,
+    task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
+) -> None:
+    """Started at once; then ``step`` now and again ``interval_s`` after each one
+    ends, until cancelled (a poll that must not overlap itself)."""
+    task_status.started()
+    while True:
+        await step()
+        await anyio.sleep(interval_s)

@@ -186,6 +186,20 @@ class Inventory(_Message, frozen=True, kw_only=True):
 # --- samples -----------------------------------------------------------------------
 
 
+class MigSample(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=True):
+    """One reading of one MIG device: its memory (its GPU instance's, which the
+    compute instances of one GPU instance share). Added after schema version 1."""
+
+    uuid: str
+    gpu_instance_id: NonNegative
+    compute_instance_id: NonNegative
+    memory_used_bytes: NonNegative | None = None
+    memory_free_bytes: NonNegative | None = None
+
+
+MigSamples = Annotated[list[MigSample], msgspec.Meta(max_length=64)]
+
+
 class GpuSample(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=True):
     """One reading of one GPU. A None field was not supported by the GPU."""
 
@@ -233,6 +247,9 @@ class GpuSample(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=True):
     gr_engine_active: float | None = None
     tensor_active: float | None = None
     dram_active: float | None = None
+    # Its MIG devices' memory, every period, while MIG is enabled (issue 27; added after
+    # schema version 1).
+    mig: MigSamples = []
 
 
 class SampleBatch(_Message, frozen=True, kw_only=True):

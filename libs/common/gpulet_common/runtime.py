@@ -1,7 +1,9 @@
 """What every service receives: settings, the bus, a meter, the status board and NVML.
 
 In ``gpulet run`` all services share one :class:`Runtime`, so one NVML (or one mock
-GPU node) serves them all. In sidecar mode each process builds its own.
+GPU node) serves them all. In sidecar mode each process builds its own. Each service
+starts from :class:`RuntimeService`: its name, the runtime, its settings section and
+the node, set in one place.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 import anyio
 from opentelemetry import metrics
@@ -26,6 +29,8 @@ log = logging.getLogger("gpulet.nvml")
 # doubling up to the maximum (s).
 NVML_RETRY_MIN_S = 5.0
 NVML_RETRY_MAX_S = 300.0
+
+S = TypeVar("S")
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,3 +102,15 @@ class Runtime:
     @property
     def node(self) -> str:
         return self.settings.node_name
+
+
+class RuntimeService(Generic[S]):
+    """The start of every service: its ``name`` (its line on ``/readyz``), the
+    :class:`Runtime` it runs in, its section of the settings and the node it serves."""
+
+    name: str
+
+    def __init__(self, runtime: Runtime, settings: S) -> None:
+        self._rt = runtime
+        self._settings = settings
+        self._node = runtime.node

@@ -89,6 +89,7 @@ from gpulet_common import subjects
 from gpulet_common.codec import Codec
 from gpulet_common.messages import ErrorReply
 from gpulet_common.podresources import SHARE_SEPARATOR
+from gpulet_common.remediation import ENDPOINT_REMEDIATION as ENDPOINT_REMEDIATION_COMMON
 from gpulet_common.settings.allocator import ResourceNames
 
 # --- units and device IDs -----------------------------------------------------------------
@@ -240,6 +241,8 @@ ENDPOINT_WITHHELD: Final = "withheld"
 ENDPOINT_RESERVE_CLAIM: Final = "reserve-claim"
 ENDPOINT_RELEASE_CLAIM: Final = "release-claim"
 ENDPOINT_HELD: Final = subjects.ALLOCATOR_HELD_ENDPOINT
+# What remediation would do now (its types are common: the health CLI asks it).
+ENDPOINT_REMEDIATION: Final = ENDPOINT_REMEDIATION_COMMON
 ENDPOINTS: Final = (
     ENDPOINT_ALLOCATE,
     ENDPOINT_PREFERRED,
@@ -251,6 +254,7 @@ ENDPOINTS: Final = (
     ENDPOINT_RESERVE_CLAIM,
     ENDPOINT_RELEASE_CLAIM,
     ENDPOINT_HELD,
+    ENDPOINT_REMEDIATION,
 )
 # The most devices one claim may reserve (a ResourceClaim holds at most 32 results
 # per request; 128 bounds the message, as the kubelet plugin does).

@@ -62,7 +62,8 @@ from gpulet_common.bus import Delivery
 from gpulet_common.messages import GpuSample, HealthEvent, Inventory, InventoryRequest, SampleBatch
 from gpulet_common.nvml.adapter import NvmlAdapter
 from gpulet_common.nvml.errors import NvmlError, NvmlUnavailable
-from gpulet_common.runtime import NVML_RETRY_MAX_S, NvmlHandle, Runtime
+from gpulet_common.runtime import NVML_RETRY_MAX_S, NvmlHandle, Runtime, RuntimeService
+from gpulet_common.settings import CollectorSettings
 from gpulet_common.telemetry import add_exposition, remove_exposition
 
 log = logging.getLogger("gpulet.collector")
@@ -73,13 +74,11 @@ NVML_REINIT_MIN_S = 1.0
 SKIPPED_RETRY_S = 1.0
 
 
-class CollectorService:
+class CollectorService(RuntimeService[CollectorSettings]):
     name = "collector"
 
     def __init__(self, runtime: Runtime) -> None:
-        self._rt = runtime
-        self._settings = runtime.settings.collector
-        self._node = runtime.node
+        super().__init__(runtime, runtime.settings.collector)
         self._generation = 0
         self._boot_id = secrets.token_hex(8)
         self._seq = itertools.count(1)
@@ -142,7 +141,12 @@ class CollectorService:
                 attribution = PodAttribution(
                     Path(self._settings.pod_resources_socket),
                     self._settings.pod_resources_poll_s,
-                    lambda: {g.uuid for g in self._inventory.gpus},
+                    # GPUs and MIG devices (per-GPU-instance series get their holders).
+                    lambda: {
+                        u
+                        for g in self._inventory.gpus
+                        for u in (g.uuid, *(d.uuid for d in g.mig_devices))
+                    },
                     self.dcgm.update_holders,
                 )
                 await tg.start(attribution.run)

@@ -59,7 +59,8 @@ from gpulet_common.bus import BusError
 from gpulet_common.lifecycle import idle_disabled
 from gpulet_common.messages import GpuHealth, InventoryRequest
 from gpulet_common.nvml.adapter import NvmlAdapter
-from gpulet_common.runtime import Runtime
+from gpulet_common.runtime import Runtime, RuntimeService
+from gpulet_common.settings import HealthSettings
 from gpulet_health.buffer import DiskBuffer
 from gpulet_health.dedup import load_id_key
 from gpulet_health.emit import EventStage
@@ -82,13 +83,11 @@ log = logging.getLogger("gpulet.health")
 SOURCE_QUEUE = 1024
 
 
-class HealthService:
+class HealthService(RuntimeService[HealthSettings]):
     name = "health"
 
     def __init__(self, runtime: Runtime) -> None:
-        self._rt = runtime
-        self._settings = runtime.settings.health
-        self._node = runtime.node
+        super().__init__(runtime, runtime.settings.health)
         self._state_dir = Path(runtime.settings.state_dir)
         # The node's event-id key (gpulet_health.dedup): ids stable across restarts,
         # unguessable by anyone else. A tiny file read, once, at construction.

@@ -47,7 +47,8 @@ from gpulet_common.lifecycle import idle_disabled
 from gpulet_common.logutil import RateLimitedLog
 from gpulet_common.messages import HealthStateRequest, Inventory
 from gpulet_common.nodeview import NodeChange, NodeView
-from gpulet_common.runtime import Runtime
+from gpulet_common.runtime import Runtime, RuntimeService
+from gpulet_common.settings import ReporterSettings
 from gpulet_reporter.core import ReporterCore
 from gpulet_reporter.debounce import Debouncer
 from gpulet_reporter.desired import DesiredState
@@ -67,7 +68,7 @@ log = logging.getLogger("gpulet.reporter")
 MAX_ASK_INTERVAL_S = 300.0
 
 
-class ReporterService:
+class ReporterService(RuntimeService[ReporterSettings]):
     name = "reporter"
 
     def __init__(
@@ -79,9 +80,7 @@ class ReporterService:
         sysfs_pci_devices: Path | None = None,
         machine_type_file: Path = DMI_PRODUCT_NAME,
     ) -> None:
-        self._rt = runtime
-        self._settings = runtime.settings.reporter
-        self._node = runtime.node
+        super().__init__(runtime, runtime.settings.reporter)
         self._env = env
         self._sa_dir = sa_dir
         self.metrics = ReporterMetrics(runtime.meter)

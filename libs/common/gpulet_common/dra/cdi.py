@@ -4,11 +4,13 @@ One transient spec per claim (``cncf-tags/container-device-interface``), in
 ``<cdi_dir>/<vendor>-<class>_<claimUID>.json`` (``/var/run/cdi`` by default), kind
 ``<driver>/gpu`` (``gpu.gpulet.io/gpu``). Each allocated device is a CDI device
 ``<claimUID>-<device>`` (``…=8f1c…-gpu-3``): its edits add its device node
-``/dev/nvidia<minor>``. The spec's own edits, applied once whichever of its devices a
+``/dev/nvidia<minor>``; a MIG device's add its parent's and the capability nodes of its
+GPU and compute instance (``/dev/nvidia-caps/nvidia-cap<n>``), where the driver has
+them. The spec's own edits, applied once whichever of its devices a
 container gets, carry what the device plugin's Allocate gives today
 (``gpulet_allocator.core``):
 
-* ``NVIDIA_VISIBLE_DEVICES`` = the claim's GPU UUIDs, in device order, and
+* ``NVIDIA_VISIBLE_DEVICES`` = the claim's GPU (or MIG) UUIDs, in device order, and
   ``GPULET_ALLOCATION_ID`` = the claim's allocation in the ledger;
 * the control device nodes (``nvidiactl``, ``nvidia-uvm``, ``nvidia-uvm-tools``,
   ``nvidia-modeset``) that exist on the node;
@@ -58,6 +60,9 @@ class PreparedDevice:
     # A share: the cores (percent) and memory (MiB) it was given; None for whole GPUs.
     cores: int | None = None
     memory_mib: int | None = None
+    # A MIG device: the host paths of its capability nodes (``/dev/nvidia-caps/…``),
+    # added to its device node, the parent's ``/dev/nvidia<minor>``.
+    extra_nodes: tuple[str, ...] = ()
 
 
 def kind(driver: str) -> str:
@@ -140,11 +145,8 @@ def build_spec(
                 "name": device_name(claim_uid, d.device),
                 "containerEdits": {
                     "deviceNodes": [
-                        {
-                            "path": f"{host_dev}/nvidia{d.minor}",
-                            "hostPath": f"{host_dev}/nvidia{d.minor}",
-                            "permissions": "rw",
-                        }
+                        {"path": path, "hostPath": path, "permissions": "rw"}
+                        for path in (f"{host_dev}/nvidia{d.minor}", *d.extra_nodes)
                     ]
                 },
             }

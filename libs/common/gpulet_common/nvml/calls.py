@@ -31,7 +31,7 @@ from typing import Any, Final, Literal
 
 import msgspec
 
-from gpulet_common.messages import GpuInfo
+from gpulet_common.messages import GpuInfo, MigSample
 from gpulet_common.nvml.errors import (
     NVML_ERROR_FUNCTION_NOT_FOUND,
     NVML_ERROR_GPU_IS_LOST,
@@ -350,6 +350,10 @@ class NvmlCalls:
         """What a piece adds to a GPU's static facts (:mod:`.mig`); each piece that
         overrides it calls ``super()`` first."""
         return info
+
+    def _mig_samples(self, gpu: GpuHandle) -> list[MigSample]:
+        """A reading of each MIG device of the GPU, for its sample (:mod:`.mig`)."""
+        return []
 
     def uuid_of(self, index: int) -> str:
         """The UUID of the GPU at ``index`` (cached)."""

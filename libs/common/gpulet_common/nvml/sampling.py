@@ -258,6 +258,7 @@ class Sampler(NvLinkReader):
             retired_pages_pending=bool(retired) if retired is not None else None,
             throttle_reasons=reasons,
             error=error,
+            mig=self._mig_samples(gpu),
             **gpu.slow,
         )
 

@@ -176,7 +176,8 @@ def plugin_gpus_from_inventory(
                 resource=o.resource,
                 gpu_instance_id=o.gpu_instance_id,
                 compute_instance_id=o.compute_instance_id,
-                healthy=o.uuid not in unhealthy,
+                # Withheld: a DRA claim holds it (dra.mode both).
+                healthy=o.uuid not in unhealthy and o.uuid not in withheld,
             )
         )
     return [

@@ -49,7 +49,8 @@ from gpulet_common.bus import BusError
 from gpulet_common.lifecycle import idle_disabled
 from gpulet_common.messages import GpuInfo
 from gpulet_common.nodeview import NodeChange, NodeView
-from gpulet_common.runtime import Runtime
+from gpulet_common.runtime import Runtime, RuntimeService
+from gpulet_common.settings import AllocatorSettings
 
 if TYPE_CHECKING:
     from gpulet_allocator.kubelet.dra.service import DraPluginRunner
@@ -66,12 +67,11 @@ WITHHELD_WAIT_S = MAX_WITHHELD_WAIT_S / 2
 WITHHELD_RETRY_MAX_S = 5.0
 
 
-class DevicePluginService:
+class DevicePluginService(RuntimeService[AllocatorSettings]):
     name = "device-plugin"
 
     def __init__(self, runtime: Runtime) -> None:
-        self._rt = runtime
-        self._settings = runtime.settings.allocator
+        super().__init__(runtime, runtime.settings.allocator)
         self._config = self._settings.plugin
         self.state = DeviceList()
         self._gpus: list[GpuInfo] = []

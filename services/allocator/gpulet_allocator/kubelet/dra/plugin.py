@@ -10,8 +10,9 @@ entry, never the call's):
 3. the decision core reserves the devices for the claim UID in the shared ledger
    (idempotent: the same claim again gets the same reservation; a device held by
    another claim or by the device plugin is refused);
-4. the claim's CDI spec is written atomically (written again on a repeat, so a spec
-   lost or left stale is repaired), on the event loop (about a millisecond, see
+4. the claim's CDI spec is written atomically (a MIG device gets its parent's device
+   node and its capability nodes) (written again on a repeat, so a spec lost or left
+   stale is repaired), on the event loop (about a millisecond, see
    :meth:`DraPlugin._prepare`); the claim is checkpointed in memory, and the writer task
    (:meth:`DraPlugin.write_checkpoint`) writes the file after the answer
    (:mod:`.checkpoint` says why that is safe);
@@ -41,6 +42,7 @@ from pathlib import Path
 
 import anyio
 
+from gpulet_allocator.kubelet.deviceplugin.devnodes import DeviceNodes
 from gpulet_allocator.kubelet.dra.checkpoint import CheckpointFile, PreparedClaim, PreparedDevice
 from gpulet_allocator.kubelet.dra.claims import ClaimError, devices_of
 from gpulet_allocator.kubelet.dra.contract import (
@@ -49,8 +51,10 @@ from gpulet_allocator.kubelet.dra.contract import (
     ClaimReadError,
     DecisionCore,
     Reservation,
+    ReservedDevice,
 )
 from gpulet_common.dra import cdi
+from gpulet_common.dra.mig import parse_name as parse_mig_name
 from gpulet_common.logutil import RateLimitedLog
 from gpulet_common.refusal import BusError, bounded
 
@@ -82,6 +86,8 @@ class PluginSettings:
     host_dev: str = "/dev"
     mps_pipe_directory: str = ""
     claim_timeout_s: float = 30.0
+    # Where the driver names a MIG device's capability nodes (issue 27).
+    mig_capabilities_root: Path = Path("/proc/driver/nvidia/capabilities")
 
 
 class _Locks:
@@ -113,6 +119,9 @@ class DraPlugin:
         self.settings = settings
         self.checkpoint = CheckpointFile(settings.checkpoint)
         self.locks = _Locks()
+        self._nodes = DeviceNodes(
+            settings.dev_root, settings.host_dev, capabilities=settings.mig_capabilities_root
+        )
         self._wake: anyio.Event | None = None
         self._log = RateLimitedLog(log, per_minute=10)
 
@@ -218,7 +227,9 @@ class DraPlugin:
             claim.uid,
             reservation.allocation,
             [
-                cdi.PreparedDevice(d.device, d.uuid, d.minor, d.cores, d.memory_mib)
+                cdi.PreparedDevice(
+                    d.device, d.uuid, d.minor, d.cores, d.memory_mib, self._mig_nodes(d)
+                )
                 for d in reservation.devices
             ],
             dev_root=s.dev_root,
@@ -247,6 +258,14 @@ class DraPlugin:
         self.checkpoint.remember(prepared)
         self._wake_writer()
         return prepared
+
+    def _mig_nodes(self, device: ReservedDevice) -> tuple[str, ...]:
+        """A MIG device's capability nodes (its name carries its GPU and compute
+        instance, :func:`gpulet_common.dra.mig.parse_name`); none for a GPU."""
+        ids = parse_mig_name(device.device)
+        if ids is None or ids[0] != device.minor:
+            return ()
+        return tuple(spec.host_path for spec in self._nodes.mig_specs(*ids))
 
     # --- Unprepare -----------------------------------------------------------------------
 

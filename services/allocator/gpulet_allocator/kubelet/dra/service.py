@@ -113,6 +113,7 @@ class DraPluginRunner:
             cdi_dir=Path(dra.cdi_dir),
             checkpoint=checkpoint_path(rt),
             dev_root=Path(rt.settings.allocator.plugin.dev_root),
+            mig_capabilities_root=Path(rt.settings.allocator.plugin.mig_capabilities_root),
         )
         sockets = Sockets.for_driver(dra.driver, dra.plugins_registry, dra.plugins_dir)
         while True:
