@@ -30,15 +30,13 @@ from __future__ import annotations
 
 import json
 import logging
-import random
 from collections.abc import Callable, Iterable
 from typing import Any
 
-import aiohttp
 import anyio
-from kubernetes_asyncio.client.exceptions import ApiException
 from opentelemetry import metrics
 
+from gpulet_common.kube_watch import keep_watching, watch_lines
 from gpulet_common.logutil import RateLimitedLog
 from gpulet_common.nodeview import NodeChange, NodeView
 from gpulet_common.settings.dra import DraSettings
@@ -146,42 +144,27 @@ class SlicePublisher:
             tg.start_soon(self._watch_forever)
 
     async def _watch_forever(self) -> None:
-        attempt = 0
-        while True:
-            try:
-                await self._watch_once()
-                attempt = 0
-            except (ApiException, aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
-                attempt += 1
-                delay = random.uniform(0, min(WATCH_BACKOFF_MAX_S, 0.2 * 2 ** min(attempt, 10)))
-                self._log.warning("watch of resourceslices failed (%s); again in %.1fs", exc, delay)
-                await anyio.sleep(delay)
+        await keep_watching(
+            self._watch_once, self._log, "resourceslices", backoff_max_s=WATCH_BACKOFF_MAX_S
+        )
 
     async def _watch_once(self) -> None:
         seconds = max(1, int(self._settings.watch_timeout_s))
-        custom = self.writer._custom
-        response: Any = await custom.list_cluster_custom_object(
+        async with watch_lines(
+            self.writer._custom,
             GROUP,
             VERSION,
             PLURAL,
             field_selector=f"spec.nodeName={self.writer.node},spec.driver={self._settings.driver}",
-            watch=True,
-            timeout_seconds=seconds,
-            _request_timeout=seconds + self._settings.api_timeout_s,
-            _preload_content=False,
-        )
-        try:
-            if response.status != 200:
-                raise ApiException(status=response.status, reason=str(response.reason))
+            timeout_s=seconds,
+            request_timeout_s=seconds + self._settings.api_timeout_s,
+        ) as lines:
             # Whatever happened while no watch was open (before the first, during a
             # back-off) sent no event: now that one is open, read the slices again.
             self.watches += 1
             self._repair("a watch opened")
-            async for line in response.content:
-                if line.strip():
-                    self._on_line(line)
-        finally:
-            response.release()
+            async for line in lines:
+                self._on_line(line)
 
     def _on_line(self, line: bytes) -> None:
         try:

@@ -35,16 +35,14 @@ from __future__ import annotations
 
 import json
 import logging
-import random
 from typing import Any, Final
 
-import aiohttp
 import anyio
 from kubernetes_asyncio import client as k8s_client
-from kubernetes_asyncio.client.exceptions import ApiException
 
 from gpulet_allocator.kubelet.dra.claims import GROUP, VERSION
 from gpulet_allocator.kubelet.dra.contract import ClaimReader, JsonObj
+from gpulet_common.kube_watch import keep_watching, watch_lines
 from gpulet_common.logutil import RateLimitedLog
 
 log = logging.getLogger("gpulet.dra.claims")
@@ -101,39 +99,26 @@ class WatchedClaimReader:
         self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
     ) -> None:
         task_status.started()
-        attempt = 0
-        while True:
-            try:
-                await self._watch_once()
-                attempt = 0
-            except (ApiException, aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
-                attempt += 1
-                delay = random.uniform(0, min(BACKOFF_MAX_S, 0.2 * 2 ** min(attempt, 10)))
-                self._log.warning("watch of resourceclaims failed (%s); again in %.1fs", exc, delay)
-                await anyio.sleep(delay)
-            finally:
-                self._claims = {}
+        await keep_watching(
+            self._watch_once, self._log, "resourceclaims", backoff_max_s=BACKOFF_MAX_S
+        )
 
     async def _watch_once(self) -> None:
-        response: Any = await self._custom.list_cluster_custom_object(
-            GROUP,
-            VERSION,
-            "resourceclaims",
-            watch=True,
-            timeout_seconds=WATCH_TIMEOUT_S,
-            _request_timeout=WATCH_TIMEOUT_S + 30,
-            _preload_content=False,
-        )
         try:
-            if response.status != 200:
-                raise ApiException(status=response.status, reason=str(response.reason))
-            self._claims = {}
-            self.watches += 1
-            async for line in response.content:
-                if line.strip():
+            async with watch_lines(
+                self._custom,
+                GROUP,
+                VERSION,
+                "resourceclaims",
+                timeout_s=WATCH_TIMEOUT_S,
+                request_timeout_s=WATCH_TIMEOUT_S + 30,
+            ) as lines:
+                self._claims = {}
+                self.watches += 1
+                async for line in lines:
                     self.on_line(line)
         finally:
-            response.release()
+            self._claims = {}
 
     def on_line(self, line: bytes) -> None:
         """One watch event (public for the tests)."""
