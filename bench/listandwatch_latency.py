@@ -39,6 +39,7 @@ Run: ``python bench/listandwatch_latency.py [--faults 30] [--trace] [--same-proc
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import os
@@ -124,6 +125,11 @@ async def serve_kubelet(plugin_dir: Path) -> None:
     """The kubelet process (``--kubelet DIR``): "ready", then one line per list of
     ``nvidia.com/gpu``: its arrival and ``ID=health`` per device."""
     async with running_fake_kubelet(plugin_dir) as kubelet:
+        # Kubelet is Go, whose collector pauses for well under a millisecond. Python's
+        # full collection here would walk every object of the imports (grpc, protobuf,
+        # gpulet's stubs) and stalled this stand-in for 50-200 ms, once a run, while
+        # the plugin had long sent the list: leave the objects of the start-up out.
+        gc.freeze()
         print("ready", flush=True)
         async for received, health in gpu_lists(kubelet):
             print(received, *(f"{i}={h}" for i, h in health.items()), flush=True)
