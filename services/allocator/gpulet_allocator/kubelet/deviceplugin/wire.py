@@ -6,17 +6,22 @@ A GPU that turns unhealthy changes the list of every resource it gives devices t
 every ``ListAndWatch`` stream sends its whole list again. The share resources are
 large: an 80 GB card gives 100 core devices and about 318 memory devices, so a node
 of five such cards lists some 2,100 devices across its resources. Building them as
-``Device`` messages in Python costs 2-13 microseconds each (more with a NUMA node),
-10-25 ms per change on a busy 2-core machine, spent on the event loop that also
-carries the whole-GPU stream, the bus and kubelet's other calls. That, not a poll or
-a thread hop, was most of the fault-to-kubelet time (bench/listandwatch_latency.py).
+``Device`` messages in Python costs 1-13 microseconds each (the more with a NUMA node
+and under load): 4-7 ms per change on a quiet 2-core machine, 10-25 ms on a busy one,
+spent on the event loop that also carries the whole-GPU stream, the bus and kubelet's
+other calls. That, not a poll or a thread hop, was most of the fault-to-kubelet time
+(bench/listandwatch_latency.py).
 
 A change touches one GPU; the others' devices are as they were. So the list is kept as
 one encoded chunk per GPU: a repeated field's encoding is the concatenation of its
 elements, so the list is the chunks joined in GPU index order. A chunk is built only
 for a GPU state not seen recently (the cache holds a few states per GPU, so a GPU
 going unhealthy and back costs nothing the second time), and a miss builds the
-messages of that one GPU, sharing one ``TopologyInfo`` per NUMA node.
+messages of that one GPU, sharing one ``TopologyInfo`` per NUMA node. The cache is
+bounded (:data:`STATES_PER_GPU` entries per GPU, at least :data:`MIN_ENTRIES`): an
+80 GB card's memory devices take about 21 kB, so even eight cards in every state cost
+the memory resource under a megabyte, and a node that never changes keeps one entry
+per GPU.
 
 Layers
 ------
