@@ -114,34 +114,42 @@ def build_devices(
 ) -> list[PluginDevice]:
     """The devices of one resource, in GPU index order (kubelet shows them that way)."""
     devices: list[PluginDevice] = []
-    for gpu in sorted(gpus, key=lambda g: (g.index, g.uuid)):
-        devices.extend(
-            PluginDevice(
-                id=m.uuid,
-                gpu_uuid=gpu.uuid,
-                healthy=m.healthy and gpu.healthy,
-                numa_node=gpu.numa_node,
-            )
-            for m in gpu.mig
-            if m.resource == resource
+    for gpu in in_index_order(gpus):
+        devices.extend(gpu_devices(kind, gpu, resource))
+    return devices
+
+
+def in_index_order(gpus: Iterable[PluginGpu]) -> list[PluginGpu]:
+    return sorted(gpus, key=lambda g: (g.index, g.uuid))
+
+
+def gpu_devices(kind: ResourceKind, gpu: PluginGpu, resource: str = "") -> list[PluginDevice]:
+    """The devices one GPU gives one resource: its MIG devices offered under it, then
+    its own (none when MIG blocks it)."""
+    devices = [
+        PluginDevice(
+            id=m.uuid,
+            gpu_uuid=gpu.uuid,
+            healthy=m.healthy and gpu.healthy,
+            numa_node=gpu.numa_node,
         )
-        if gpu.mig_block or kind is ResourceKind.MIG:
-            continue
-        if kind is ResourceKind.WHOLE:
-            ids = [gpu.uuid]
-        elif kind is ResourceKind.CORE:
-            ids = [core_device_id(gpu.uuid, n) for n in range(CORES_PER_GPU)]
-        elif kind is ResourceKind.RATIO:
-            ids = [ratio_device_id(gpu.uuid, n) for n in range(RATIO_UNITS_PER_GPU)]
-        else:
-            ids = [
-                memory_device_id(gpu.uuid, n) for n in range(memory_units(gpu.memory_total_bytes))
-            ]
-        healthy = gpu.healthy and not (kind is ResourceKind.WHOLE and gpu.withheld)
-        devices.extend(
-            PluginDevice(id=i, gpu_uuid=gpu.uuid, healthy=healthy, numa_node=gpu.numa_node)
-            for i in ids
-        )
+        for m in gpu.mig
+        if m.resource == resource
+    ]
+    if gpu.mig_block or kind is ResourceKind.MIG:
+        return devices
+    if kind is ResourceKind.WHOLE:
+        ids = [gpu.uuid]
+    elif kind is ResourceKind.CORE:
+        ids = [core_device_id(gpu.uuid, n) for n in range(CORES_PER_GPU)]
+    elif kind is ResourceKind.RATIO:
+        ids = [ratio_device_id(gpu.uuid, n) for n in range(RATIO_UNITS_PER_GPU)]
+    else:
+        ids = [memory_device_id(gpu.uuid, n) for n in range(memory_units(gpu.memory_total_bytes))]
+    healthy = gpu.healthy and not (kind is ResourceKind.WHOLE and gpu.withheld)
+    devices.extend(
+        PluginDevice(id=i, gpu_uuid=gpu.uuid, healthy=healthy, numa_node=gpu.numa_node) for i in ids
+    )
     return devices
 
 
