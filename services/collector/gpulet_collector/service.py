@@ -20,6 +20,11 @@ Flow
    a GPU is left out (lost), the inventory is rebuilt every ``SKIPPED_RETRY_S`` to see
    it come back, and published only if it changed: the inventory is published on real
    change only (plus the unsolicited ``inventory_republish_s`` and answers to requests).
+   A GPU that went and came back between two counts (a reset that re-enumerates it, a
+   driver reload, a hot-plug) is seen too: its old handle is void, the adapter fetches
+   the handle at that index again, and a sample that names another GPU than the
+   inventory at that index rebuilds the inventory (that batch is not published). No
+   restart is needed for any of it.
 5. Every ``slow_period_s`` a period also reads the slow fields (energy, PCIe
    replays, NVLink counters, GPM activity: milliseconds per GPU on real NVML); other
    periods repeat their last values. Such a period also re-reads the state of every
@@ -285,6 +290,13 @@ class CollectorService:
             seq=next(self._seq),
             boot_id=self._boot_id,
         )
+        if any(s.uuid != uuid for s, (_, uuid) in zip(samples, gpus, strict=True)):
+            # A GPU answers at another index than the inventory says: one went and came
+            # back (re-enumerated) between two counts. Such a batch may name a GPU twice
+            # (its new index and its old, still-valid handle): not published; the
+            # inventory is rebuilt (every handle fetched again) for the next period.
+            await self._refresh_inventory("a GPU answers at another index", force=False)
+            return None
         if samples and all((s.error or "").startswith(NVML_UNAVAILABLE) for s in samples):
             await self._reinit_nvml(adapter, samples[0].error or "")
         errors = sum(1 for s in samples if s.error)
