@@ -35,6 +35,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream
 from opentelemetry import metrics
 
 from gpulet_common import codec, subjects
+from gpulet_common.bootid import read_boot_id
 from gpulet_common.codec import Codec
 from gpulet_common.logutil import RateLimitedLog
 from gpulet_common.messages import HealthEvent, Inventory, SampleBatch
@@ -56,7 +57,6 @@ from gpulet_health.kmsg import (
     Cursor,
     KmsgReader,
     KmsgXid,
-    boot_id,
     boot_wall_time,
 )
 from gpulet_health.stages import HealthStages
@@ -218,7 +218,9 @@ class RuleDriver:
         path = cfg.path or ("/dev/kmsg" if backend != "mock" else "")
         if not cfg.enabled or not path:
             return
-        cursor = await anyio.to_thread.run_sync(Cursor, state_dir / "health-kmsg.cursor", boot_id())
+        cursor = await anyio.to_thread.run_sync(
+            Cursor, state_dir / "health-kmsg.cursor", read_boot_id()
+        )
         reader = KmsgReader(path, cursor)
         try:
             await anyio.to_thread.run_sync(reader.open)

@@ -55,6 +55,7 @@ import anyio.abc
 import nats.errors
 
 from gpulet_common import codec, subjects
+from gpulet_common.bootid import read_boot_id
 from gpulet_common.bus import BusError
 from gpulet_common.lifecycle import idle_disabled
 from gpulet_common.messages import GpuHealth, InventoryRequest
@@ -69,7 +70,6 @@ from gpulet_health.fleet_relay import run_relay
 from gpulet_health.fleet_status import FleetStatusPublisher
 from gpulet_health.gauges import HealthGauges
 from gpulet_health.inputs import RuleDriver
-from gpulet_health.kmsg import boot_id
 from gpulet_health.known import KnownGpus
 from gpulet_health.kv import StateStore
 from gpulet_health.publisher import HealthPublisher
@@ -93,7 +93,7 @@ class HealthService:
         # The node's event-id key (gpulet_health.dedup): ids stable across restarts,
         # unguessable by anyone else. A tiny file read, once, at construction.
         id_key = load_id_key(self._state_dir / "health" / "event-id.key")
-        self.engine = RuleEngine(self._node, self._settings, id_key=id_key, boot_id=boot_id())
+        self.engine = RuleEngine(self._node, self._settings, id_key=id_key, boot_id=read_boot_id())
         directory = self._settings.buffer.directory or str(self._state_dir / "health-buffer")
         self.buffer = DiskBuffer(
             Path(directory),
