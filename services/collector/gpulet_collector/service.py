@@ -4,7 +4,10 @@ Flow
 ----
 1. Open NVML (shared per process). Without NVML the service runs *degraded*: it
    publishes an inventory with ``degraded_reason`` set and retries opening NVML with
-   back-off, so a driver that loads later is picked up without a restart.
+   back-off (``nvml.retry_min_s`` doubling to ``nvml.retry_max_s``), so a driver that
+   loads later is picked up without a restart. Where NVML is expected (the driver is
+   not loaded yet, or the backend was named) the service is *starting*, so not ready
+   on ``/readyz``, with the reason, until NVML starts.
 2. Publish the inventory on ``gpu.inventory.<node>``; answer inventory requests on
    ``gpulet.inventory.request.<node>`` (and republish, so late subscribers catch up).
 3. Every ``sample_period_s`` read every GPU in parallel (:mod:`.sampler`) and publish
@@ -131,12 +134,14 @@ class CollectorService:
                 await tg.start(self._follow_xids)
             if handle.adapter is None:
                 reason = handle.reason or "NVML unavailable"
-                self._rt.status.set(self.name, "degraded", reason)
+                self._rt.status.set(self.name, handle.state, handle.detail)
                 await self._publish_inventory(
                     Inventory(node=self._node, degraded_reason=reason, nvml_backend="none")
                 )
                 task_status.started()
-                adapter = await self._rt.nvml.wait_available()
+                adapter = await self._rt.nvml.wait_available(
+                    lambda h: self._rt.status.set(self.name, h.state, h.detail)
+                )
                 await self._adopt(adapter)
             else:
                 # Started means the first inventory is out: consumers can rely on it.

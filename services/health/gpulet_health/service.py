@@ -31,7 +31,9 @@ One task group, all of it structured (nothing outlives the service):
   bucket): one that the first scan does not find raises ``gpu_missing`` and stays
   listed, not present and unhealthy, until it is back.
 
-Without NVML the service runs *degraded* and retries, like the collector.
+Without NVML the service runs *degraded* and retries with back-off, like the collector
+(``nvml.retry_min_s`` doubling to ``nvml.retry_max_s``); where NVML is expected (a
+driver not loaded yet) it is *starting*, not ready on ``/readyz``, with the reason.
 
 Layout
 ------
@@ -176,7 +178,9 @@ class HealthService:
                     self._update_status()
                 else:
                     reason = handle.reason or "NVML unavailable"
-                    self._rt.status.set(self.name, "degraded", reason)
+                    # Said until NVML starts: not by _update_status (every tick).
+                    self._nvml_down = True
+                    self._rt.status.set(self.name, handle.state, handle.detail)
                     await self.stage.emit(self.engine.observe_nvml_unavailable(reason, time.time()))
                     tg.start_soon(self._wait_for_nvml, tg)
                 tg.start_soon(self._ask_collector)
@@ -244,9 +248,12 @@ class HealthService:
         await tg.start(source.run, send)
 
     async def _wait_for_nvml(self, tg: anyio.abc.TaskGroup) -> None:
-        adapter = await self._rt.nvml.wait_available()
+        adapter = await self._rt.nvml.wait_available(
+            lambda h: self._rt.status.set(self.name, h.state, h.detail)
+        )
         await self.stage.emit(self.engine.observe_nvml_available(time.time()))
         await self._adopt(tg, adapter)
+        self._nvml_down = False
         self._update_status()
 
     def _nvml_changed(self, reason: str | None) -> None:

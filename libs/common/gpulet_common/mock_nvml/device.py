@@ -185,6 +185,8 @@ class MockCore:
         self._cond = threading.Condition(threading.Lock())
         self._closing = threading.Event()
         self._init_count = 0
+        #: nvmlInit calls refused because the driver was not loaded yet.
+        self.init_failures = 0
         self._vanished_until = 0.0
         self._vanish_code = pynvml.NVML_ERROR_LIBRARY_NOT_FOUND
         self._event_sets: list[MockEventSet] = []
