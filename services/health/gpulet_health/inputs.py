@@ -61,6 +61,9 @@ from gpulet_health.kmsg import (
 )
 from gpulet_health.stages import HealthStages
 
+# Source items handled one after another without yielding to the event loop.
+SOURCE_BURST = 256
+
 log = logging.getLogger("gpulet.health")
 
 KMSG_COMPONENT = "health.kmsg"
@@ -106,6 +109,18 @@ class RuleDriver:
         async with receive:
             async for item in receive:
                 await self._handle_source(item)
+                # What is queued behind it is taken without a checkpoint per item (one
+                # each would cost a turn of the event loop: in an XID storm the thread
+                # then waits for room while NVML's own queue overflows and drops a
+                # newer, different fault); at most SOURCE_BURST, then a checkpoint.
+                for _ in range(SOURCE_BURST):
+                    try:
+                        more = receive.receive_nowait()
+                    except anyio.WouldBlock:
+                        break
+                    except anyio.EndOfStream:
+                        return
+                    await self._handle_source(more)
 
     async def _handle_source(self, item: SourceItem) -> None:
         engine = self._s.engine
