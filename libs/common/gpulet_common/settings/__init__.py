@@ -18,6 +18,7 @@ from gpulet_common.settings.limits import LimitsSettings
 from gpulet_common.settings.nats import NatsSettings
 from gpulet_common.settings.nvml import NvmlSettings
 from gpulet_common.settings.reporter import ReporterSettings
+from gpulet_common.settings.sharing import SharingSettings
 from gpulet_common.settings.telemetry import TelemetrySettings
 
 
@@ -37,6 +38,7 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     limits: LimitsSettings = msgspec.field(default_factory=LimitsSettings)
     fleet: FleetSettings = msgspec.field(default_factory=FleetSettings)
     dra: DraSettings = msgspec.field(default_factory=DraSettings)
+    sharing: SharingSettings = msgspec.field(default_factory=SharingSettings)
 
 
 __all__ = [
@@ -50,5 +52,6 @@ __all__ = [
     "NvmlSettings",
     "ReporterSettings",
     "Settings",
+    "SharingSettings",
     "TelemetrySettings",
 ]

@@ -21,6 +21,9 @@ Flow
    alive and release the allocations of the others (:mod:`.release`).
 5. With ``allocator.handshake.enabled``, watch this node's pods into the core's book
    and post refused decisions as Events (:mod:`.handshake`, docs/koordinator.md).
+6. With ``sharing.time_slicing`` configs, watch the node label that picks one
+   (:mod:`.node_label`) and apply it to the core at once, no restart; the replicas
+   go to the device plugin and the reporter with the ``withheld`` and ``held`` replies.
 
 Lost record
 -----------
@@ -72,6 +75,7 @@ from gpulet_allocator.decide.books import Undo
 from gpulet_allocator.decide.core import AllocatorCore
 from gpulet_allocator.service.claims import ClaimEndpoints
 from gpulet_allocator.service.handshake import HandshakeRunner, pod_book
+from gpulet_allocator.service.node_label import NodeLabelFollower
 from gpulet_allocator.service.release import PodResourcesFollower
 from gpulet_allocator.service.replies import Replies
 from gpulet_allocator.service.status import AllocatorStatus
@@ -138,6 +142,12 @@ class AllocatorService:
             book=pod_book(self._node, self._settings),
             on_refusal=self.handshake.refusals,
             mig_strategy=self._settings.mig_strategy,
+            time_slicing=runtime.settings.sharing.time_slicing,
+        )
+        time_slicing = runtime.settings.sharing.time_slicing
+        #: The node label that picks the time-slicing config (:mod:`.node_label`).
+        self.node_label = NodeLabelFollower(
+            self._node, time_slicing.node_label, self._settings.handshake, self._on_node_label
         )
         self.checkpoint = CheckpointFile(checkpoint_path(runtime.settings))
         replies = Replies(runtime.meter, lambda: runtime.bus.client.max_payload)
@@ -165,9 +175,10 @@ class AllocatorService:
             committer=lambda: self._committer,
         )
         #: The cards kubelet must not count as whole GPUs, for the device plugin.
-        self.withheld = WithheldFeed(replies, self.core.withheld)
+        replicas = self.core.time_slicing.replicas
+        self.withheld = WithheldFeed(replies, self.core.withheld, replicas=replicas)
         #: The GPUs the device plugin holds, for the slice publisher (dra.mode both).
-        self.held = held_feed(replies, self.core.books.device_plugin_held)
+        self.held = held_feed(replies, self.core.books.device_plugin_held, replicas)
         #: The DRA kubelet plugin's endpoints (claims in the same ledger).
         self.claims = ClaimEndpoints(
             self.core, replies, self._answer_durably, self._on_record_change
@@ -263,6 +274,8 @@ class AllocatorService:
                 tg.start_soon(self.pod_resources.run, self._probe_checkpoint)
                 if self.core.book is not None:
                     tg.start_soon(self.handshake.run, self.core.book)
+                if self._rt.settings.sharing.time_slicing.enabled:
+                    tg.start_soon(self.node_label.run)
                 self._update_status()
                 started()
                 await anyio.sleep_forever()
@@ -314,6 +327,12 @@ class AllocatorService:
                 if self.core.set_health(device, healthy):
                     log.info("GPU %s is now %s", device, "healthy" if healthy else "unhealthy")
         self.withheld.follow()
+
+    def _on_node_label(self, value: str | None) -> None:
+        """The time-slicing config label changed (or was read): apply it at once."""
+        if self.core.time_slicing.select(value):
+            self.withheld.follow()
+            self.held.follow()
 
     def _count_held(self) -> None:
         held = self.core.ledger.count()
