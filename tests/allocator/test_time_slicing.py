@@ -18,6 +18,8 @@ import pytest
 
 from gpulet_allocator import protocol as p
 from gpulet_allocator.kubelet_api.deviceplugin.v1beta1 import api_pb2 as dp
+from gpulet_common import codec
+from gpulet_common.messages import HeldRequest
 from gpulet_common.settings import Settings
 from gpulet_common.settings.allocator import HandshakeSettings
 from gpulet_common.settings.sharing import (
@@ -170,6 +172,9 @@ async def test_a_faulty_gpus_replicas_all_turn_unhealthy(
         await stack.start_plugin()
         await stack.kubelet.wait_registered(GPU, timeout_s=5)
         await wait_replicas(stack, uuids, 4)
+        # The reporter's long poll carries the same plan (GFD's sharing labels).
+        held = await stack.ask(p.ENDPOINT_HELD, HeldRequest(), codec.HELD_REQUEST, codec.HELD_REPLY)
+        assert held.replicas == dict.fromkeys(uuids, 4)
 
         await stack.publish_health(bad, healthy=False)
         await stack.kubelet.wait_devices(
