@@ -56,13 +56,16 @@ class TimeSlicingConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
 
 
 class TimeSlicingSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    # The node label whose value names the config in force (read by the allocator,
-    # watched: a change applies without a restart). Set it to
-    # "nvidia.com/device-plugin.config" to share NVIDIA's labels.
+    # The node label whose value names the config in force (read and watched by the
+    # allocator through allocator.handshake's kubeconfig and timeouts: a change applies
+    # without a restart). Set it to "nvidia.com/device-plugin.config" to share
+    # NVIDIA's labels.
     node_label: str = "gpulet.io/sharing.config"
     # The config of a node without the label; "" or "none": no time-slicing.
     default_config: str = ""
-    # The named configs (TOML: [sharing.time_slicing.configs.<name>]).
+    # The named configs (TOML: [sharing.time_slicing.configs.<name>]), each with
+    # resources = [{name, replicas}], gpus = [{gpu = index, UUID or product, replicas}]
+    # and fail_requests_greater_than_one (docs/mig.md, "Time-slicing").
     configs: dict[str, TimeSlicingConfig] = {}
 
     @property
