@@ -9,6 +9,7 @@ all turn ``Unhealthy``.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -80,13 +81,15 @@ async def wait_replicas(stack: Stack, uuids: list[str], n: int) -> None:
     assert replicas_of(stack.kubelet.devices(GPU), uuids) == dict.fromkeys(uuids, n)
 
 
-async def test_a_label_switch_changes_the_replicas_without_restart_or_loss(
-    settings: Settings, tmp_path: Path, emu: KubeEmulator
-) -> None:
+@contextlib.asynccontextmanager
+async def sliced_stack(
+    settings: Settings, tmp_path: Path, emu: KubeEmulator, config: str, replicas: int
+) -> AsyncIterator[tuple[Stack, list[str]]]:
+    """The stack on an 8-GPU node whose label picks ``config`` (``replicas`` each),
+    once kubelet has the replicas."""
     inventory = reference.nvlink_pairs_8()
     uuids = [g.uuid for g in inventory.gpus]
-    g0 = uuids[0]
-    await label(emu, "two")
+    await label(emu, config)
     async with allocator_stack(
         sliced_settings(settings, tmp_path), inventory=None, start_plugin=False
     ) as stack:
@@ -94,7 +97,25 @@ async def test_a_label_switch_changes_the_replicas_without_restart_or_loss(
         await stack.wait_allocator_ready()
         await stack.start_plugin()
         await stack.kubelet.wait_registered(GPU, timeout_s=5)
-        await wait_replicas(stack, uuids, 2)
+        await wait_replicas(stack, uuids, replicas)
+        yield stack, uuids
+
+
+async def release_all(stack: Stack) -> None:
+    for allocation in (await stack.state()).allocations:
+        await stack.ask(
+            p.ENDPOINT_RELEASE,
+            p.ReleaseRequest(allocation_ids=[allocation.id]),
+            p.RELEASE_REQUEST,
+            p.RELEASE_REPLY,
+        )
+
+
+async def test_a_label_switch_changes_the_replicas_without_restart_or_loss(
+    settings: Settings, tmp_path: Path, emu: KubeEmulator
+) -> None:
+    async with sliced_stack(settings, tmp_path, emu, "two", 2) as (stack, uuids):
+        g0 = uuids[0]
         allocator, plugin = stack.allocator, stack.plugin
         registrations = stack.kubelet.registration_count(GPU)
         # A time-sliced GPU is not offered for shares either.
@@ -104,7 +125,7 @@ async def test_a_label_switch_changes_the_replicas_without_restart_or_loss(
         answer = await stack.kubelet.allocate(GPU, [[f"{g0}::1"]])
         [container] = answer.container_responses
         assert container.envs["NVIDIA_VISIBLE_DEVICES"] == g0
-        minor = inventory.gpus[0].minor
+        minor = reference.nvlink_pairs_8().gpus[0].minor
         assert f"/dev/nvidia{minor}" in {d.container_path for d in container.devices}
 
         # Two -> four: more replicas, the same IDs for the first two, nothing restarted.
@@ -139,13 +160,7 @@ async def test_a_label_switch_changes_the_replicas_without_restart_or_loss(
         error = await rpc_error(stack.kubelet.allocate(GPU, [[g0]]))
         assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "time-slicing replicas" in (error.details() or "")
-        for allocation in (await stack.state()).allocations:
-            await stack.ask(
-                p.ENDPOINT_RELEASE,
-                p.ReleaseRequest(allocation_ids=[allocation.id]),
-                p.RELEASE_REQUEST,
-                p.RELEASE_REPLY,
-            )
+        await release_all(stack)
         await stack.kubelet.wait_devices(
             GPU, lambda d: all(x.health == "Healthy" for x in d), timeout_s=10
         )
@@ -160,18 +175,8 @@ async def test_a_label_switch_changes_the_replicas_without_restart_or_loss(
 async def test_a_faulty_gpus_replicas_all_turn_unhealthy(
     settings: Settings, tmp_path: Path, emu: KubeEmulator
 ) -> None:
-    inventory = reference.nvlink_pairs_8()
-    uuids = [g.uuid for g in inventory.gpus]
-    bad = uuids[5]
-    await label(emu, "four")
-    async with allocator_stack(
-        sliced_settings(settings, tmp_path), inventory=None, start_plugin=False
-    ) as stack:
-        await stack.publish_inventory(inventory)
-        await stack.wait_allocator_ready()
-        await stack.start_plugin()
-        await stack.kubelet.wait_registered(GPU, timeout_s=5)
-        await wait_replicas(stack, uuids, 4)
+    async with sliced_stack(settings, tmp_path, emu, "four", 4) as (stack, uuids):
+        bad = uuids[5]
         # The reporter's long poll carries the same plan (GFD's sharing labels).
         held = await stack.ask(p.ENDPOINT_HELD, HeldRequest(), codec.HELD_REQUEST, codec.HELD_REPLY)
         assert held.replicas == dict.fromkeys(uuids, 4)

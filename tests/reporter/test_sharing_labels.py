@@ -9,10 +9,10 @@ resource name; ``nvidia.com/gpu.count`` stays the count of physical GPUs.
 from __future__ import annotations
 
 from gpulet_common.messages import Inventory
-from gpulet_common.nvml.loader import open_mock
 from gpulet_common.settings.reporter import ReporterSettings
 from gpulet_reporter.core import ReporterCore
 from gpulet_reporter.labels import NodeFacts, node_labels
+from support import reference
 
 PRODUCT = "nvidia.com/gpu.product"
 REPLICAS = "nvidia.com/gpu.replicas"
@@ -20,11 +20,7 @@ STRATEGY = "nvidia.com/gpu.sharing-strategy"
 
 
 def inventory(scenario: str) -> Inventory:
-    adapter = open_mock(scenario)
-    try:
-        return adapter.inventory("n", 1)
-    finally:
-        adapter.shutdown()
+    return reference.mock_inventory(scenario)
 
 
 def labels(inv: Inventory, replicas: dict[str, int], strategy: str = "none") -> dict[str, str]:
