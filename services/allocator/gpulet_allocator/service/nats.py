@@ -147,7 +147,11 @@ class AllocatorService:
         time_slicing = runtime.settings.sharing.time_slicing
         #: The node label that picks the time-slicing config (:mod:`.node_label`).
         self.node_label = NodeLabelFollower(
-            self._node, time_slicing.node_label, self._settings.handshake, self._on_node_label
+            self._node,
+            time_slicing.node_label,
+            self._settings.handshake,
+            self._on_node_label,
+            on_problem=self._update_status,
         )
         self.checkpoint = CheckpointFile(checkpoint_path(runtime.settings))
         replies = Replies(runtime.meter, lambda: runtime.bus.client.max_payload)
@@ -310,7 +314,8 @@ class AllocatorService:
     # --- koord-scheduler's decisions ---------------------------------------------------
 
     def _update_status(self) -> None:
-        self.status.update(self.core, self.handshake.problem)
+        sharing = self.node_label.problem or self.core.time_slicing.problem
+        self.status.update(self.core, self.handshake.problem or sharing)
 
     def _on_view(self, change: NodeChange) -> None:
         inventory = self.view.inventory
@@ -330,9 +335,12 @@ class AllocatorService:
 
     def _on_node_label(self, value: str | None) -> None:
         """The time-slicing config label changed (or was read): apply it at once."""
+        said = self.core.time_slicing.problem
         if self.core.time_slicing.select(value):
             self.withheld.follow()
             self.held.follow()
+        if self.core.time_slicing.problem != said:
+            self._update_status()
 
     def _count_held(self) -> None:
         held = self.core.ledger.count()

@@ -114,8 +114,10 @@ class NodeLabelFollower:
         key: str,
         settings: HandshakeSettings,
         on_value: Callable[[str | None], None],
+        on_problem: Callable[[], None] = lambda: None,
     ) -> None:
         self._node = node
+        self._on_problem = on_problem
         self._key = key
         self._settings = settings
         self._on_value = on_value
@@ -149,10 +151,15 @@ class NodeLabelFollower:
             ) as exc:
                 attempt += 1
                 delay = random.uniform(0, min(BACKOFF_MAX_S, 0.2 * 2 ** min(attempt, 10)))
-                self.problem = f"node label {self._key} not read: {type(exc).__name__}: {exc}"
+                self._set_problem(f"node label {self._key} not read: {type(exc).__name__}: {exc}")
                 self._log.warning("%s; again in %.1fs", self.problem, delay)
                 await anyio.sleep(delay)
 
     def _seen(self, value: str | None) -> None:
-        self.problem = ""
+        self._set_problem("")
         self._on_value(value)
+
+    def _set_problem(self, problem: str) -> None:
+        if problem != self.problem:
+            self.problem = problem
+            self._on_problem()
