@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from gpulet_allocator.decide.core import AllocatorCore
+from gpulet_allocator.decide.record import HeldDevices, PodRef
 from gpulet_allocator.protocol import ClaimDeviceRequest, PreferredRequest
 from gpulet_common.refusal import Refused
 from gpulet_common.settings.allocator import ResourceNames
@@ -91,3 +92,21 @@ def test_every_adapter_gets_the_one_owner_answer() -> None:
     offered = [f"{g0}::{n}" for n in range(3)]
     [[pick]] = core.preferred(GPU, [PreferredRequest(available=offered, size=1)])
     assert pick in (f"{g0}::0", f"{g0}::1")
+
+
+def test_a_lost_record_adopts_replicas_from_kubelet_as_replicas() -> None:
+    """PodResources names replicas: each is adopted as its own card, never as its GPU
+    taken whole (two containers on one GPU would then conflict)."""
+    core = make_core()
+    core.time_slicing.select("first")
+    g0 = core.books.inventory.gpus[0].uuid if core.books.inventory else ""
+    held = [
+        HeldDevices(ref=PodRef(pod=f"ml/p{n}", container="main"), resource=GPU, device_ids=(rid,))
+        for n, rid in enumerate((f"{g0}::0", f"{g0}::2"))
+    ]
+    adoption = core.adopt(held)
+    assert (adoption.adopted, adoption.conflicts) == (2, ())
+    assert core.ledger.replicas_held(g0) == 2
+    assert refusal(core.allocate, GPU, [[g0]]).code == "time_sliced"
+    [answer], _undo = core.allocate(GPU, [[f"{g0}::1"]])
+    assert answer.gpus == [g0]

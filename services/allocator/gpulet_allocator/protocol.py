@@ -195,6 +195,13 @@ def parse_device_id(device_id: str) -> ParsedDeviceId:
     raise ValueError(f"malformed device id {device_id!r}")
 
 
+def card_id(device_id: str) -> str:
+    """The ledger card a whole-kind ID names: a time-slicing replica is a card of its
+    own (its ID), any other ID its GPU's (or MIG device's) UUID; ValueError if malformed."""
+    parsed = parse_device_id(device_id)
+    return device_id if parsed.kind is ResourceKind.REPLICA else parsed.gpu_uuid
+
+
 # --- what a container gets ----------------------------------------------------------------
 
 

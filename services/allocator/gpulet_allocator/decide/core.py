@@ -85,7 +85,7 @@ from gpulet_allocator.protocol import (
     PreferredRequest,
     ReleaseRequest,
     StateReply,
-    parse_device_id,
+    card_id,
     resource_specs,
 )
 from gpulet_allocator.state.records import ClaimRecord, Grant, GrantKind, StoredState
@@ -308,7 +308,7 @@ class AllocatorCore:
             return existing
         if kind == "whole":
             # A replica is a card of its own (its GPU is the ledger's ``gpu_of``).
-            uuids = [i if self.ledger.is_replica(i) else parse_device_id(i).gpu_uuid for i in ids]
+            uuids = [card_id(i) for i in ids]
             self.check_mig_pool(resource, uuids)
             claim = self.handshake.whole_claim(resource, uuids)
             books.ledger.allocate_whole(Owner(allocation_id=key), devices=uuids)
