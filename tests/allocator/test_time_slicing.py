@@ -83,16 +83,14 @@ async def wait_replicas(stack: Stack, uuids: list[str], n: int) -> None:
 
 @contextlib.asynccontextmanager
 async def sliced_stack(
-    settings: Settings, tmp_path: Path, emu: KubeEmulator, config: str, replicas: int
+    settings: Settings, emu: KubeEmulator, config: str, replicas: int
 ) -> AsyncIterator[tuple[Stack, list[str]]]:
     """The stack on an 8-GPU node whose label picks ``config`` (``replicas`` each),
-    once kubelet has the replicas."""
+    once kubelet has the replicas; ``settings`` with the time-slicing configs."""
     inventory = reference.nvlink_pairs_8()
     uuids = [g.uuid for g in inventory.gpus]
     await label(emu, config)
-    async with allocator_stack(
-        sliced_settings(settings, tmp_path), inventory=None, start_plugin=False
-    ) as stack:
+    async with allocator_stack(settings, inventory=None, start_plugin=False) as stack:
         await stack.publish_inventory(inventory)
         await stack.wait_allocator_ready()
         await stack.start_plugin()
@@ -114,7 +112,8 @@ async def release_all(stack: Stack) -> None:
 async def test_a_label_switch_changes_the_replicas_without_restart_or_loss(
     settings: Settings, tmp_path: Path, emu: KubeEmulator
 ) -> None:
-    async with sliced_stack(settings, tmp_path, emu, "two", 2) as (stack, uuids):
+    sliced = sliced_settings(settings, tmp_path)
+    async with sliced_stack(sliced, emu, "two", 2) as (stack, uuids):
         g0 = uuids[0]
         allocator, plugin = stack.allocator, stack.plugin
         registrations = stack.kubelet.registration_count(GPU)
@@ -175,7 +174,8 @@ async def test_a_label_switch_changes_the_replicas_without_restart_or_loss(
 async def test_a_faulty_gpus_replicas_all_turn_unhealthy(
     settings: Settings, tmp_path: Path, emu: KubeEmulator
 ) -> None:
-    async with sliced_stack(settings, tmp_path, emu, "four", 4) as (stack, uuids):
+    sliced = sliced_settings(settings, tmp_path)
+    async with sliced_stack(sliced, emu, "four", 4) as (stack, uuids):
         bad = uuids[5]
         # The reporter's long poll carries the same plan (GFD's sharing labels).
         held = await stack.ask(p.ENDPOINT_HELD, HeldRequest(), codec.HELD_REQUEST, codec.HELD_REPLY)
@@ -198,3 +198,40 @@ async def test_a_faulty_gpus_replicas_all_turn_unhealthy(
             GPU, lambda d: all(x.health == "Healthy" for x in d), timeout_s=10
         )
         await stack.kubelet.allocate(GPU, [[f"{bad}::0"]])
+
+
+async def test_a_configs_file_change_applies_without_restart_or_loss(
+    settings: Settings, tmp_path: Path, emu: KubeEmulator
+) -> None:
+    """The configs in a file of their own (a mounted ConfigMap): rewritten, the replicas
+    follow; a file that does not decode changes nothing and says why."""
+    configs = tmp_path / "time-slicing.toml"
+
+    def write(replicas: int, note: str = "") -> None:
+        configs.write_text(
+            f"# {note}\n[shared]\nresources = [{{ name = '{GPU}', replicas = {replicas} }}]\n"
+        )
+
+    write(2)
+    base = sliced_settings(settings, tmp_path)
+    time_slicing = msgspec.structs.replace(
+        base.sharing.time_slicing, configs={}, configs_file=str(configs), configs_poll_s=0.05
+    )
+    with_file = msgspec.structs.replace(base, sharing=SharingSettings(time_slicing=time_slicing))
+    async with sliced_stack(with_file, emu, "shared", 2) as (stack, uuids):
+        g0 = uuids[0]
+        await stack.kubelet.allocate(GPU, [[f"{g0}::1"]])
+        allocator = stack.allocator
+        assert allocator is not None
+        write(3, "three replicas each")
+        await wait_replicas(stack, uuids, 3)
+        configs.write_text("[shared\nresources = 'not a list'\n")
+        await stack.wait_for(lambda: allocator.sharing.file_problem != "", "the file refused")
+        assert "not used" in allocator.sharing.file_problem
+        assert len(ids(stack, GPU)) == 3 * len(uuids)
+        write(4, "four")
+        await wait_replicas(stack, uuids, 4)
+        assert allocator.sharing.file_problem == ""
+        held = [a.gpus for a in (await stack.state()).allocations]
+        assert held == [[f"{g0}::1"]]
+        assert stack.allocator is allocator

@@ -110,3 +110,20 @@ def test_a_lost_record_adopts_replicas_from_kubelet_as_replicas() -> None:
     assert refusal(core.allocate, GPU, [[g0]]).code == "time_sliced"
     [answer], _undo = core.allocate(GPU, [[f"{g0}::1"]])
     assert answer.gpus == [g0]
+
+
+def test_configs_from_a_file_win_and_the_config_in_force_outlives_its_removal() -> None:
+    core = make_core()
+    gpus = core.books.inventory.gpus if core.books.inventory else []
+    four = TimeSlicingConfig(resources=[ReplicatedResource(name=GPU, replicas=4)])
+    assert not core.time_slicing.select("from-file")
+    assert core.time_slicing.set_file_configs({"from-file": four})
+    assert core.time_slicing.select("from-file") is False  # already in force
+    assert core.time_slicing.replicas() == {g.uuid: 4 for g in gpus}
+    # The file loses the config: it stays in force (the label still names it), also
+    # across a new inventory, until the label names another.
+    assert not core.time_slicing.set_file_configs({})
+    core.update_inventory(reference.nvlink_pairs_8())
+    assert core.time_slicing.replicas() == {g.uuid: 4 for g in gpus}
+    assert core.time_slicing.select("first")
+    assert core.time_slicing.replicas() == {gpus[0].uuid: 3}

@@ -67,7 +67,7 @@ def test_replicas_per_gpu_by_uuid_index_product_then_resource() -> None:
     by_product = GpuReplicas(gpu=gpus[0].name.replace(" ", "-"), replicas=6)
     mixed = s.configs["mixed"]
     s.configs["mixed"] = msgspec.structs.replace(mixed, gpus=[*mixed.gpus, by_uuid, by_product])
-    p = plan(s, "mixed", gpus, GPU)
+    p = plan("mixed", s.configs["mixed"], gpus, GPU)
     # index 1 -> 8, index 2 -> 1 (not time-sliced), uuid of 3 -> 5, the rest by product -> 6
     expected = {g.uuid: 6 for g in gpus}
     expected[gpus[1].uuid], expected[gpus[3].uuid] = 8, 5
@@ -75,7 +75,7 @@ def test_replicas_per_gpu_by_uuid_index_product_then_resource() -> None:
     assert p.replicas == expected
     # Another resource's entry is not replicated, and said so.
     assert any("mig-1g.10gb" in problem for problem in p.problems)
-    assert plan(s, "", gpus, GPU).replicas == {}
+    assert plan("", None, gpus, GPU).replicas == {}
 
 
 def test_a_mig_enabled_gpu_is_never_replicated() -> None:
@@ -83,7 +83,7 @@ def test_a_mig_enabled_gpu_is_never_replicated() -> None:
     gpus[0] = msgspec.structs.replace(
         gpus[0], mig_mode="enabled", mig_mode_pending="enabled", mig_max_devices=7
     )
-    p = plan(settings(), "four", gpus, GPU)
+    p = plan("four", settings().configs["four"], gpus, GPU)
     assert gpus[0].uuid not in p.replicas
     assert len(p.replicas) == 7
     assert any("MIG" in problem for problem in p.problems)

@@ -12,8 +12,10 @@ Rules
 -----
 * **Which config.** The node label ``sharing.time_slicing.node_label`` names a config
   of ``sharing.time_slicing.configs``; without the label, ``default_config``; ``""``
-  or ``none``: no time-slicing. A label naming no config is not guessed at: the plan
-  in force stays (at start: the default's), and the problem is said.
+  or ``none``: no time-slicing. A label naming no config is not guessed at: the config
+  in force stays (at start: the default's), and the problem is said. The configs are
+  ``configs`` and those of ``configs_file``, re-read when the file changes; a config
+  in force that leaves the file stays in force until the label names another.
 * **How many replicas per GPU.** The first of: an override naming the GPU's UUID, its
   index, its product (NVML's name or GFD's ``nvidia.com/gpu.product`` form); then the
   config's ``resources`` entry of the whole-GPU resource; else 1. A GPU with one
@@ -88,10 +90,10 @@ def gpu_replicas(config: TimeSlicingConfig, gpu: GpuInfo, gpu_resource: str) -> 
 
 
 def plan(
-    settings: TimeSlicingSettings, config: str, gpus: Iterable[GpuInfo], gpu_resource: str
+    config: str, chosen: TimeSlicingConfig | None, gpus: Iterable[GpuInfo], gpu_resource: str
 ) -> TimeSlicePlan:
-    """The replicas each GPU gets under the config named ``config`` ("" for none)."""
-    chosen = settings.configs.get(config)
+    """The replicas each GPU gets under ``chosen``, the config named ``config`` (None:
+    no time-slicing)."""
     if chosen is None:
         return TimeSlicePlan()
     problems = [

@@ -67,11 +67,18 @@ class TimeSlicingSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tr
     # resources = [{name, replicas}], gpus = [{gpu = index, UUID or product, replicas}]
     # and fail_requests_greater_than_one (docs/mig.md, "Time-slicing").
     configs: dict[str, TimeSlicingConfig] = {}
+    # More named configs in a file of their own (TOML, or JSON when it ends in .json;
+    # one table per config, e.g. a mounted ConfigMap), re-read when it changes: a
+    # change applies without a restart. Its configs win over `configs` of the same
+    # name; a file that does not load keeps the configs in force, and says why.
+    configs_file: str = ""
+    # How often configs_file is checked for a change (size, mtime), in seconds.
+    configs_poll_s: Annotated[float, msgspec.Meta(gt=0)] = 10.0
 
     @property
     def enabled(self) -> bool:
-        """Whether any config exists (else the node label is not even read)."""
-        return bool(self.configs)
+        """Whether any config may exist (else the node label is not even read)."""
+        return bool(self.configs or self.configs_file)
 
 
 class SharingSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

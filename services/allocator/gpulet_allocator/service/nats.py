@@ -21,9 +21,10 @@ Flow
    alive and release the allocations of the others (:mod:`.release`).
 5. With ``allocator.handshake.enabled``, watch this node's pods into the core's book
    and post refused decisions as Events (:mod:`.handshake`, docs/koordinator.md).
-6. With ``sharing.time_slicing`` configs, watch the node label that picks one
-   (:mod:`.node_label`) and apply it to the core at once, no restart; the replicas
-   go to the device plugin and the reporter with the ``withheld`` and ``held`` replies.
+6. With ``sharing.time_slicing`` configs, watch the node label that picks one and the
+   configs file (:mod:`.sharing`) and apply them to the core at once, no restart; the
+   replicas go to the device plugin and the reporter with the ``withheld`` and
+   ``held`` replies.
 
 Lost record
 -----------
@@ -75,9 +76,9 @@ from gpulet_allocator.decide.books import Undo
 from gpulet_allocator.decide.core import AllocatorCore
 from gpulet_allocator.service.claims import ClaimEndpoints
 from gpulet_allocator.service.handshake import HandshakeRunner, pod_book
-from gpulet_allocator.service.node_label import NodeLabelFollower
 from gpulet_allocator.service.release import PodResourcesFollower
 from gpulet_allocator.service.replies import Replies
+from gpulet_allocator.service.sharing import SharingInputs
 from gpulet_allocator.service.status import AllocatorStatus
 from gpulet_allocator.service.withheld import WithheldFeed, held_feed
 from gpulet_allocator.state.checkpoint import (
@@ -144,13 +145,13 @@ class AllocatorService:
             mig_strategy=self._settings.mig_strategy,
             time_slicing=runtime.settings.sharing.time_slicing,
         )
-        time_slicing = runtime.settings.sharing.time_slicing
-        #: The node label that picks the time-slicing config (:mod:`.node_label`).
-        self.node_label = NodeLabelFollower(
+        #: The node label and configs file of time-slicing (:mod:`.sharing`).
+        self.sharing = SharingInputs(
             self._node,
-            time_slicing.node_label,
+            runtime.settings.sharing.time_slicing,
             self._settings.handshake,
-            self._on_node_label,
+            self.core.time_slicing,
+            on_change=self._on_sharing,
             on_problem=self._update_status,
         )
         self.checkpoint = CheckpointFile(checkpoint_path(runtime.settings))
@@ -279,7 +280,7 @@ class AllocatorService:
                 if self.core.book is not None:
                     tg.start_soon(self.handshake.run, self.core.book)
                 if self._rt.settings.sharing.time_slicing.enabled:
-                    tg.start_soon(self.node_label.run)
+                    tg.start_soon(self.sharing.run)
                 self._update_status()
                 started()
                 await anyio.sleep_forever()
@@ -314,8 +315,7 @@ class AllocatorService:
     # --- koord-scheduler's decisions ---------------------------------------------------
 
     def _update_status(self) -> None:
-        sharing = self.node_label.problem or self.core.time_slicing.problem
-        self.status.update(self.core, self.handshake.problem or sharing)
+        self.status.update(self.core, self.handshake.problem or self.sharing.problem)
 
     def _on_view(self, change: NodeChange) -> None:
         inventory = self.view.inventory
@@ -333,14 +333,10 @@ class AllocatorService:
                     log.info("GPU %s is now %s", device, "healthy" if healthy else "unhealthy")
         self.withheld.follow()
 
-    def _on_node_label(self, value: str | None) -> None:
-        """The time-slicing config label changed (or was read): apply it at once."""
-        said = self.core.time_slicing.problem
-        if self.core.time_slicing.select(value):
-            self.withheld.follow()
-            self.held.follow()
-        if self.core.time_slicing.problem != said:
-            self._update_status()
+    def _on_sharing(self) -> None:
+        """The time-slicing plan moved (label or configs file): tell the long polls."""
+        self.withheld.follow()
+        self.held.follow()
 
     def _count_held(self) -> None:
         held = self.core.ledger.count()
