@@ -80,7 +80,7 @@ from gpulet_allocator.service.release import PodResourcesFollower
 from gpulet_allocator.service.replies import Replies
 from gpulet_allocator.service.sharing import SharingInputs
 from gpulet_allocator.service.status import AllocatorStatus
-from gpulet_allocator.service.withheld import WithheldFeed, held_feed
+from gpulet_allocator.service.withheld import core_feeds
 from gpulet_allocator.state.checkpoint import (
     CheckpointError,
     CheckpointFile,
@@ -145,15 +145,8 @@ class AllocatorService:
             mig_strategy=self._settings.mig_strategy,
             time_slicing=runtime.settings.sharing.time_slicing,
         )
-        #: The node label and configs file of time-slicing (:mod:`.sharing`).
-        self.sharing = SharingInputs(
-            self._node,
-            runtime.settings.sharing.time_slicing,
-            self._settings.handshake,
-            self.core.time_slicing,
-            on_change=self._on_sharing,
-            on_problem=self._update_status,
-        )
+        ts = self.core.time_slicing  # its node label and configs file: self.sharing
+        self.sharing = SharingInputs(runtime, ts, self._count_held, self._update_status)
         self.checkpoint = CheckpointFile(checkpoint_path(runtime.settings))
         replies = Replies(runtime.meter, lambda: runtime.bus.client.max_payload)
         self._decode, self._ok, self._reject = replies.decode, replies.ok, replies.reject
@@ -179,11 +172,8 @@ class AllocatorService:
             on_change=self._on_record_change,
             committer=lambda: self._committer,
         )
-        #: The cards kubelet must not count as whole GPUs, for the device plugin.
-        replicas = self.core.time_slicing.replicas
-        self.withheld = WithheldFeed(replies, self.core.withheld, replicas=replicas)
-        #: The GPUs the device plugin holds, for the slice publisher (dra.mode both).
-        self.held = held_feed(replies, self.core.books.device_plugin_held, replicas)
+        #: The long polls of the device plugin (``withheld``) and the reporter (``held``).
+        self.withheld, self.held = core_feeds(replies, self.core)
         #: The DRA kubelet plugin's endpoints (claims in the same ledger).
         self.claims = ClaimEndpoints(
             self.core, replies, self._answer_durably, self._on_record_change
@@ -279,8 +269,7 @@ class AllocatorService:
                 tg.start_soon(self.pod_resources.run, self._probe_checkpoint)
                 if self.core.book is not None:
                     tg.start_soon(self.handshake.run, self.core.book)
-                if self._rt.settings.sharing.time_slicing.enabled:
-                    tg.start_soon(self.sharing.run)
+                tg.start_soon(self.sharing.run)
                 self._update_status()
                 started()
                 await anyio.sleep_forever()
@@ -332,11 +321,6 @@ class AllocatorService:
                 if self.core.set_health(device, healthy):
                     log.info("GPU %s is now %s", device, "healthy" if healthy else "unhealthy")
         self.withheld.follow()
-
-    def _on_sharing(self) -> None:
-        """The time-slicing plan moved (label or configs file): tell the long polls."""
-        self.withheld.follow()
-        self.held.follow()
 
     def _count_held(self) -> None:
         held = self.core.ledger.count()

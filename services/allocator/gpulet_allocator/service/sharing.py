@@ -28,8 +28,8 @@ import msgspec
 from gpulet_allocator.decide.timeslice import TimeSlicing
 from gpulet_allocator.service.node_label import NodeLabelFollower
 from gpulet_common.logutil import RateLimitedLog
-from gpulet_common.settings.allocator import HandshakeSettings
-from gpulet_common.settings.sharing import TimeSlicingConfig, TimeSlicingSettings
+from gpulet_common.runtime import Runtime
+from gpulet_common.settings.sharing import TimeSlicingConfig
 
 log = logging.getLogger("gpulet.allocator.sharing")
 
@@ -58,14 +58,14 @@ class SharingInputs:
 
     def __init__(
         self,
-        node: str,
-        settings: TimeSlicingSettings,
-        kube: HandshakeSettings,
+        runtime: Runtime,
         time_slicing: TimeSlicing,
-        *,
         on_change: Callable[[], None],
         on_problem: Callable[[], None],
     ) -> None:
+        # The Node is read with the allocator's kube settings (the handshake's).
+        settings = runtime.settings.sharing.time_slicing
+        kube, node = runtime.settings.allocator.handshake, runtime.node
         self._settings = settings
         self._time_slicing = time_slicing
         self._on_change = on_change
@@ -85,6 +85,9 @@ class SharingInputs:
         return self.label.problem or self.file_problem or self._time_slicing.problem
 
     async def run(self) -> None:
+        """Follow the file and the label; returns at once without any config."""
+        if not self._settings.enabled:
+            return
         async with anyio.create_task_group() as tg:
             if self._settings.configs_file:
                 # The file first: the label's config may live there.

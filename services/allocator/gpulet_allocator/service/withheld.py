@@ -22,6 +22,7 @@ import anyio.abc
 from nats.micro.request import Request
 
 from gpulet_allocator import protocol as p
+from gpulet_allocator.decide.core import AllocatorCore
 from gpulet_allocator.service.replies import Replies
 from gpulet_common import codec
 from gpulet_common.codec import Codec
@@ -113,6 +114,14 @@ class WithheldFeed:
 
         self._waiting += 1
         tg.start_soon(when_changed)
+
+
+def core_feeds(replies: Replies, core: AllocatorCore) -> tuple[WithheldFeed, WithheldFeed]:
+    """The ``withheld`` feed (the device plugin's) and the ``held`` feed (the
+    reporter's) of ``core``, each carrying its time-slicing replicas."""
+    replicas = core.time_slicing.replicas
+    withheld = WithheldFeed(replies, core.withheld, replicas=replicas)
+    return withheld, held_feed(replies, core.books.device_plugin_held, replicas)
 
 
 def held_feed(
