@@ -431,11 +431,14 @@ class HeldRequest(_Message, frozen=True, kw_only=True):
 
 
 class HeldReply(_Message, frozen=True, kw_only=True):
-    """Each GPU a device-plugin allocation holds (whole or a share), with its holder."""
+    """Each GPU a device-plugin allocation holds (whole or a share), with its holder;
+    and the time-slicing replicas each GPU is offered as now (for the reporter's GFD
+    labels; a GPU not named is not time-sliced)."""
 
     epoch: str
     version: int
     held: dict[str, str] = {}
+    replicas: dict[str, int] = {}
 
 
 # --- control / errors ----------------------------------------------------------------
