@@ -28,6 +28,11 @@ Invariants, checked on every mutation (and property-tested):
   ``mig_pending``); its MIG devices are cards of their own (``parent`` set), each
   taken whole by one allocation at most (a :class:`WholeAllocation` naming MIG UUIDs),
   never shared, and unusable while their parent is unhealthy or lost.
+* a GPU is time-sliced, or held whole, or in shares, never two at once: its replicas
+  (cards ``<uuid>::<n>``, ``parent`` set, like MIG devices, each taken whole once) are
+  refused while it is held whole or shared, and it is refused whole and shared while
+  it is time-sliced or any replica of it is held (code ``time_sliced``; rules:
+  :mod:`gpulet_allocator.timeslicing`).
 
 **Idempotency.** Allocating again under a key that already holds an equivalent
 allocation returns the recorded one and changes nothing. After a restart the
@@ -166,6 +171,13 @@ class Ledger(CardBook):
             raise Refused(
                 "invalid_request",
                 f"MIG devices are named one by one: {count} asked, {len(named)} named",
+            )
+        replicas = [u for u in named if self._gpus[u].replica is not None]
+        if len(replicas) > 1 and self._fail_over_one:
+            raise Refused(
+                "invalid_request",
+                f"asks for {len(replicas)} time-slicing replicas; the config in force gives "
+                "at most 1 per container (fail_requests_greater_than_one)",
             )
         alloc = WholeAllocation(owner=owner, devices=tuple(named))
         self._record(alloc)
