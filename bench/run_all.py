@@ -20,6 +20,7 @@ BENCHES: list[tuple[str, list[str], list[str]]] = [
     ("pod_footprint.py", [], ["--settle", "15", "--idle", "5"]),
     ("health_latency.py", [], ["--faults", "50"]),
     ("listandwatch_latency.py", [], ["--faults", "10"]),
+    ("remediation_latency.py", ["--faults", "200"], ["--faults", "10"]),
     ("health_storm.py", [], ["--seconds", "5", "--idle", "2"]),
     ("allocation_quality.py", [], []),
     ("inventory_scale.py", [], ["--repeat", "3"]),

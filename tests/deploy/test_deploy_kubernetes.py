@@ -456,10 +456,12 @@ def test_rbac_is_exactly_what_the_reporter_and_allocator_need(
         # The GpuletGPUHealthy condition (the taint is a patch of nodes).
         (("",), ("nodes/status",)): ["patch"],
     }
-    # The koord-scheduler handshake: this node's pods and Events on them, nothing more.
+    # The koord-scheduler handshake: this node's pods and Events on them; its Node's labels.
     assert rules("gpulet-allocator") == {
         (("",), ("pods",)): ["get", "list", "watch"],
         (("",), ("events",)): ["create"],
+        # Time-slicing: the Node's config label, read (never written) by the allocator.
+        (("",), ("nodes",)): ["get", "list", "watch"],
     }
     bindings = [d for d in docs if d["kind"] in ("ClusterRoleBinding", "RoleBinding")]
     assert sorted(b["roleRef"]["name"] for b in bindings) == sorted(roles)

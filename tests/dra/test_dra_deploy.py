@@ -47,7 +47,12 @@ def test_every_object_passes_the_schema(docs: list[dict[str, Any]]) -> None:
 
 def test_device_classes_select_our_driver(docs: list[dict[str, Any]]) -> None:
     classes = {d["metadata"]["name"]: d["spec"] for d in docs if d["kind"] == "DeviceClass"}
-    assert set(classes) == {"gpu.gpulet.io", "gpu-share.gpulet.io", "nvidia-gpu.gpulet.io"}
+    assert set(classes) == {
+        "gpu.gpulet.io",
+        "gpu-share.gpulet.io",
+        "nvidia-gpu.gpulet.io",
+        "mig.gpulet.io",
+    }
     for spec in classes.values():
         (selector,) = spec["selectors"]
         assert f"device.driver == '{DEFAULT_DRIVER}'" in selector["cel"]["expression"]
@@ -56,6 +61,8 @@ def test_device_classes_select_our_driver(docs: list[dict[str, Any]]) -> None:
         in classes["gpu-share.gpulet.io"]["selectors"][0]["cel"]["expression"]
     )
     assert classes["nvidia-gpu.gpulet.io"]["extendedResourceName"] == "nvidia.com/gpu"
+    mig = classes["mig.gpulet.io"]["selectors"][0]["cel"]["expression"]
+    assert "type == 'mig'" in mig
 
 
 def test_rbac_is_what_the_publisher_and_prepare_use(docs: list[dict[str, Any]]) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import msgspec
@@ -473,3 +474,17 @@ def test_a_scan_overtaken_by_newer_news_changes_nothing() -> None:
     assert e.observe_inventory([gpu(0)], T0 + 11, scanned_at=T0 + 9) == []
     assert not e.gpus["GPU-0"].present
     assert e.observe_lost("GPU-0", T0 + 12, "stale", scanned_at=T0 + 9) == []
+
+
+def test_a_condition_goes_to_the_wire_and_back_whole() -> None:
+    # Every field of the wire form is carried (a new one must be added to WIRE_FIELDS),
+    # and a restored condition is the one that was stored, its XID read from its name.
+    from gpulet_common.messages import ActiveCondition
+    from gpulet_health.state import WIRE_FIELDS, Condition
+
+    assert set(ActiveCondition.__struct_fields__) == {*WIRE_FIELDS, "evidence_count"}
+    cond = Condition(
+        "xid:79@MIG-1", "xid", "fatal", "fell off the bus", "reboot", T0, sticky=True,
+        message="m", evidence=2, boot_id="b", mig_device="MIG-1",
+    )  # fmt: skip
+    assert Condition.from_wire(cond.wire()) == dataclasses.replace(cond, xid=79)

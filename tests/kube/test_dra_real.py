@@ -20,6 +20,7 @@ order: each asks for what only it can get, or names its GPU.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import tempfile
@@ -78,11 +79,16 @@ class DraNode:
         return {d["name"]: d for s in body["items"] for d in s["spec"].get("devices", [])}
 
 
-@pytest.fixture(scope="module")
-def dra_node(
-    kube_cluster: ControlPlane, tmp_path_factory: pytest.TempPathFactory
+@contextlib.contextmanager
+def dra_node_on(
+    plane: ControlPlane,
+    tmp_path_factory: pytest.TempPathFactory,
+    *,
+    scenario: str = "nvlink-pairs-8gpu",
+    devices: int = GPUS,
 ) -> Iterator[DraNode]:
-    plane = kube_cluster
+    """The agent on ``scenario`` for a Node of its own, once its ``devices`` devices are
+    in the API server (tests/kube/test_dra_mig_real.py starts one on a MIG node)."""
     for obj in yaml.safe_load_all(DEVICE_CLASSES.read_text()):
         resp = plane.apply(obj)
         assert resp.ok, resp.raw[:1000]
@@ -97,7 +103,7 @@ def dra_node(
     agent = Agent(
         workdir,
         "--nvml",
-        "mock:nvlink-pairs-8gpu",
+        f"mock:{scenario}",
         "--set",
         "dra.mode=dra",
         "--set",
@@ -124,10 +130,10 @@ def dra_node(
     try:
         anyio.run(
             lambda: wait_until(
-                lambda: len(dra.devices()) == GPUS,
+                lambda: len(dra.devices()) == devices,
                 timeout_s=60,
                 interval_s=0.1,
-                what=f"{GPUS} devices in the real API server",
+                what=f"{devices} devices in the real API server",
             )
         )
         yield dra
@@ -144,6 +150,14 @@ def dra_node(
             query={"fieldSelector": f"spec.nodeName={node}"},
         )
         shutil.rmtree(sockets, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def dra_node(
+    kube_cluster: ControlPlane, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[DraNode]:
+    with dra_node_on(kube_cluster, tmp_path_factory) as dra:
+        yield dra
 
 
 def claim_template(name: str, spec: dict[str, Any]) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from opentelemetry import metrics
 
 from gpulet_common import config
 from gpulet_common.bus import Bus
+from gpulet_common.messages import Inventory
 from gpulet_common.mock_nvml import MockNvml
 from gpulet_common.nvml.adapter import NvmlAdapter
 from gpulet_common.runtime import NvmlProvider, Runtime
@@ -44,6 +45,15 @@ def mock_adapter(scenario: str = "dgx-h100", **kwargs: Any) -> tuple[NvmlAdapter
     adapter = NvmlAdapter(mock, backend="mock")
     adapter.init()
     return adapter, mock
+
+
+def mock_inventory(scenario: str, node: str = "n") -> Inventory:
+    """The inventory of a mock scenario, read through the adapter once."""
+    adapter, _mock = mock_adapter(scenario)
+    try:
+        return adapter.inventory(node, 1)
+    finally:
+        adapter.shutdown()
 
 
 @asynccontextmanager

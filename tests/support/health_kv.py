@@ -43,6 +43,8 @@ def gpu_health(
     condition: str | None = None,
     since: float | None = None,
     present: bool = True,
+    action: Any = "none",
+    index: int | None = None,
 ) -> GpuHealth:
     """A GPU's state after one fault (``healthy`` False) or with none active.
 
@@ -57,8 +59,14 @@ def gpu_health(
         severity=severity or "critical",
         reason=reason,
         message=message,
+        action=action,
         since=since if since is not None else now,
     )
     return GpuHealth(
-        gpu_uuid=uuid, healthy=healthy, present=present, conditions=[active], updated_at=now
+        gpu_uuid=uuid,
+        gpu_index=index,
+        healthy=healthy,
+        present=present,
+        conditions=[active],
+        updated_at=now,
     )

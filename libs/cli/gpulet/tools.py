@@ -19,7 +19,7 @@ from gpulet_common.cli_support import (
     add_gpu_flag,
     bind,
     gpu_index,
-    tool_nats,
+    tool_bus,
 )
 from gpulet_common.messages import InventoryRequest, MockInjectRequest
 from gpulet_common.mock_nvml.faultspec import FAULT_KINDS
@@ -30,9 +30,7 @@ async def watch(
     settings: Settings, subject: str, *, count: int, timeout_s: float, raw: bool
 ) -> int:
     received = 0
-    async with Bus.connect(
-        tool_nats(settings), name="gpulet-watch", max_initial_attempts=3, limits=settings.limits
-    ) as bus:
+    async with tool_bus(settings, "gpulet-watch") as bus:
         sub = await bus.client.subscribe(subject)
         if catalog.could_match(subject, subjects.inventory(settings.node_name)):
             # The inventory is published on change; ask for it so the watcher sees it now.
@@ -109,9 +107,7 @@ async def inject(
     settings: Settings, request: MockInjectRequest, timeout_s: float, *, gpu: str | None = None
 ) -> int:
     """Send ``request``; ``gpu`` (a UUID or an index) names its GPU."""
-    async with Bus.connect(
-        tool_nats(settings), name="gpulet-mock", max_initial_attempts=3, limits=settings.limits
-    ) as bus:
+    async with tool_bus(settings, "gpulet-mock") as bus:
         try:
             if gpu is not None:
                 index = gpu_index(gpu)

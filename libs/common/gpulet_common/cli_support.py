@@ -6,19 +6,32 @@ a client of a running agent (``--config``, ``--set``, ``--node``, ``--nats``; wi
 ``serves=True`` also ``--metrics-port`` and ``--log-level``); the server's flags
 (``--nvml``, ``--state-dir``) belong to ``gpulet run`` and ``gpulet serve`` only. The
 types of those arguments, the way a tool reaches the node's NATS and the glue between
-argparse and a command live here once, so every service's tools behave alike.
+argparse and a command live here once, so every service's tools behave alike: a tool
+connects with :func:`tool_bus`, and a one-question tool asks with :func:`ask_agent`,
+which says on stderr, the same way for every service, why no answer came.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Callable
-from typing import Protocol
+from contextlib import AbstractAsyncContextManager
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
+import anyio
 import msgspec
 
+from gpulet_common.refusal import BusError, Refused, RequestTimeout
 from gpulet_common.settings import Settings
 from gpulet_common.settings.nats import NatsSettings
+
+if TYPE_CHECKING:
+    from gpulet_common.bus import Bus
+    from gpulet_common.codec import Codec
+
+T = TypeVar("T")
+R = TypeVar("R")
 
 # The node-local NATS a tool talks to when no URL is configured: the NATS sidecar of
 # the pod, or the embedded server of `gpulet run`.
@@ -60,6 +73,49 @@ def tool_nats(settings: Settings) -> NatsSettings:
     if settings.nats.url:
         return settings.nats
     return msgspec.structs.replace(settings.nats, url=LOCAL_NATS_URL)
+
+
+def tool_bus(settings: Settings, name: str) -> AbstractAsyncContextManager[Bus]:
+    """A tool's connection to the node's NATS (:func:`tool_nats`): three tries, then
+    :class:`BusError`. ``name`` is the client name the server lists."""
+    from gpulet_common.bus import Bus  # nats-py: only once a tool talks to the agent
+
+    return Bus.connect(
+        tool_nats(settings), name=name, max_initial_attempts=3, limits=settings.limits
+    )
+
+
+def ask_agent(
+    settings: Settings,
+    *,
+    tool: str,
+    service: str,
+    subject: str,
+    value: T,
+    request: Codec[T],
+    reply: Codec[R],
+    timeout_s: float,
+) -> R | None:
+    """Ask the node's ``service`` one question as the command ``tool`` (``gpulet health
+    state``); its reply, or None once why there is none is on stderr."""
+
+    async def ask() -> R:
+        async with tool_bus(settings, tool.replace(" ", "-")) as bus:
+            return await bus.request(subject, value, request, reply, timeout_s=timeout_s)
+
+    try:
+        return anyio.run(ask)
+    except RequestTimeout:
+        print(
+            f"{tool}: no {service} answered for node {settings.node_name!r} "
+            f"(is the {service} running? is --node right?)",
+            file=sys.stderr,
+        )
+    except Refused as exc:
+        print(f"{tool}: refused: {exc.code}: {exc.message}", file=sys.stderr)
+    except BusError as exc:
+        print(f"{tool}: {exc}", file=sys.stderr)
+    return None
 
 
 def bind(command: Command, load: LoadSettings) -> Callable[[argparse.Namespace], int]:

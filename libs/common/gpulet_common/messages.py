@@ -186,6 +186,20 @@ class Inventory(_Message, frozen=True, kw_only=True):
 # --- samples -----------------------------------------------------------------------
 
 
+class MigSample(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=True):
+    """One reading of one MIG device: its memory (its GPU instance's, which the
+    compute instances of one GPU instance share). Added after schema version 1."""
+
+    uuid: str
+    gpu_instance_id: NonNegative
+    compute_instance_id: NonNegative
+    memory_used_bytes: NonNegative | None = None
+    memory_free_bytes: NonNegative | None = None
+
+
+MigSamples = Annotated[list[MigSample], msgspec.Meta(max_length=64)]
+
+
 class GpuSample(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=True):
     """One reading of one GPU. A None field was not supported by the GPU."""
 
@@ -233,6 +247,9 @@ class GpuSample(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=True):
     gr_engine_active: float | None = None
     tensor_active: float | None = None
     dram_active: float | None = None
+    # Its MIG devices' memory, every period, while MIG is enabled (issue 27; added after
+    # schema version 1).
+    mig: MigSamples = []
 
 
 class SampleBatch(_Message, frozen=True, kw_only=True):
@@ -332,6 +349,11 @@ class HealthEvent(_Message, frozen=True, kw_only=True):
     # driver does not report it. Added after schema version 1.
     recovery_action: str = ""
     published_at: float = 0.0
+    # The node's boot ID (/proc/sys/kernel/random/boot_id) when the event was made: which
+    # boot of the kernel the fact belongs to (not the ``boot_id`` of the ordering
+    # messages, which names a process). "unknown" where it could not be read; empty
+    # from older health services. Added after schema version 1.
+    node_boot_id: str = ""
     # When the condition this event raises, repeats or ends began. On recovered and
     # cleared events also the kind and severity the condition had, so a consumer that
     # raised an alert from the raise event can resolve exactly that alert.
@@ -409,11 +431,14 @@ class HeldRequest(_Message, frozen=True, kw_only=True):
 
 
 class HeldReply(_Message, frozen=True, kw_only=True):
-    """Each GPU a device-plugin allocation holds (whole or a share), with its holder."""
+    """Each GPU a device-plugin allocation holds (whole or a share), with its holder;
+    and the time-slicing replicas each GPU is offered as now (for the reporter's GFD
+    labels; a GPU not named is not time-sliced)."""
 
     epoch: str
     version: int
     held: dict[str, str] = {}
+    replicas: dict[str, int] = {}
 
 
 # --- control / errors ----------------------------------------------------------------

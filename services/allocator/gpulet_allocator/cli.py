@@ -27,42 +27,18 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import anyio
 import msgspec
 
 from gpulet_common import subjects
-from gpulet_common.bus import Bus, BusError, Refused, RequestTimeout
-from gpulet_common.cli_support import AddFlags, LoadSettings, bind, tool_nats
+from gpulet_common.cli_support import AddFlags, Command, LoadSettings, ask_agent, bind
 from gpulet_common.codec import Codec
 from gpulet_common.settings import Settings
 
 if TYPE_CHECKING:
     from gpulet_allocator import protocol as p
-
-
-async def _ask(
-    settings: Settings,
-    endpoint: str,
-    value: Any,
-    request: Codec[Any],
-    reply: Codec[Any],
-    timeout_s: float,
-) -> Any:
-    async with Bus.connect(
-        tool_nats(settings),
-        name="gpulet-allocator-cli",
-        max_initial_attempts=3,
-        limits=settings.limits,
-    ) as bus:
-        return await bus.request(
-            subjects.allocator_endpoint(settings.node_name, endpoint),
-            value,
-            request,
-            reply,
-            timeout_s=timeout_s,
-        )
 
 
 def _call(
@@ -73,21 +49,23 @@ def _call(
     value: Any,
     request: Codec[Any],
     reply: Codec[Any],
+    show: Callable[[Any], str],
 ) -> Any:
-    """Ask the allocator; None (and why, on stderr) when there is no usable answer."""
-    try:
-        return anyio.run(_ask, settings, endpoint, value, request, reply, args.timeout)
-    except RequestTimeout:
-        print(
-            f"gpulet allocator {what}: no allocator answered for node {settings.node_name!r} "
-            "(is the allocator running? is --node right?)",
-            file=sys.stderr,
-        )
-    except Refused as exc:
-        print(f"gpulet allocator {what}: refused: {exc.code}: {exc.message}", file=sys.stderr)
-    except BusError as exc:
-        print(f"gpulet allocator {what}: {exc}", file=sys.stderr)
-    return None
+    """Ask the allocator and print its answer (as JSON with ``--json``, else
+    ``show(answer)``); None (and why, on stderr) when there is no usable answer."""
+    answer = ask_agent(
+        settings,
+        tool=f"gpulet allocator {what}",
+        service="allocator",
+        subject=subjects.allocator_endpoint(settings.node_name, endpoint),
+        value=value,
+        request=request,
+        reply=reply,
+        timeout_s=args.timeout,
+    )
+    if answer is not None:
+        print(_json(answer) if args.json else show(answer))
+    return answer
 
 
 def _json(reply: Any) -> str:
@@ -138,12 +116,16 @@ def _cmd_state(args: argparse.Namespace, load: LoadSettings) -> int:
 
     settings = load(args)
     state = _call(
-        args, settings, "state", p.ENDPOINT_STATE, p.StateRequest(), p.STATE_REQUEST, p.STATE_REPLY
+        args,
+        settings,
+        "state",
+        p.ENDPOINT_STATE,
+        p.StateRequest(),
+        p.STATE_REQUEST,
+        p.STATE_REPLY,
+        format_state,
     )
-    if state is None:
-        return 1
-    print(_json(state) if args.json else format_state(state))
-    return 0
+    return 1 if state is None else 0
 
 
 def _cmd_release(args: argparse.Namespace, load: LoadSettings) -> int:
@@ -166,18 +148,21 @@ def _cmd_release(args: argparse.Namespace, load: LoadSettings) -> int:
         reason=args.reason,
     )
     reply = _call(
-        args, settings, "release", p.ENDPOINT_RELEASE, request, p.RELEASE_REQUEST, p.RELEASE_REPLY
+        args,
+        settings,
+        "release",
+        p.ENDPOINT_RELEASE,
+        request,
+        p.RELEASE_REQUEST,
+        p.RELEASE_REPLY,
+        _format_released,
     )
-    if reply is None:
-        return 1
-    if args.json:
-        print(_json(reply))
-    elif not reply.released:
-        print("nothing released (no allocation matched)")
-    else:
-        for a in reply.released:
-            print(f"released {a.id} ({a.kind} on {', '.join(a.gpus)})")
-    return 0 if reply.released else 1
+    return 0 if reply is not None and reply.released else 1
+
+
+def _format_released(reply: p.ReleaseReply) -> str:
+    done = [f"released {a.id} ({a.kind} on {', '.join(a.gpus)})" for a in reply.released]
+    return "\n".join(done) or "nothing released (no allocation matched)"
 
 
 def _cmd_reset(args: argparse.Namespace, load: LoadSettings) -> int:
@@ -193,15 +178,16 @@ def _cmd_reset(args: argparse.Namespace, load: LoadSettings) -> int:
     settings = load(args)
     request = p.ResetRequest(confirm=True, requested_by=args.requested_by)
     reply = _call(
-        args, settings, "reset", p.ENDPOINT_RESET, request, p.RESET_REQUEST, p.RESET_REPLY
+        args,
+        settings,
+        "reset",
+        p.ENDPOINT_RESET,
+        request,
+        p.RESET_REQUEST,
+        p.RESET_REPLY,
+        lambda r: str(r.detail),
     )
-    if reply is None:
-        return 1
-    if args.json:
-        print(_json(reply))
-    else:
-        print(reply.detail)
-    return 0
+    return 1 if reply is None else 0
 
 
 def add_commands(sub: Any, add_flags: AddFlags, load: LoadSettings) -> None:
@@ -214,15 +200,20 @@ def add_commands(sub: Any, add_flags: AddFlags, load: LoadSettings) -> None:
         description=("Without a command: state. The service runs with `gpulet serve allocator`."),
     )
     parser.default_action = "state"
+
+    def asks(command: argparse.ArgumentParser, run: Command) -> None:
+        """The flags of a command that asks the allocator, and what it runs."""
+        command.add_argument("--json", action="store_true", help="print the raw reply as JSON")
+        command.add_argument("--timeout", type=float, default=2.0, help="seconds to wait")
+        add_flags(command)
+        command.set_defaults(func=bind(run, load))
+
     actions = parser.add_subparsers(
         dest="allocator_action", metavar="{state,release,reset}", required=True
     )
 
     state = actions.add_parser("state", help="show the node's GPUs and allocations")
-    state.add_argument("--json", action="store_true", help="print the raw reply as JSON")
-    state.add_argument("--timeout", type=float, default=2.0, help="seconds to wait")
-    add_flags(state)
-    state.set_defaults(func=bind(_cmd_state, load))
+    asks(state, _cmd_state)
 
     release = actions.add_parser(
         "release",
@@ -239,10 +230,7 @@ def add_commands(sub: Any, add_flags: AddFlags, load: LoadSettings) -> None:
         "--device-id", action="append", help="a device ID kubelet gave the container (repeat)"
     )
     release.add_argument("--reason", default="operator", help="recorded in the allocator's log")
-    release.add_argument("--json", action="store_true", help="print the raw reply as JSON")
-    release.add_argument("--timeout", type=float, default=2.0, help="seconds to wait")
-    add_flags(release)
-    release.set_defaults(func=bind(_cmd_release, load))
+    asks(release, _cmd_release)
 
     reset = actions.add_parser(
         "reset",
@@ -256,7 +244,4 @@ def add_commands(sub: Any, add_flags: AddFlags, load: LoadSettings) -> None:
     )
     reset.add_argument("--confirm", action="store_true", help="required: you accept the loss")
     reset.add_argument("--requested-by", default="operator", help="recorded in the allocator's log")
-    reset.add_argument("--json", action="store_true", help="print the raw reply as JSON")
-    reset.add_argument("--timeout", type=float, default=2.0, help="seconds to wait")
-    add_flags(reset)
-    reset.set_defaults(func=bind(_cmd_reset, load))
+    asks(reset, _cmd_reset)

@@ -27,6 +27,13 @@ Labels
 container holds, ``container``, ``namespace`` and ``pod`` -- one series per holder,
 so a GPU shared by two pods appears twice, as in dcgm-exporter.
 
+MIG (issue 27): a MIG-enabled GPU also has, for ``DCGM_FI_DEV_FB_FREE`` and
+``DCGM_FI_DEV_FB_USED``, one series per GPU instance, with dcgm-exporter's labels
+``GPU_I_PROFILE`` (the GPU instance's profile, ``3g.20gb``) and ``GPU_I_ID`` (its id)
+beside its GPU's, and the pod labels of the containers holding its MIG devices. The
+value is the first MIG device's ``nvmlDeviceGetMemoryInfo`` (the compute instances of
+one GPU instance share its memory).
+
 Values come from the latest :class:`SampleBatch` (rendering costs nothing between
 scrapes). ``DCGM_FI_DEV_XID_ERRORS`` is the last XID of the GPU, learnt from the
 health service's events on the bus (NVML has no "last XID" call), 0 until one comes.
@@ -34,16 +41,26 @@ health service's events on the bus (NVML has no "last XID" call), 0 until one co
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Final, Literal
 
 import msgspec
 
-from gpulet_common.messages import GpuSample, Inventory, SampleBatch
+from gpulet_common.messages import (
+    GpuInfo,
+    GpuSample,
+    Inventory,
+    MigDevice,
+    MigSample,
+    SampleBatch,
+)
 
 Kind = Literal["gauge", "counter"]
 MIB: Final = 1024 * 1024
+# A compute-instance profile's prefix (``1c.`` of ``1c.3g.20gb``).
+_CI_PREFIX: Final = re.compile(r"^\d+c\.")
 
 
 class PodLabels(msgspec.Struct, frozen=True, kw_only=True):
@@ -59,6 +76,8 @@ class DcgmField(msgspec.Struct, frozen=True):
     kind: Kind
     help: str
     read: Callable[[GpuSample], float | int | None]
+    # The same field of one GPU instance (MIG), where dcgm-exporter has one.
+    read_mig: Callable[[MigSample], float | int | None] | None = None
 
 
 def _div(value: int | None, by: float) -> float | None:
@@ -119,12 +138,14 @@ FIELDS: Final[tuple[DcgmField, ...]] = (
         "gauge",
         "Framebuffer memory free (in MiB).",
         lambda s: _mib(s.memory_free_bytes),
+        lambda m: _mib(m.memory_free_bytes),
     ),
     DcgmField(
         "DCGM_FI_DEV_FB_USED",
         "gauge",
         "Framebuffer memory used (in MiB).",
         lambda s: _mib(s.memory_used_bytes),
+        lambda m: _mib(m.memory_used_bytes),
     ),
     DcgmField(
         "DCGM_FI_DEV_ECC_SBE_VOL_TOTAL",
@@ -246,6 +267,45 @@ def _escape(value: str) -> str:
     return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
 
 
+def _labels(pairs: Iterable[tuple[str, str]]) -> str:
+    return ",".join(f'{k}="{_escape(v)}"' for k, v in pairs)
+
+
+def _with_pods(base: str, pods: Sequence[PodLabels]) -> list[str]:
+    """One series per holder (dcgm-exporter's pod labels), or the bare one."""
+    if not pods:
+        return [base]
+    return [
+        f'{base},container="{_escape(p.container)}",namespace="{_escape(p.namespace)}",'
+        f'pod="{_escape(p.pod)}"'
+        for p in pods
+    ]
+
+
+class GpuInstance(msgspec.Struct, frozen=True):
+    """A GPU instance of a MIG-enabled GPU: its id, its MIG devices (UUIDs, by compute
+    instance), its series' labels."""
+
+    gi: int
+    migs: tuple[str, ...]
+    labels: str
+
+
+def gpu_instances(gpu: GpuInfo) -> list[tuple[int, str, tuple[str, ...]]]:
+    """(GPU-instance id, its profile, its MIG devices) of a GPU, by id. The profile is
+    the GPU instance's, as dcgm-exporter's ``GPU_I_PROFILE`` names it: a compute
+    instance's ``1c.3g.20gb`` is GPU instance ``3g.20gb``."""
+    members: dict[int, list[MigDevice]] = {}
+    for device in gpu.mig_devices:
+        members.setdefault(device.gpu_instance_id, []).append(device)
+    out = []
+    for gi in sorted(members):
+        migs = sorted(members[gi], key=lambda d: d.compute_instance_id)
+        profile = next((d.profile for d in migs if d.profile), "")
+        out.append((gi, _CI_PREFIX.sub("", profile), tuple(d.uuid for d in migs)))
+    return out
+
+
 def _number(value: float | int) -> str:
     if isinstance(value, bool):
         return str(int(value))
@@ -267,29 +327,39 @@ class DcgmExporter:
         self._labels: dict[str, str] = {}
         self._last_xid: dict[str, int] = {}
         self._holders: dict[str, tuple[PodLabels, ...]] = {}
+        # GPU UUID -> its GPU instances (MIG), each with its labels.
+        self._instances: dict[str, list[GpuInstance]] = {}
 
     # --- inputs ---------------------------------------------------------------------
 
     def update_inventory(self, inventory: Inventory) -> None:
         driver = inventory.driver_version or ""
         labels: dict[str, str] = {}
+        instances: dict[str, list[GpuInstance]] = {}
         for gpu in inventory.gpus:
             device = f"nvidia{gpu.minor}" if gpu.minor is not None else f"nvidia{gpu.index}"
-            labels[gpu.uuid] = ",".join(
-                f'{k}="{_escape(v)}"'
-                for k, v in (
-                    ("gpu", str(gpu.index)),
-                    ("UUID", gpu.uuid),
-                    ("pci_bus_id", gpu.pci_bus_id),
-                    ("device", device),
-                    ("modelName", gpu.name),
-                    ("Hostname", inventory.node or self._node),
-                    ("DCGM_FI_DRIVER_VERSION", driver),
-                )
+            head = (
+                ("gpu", str(gpu.index)),
+                ("UUID", gpu.uuid),
+                ("pci_bus_id", gpu.pci_bus_id),
+                ("device", device),
+                ("modelName", gpu.name),
             )
+            tail = (("Hostname", inventory.node or self._node), ("DCGM_FI_DRIVER_VERSION", driver))
+            labels[gpu.uuid] = _labels((*head, *tail))
+            if gpu.mig_mode == "enabled":
+                instances[gpu.uuid] = [
+                    GpuInstance(
+                        gi,
+                        migs,
+                        _labels((*head, ("GPU_I_PROFILE", profile), ("GPU_I_ID", str(gi)), *tail)),
+                    )
+                    for gi, profile, migs in gpu_instances(gpu)
+                ]
         with self._lock:
             self._inventory = inventory
             self._labels = labels
+            self._instances = instances
 
     def update_samples(self, batch: SampleBatch) -> None:
         self._batch = batch
@@ -316,14 +386,24 @@ class DcgmExporter:
                 f'gpu="{sample.index}",UUID="{_escape(sample.uuid)}",'
                 f'Hostname="{_escape(self._node)}"'
             )
-        pods = self._holders.get(sample.uuid)
-        if not pods:
-            return [base]
-        return [
-            f'{base},container="{_escape(p.container)}",namespace="{_escape(p.namespace)}",'
-            f'pod="{_escape(p.pod)}"'
-            for p in pods
-        ]
+        return _with_pods(base, self._holders.get(sample.uuid, ()))
+
+    def _instance_series(self, sample: GpuSample) -> list[tuple[MigSample, list[str]]]:
+        """Each GPU instance of a MIG-enabled GPU: the reading of its first MIG device
+        (its compute instances share its memory) and its series' labels, one per holder
+        of any of its MIG devices."""
+        by_uuid = {m.uuid: m for m in sample.mig}
+        out: list[tuple[MigSample, list[str]]] = []
+        for instance in self._instances.get(sample.uuid, ()):
+            read = next((by_uuid[u] for u in instance.migs if u in by_uuid), None)
+            if read is None:
+                continue
+            pods = sorted(
+                {p for u in instance.migs for p in self._holders.get(u, ())},
+                key=lambda p: (p.namespace, p.pod, p.container),
+            )
+            out.append((read, _with_pods(instance.labels, pods)))
+        return out
 
     def render(self) -> bytes:
         """The exposition text of every DCGM_FI_* metric (empty before the first sample)."""
@@ -333,10 +413,13 @@ class DcgmExporter:
         with self._lock:
             readable = [s for s in batch.samples if not s.error]
             series = {s.uuid: self._series_labels(s) for s in readable}
+            instances = [i for s in readable for i in self._instance_series(s)]
             xids = dict(self._last_xid)
         lines: list[str] = []
         for field in FIELDS:
-            self._family(lines, field, ((s, field.read(s)) for s in readable), series)
+            mig = field.read_mig
+            extra = [(labels, mig(m)) for m, labels in instances] if mig is not None else []
+            self._family(lines, field, ((s, field.read(s)) for s in readable), series, extra)
         self._family(lines, XID_FIELD, ((s, xids.get(s.uuid, 0)) for s in readable), series)
         return ("\n".join(lines) + "\n").encode() if lines else b""
 
@@ -346,12 +429,19 @@ class DcgmExporter:
         field: DcgmField,
         values: Iterable[tuple[GpuSample, float | int | None]],
         series: Mapping[str, list[str]],
+        instances: Sequence[tuple[list[str], float | int | None]] = (),
     ) -> None:
         body = [
             f"{field.name}{{{labels}}} {_number(value)}"
             for sample, value in values
             if value is not None
             for labels in series[sample.uuid]
+        ]
+        body += [
+            f"{field.name}{{{labels}}} {_number(value)}"
+            for many, value in instances
+            if value is not None
+            for labels in many
         ]
         if body:
             lines.append(f"# HELP {field.name} {field.help}")

@@ -33,6 +33,7 @@ import anyio.abc
 
 from gpulet_collector.dcgm import PodLabels
 from gpulet_common.kubelet_api.podresources.v1 import api_pb2 as pr
+from gpulet_common.lifecycle import repeat_every
 from gpulet_common.podresources import (
     PodResourcesUnavailable,
     gpu_of_device,
@@ -116,7 +117,4 @@ class PodAttribution:
     async def run(
         self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
     ) -> None:
-        task_status.started()
-        while True:
-            await self.refresh()
-            await anyio.sleep(self._poll_s)
+        await repeat_every(self._poll_s, self.refresh, task_status=task_status)

@@ -4,7 +4,10 @@ Flow
 ----
 1. Open NVML (shared per process). Without NVML the service runs *degraded*: it
    publishes an inventory with ``degraded_reason`` set and retries opening NVML with
-   back-off, so a driver that loads later is picked up without a restart.
+   back-off (``nvml.retry_min_s`` doubling to ``nvml.retry_max_s``), so a driver that
+   loads later is picked up without a restart. Where NVML is expected (the driver is
+   not loaded yet, or the backend was named) the service is *starting*, so not ready
+   on ``/readyz``, with the reason, until NVML starts.
 2. Publish the inventory on ``gpu.inventory.<node>``; answer inventory requests on
    ``gpulet.inventory.request.<node>`` (and republish, so late subscribers catch up).
 3. Every ``sample_period_s`` read every GPU in parallel (:mod:`.sampler`) and publish
@@ -20,6 +23,11 @@ Flow
    a GPU is left out (lost), the inventory is rebuilt every ``SKIPPED_RETRY_S`` to see
    it come back, and published only if it changed: the inventory is published on real
    change only (plus the unsolicited ``inventory_republish_s`` and answers to requests).
+   A GPU that went and came back between two counts (a reset that re-enumerates it, a
+   driver reload, a hot-plug) is seen too: its old handle is void, the adapter fetches
+   the handle at that index again, and a sample that names another GPU than the
+   inventory at that index rebuilds the inventory (that batch is not published). No
+   restart is needed for any of it.
 5. Every ``slow_period_s`` a period also reads the slow fields (energy, PCIe
    replays, NVLink counters, GPM activity: milliseconds per GPU on real NVML); other
    periods repeat their last values. Such a period also re-reads the state of every
@@ -62,7 +70,8 @@ from gpulet_common.bus import Delivery
 from gpulet_common.messages import GpuSample, HealthEvent, Inventory, InventoryRequest, SampleBatch
 from gpulet_common.nvml.adapter import NvmlAdapter
 from gpulet_common.nvml.errors import NvmlError, NvmlUnavailable
-from gpulet_common.runtime import NVML_RETRY_MAX_S, NvmlHandle, Runtime
+from gpulet_common.runtime import NVML_RETRY_MAX_S, NvmlHandle, Runtime, RuntimeService
+from gpulet_common.settings import CollectorSettings
 from gpulet_common.telemetry import add_exposition, remove_exposition
 
 log = logging.getLogger("gpulet.collector")
@@ -73,13 +82,11 @@ NVML_REINIT_MIN_S = 1.0
 SKIPPED_RETRY_S = 1.0
 
 
-class CollectorService:
+class CollectorService(RuntimeService[CollectorSettings]):
     name = "collector"
 
     def __init__(self, runtime: Runtime) -> None:
-        self._rt = runtime
-        self._settings = runtime.settings.collector
-        self._node = runtime.node
+        super().__init__(runtime, runtime.settings.collector)
         self._generation = 0
         self._boot_id = secrets.token_hex(8)
         self._seq = itertools.count(1)
@@ -126,12 +133,14 @@ class CollectorService:
                 await tg.start(self._follow_xids)
             if handle.adapter is None:
                 reason = handle.reason or "NVML unavailable"
-                self._rt.status.set(self.name, "degraded", reason)
+                self._rt.status.set(self.name, handle.state, handle.detail)
                 await self._publish_inventory(
                     Inventory(node=self._node, degraded_reason=reason, nvml_backend="none")
                 )
                 task_status.started()
-                adapter = await self._rt.nvml.wait_available()
+                adapter = await self._rt.nvml.wait_available(
+                    lambda h: self._rt.status.set(self.name, h.state, h.detail)
+                )
                 await self._adopt(adapter)
             else:
                 # Started means the first inventory is out: consumers can rely on it.
@@ -142,7 +151,12 @@ class CollectorService:
                 attribution = PodAttribution(
                     Path(self._settings.pod_resources_socket),
                     self._settings.pod_resources_poll_s,
-                    lambda: {g.uuid for g in self._inventory.gpus},
+                    # GPUs and MIG devices (per-GPU-instance series get their holders).
+                    lambda: {
+                        u
+                        for g in self._inventory.gpus
+                        for u in (g.uuid, *(d.uuid for d in g.mig_devices))
+                    },
                     self.dcgm.update_holders,
                 )
                 await tg.start(attribution.run)
@@ -285,6 +299,13 @@ class CollectorService:
             seq=next(self._seq),
             boot_id=self._boot_id,
         )
+        if any(s.uuid != uuid for s, (_, uuid) in zip(samples, gpus, strict=True)):
+            # A GPU answers at another index than the inventory says: one went and came
+            # back (re-enumerated) between two counts. Such a batch may name a GPU twice
+            # (its new index and its old, still-valid handle): not published; the
+            # inventory is rebuilt (every handle fetched again) for the next period.
+            await self._refresh_inventory("a GPU answers at another index", force=False)
+            return None
         if samples and all((s.error or "").startswith(NVML_UNAVAILABLE) for s in samples):
             await self._reinit_nvml(adapter, samples[0].error or "")
         errors = sum(1 for s in samples if s.error)

@@ -7,7 +7,7 @@ operators need a *severity* (does the GPU stay usable?) and a *recommended actio
 (restart the application, reset the GPU, reboot, send the board for inspection).
 
 The built-in table is NVIDIA's whole XID catalogue, codes 1 to 173 ("Unused" ones
-included, with their bucket), kept as data in :mod:`gpulet_health.xid_table`: NVIDIA's
+included, with their bucket), kept as data in :mod:`gpulet_common.xid_table`: NVIDIA's
 mnemonic and resolution buckets (immediate and investigatory), whether an application
 can cause the code, our category, and gpulet's severity and action derived from the
 immediate bucket (that module's docstring gives the mapping and its exceptions). The
@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 from gpulet_common.messages import UNHEALTHY_SEVERITIES, Action, Severity
 from gpulet_common.settings.health import HealthSettings, XidRule
-from gpulet_health.xid_table import NOTES, ROWS, AppCause
+from gpulet_common.xid_table import NOTES, ROWS, AppCause
 
 CATALOGUE_SOURCE = "NVIDIA XID catalogue"
 

@@ -10,18 +10,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections.abc import Callable
 from typing import Any
 
-import anyio
 import msgspec
 
 from gpulet_common import codec, subjects
-from gpulet_common.bus import Bus, BusError, Refused, RequestTimeout
-from gpulet_common.cli_support import AddFlags, LoadSettings, add_gpu_flag, bind, tool_nats
+from gpulet_common.cli_support import AddFlags, LoadSettings, add_gpu_flag, ask_agent, bind
 from gpulet_common.messages import HealthClearRequest, HealthState, HealthStateRequest
 from gpulet_common.settings import Settings
+from gpulet_health.remediate_cli import add_remediate_command
 from gpulet_health.xid_cli import add_xid_command
 
 
@@ -52,21 +50,6 @@ def format_state(state: HealthState) -> str:
     return "\n".join(lines)
 
 
-async def _request(
-    settings: Settings, subject: str, value: Any, request_codec: Any, timeout_s: float
-) -> HealthState:
-    async with Bus.connect(
-        tool_nats(settings),
-        name="gpulet-health-cli",
-        max_initial_attempts=3,
-        limits=settings.limits,
-    ) as bus:
-        result: HealthState = await bus.request(
-            subject, value, request_codec, codec.HEALTH_STATE, timeout_s=timeout_s
-        )
-        return result
-
-
 def _run_request(
     args: argparse.Namespace,
     load: LoadSettings,
@@ -75,20 +58,17 @@ def _run_request(
 ) -> int:
     settings = load(args)
     subject, value, request_codec = make(settings)
-    try:
-        state = anyio.run(lambda: _request(settings, subject, value, request_codec, args.timeout))
-    except RequestTimeout:
-        print(
-            f"gpulet health {what}: no health service answered for node {settings.node_name!r} "
-            "(is the agent running? is --node right?)",
-            file=sys.stderr,
-        )
-        return 1
-    except Refused as exc:
-        print(f"gpulet health {what}: {exc.code}: {exc.message}", file=sys.stderr)
-        return 1
-    except BusError as exc:
-        print(f"gpulet health {what}: {exc}", file=sys.stderr)
+    state = ask_agent(
+        settings,
+        tool=f"gpulet health {what}",
+        service="health service",
+        subject=subject,
+        value=value,
+        request=request_codec,
+        reply=codec.HEALTH_STATE,
+        timeout_s=args.timeout,
+    )
+    if state is None:
         return 1
     if args.json:
         print(json.dumps(full_builtins(state), indent=2))
@@ -132,7 +112,7 @@ def add_commands(sub: Any, add_flags: AddFlags, load: LoadSettings) -> None:
     )
     health.default_action = "state"
     health_sub = health.add_subparsers(
-        dest="health_command", required=True, metavar="{state,clear,xid}"
+        dest="health_command", required=True, metavar="{state,clear,xid,remediate}"
     )
 
     state = health_sub.add_parser(
@@ -165,3 +145,4 @@ def add_commands(sub: Any, add_flags: AddFlags, load: LoadSettings) -> None:
     add_flags(clear)
     clear.set_defaults(func=bind(_cmd_clear, load))
     add_xid_command(health_sub, add_flags, load)
+    add_remediate_command(health_sub, add_flags, load)

@@ -29,6 +29,7 @@ import nats.errors
 
 from gpulet_common import codec, subjects
 from gpulet_common.bus import Bus
+from gpulet_common.lifecycle import repeat_every
 from gpulet_common.logutil import RateLimitedLog
 from gpulet_common.messages import HealthState, NodeStatus
 from gpulet_common.settings.fleet import FleetSettings
@@ -84,10 +85,8 @@ class FleetStatusPublisher:
     async def run(
         self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
     ) -> None:
-        task_status.started()
-        while True:
-            await self.tick()
-            await anyio.sleep(self._settings.status_min_interval_s)
+        interval_s = self._settings.status_min_interval_s
+        await repeat_every(interval_s, self.tick, task_status=task_status)
 
     async def tick(self) -> bool:
         """Publish if the status changed or the heartbeat is due; True if it did."""

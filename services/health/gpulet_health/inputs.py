@@ -35,6 +35,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream
 from opentelemetry import metrics
 
 from gpulet_common import codec, subjects
+from gpulet_common.bootid import read_boot_id
 from gpulet_common.codec import Codec
 from gpulet_common.logutil import RateLimitedLog
 from gpulet_common.messages import HealthEvent, Inventory, SampleBatch
@@ -56,10 +57,12 @@ from gpulet_health.kmsg import (
     Cursor,
     KmsgReader,
     KmsgXid,
-    boot_id,
     boot_wall_time,
 )
 from gpulet_health.stages import HealthStages
+
+# Source items handled one after another without yielding to the event loop.
+SOURCE_BURST = 256
 
 log = logging.getLogger("gpulet.health")
 
@@ -106,6 +109,18 @@ class RuleDriver:
         async with receive:
             async for item in receive:
                 await self._handle_source(item)
+                # What is queued behind it is taken without a checkpoint per item (one
+                # each would cost a turn of the event loop: in an XID storm the thread
+                # then waits for room while NVML's own queue overflows and drops a
+                # newer, different fault); at most SOURCE_BURST, then a checkpoint.
+                for _ in range(SOURCE_BURST):
+                    try:
+                        more = receive.receive_nowait()
+                    except anyio.WouldBlock:
+                        break
+                    except anyio.EndOfStream:
+                        return
+                    await self._handle_source(more)
 
     async def _handle_source(self, item: SourceItem) -> None:
         engine = self._s.engine
@@ -218,7 +233,9 @@ class RuleDriver:
         path = cfg.path or ("/dev/kmsg" if backend != "mock" else "")
         if not cfg.enabled or not path:
             return
-        cursor = await anyio.to_thread.run_sync(Cursor, state_dir / "health-kmsg.cursor", boot_id())
+        cursor = await anyio.to_thread.run_sync(
+            Cursor, state_dir / "health-kmsg.cursor", read_boot_id()
+        )
         reader = KmsgReader(path, cursor)
         try:
             await anyio.to_thread.run_sync(reader.open)

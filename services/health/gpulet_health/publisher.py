@@ -37,6 +37,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream
 from opentelemetry import metrics
 
 from gpulet_common import subjects
+from gpulet_common.bootid import read_boot_id
 from gpulet_common.bus import Bus
 from gpulet_common.codec import HEALTH_EVENT
 from gpulet_common.logutil import RateLimitedLog
@@ -298,5 +299,6 @@ class HealthPublisher:
             action="operator_check",
             observed_value=float(overflow.dropped),
             observed_at=overflow.last_at,
+            node_boot_id=read_boot_id(),
             condition_since=overflow.first_at,
         )

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import collections
 from dataclasses import dataclass, field
+from typing import Any, Final
 
 import msgspec
 
@@ -71,19 +72,38 @@ class Condition:
         return self.severity in UNHEALTHY_SEVERITIES
 
     def wire(self) -> ActiveCondition:
-        return ActiveCondition(
-            condition=self.condition,
-            kind=self.kind,
-            severity=self.severity,
-            reason=self.reason,
-            message=self.message,
-            action=self.action,
-            sticky=self.sticky,
-            since=self.since,
-            evidence_count=self.evidence,
-            boot_id=self.boot_id,
-            mig_device=self.mig_device,
-        )
+        return ActiveCondition(**_same_on_wire(self), evidence_count=self.evidence)
+
+    @classmethod
+    def from_wire(cls, c: ActiveCondition) -> Condition:
+        """The condition ``c`` stands for (a restart rebuilds it from the KV bucket)."""
+        xid: int | None = None
+        if c.kind == "xid":
+            _, _, code = c.condition.partition(":")
+            code = code.partition("@")[0]
+            xid = int(code) if code.isdigit() else None
+        return cls(**_same_on_wire(c), xid=xid, evidence=c.evidence_count)
+
+
+# What a condition keeps under the same name on the wire (ActiveCondition). The
+# evidence count is renamed (evidence_count); the observed value and threshold stay on
+# the node, and the XID is read back from the condition's name.
+WIRE_FIELDS: Final = (
+    "condition",
+    "kind",
+    "severity",
+    "reason",
+    "message",
+    "action",
+    "sticky",
+    "since",
+    "boot_id",
+    "mig_device",
+)
+
+
+def _same_on_wire(c: Condition | ActiveCondition) -> dict[str, Any]:
+    return {name: getattr(c, name) for name in WIRE_FIELDS}
 
 
 class CountWindow:
@@ -176,24 +196,6 @@ class GpuState:
         )
         state = cls(uuid=health.gpu_uuid, index=health.gpu_index, present=health.present, info=info)
         for c in health.conditions:
-            xid: int | None = None
-            if c.kind == "xid":
-                _, _, code = c.condition.partition(":")
-                code = code.partition("@")[0]
-                xid = int(code) if code.isdigit() else None
-            state.conditions[c.condition] = Condition(
-                condition=c.condition,
-                kind=c.kind,
-                severity=c.severity,
-                reason=c.reason,
-                action=c.action,
-                since=c.since,
-                sticky=c.sticky,
-                message=c.message,
-                xid=xid,
-                evidence=c.evidence_count,
-                boot_id=c.boot_id,
-                mig_device=c.mig_device,
-            )
+            state.conditions[c.condition] = Condition.from_wire(c)
         state.updated_at = health.updated_at
         return state

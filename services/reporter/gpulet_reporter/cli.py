@@ -23,8 +23,8 @@ from typing import Any
 import anyio
 
 from gpulet_common import codec, subjects
-from gpulet_common.bus import Bus, BusError, Refused, RequestTimeout
-from gpulet_common.cli_support import AddFlags, LoadSettings, tool_nats
+from gpulet_common.bus import BusError, Refused, RequestTimeout
+from gpulet_common.cli_support import AddFlags, LoadSettings, tool_bus
 from gpulet_common.messages import HealthState, HealthStateRequest, Inventory, InventoryRequest
 from gpulet_common.settings import Settings
 from gpulet_reporter.desired import build_desired, render_device
@@ -38,12 +38,7 @@ class PreviewError(Exception):
 
 
 async def _from_agent(settings: Settings, timeout_s: float) -> tuple[Inventory, HealthState | None]:
-    async with Bus.connect(
-        tool_nats(settings),
-        name="gpulet-reporter-preview",
-        max_initial_attempts=3,
-        limits=settings.limits,
-    ) as bus:
+    async with tool_bus(settings, "gpulet-reporter-preview") as bus:
         try:
             inventory = await bus.request(
                 subjects.inventory_request(settings.node_name),

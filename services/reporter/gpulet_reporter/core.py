@@ -25,6 +25,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+import msgspec
+
 from gpulet_common.logutil import RateLimitedLog
 from gpulet_common.messages import GpuHealth, GpuInfo, Inventory
 from gpulet_common.settings.reporter import ReporterSettings
@@ -95,6 +97,12 @@ class ReporterCore:
             self._absent.discard(uuid)
             changed = True
         if self.health.apply(uuid, health) or changed:
+            self._rebuild()
+
+    def on_replicas(self, replicas: dict[str, int]) -> None:
+        """The allocator's time-slicing replicas of each GPU (GFD's sharing labels)."""
+        if replicas != self._facts.replicas:
+            self._facts = msgspec.structs.replace(self._facts, replicas=dict(replicas))
             self._rebuild()
 
     def absent_gpus(self) -> list[GpuInfo]:

@@ -22,6 +22,10 @@ Unknown    ``GPUStateUnknown``         that long after start there is still no i
                                        or no snapshot of the ``gpu_health`` KV bucket
 =========  ==========================  =====================================================
 
+Every message ends with the node's boot ID (``; boot ID <uuid>``, from
+:mod:`gpulet_common.bootid`), so that what the condition says is tied to the boot it
+was seen in; health events carry the same ID (``node_boot_id``).
+
 Failing closed: a state that cannot be trusted is not reported as healthy. It is not
 reported as unhealthy either: an Unknown condition leaves the taint as it is (a taint
 set for a failure stays until the health service is back and says the GPU recovered;
@@ -72,6 +76,7 @@ from typing import Any, Final, Literal
 
 import msgspec
 
+from gpulet_common.bootid import read_boot_id
 from gpulet_common.kubeapi import KubeApiError
 from gpulet_common.messages import UNHEALTHY_SEVERITIES, GpuHealth, Inventory
 from gpulet_common.settings.reporter import ReporterSettings
@@ -171,6 +176,13 @@ def unknown(reason: str, message: str, *, policy: TaintPolicy) -> NodeHealthInte
     )
 
 
+def with_boot_id(intent: NodeHealthIntent | None, boot_id: str) -> NodeHealthIntent | None:
+    """The intent with the node's boot ID at the end of its message."""
+    if intent is None or not boot_id:
+        return intent
+    return msgspec.structs.replace(intent, message=f"{intent.message}; boot ID {boot_id}")
+
+
 class NodeHealthKeeper:
     """The liveness facts and the last intent; offers changed intents to its debouncer.
 
@@ -184,8 +196,11 @@ class NodeHealthKeeper:
         settings: ReporterSettings,
         *,
         clock: Callable[[], float] = time.monotonic,
+        boot_id: str | None = None,
     ) -> None:
         self.node = node
+        # The node's boot ID, in every message (None: read it now).
+        self.boot_id = read_boot_id() if boot_id is None else boot_id
         self._settings = settings
         self._clock = clock
         self._started = clock()
@@ -214,7 +229,9 @@ class NodeHealthKeeper:
         health_seen: bool,
     ) -> NodeHealthIntent | None:
         """Re-evaluate; a changed intent is submitted. Returns the current intent."""
-        intent = self._evaluate(inventory, healths, health_seen=health_seen)
+        intent = with_boot_id(
+            self._evaluate(inventory, healths, health_seen=health_seen), self.boot_id
+        )
         if intent is not None and intent != self.intent:
             self.intent = intent
             self.debouncer.submit(intent)

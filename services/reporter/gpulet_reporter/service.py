@@ -30,6 +30,10 @@ With ``dra.mode`` ``dra`` or ``both`` the same view also feeds the node's
 ResourceSlices (:class:`~gpulet_reporter.slices.publisher.SlicePublisher`), through
 the same API client; with ``both``, the GPUs the device plugin holds (the allocator's
 ``held`` long poll, :mod:`.slices.held`) are tainted ``NoSchedule`` there.
+
+With ``sharing.time_slicing`` configs, the same long poll brings the replicas each
+GPU is offered as (the allocator's plan of the node's config) for GFD's sharing labels
+(:mod:`gpulet_reporter.sharelabels`).
 """
 
 from __future__ import annotations
@@ -47,7 +51,8 @@ from gpulet_common.lifecycle import idle_disabled
 from gpulet_common.logutil import RateLimitedLog
 from gpulet_common.messages import HealthStateRequest, Inventory
 from gpulet_common.nodeview import NodeChange, NodeView
-from gpulet_common.runtime import Runtime
+from gpulet_common.runtime import Runtime, RuntimeService
+from gpulet_common.settings import ReporterSettings
 from gpulet_reporter.core import ReporterCore
 from gpulet_reporter.debounce import Debouncer
 from gpulet_reporter.desired import DesiredState
@@ -67,7 +72,7 @@ log = logging.getLogger("gpulet.reporter")
 MAX_ASK_INTERVAL_S = 300.0
 
 
-class ReporterService:
+class ReporterService(RuntimeService[ReporterSettings]):
     name = "reporter"
 
     def __init__(
@@ -79,9 +84,7 @@ class ReporterService:
         sysfs_pci_devices: Path | None = None,
         machine_type_file: Path = DMI_PRODUCT_NAME,
     ) -> None:
-        self._rt = runtime
-        self._settings = runtime.settings.reporter
-        self._node = runtime.node
+        super().__init__(runtime, runtime.settings.reporter)
         self._env = env
         self._sa_dir = sa_dir
         self.metrics = ReporterMetrics(runtime.meter)
@@ -137,9 +140,17 @@ class ReporterService:
             tg.start_soon(self._write)
             if self._settings.node_condition:
                 tg.start_soon(self._probe_health)
+            if self._rt.settings.sharing.time_slicing.enabled:
+                tg.start_soon(self._follow_replicas)
             task_status.started()
 
     # -- inputs ------------------------------------------------------------------
+
+    async def _follow_replicas(self) -> None:
+        """The allocator's time-slicing replicas, for GFD's sharing labels."""
+        retry_s = self._settings.request_retry_s
+        on_reply = self.core.on_replicas
+        await follow_held(self._rt.bus, self._node, lambda r: on_reply(r.replicas), retry_s)
 
     def _on_view(self, change: NodeChange) -> None:
         inventory = self.view.inventory
@@ -256,7 +267,14 @@ class ReporterService:
         async with anyio.create_task_group() as tg:
             if self._rt.settings.dra.mode == "both":
                 retry_s = self._settings.request_retry_s
-                tg.start_soon(follow_held, self._rt.bus, self._node, self.slices, retry_s)
+                slices = self.slices
+                tg.start_soon(
+                    follow_held,
+                    self._rt.bus,
+                    self._node,
+                    lambda r: slices.set_held(r.held),
+                    retry_s,
+                )
             await self.slices.run()
 
     async def _run_node_health_loop(self, node_api: NodeApi, server: str) -> None:

@@ -4,11 +4,13 @@ One transient spec per claim (``cncf-tags/container-device-interface``), in
 ``<cdi_dir>/<vendor>-<class>_<claimUID>.json`` (``/var/run/cdi`` by default), kind
 ``<driver>/gpu`` (``gpu.gpulet.io/gpu``). Each allocated device is a CDI device
 ``<claimUID>-<device>`` (``…=8f1c…-gpu-3``): its edits add its device node
-``/dev/nvidia<minor>``. The spec's own edits, applied once whichever of its devices a
+``/dev/nvidia<minor>``; a MIG device's add its parent's and the capability nodes of its
+GPU and compute instance (``/dev/nvidia-caps/nvidia-cap<n>``), where the driver has
+them. The spec's own edits, applied once whichever of its devices a
 container gets, carry what the device plugin's Allocate gives today
 (``gpulet_allocator.core``):
 
-* ``NVIDIA_VISIBLE_DEVICES`` = the claim's GPU UUIDs, in device order, and
+* ``NVIDIA_VISIBLE_DEVICES`` = the claim's GPU (or MIG) UUIDs, in device order, and
   ``GPULET_ALLOCATION_ID`` = the claim's allocation in the ledger;
 * the control device nodes (``nvidiactl``, ``nvidia-uvm``, ``nvidia-uvm-tools``,
   ``nvidia-modeset``) that exist on the node;
@@ -36,7 +38,11 @@ from typing import Any, Final
 
 from gpulet_common.safefile import write_atomic
 
-CDI_VERSION: Final = "0.6.0"
+# The lowest CDI version with what the spec uses (``hostPath`` of a device node is
+# 0.5.0's), as the CDI library's MinimumRequiredVersion picks: a runtime refuses a spec
+# newer than it knows, and containerd 1.7 and podman 4.3 know 0.5.0 at most (podman
+# 4.3.1 answered "invalid version 0.6.0", tests/image/test_image_cdi.py).
+CDI_VERSION: Final = "0.5.0"
 CLASS: Final = "gpu"
 ALLOCATION_ENV: Final = "GPULET_ALLOCATION_ID"
 CONTROL_DEVICES: Final = ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools", "nvidia-modeset")
@@ -54,6 +60,9 @@ class PreparedDevice:
     # A share: the cores (percent) and memory (MiB) it was given; None for whole GPUs.
     cores: int | None = None
     memory_mib: int | None = None
+    # A MIG device: the host paths of its capability nodes (``/dev/nvidia-caps/…``),
+    # added to its device node, the parent's ``/dev/nvidia<minor>``.
+    extra_nodes: tuple[str, ...] = ()
 
 
 def kind(driver: str) -> str:
@@ -136,11 +145,8 @@ def build_spec(
                 "name": device_name(claim_uid, d.device),
                 "containerEdits": {
                     "deviceNodes": [
-                        {
-                            "path": f"{host_dev}/nvidia{d.minor}",
-                            "hostPath": f"{host_dev}/nvidia{d.minor}",
-                            "permissions": "rw",
-                        }
+                        {"path": path, "hostPath": path, "permissions": "rw"}
+                        for path in (f"{host_dev}/nvidia{d.minor}", *d.extra_nodes)
                     ]
                 },
             }

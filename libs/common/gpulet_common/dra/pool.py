@@ -6,8 +6,10 @@ Input: the inventory and every GPU's health (what
 Output: a :class:`Pool`: its devices, and the slices that carry them.
 
 * One pool per node, named after the node, under ``nodeName``; devices sorted by GPU
-  index and split into slices of at most 128 (64 when any device carries taints or
-  counters); every slice says ``resourceSliceCount``. No GPU: no slice.
+  index (a GPU's MIG devices after it, :mod:`.mig`; a MIG-enabled GPU, or one with a
+  pending MIG mode change, is not a device itself: only its MIG devices are) and
+  split into slices of at most 128 (64 when any device carries taints or counters);
+  every slice says ``resourceSliceCount``. No GPU: no slice.
 * Slice names are fixed (``<node>-<driver>-<n>``, shortened with a hash when the node
   name is long), so the writer compares and replaces by name, and a slice someone
   deleted comes back under its own name.
@@ -27,8 +29,9 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from gpulet_common.dra import devices as dev
-from gpulet_common.dra import limits, taints
-from gpulet_common.messages import GpuHealth, Inventory
+from gpulet_common.dra import limits, mig, taints
+from gpulet_common.messages import GpuHealth, GpuInfo, Inventory
+from gpulet_common.migrules import parent_block
 from gpulet_common.settings.dra import DraSettings
 
 JsonObj = dict[str, Any]
@@ -73,29 +76,25 @@ def render_devices(
     now: float = 0.0,
     pcie_root: Callable[[str], str] | None = None,
 ) -> list[JsonObj]:
-    """Every GPU of the inventory as a device, in index order; raises PoolError when
-    one would break an API rule (a bug or a hostile inventory: never published)."""
+    """Every GPU that may go whole, and every MIG device, as a device, in index order;
+    raises PoolError when one would break an API rule (a bug or a hostile inventory:
+    never published)."""
     islands = dev.nvlink_islands(inventory.gpus)
     known = known or {}
     out: list[JsonObj] = []
     seen: set[str] = set()
-    for gpu in sorted(inventory.gpus, key=lambda g: g.index):
-        name = dev.device_name(gpu)
+
+    def wanted_taints(gpu: GpuInfo, name: str, uuid: str, mig: str = "") -> list[JsonObj]:
         wanted = taints.health_taints(
             healths.get(gpu.uuid),
             driver=settings.driver,
             unhealthy_effect=settings.unhealthy_effect,
-            held_by_device_plugin=settings.mode == "both" and gpu.uuid in held,
+            held_by_device_plugin=settings.mode == "both" and uuid in held,
+            mig_device=mig,
         )
-        body = dev.device(
-            gpu,
-            inventory,
-            island=islands[gpu.uuid],
-            sharing=settings.sharing,
-            memory_step=settings.memory_step_bytes,
-            pcie_root=pcie_root,
-            taints=taints.render(wanted, known.get(name, {}), now),
-        )
+        return taints.render(wanted, known.get(name, {}), now)
+
+    def add(name: str, body: JsonObj) -> None:
         problems = limits.device_problems(body)
         if name in seen:
             problems.append(f"device name {name} is not unique in the pool")
@@ -103,6 +102,32 @@ def render_devices(
             raise PoolError(f"{name}: " + "; ".join(problems))
         seen.add(name)
         out.append(body)
+
+    for gpu in sorted(inventory.gpus, key=lambda g: g.index):
+        island = islands[gpu.uuid]
+        if parent_block(gpu) is None:
+            name = dev.device_name(gpu)
+            body = dev.device(
+                gpu,
+                inventory,
+                island=island,
+                sharing=settings.sharing,
+                memory_step=settings.memory_step_bytes,
+                pcie_root=pcie_root,
+                taints=wanted_taints(gpu, name, gpu.uuid),
+            )
+            add(name, body)
+        for m in mig.offered_migs(gpu):
+            name = mig.device_name(gpu, m)
+            body = mig.device(
+                gpu,
+                m,
+                inventory,
+                island=island,
+                pcie_root=pcie_root,
+                taints=wanted_taints(gpu, name, m.uuid, m.uuid),
+            )
+            add(name, body)
     return out
 
 

@@ -11,6 +11,10 @@ Keys (documented in docs/dra.md; ``<driver>`` is ``gpu.gpulet.io`` by default)
 * ``<driver>/device-plugin`` -- in mode ``both``, the device plugin holds this GPU
   (value ``allocated``): ``NoSchedule`` so the scheduler stops picking it for claims.
 
+A MIG device (:mod:`.mig`) gets its GPU's taints (a GPU-wide fault, a lost GPU) and
+those of the conditions confined to it (``ActiveCondition.mig_device``, e.g. an XID that
+named its GPU and compute instance): a fault on one MIG device taints only that one.
+
 The effect follows :data:`~gpulet_common.messages.UNHEALTHY_SEVERITIES`, the one rule
 the node view and the device plugin also use: a condition of those severities taints
 ``NoSchedule`` (``NoExecute`` under the ``unhealthy_effect`` setting), any other gets
@@ -51,6 +55,8 @@ def _one(condition: ActiveCondition, driver: str, unhealthy_effect: str) -> tupl
     bad = condition.severity in UNHEALTHY_SEVERITIES
     effect = unhealthy_effect if bad else "None"
     name, _, detail = condition.condition.partition(":")
+    # A MIG device's XID condition is named ``xid:<code>@<MIG UUID>``.
+    detail = detail.partition("@")[0]
     if condition.kind == XID and name == XID and detail.isdigit():
         return f"{driver}/{XID}", detail, effect
     value = limits.label_value(condition.condition or condition.kind) or condition.kind
@@ -63,9 +69,14 @@ def health_taints(
     driver: str,
     unhealthy_effect: str = "NoSchedule",
     held_by_device_plugin: bool = False,
+    mig_device: str = "",
 ) -> list[tuple[TaintKey, float]]:
     """The taints one GPU deserves, worst first, each with the time its cause began
-    (0 when unknown), at most :data:`~limits.MAX_TAINTS_PER_DEVICE`."""
+    (0 when unknown), at most :data:`~limits.MAX_TAINTS_PER_DEVICE`.
+
+    ``mig_device``: the taints of that MIG device of the GPU instead: the GPU's own
+    conditions (a GPU-wide fault taints every MIG device on it) and those confined to
+    it; a condition confined to one MIG device never taints another, nor the GPU."""
     found: dict[TaintKey, tuple[int, float]] = {}
 
     def add(key: TaintKey, rank: int, since: float) -> None:
@@ -77,6 +88,8 @@ def health_taints(
         if not health.present:
             add((f"{driver}/{UNHEALTHY}", "gpu-lost", unhealthy_effect), 99, health.updated_at)
         for condition in health.conditions:
+            if condition.mig_device not in ("", mig_device):
+                continue
             add(
                 _one(condition, driver, unhealthy_effect),
                 SEVERITY_RANK.get(condition.severity, 0),

@@ -4,7 +4,8 @@ Each GPU with a ``[gpus.mig]`` table (:mod:`.migspec`) has a table of GPU instan
 (id, profile id, placement) and, per GPU instance, its compute instances: one MIG
 device each, handed out by ``nvmlDeviceGetMigDeviceHandleByIndex`` in slot order, an
 empty slot answering NOT_FOUND. A MIG device handle answers what real NVML answers on
-one: its UUID (``MIG-<uuid>``), its memory, its attributes (multiprocessors, engines,
+one: its UUID (``MIG-<uuid>``), its memory (used in proportion to its GPU's reading),
+its attributes (multiprocessors, engines,
 slices), its GPU-instance and compute-instance ids and its parent. A GPU without the
 table answers NOT_SUPPORTED for the mode and 0 for the maximum MIG device count, as a
 T4 does on real NVML.
@@ -300,5 +301,9 @@ class MockMig(MockInventory, MockReadings):
     def nvmlDeviceGetMemoryInfo(self, handle: Any, version: int | None = None) -> MockMemory:
         if isinstance(handle, MockMigHandle):
             total = self._mig_entry(handle).memory_mib * 1024 * 1024
-            return MockMemory(total=total, free=total, used=0)
+            # Used as the GPU's own reading is used, in proportion (a scenario's memory
+            # readings and faults show on its MIG devices too).
+            parent = super().nvmlDeviceGetMemoryInfo(handle.parent, version)
+            used = min(total, parent.used * total // parent.total) if parent.total else 0
+            return MockMemory(total=total, free=total - used, used=used)
         return super().nvmlDeviceGetMemoryInfo(handle, version)

@@ -18,6 +18,14 @@ NO_PERMISSION leave the fields absent; NOT_FOUND is an empty slot. None of them 
 error. GPU_IS_LOST and NVML going away raise as everywhere in the adapter; any other
 failure of one MIG device leaves that device out, logged.
 
+Samples
+-------
+The handles of the MIG devices are kept from the last read; each sample of the GPU
+reads every MIG device's ``nvmlDeviceGetMemoryInfo`` through them
+(:meth:`MigReader._mig_samples`, for dcgm-exporter's per-GPU-instance memory metrics).
+A handle that fails (the MIG device was destroyed) is dropped until the layout is read
+again.
+
 Profile names
 -------------
 Named as NVML's tools name them (``NVIDIA/go-nvlib:pkg/nvlib/device/mig_profile.go``):
@@ -33,7 +41,7 @@ from typing import Any, Final
 
 import msgspec
 
-from gpulet_common.messages import GpuInfo, MigDevice
+from gpulet_common.messages import GpuInfo, MigDevice, MigSample
 from gpulet_common.nvml.calls import (
     FIELD_UNSUPPORTED,
     Backend,
@@ -82,6 +90,8 @@ class MigReader(NvmlCalls):
         self._f_gi_by_id = bind("nvmlDeviceGetGpuInstanceById")
         self._f_gi_info = bind("nvmlGpuInstanceGetInfo")
         self._c_mig_enable = const("NVML_DEVICE_MIG_ENABLE", 1)
+        # GPU UUID -> its MIG devices and their handles, as last read (for samples).
+        self._mig_handles: dict[str, tuple[tuple[MigDevice, Any], ...]] = {}
         self._c_media_profiles = frozenset(
             {
                 const("NVML_GPU_INSTANCE_PROFILE_1_SLICE_REV1", 0x7),
@@ -114,19 +124,57 @@ class MigReader(NvmlCalls):
         fields: dict[str, Any] = {}
         if max_count is not None:
             fields["mig_max_devices"] = int(max_count)
+        found: list[tuple[MigDevice, Any]] = []
         if mode is not None:
             current, pending = int(mode[0]), int(mode[1])
             fields["mig_mode"] = "enabled" if current == self._c_mig_enable else "disabled"
             fields["mig_mode_pending"] = "enabled" if pending == self._c_mig_enable else "disabled"
             if current == self._c_mig_enable and max_count:
-                fields["mig_devices"] = self._mig_devices(gpu, int(max_count), info)
+                found = self._mig_devices(gpu, int(max_count), info)
+                fields["mig_devices"] = [device for device, _ in found]
+        self._mig_handles[gpu.uuid] = tuple(found)
         return msgspec.structs.replace(info, **fields) if fields else info
 
-    def _mig_devices(self, gpu: GpuHandle, count: int, info: GpuInfo) -> list[MigDevice]:
+    def _mig_samples(self, gpu: GpuHandle) -> list[MigSample]:
+        """Each MIG device's memory, through the handles the last inventory read. A
+        handle that fails (the MIG device was destroyed since) is dropped until the next
+        inventory; only a lost GPU or NVML going away raises."""
+        entries = self._mig_handles.get(gpu.uuid)
+        fn = self._f_memory
+        if not entries or fn is None:
+            return []
+        out: list[MigSample] = []
+        stale: list[str] = []
+        for device, handle in entries:
+            try:
+                memory = fn(handle)
+            except self._error_type as exc:
+                if self._code(exc) not in FIELD_UNSUPPORTED:
+                    self._raise_if_gone(gpu, exc, "nvmlDeviceGetMemoryInfo")
+                    log.debug("GPU %d: MIG device %s unreadable: %s", gpu.index, device.uuid, exc)
+                    stale.append(device.uuid)
+                    continue
+                memory = None
+            out.append(
+                MigSample(
+                    uuid=device.uuid,
+                    gpu_instance_id=device.gpu_instance_id,
+                    compute_instance_id=device.compute_instance_id,
+                    memory_used_bytes=int(memory.used) if memory is not None else None,
+                    memory_free_bytes=int(memory.free) if memory is not None else None,
+                )
+            )
+        if stale:
+            self._mig_handles[gpu.uuid] = tuple(e for e in entries if e[0].uuid not in stale)
+        return out
+
+    def _mig_devices(
+        self, gpu: GpuHandle, count: int, info: GpuInfo
+    ) -> list[tuple[MigDevice, Any]]:
         fn = self._f_mig_handle
         if fn is None:
             return []
-        devices: list[MigDevice] = []
+        devices: list[tuple[MigDevice, Any]] = []
         for index in range(min(count, MAX_MIG_SLOTS)):
             try:
                 handle = fn(gpu.handle, index)
@@ -141,7 +189,7 @@ class MigReader(NvmlCalls):
                 continue
             device = self._mig_device(gpu, index, handle, info)
             if device is not None:
-                devices.append(device)
+                devices.append((device, handle))
         return devices
 
     def _mig_device(

@@ -17,7 +17,9 @@ from gpulet_common.settings.health import HealthSettings
 from gpulet_common.settings.limits import LimitsSettings
 from gpulet_common.settings.nats import NatsSettings
 from gpulet_common.settings.nvml import NvmlSettings
+from gpulet_common.settings.remediation import RemediationSettings
 from gpulet_common.settings.reporter import ReporterSettings
+from gpulet_common.settings.sharing import SharingSettings
 from gpulet_common.settings.telemetry import TelemetrySettings
 
 
@@ -37,6 +39,8 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     limits: LimitsSettings = msgspec.field(default_factory=LimitsSettings)
     fleet: FleetSettings = msgspec.field(default_factory=FleetSettings)
     dra: DraSettings = msgspec.field(default_factory=DraSettings)
+    remediation: RemediationSettings = msgspec.field(default_factory=RemediationSettings)
+    sharing: SharingSettings = msgspec.field(default_factory=SharingSettings)
 
 
 __all__ = [
@@ -48,7 +52,9 @@ __all__ = [
     "LimitsSettings",
     "NatsSettings",
     "NvmlSettings",
+    "RemediationSettings",
     "ReporterSettings",
     "Settings",
+    "SharingSettings",
     "TelemetrySettings",
 ]

@@ -8,7 +8,10 @@ GPU never has two owners, whichever asked first.
 Rules (:meth:`Claims.reserve`):
 
 * a device is named as DRA names it, ``gpu-<minor>``
-  (:func:`gpulet_common.dra.devices.device_name`), and must be in the inventory
+  (:func:`gpulet_common.dra.devices.device_name`), or
+  ``gpu-<minor>-mig-<profile>-<gi>-<ci>`` for a MIG device
+  (:func:`gpulet_common.dra.mig.targets`: held under its MIG UUID, given whole only,
+  like the device plugin's MIG devices), and must be in the inventory
   (``unknown_device``);
 * a device the claim consumes 100 % of the cores of (or names no share of) is a
   **whole GPU**: one :class:`~.engine.WholeAllocation` under ``(uid, "")`` holds all
@@ -20,9 +23,12 @@ Rules (:meth:`Claims.reserve`):
 * a device with 1-99 % of the cores is a **share**: a
   :class:`~.engine.ShareAllocation` under ``(uid, <device>)`` of that card, its memory
   rounded up to the ledger's 256 MiB units (all of the card's memory when the claim
-  names none), refused like the device plugin's shares when it does not fit, and
-  refused on a card that holds a device-plugin share (the scheduler accounts a claim's
-  share in the slice and knows nothing of those);
+  names none), refused like the device plugin's shares when it does not fit. A card
+  never carries shares of both adapters, the ledger's rule
+  (:meth:`~.engine.Ledger.refusal` with ``claim``): a claim's share is refused on a
+  card that holds a device-plugin share, and a device-plugin share on one that holds a
+  claim's (the scheduler accounts a claim's share in the slice and knows nothing of
+  the device plugin's, kubelet the reverse);
 * all or nothing: a refusal leaves nothing reserved;
 * idempotent: the same UID asking for the same devices and shares gets the recorded
   reservation; the same UID asking for others is refused ``invalid_request``;
@@ -53,7 +59,7 @@ from gpulet_allocator.protocol import (
 )
 from gpulet_allocator.state.records import ClaimDeviceRecord, ClaimRecord
 from gpulet_common.dra.devices import device_name
-from gpulet_common.messages import GpuInfo
+from gpulet_common.dra.mig import Target, targets
 from gpulet_common.refusal import Refused
 
 MIB = 1024 * 1024
@@ -88,10 +94,14 @@ class Claims:
     def __init__(self, books: Books) -> None:
         self._books = books
 
-    def _gpu_of(self, name: str) -> GpuInfo:
+    def _target(self, name: str, pool: dict[str, Target]) -> Target:
+        found = pool.get(name)
+        if found is not None:
+            return found
         for gpu in self._books.gpus.values():
             if device_name(gpu) == name:
-                return gpu
+                # A GPU MIG keeps out of the pool: the ledger says why it may not go whole.
+                return Target(name, gpu)
         raise Refused("unknown_device", f"no device {name[:64]!r} on this node")
 
     def reserve(
@@ -122,7 +132,8 @@ class Claims:
             )
         if books.ledger.allocations(uid):
             raise Refused("invalid_request", f"{uid} already names an allocation")
-        gpus = {d.device: self._gpu_of(d.device) for d in devices}
+        pool = targets(books.gpus.values())
+        gpus = {d.device: self._target(d.device, pool) for d in devices}
         whole = [d for d in devices if is_whole(d)]
         shares = [d for d in devices if not is_whole(d)]
         try:
@@ -132,9 +143,8 @@ class Claims:
                     devices=[gpus[d.device].uuid for d in whole],
                 )
             for d in shares:
-                gpu = gpus[d.device]
-                self._check_not_shared_with_device_plugin(gpu.uuid)
-                units = memory_units(gpu.memory_total_bytes)
+                target = gpus[d.device]
+                units = memory_units(target.gpu.memory_total_bytes)
                 if d.memory_bytes is not None:
                     # Rounded up, but never past the card (its last partial unit).
                     units = min(units, -(-d.memory_bytes // MEMORY_UNIT_BYTES))
@@ -142,12 +152,12 @@ class Claims:
                     Owner(allocation_id=uid, container=d.device, namespace=namespace, name=name),
                     d.cores or CORES_PER_GPU,
                     units,
-                    device=gpu.uuid,
+                    device=target.uuid,
+                    claim=True,
                 )
         except Exception:
             books.ledger.release(uid)
             raise
-        minors = books.minors()
         record = ClaimRecord(
             uid=uid,
             namespace=namespace,
@@ -157,7 +167,7 @@ class Claims:
                 ClaimDeviceRecord(
                     device=d.device,
                     uuid=gpus[d.device].uuid,
-                    minor=minors[gpus[d.device].uuid],
+                    minor=gpus[d.device].minor,
                     cores=None if is_whole(d) else d.cores,
                     memory_mib=_memory_mib(d),
                 )
@@ -171,17 +181,6 @@ class Claims:
             self.release(uid)
 
         return record, undo
-
-    def _check_not_shared_with_device_plugin(self, uuid: str) -> None:
-        """A card never carries shares of both adapters: the scheduler accounts a
-        claim's share in the slice and knows nothing of the device plugin's."""
-        books = self._books
-        for held in books.ledger.device(uuid).shares:
-            if held.owner.allocation_id not in books.claims:
-                raise Refused(
-                    "insufficient_capacity",
-                    f"{uuid} holds a device-plugin share ({held.owner.allocation_id})",
-                )
 
     def release(self, uid: str) -> bool:
         """Free what claim ``uid`` holds; False when it held nothing."""
@@ -209,4 +208,5 @@ class Claims:
                 problems.append(f"claim {record.uid}: its allocations are not recorded")
                 continue
             books.claims[record.uid] = record
+            books.ledger.mark_claim(record.uid)
         return problems

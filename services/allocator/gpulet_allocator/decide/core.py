@@ -53,6 +53,10 @@ by the ledger's one answer. Under the ``single`` and ``mixed`` strategies MIG UU
 whole-kind IDs of the resource the strategy offers them under (``nvidia.com/gpu``, or
 ``nvidia.com/mig-<profile>``); a MIG UUID under any other resource, or not offered by
 the strategy (``none``, an invalid single layout), is refused as ``unknown_device``.
+
+**Time-slicing** (:mod:`gpulet_allocator.timeslicing`, :mod:`.timeslice`): a replica
+``<uuid>::<n>`` is a whole-kind ID of ``nvidia.com/gpu``, a card of its own in the
+ledger; the container is given its GPU. The ledger's one answer keeps one owner per GPU.
 """
 
 from __future__ import annotations
@@ -71,6 +75,7 @@ from gpulet_allocator.decide.joining import ShareJoiner
 from gpulet_allocator.decide.koordinator import PodBook
 from gpulet_allocator.decide.record import Adoption, HeldDevices, PodRef, Record
 from gpulet_allocator.decide.release import Releases
+from gpulet_allocator.decide.timeslice import TimeSlicing
 from gpulet_allocator.decide.views import allocation_views, gpu_views
 from gpulet_allocator.mig import MigPlan, MigStrategy, mig_plan, mig_resource_prefix
 from gpulet_allocator.protocol import (
@@ -80,13 +85,14 @@ from gpulet_allocator.protocol import (
     PreferredRequest,
     ReleaseRequest,
     StateReply,
-    parse_device_id,
+    card_id,
     resource_specs,
 )
 from gpulet_allocator.state.records import ClaimRecord, Grant, GrantKind, StoredState
 from gpulet_common.messages import Inventory
 from gpulet_common.refusal import Refused
 from gpulet_common.settings.allocator import CdiSettings, MpsSettings, ResourceNames
+from gpulet_common.settings.sharing import TimeSlicingSettings
 
 
 class AllocatorCore:
@@ -109,6 +115,7 @@ class AllocatorCore:
         book: PodBook | None = None,
         on_refusal: RefusalHook | None = None,
         mig_strategy: MigStrategy = "none",
+        time_slicing: TimeSlicingSettings | None = None,
     ) -> None:
         self.node = node
         self.names = names
@@ -135,6 +142,10 @@ class AllocatorCore:
         )
         self.claims = Claims(self.books)
         self._answers = Answers(self.books, mps or MpsSettings(), cdi or CdiSettings())
+        #: Time-slicing replicas: the node's config in force (:mod:`.timeslice`).
+        self.time_slicing = TimeSlicing(
+            self.books, time_slicing or TimeSlicingSettings(), names.gpu
+        )
 
     # --- what the pieces hold -----------------------------------------------------------
 
@@ -209,6 +220,7 @@ class AllocatorCore:
         if not self.books.update_inventory(inventory):
             return False
         self.mig = mig_plan(inventory.gpus, self.mig_strategy, self.names.gpu)
+        self.time_slicing.apply()
         return True
 
     def check_mig_pool(self, resource: str, uuids: Sequence[str]) -> None:
@@ -295,7 +307,8 @@ class AllocatorCore:
             self.handshake.check_retry(existing, resource, kind, ids)
             return existing
         if kind == "whole":
-            uuids = [parse_device_id(i).gpu_uuid for i in ids]
+            # A replica is a card of its own (its GPU is the ledger's ``gpu_of``).
+            uuids = [card_id(i) for i in ids]
             self.check_mig_pool(resource, uuids)
             claim = self.handshake.whole_claim(resource, uuids)
             books.ledger.allocate_whole(Owner(allocation_id=key), devices=uuids)
@@ -333,6 +346,7 @@ class AllocatorCore:
             for u in request.available
             if u in self.ledger.topology
             or (u in self.mig.offers and self.mig.offers[u].resource == resource)
+            or (self.ledger.is_replica(u) and resource == self.names.gpu)
         ]
         return self.ledger.preferred(available, request.must_include, request.size)
 

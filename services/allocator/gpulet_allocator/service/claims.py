@@ -13,7 +13,6 @@ one convention (:mod:`gpulet_common.refusal`); the plugin's
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
@@ -22,7 +21,7 @@ from nats.micro.request import Request
 from gpulet_allocator import protocol as p
 from gpulet_allocator.decide.books import Undo
 from gpulet_allocator.decide.core import AllocatorCore
-from gpulet_allocator.service.replies import Replies
+from gpulet_allocator.service.replies import Replies, handler_for
 from gpulet_common.refusal import Refused, one_line
 
 log = logging.getLogger("gpulet.allocator")
@@ -43,22 +42,19 @@ class ClaimEndpoints:
         on_change: Callable[[], None],
     ) -> None:
         self._core = core
-        self._replies = replies
+        self.replies = replies
         self._answer_durably = answer_durably
         self._on_change = on_change
 
-    async def on_reserve(self, req: Request) -> None:
+    @handler_for(p.ENDPOINT_RESERVE_CLAIM, p.RESERVE_CLAIM_REQUEST)
+    async def on_reserve(self, req: Request, value: p.ReserveClaimRequest, started: float) -> None:
         endpoint = p.ENDPOINT_RESERVE_CLAIM
-        started = time.perf_counter()
-        value = await self._replies.decode(req, endpoint, p.RESERVE_CLAIM_REQUEST, started)
-        if value is None:
-            return
         try:
             record, undo = self._core.reserve_claim(
                 value.claim_uid, value.devices, namespace=value.namespace, name=value.name
             )
         except Refused as exc:
-            await self._replies.reject(req, endpoint, exc.code, exc.message, started)
+            await self.replies.reject(req, endpoint, exc.code, exc.message, started)
             return
         if undo is not None:
             log.info(
@@ -86,12 +82,9 @@ class ClaimEndpoints:
         data = p.RESERVE_CLAIM_REPLY.encode(reply)
         await self._answer_durably(req, endpoint, data, started, undo)
 
-    async def on_release(self, req: Request) -> None:
+    @handler_for(p.ENDPOINT_RELEASE_CLAIM, p.RELEASE_CLAIM_REQUEST)
+    async def on_release(self, req: Request, value: p.ReleaseClaimRequest, started: float) -> None:
         endpoint = p.ENDPOINT_RELEASE_CLAIM
-        started = time.perf_counter()
-        value = await self._replies.decode(req, endpoint, p.RELEASE_CLAIM_REQUEST, started)
-        if value is None:
-            return
         released = self._core.release_claim(value.claim_uid)
         if released:
             log.info("released DRA claim %s", one_line(value.claim_uid[:64]))

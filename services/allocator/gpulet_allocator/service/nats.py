@@ -21,6 +21,13 @@ Flow
    alive and release the allocations of the others (:mod:`.release`).
 5. With ``allocator.handshake.enabled``, watch this node's pods into the core's book
    and post refused decisions as Events (:mod:`.handshake`, docs/koordinator.md).
+6. With ``remediation.mode`` ``report`` or ``evict``, follow the health of the GPUs
+   and evict the pods that hold a failed one (:mod:`.remediate`, docs/health.md);
+   ``remediation`` answers what it would do now.
+7. With ``sharing.time_slicing`` configs, watch the node label that picks one and the
+   configs file (:mod:`.sharing`) and apply them to the core at once, no restart; the
+   replicas go to the device plugin and the reporter with the ``withheld`` and
+   ``held`` replies.
 
 Lost record
 -----------
@@ -56,7 +63,6 @@ measures the decision, not the fsync. Malformed requests are answered
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -73,9 +79,11 @@ from gpulet_allocator.decide.core import AllocatorCore
 from gpulet_allocator.service.claims import ClaimEndpoints
 from gpulet_allocator.service.handshake import HandshakeRunner, pod_book
 from gpulet_allocator.service.release import PodResourcesFollower
-from gpulet_allocator.service.replies import Replies
+from gpulet_allocator.service.remediate.service import RemediationService
+from gpulet_allocator.service.replies import Replies, handler_for
+from gpulet_allocator.service.sharing import SharingInputs
 from gpulet_allocator.service.status import AllocatorStatus
-from gpulet_allocator.service.withheld import WithheldFeed, held_feed
+from gpulet_allocator.service.withheld import core_feeds
 from gpulet_allocator.state.checkpoint import (
     CheckpointError,
     CheckpointFile,
@@ -88,8 +96,8 @@ from gpulet_common.lifecycle import idle_disabled
 from gpulet_common.messages import ErrorReply
 from gpulet_common.nodeview import NodeChange, NodeView
 from gpulet_common.refusal import Refused, bounded, one_line
-from gpulet_common.runtime import Runtime
-from gpulet_common.settings import Settings
+from gpulet_common.runtime import Runtime, RuntimeService
+from gpulet_common.settings import AllocatorSettings, Settings
 
 log = logging.getLogger("gpulet.allocator")
 # Once per request whose reply cannot be sent: rate-limited (a caller controls it).
@@ -112,13 +120,11 @@ RESET_NEEDS_CONFIRM = (
 )
 
 
-class AllocatorService:
+class AllocatorService(RuntimeService[AllocatorSettings]):
     name = "allocator"
 
     def __init__(self, runtime: Runtime) -> None:
-        self._rt = runtime
-        self._settings = runtime.settings.allocator
-        self._node = runtime.node
+        super().__init__(runtime, runtime.settings.allocator)
         plugin = self._settings.plugin
         self.view = NodeView(
             runtime.bus, self._node, retry_s=self._settings.request_retry_s, who="allocator"
@@ -138,10 +144,13 @@ class AllocatorService:
             book=pod_book(self._node, self._settings),
             on_refusal=self.handshake.refusals,
             mig_strategy=self._settings.mig_strategy,
+            time_slicing=runtime.settings.sharing.time_slicing,
         )
+        ts = self.core.time_slicing  # its node label and configs file: self.sharing
+        self.sharing = SharingInputs(runtime, ts, self._count_held, self._update_status)
         self.checkpoint = CheckpointFile(checkpoint_path(runtime.settings))
-        replies = Replies(runtime.meter, lambda: runtime.bus.client.max_payload)
-        self._decode, self._ok, self._reject = replies.decode, replies.ok, replies.reject
+        self.replies = replies = Replies(runtime.meter, lambda: runtime.bus.client.max_payload)
+        self._ok, self._reject = replies.ok, replies.reject
         self._count_refusal, self._too_large = replies.count_refusal, replies.too_large
         self._stats_data = replies.stats_data
         self._committer: Committer | None = None
@@ -164,14 +173,17 @@ class AllocatorService:
             on_change=self._on_record_change,
             committer=lambda: self._committer,
         )
-        #: The cards kubelet must not count as whole GPUs, for the device plugin.
-        self.withheld = WithheldFeed(replies, self.core.withheld)
-        #: The GPUs the device plugin holds, for the slice publisher (dra.mode both).
-        self.held = held_feed(replies, self.core.books.device_plugin_held)
+        #: The long polls of the device plugin (``withheld``) and the reporter (``held``).
+        self.withheld, self.held = core_feeds(replies, self.core)
         #: The DRA kubelet plugin's endpoints (claims in the same ledger).
         self.claims = ClaimEndpoints(
             self.core, replies, self._answer_durably, self._on_record_change
         )
+        #: Evicting the pods of a failed GPU (remediation.mode; docs/health.md).
+        self.remediation = RemediationService(
+            runtime.settings, self._node, self.core, self.view, meter
+        )
+        self._replies = replies
         #: The running nats.micro service (for tests and the status line).
         self.micro: Service | None = None
 
@@ -250,6 +262,9 @@ class AllocatorService:
                     p.ENDPOINT_RESERVE_CLAIM: self.claims.on_reserve,
                     p.ENDPOINT_RELEASE_CLAIM: self.claims.on_release,
                     p.ENDPOINT_HELD: lambda req: self.held.on_request(req, tg),
+                    p.ENDPOINT_REMEDIATION: lambda req: self.remediation.on_request(
+                        req, self._replies
+                    ),
                 }
                 for endpoint, handler in handlers.items():
                     await service.add_endpoint(
@@ -263,6 +278,8 @@ class AllocatorService:
                 tg.start_soon(self.pod_resources.run, self._probe_checkpoint)
                 if self.core.book is not None:
                     tg.start_soon(self.handshake.run, self.core.book)
+                tg.start_soon(self.remediation.run)
+                tg.start_soon(self.sharing.run)
                 self._update_status()
                 started()
                 await anyio.sleep_forever()
@@ -297,7 +314,7 @@ class AllocatorService:
     # --- koord-scheduler's decisions ---------------------------------------------------
 
     def _update_status(self) -> None:
-        self.status.update(self.core, self.handshake.problem)
+        self.status.update(self.core, self.handshake.problem or self.sharing.problem)
 
     def _on_view(self, change: NodeChange) -> None:
         inventory = self.view.inventory
@@ -314,6 +331,8 @@ class AllocatorService:
                 if self.core.set_health(device, healthy):
                     log.info("GPU %s is now %s", device, "healthy" if healthy else "unhealthy")
         self.withheld.follow()
+        if change.gpus:
+            self.remediation.on_view()
 
     def _count_held(self) -> None:
         held = self.core.ledger.count()
@@ -367,11 +386,8 @@ class AllocatorService:
 
     # --- endpoints ------------------------------------------------------------------------
 
-    async def _on_allocate(self, req: Request) -> None:
-        started = time.perf_counter()
-        value = await self._decode(req, p.ENDPOINT_ALLOCATE, p.ALLOCATE_REQUEST, started)
-        if value is None:
-            return
+    @handler_for(p.ENDPOINT_ALLOCATE, p.ALLOCATE_REQUEST)
+    async def _on_allocate(self, req: Request, value: p.AllocateRequest, started: float) -> None:
         try:
             answers, undo = self.core.allocate(value.resource, value.containers)
         except Refused as exc:
@@ -386,13 +402,12 @@ class AllocatorService:
         self._count_held()
         await self._answer_durably(req, p.ENDPOINT_ALLOCATE, data, started, undo)
 
-    async def _on_allocate_batch(self, req: Request) -> None:
+    @handler_for(p.ENDPOINT_ALLOCATE_BATCH, p.ALLOCATE_BATCH_REQUEST)
+    async def _on_allocate_batch(
+        self, req: Request, value: p.AllocateBatchRequest, started: float
+    ) -> None:
         """Several kubelet calls in one message, each decided as if it came alone."""
         endpoint = p.ENDPOINT_ALLOCATE_BATCH
-        started = time.perf_counter()
-        value = await self._decode(req, endpoint, p.ALLOCATE_BATCH_REQUEST, started)
-        if value is None:
-            return
         if not 0 < len(value.calls) <= p.MAX_BATCH_CALLS:
             size = f"a batch carries 1 to {p.MAX_BATCH_CALLS} calls, not {len(value.calls)}"
             await self._reject(req, endpoint, "invalid_request", size, started)
@@ -433,11 +448,10 @@ class AllocatorService:
             req, endpoint, data, started, undo_all if undos else None, count_refused
         )
 
-    async def _on_preferred(self, req: Request) -> None:
-        started = time.perf_counter()
-        value = await self._decode(req, p.ENDPOINT_PREFERRED, p.PREFERRED_REQUEST, started)
-        if value is None:
-            return
+    @handler_for(p.ENDPOINT_PREFERRED, p.PREFERRED_REQUEST)
+    async def _on_preferred(
+        self, req: Request, value: p.PreferredAllocationRequest, started: float
+    ) -> None:
         try:
             answers = self.core.preferred(value.resource, value.containers)
         except Refused as exc:
@@ -449,11 +463,8 @@ class AllocatorService:
             return
         await self._ok(req, p.ENDPOINT_PREFERRED, data, started)
 
-    async def _on_release(self, req: Request) -> None:
-        started = time.perf_counter()
-        value = await self._decode(req, p.ENDPOINT_RELEASE, p.RELEASE_REQUEST, started)
-        if value is None:
-            return
+    @handler_for(p.ENDPOINT_RELEASE, p.RELEASE_REQUEST)
+    async def _on_release(self, req: Request, value: p.ReleaseRequest, started: float) -> None:
         try:
             released = self.core.release(value)
         except Refused as exc:
@@ -466,13 +477,10 @@ class AllocatorService:
         data = p.RELEASE_REPLY.encode(p.ReleaseReply(released=released))
         await self._answer_durably(req, p.ENDPOINT_RELEASE, data, started, None)
 
-    async def _on_reset(self, req: Request) -> None:
+    @handler_for(p.ENDPOINT_RESET, p.RESET_REQUEST)
+    async def _on_reset(self, req: Request, value: p.ResetRequest, started: float) -> None:
         """The operator accepts the loss of the allocation record."""
         endpoint = p.ENDPOINT_RESET
-        started = time.perf_counter()
-        value = await self._decode(req, endpoint, p.RESET_REQUEST, started)
-        if value is None:
-            return
         if not value.confirm:
             await self._reject(req, endpoint, "invalid_request", RESET_NEEDS_CONFIRM, started)
             return
@@ -503,10 +511,8 @@ class AllocatorService:
         assert self._tg is not None
         await self.withheld.on_request(req, self._tg)
 
-    async def _on_state(self, req: Request) -> None:
-        started = time.perf_counter()
-        if await self._decode(req, p.ENDPOINT_STATE, p.STATE_REQUEST, started) is None:
-            return
+    @handler_for(p.ENDPOINT_STATE, p.STATE_REQUEST)
+    async def _on_state(self, req: Request, _: p.StateRequest, started: float) -> None:
         reply = self.core.state(checkpoint=str(self.checkpoint.path))
         await self._ok(req, p.ENDPOINT_STATE, p.STATE_REPLY.encode(reply), started)
 

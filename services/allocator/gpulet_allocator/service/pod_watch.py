@@ -39,7 +39,6 @@ import logging
 import math
 import random
 import time
-import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Final
@@ -50,6 +49,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from gpulet_allocator.decide.koordinator import PodBook, PodKey, watched_pod
 from gpulet_common.kube import SERVICE_ACCOUNT_DIR, KubeConfig, lookup
+from gpulet_common.kube_events import event_body
 from gpulet_common.kubeapi import KubeApiError, KubeClient, api_path, watch_event
 from gpulet_common.logutil import RateLimitedLog
 from gpulet_common.settings.allocator import HandshakeSettings
@@ -234,31 +234,21 @@ class EventWriter:
 
     async def _create(self, pod: PodKey, message: str) -> None:
         assert self._api is not None
-        stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        body: Any = {
+        involved = {
             "apiVersion": "v1",
-            "kind": "Event",
-            "metadata": {
-                "name": f"{pod.name}.{uuid.uuid4().hex[:16]}",
-                "namespace": pod.namespace,
-            },
-            "involvedObject": {
-                "apiVersion": "v1",
-                "kind": "Pod",
-                "namespace": pod.namespace,
-                "name": pod.name,
-                "uid": pod.uid,
-            },
-            "reason": EVENT_REASON,
-            "message": message[:1024],
-            "type": "Warning",
-            "source": {"component": EVENT_COMPONENT, "host": self._node},
-            "reportingComponent": EVENT_COMPONENT,
-            "reportingInstance": self._node,
-            "firstTimestamp": stamp,
-            "lastTimestamp": stamp,
-            "count": 1,
+            "kind": "Pod",
+            "namespace": pod.namespace,
+            "name": pod.name,
+            "uid": pod.uid,
         }
+        body: Any = event_body(
+            namespace=pod.namespace,
+            involved=involved,
+            reason=EVENT_REASON,
+            message=message,
+            component=EVENT_COMPONENT,
+            node=self._node,
+        )
         timeout = self._settings.api_timeout_s
         try:
             with anyio.fail_after(timeout + 1):

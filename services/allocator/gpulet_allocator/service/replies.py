@@ -1,20 +1,22 @@
 """How the allocator's endpoints answer: decoded totally, counted, timed, bounded.
 
-One :class:`Replies` per service: a malformed body is answered ``malformed_request``
-and counted; every answer and refusal is counted by endpoint (the ``data`` of each
-endpoint in nats.micro's ``$SRV.STATS``: ok, rejected, malformed, codes) and in
-``gpulet.allocator.requests{endpoint,outcome}`` with its latency. A refusal is sent
-the one way (:func:`gpulet_common.refusal.refusal`: bounded, one line in the header);
-the refusals of endpoints that fail a pod's admission are logged as warnings.
+One :class:`Replies` per service: an endpoint's handler is a method made one by
+:func:`handler_for`, which decodes the body totally; a malformed one is answered
+``malformed_request`` and counted; every answer and refusal is counted by endpoint
+(the ``data`` of each endpoint in nats.micro's ``$SRV.STATS``: ok, rejected,
+malformed, codes) and in ``gpulet.allocator.requests{endpoint,outcome}`` with its
+latency. A refusal is sent the one way (:func:`gpulet_common.refusal.refusal`:
+bounded, one line in the header); the refusals of endpoints that fail a pod's
+admission are logged as warnings.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import msgspec
 import nats.errors
@@ -34,6 +36,7 @@ _answer_log = RateLimitedLog(log, per_minute=10)
 _refusal_log = RateLimitedLog(log, per_minute=60)
 
 T = TypeVar("T")
+S = TypeVar("S", bound="Answering")
 
 # Endpoints whose refusals fail a pod's admission: logged as warnings.
 _ALLOCATING = frozenset({p.ENDPOINT_ALLOCATE, p.ENDPOINT_ALLOCATE_BATCH})
@@ -142,3 +145,33 @@ class Replies:
             f"the answer for {containers} containers would take {len(data)} bytes, more "
             f"than the {limit} NATS carries in one message: ask for fewer containers"
         )
+
+
+class Answering(Protocol):
+    """What serves endpoints: it answers through its :class:`Replies`."""
+
+    @property
+    def replies(self) -> Replies: ...
+
+
+def handler_for(
+    name: str, codec: Codec[T]
+) -> Callable[
+    [Callable[[S, Request, T, float], Awaitable[None]]], Callable[[S, Request], Awaitable[None]]
+]:
+    """Make a method ``(self, req, value, started)`` the nats.micro handler of the
+    endpoint ``name``: it gets the body decoded totally by ``codec`` (a malformed one has
+    been refused and counted) and the time the request came, which latency counts from."""
+
+    def handler_of(
+        method: Callable[[S, Request, T, float], Awaitable[None]],
+    ) -> Callable[[S, Request], Awaitable[None]]:
+        async def handler(self: S, req: Request) -> None:
+            started = time.perf_counter()
+            value = await self.replies.decode(req, name, codec, started)
+            if value is not None:
+                await method(self, req, value, started)
+
+        return handler
+
+    return handler_of

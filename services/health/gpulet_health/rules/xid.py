@@ -151,18 +151,8 @@ class Xid(Family):
         )
         if not raises:
             why = "an application error" if verdict.application else info.severity
-            emits = self.kit.report(
-                gpu,
-                f"xid:{code}",
-                now,
-                "xid",
-                info.severity,
-                f"XID {code}: {info.description} ({why}: the GPU stays healthy){where}",
-                action=info.action,
-                value=float(code),
-                xid=code,
-                message=message,
-            )
+            healthy = f" ({why}: the GPU stays healthy){where}"
+            emits = self._report(gpu, f"xid:{code}", code, info, healthy, now, message)
         else:
             emits = self.kit.raise_(
                 gpu,
@@ -191,22 +181,39 @@ class Xid(Family):
             key: DedupKey = (gpu.uuid, f"report:{name}")
             if self.kit.absorb(key, "", now):
                 return []
-            return self.kit.report(
-                gpu,
-                name,
-                now,
-                "xid",
-                info.severity,
-                f"XID {code}: {info.description}{where} (the MIG device stays healthy)",
-                action=info.action,
-                value=float(code),
-                xid=code,
-            )
+            healthy = f"{where} (the MIG device stays healthy)"
+            return self._report(gpu, name, code, info, healthy, now)
         if name in gpu.conditions and self.kit.absorb((gpu.uuid, name), "", now):
             return []
         message = f"classified by {info.source}; the GPU and its other MIG devices are not affected"
         condition = _xid_condition(name, code, info, where, now, message, mig_device=mig[0])
         return self.kit.raise_(gpu, condition, now, repeats=True)
+
+    def _report(
+        self,
+        gpu: GpuState,
+        name: str,
+        code: int,
+        info: XidInfo,
+        healthy: str,
+        now: float,
+        message: str = "",
+    ) -> list[Emit]:
+        """The one-off report of an XID that leaves the GPU (or its MIG device) healthy;
+        ``healthy`` follows the description in the reason and says so."""
+        reason = f"XID {code}: {info.description}{healthy}"
+        return self.kit.report(
+            gpu,
+            name,
+            now,
+            "xid",
+            info.severity,
+            reason,
+            action=info.action,
+            value=float(code),
+            xid=code,
+            message=message,
+        )
 
     def _fault_before(self, gpu: GpuState, mine: _Memo, now: float) -> _Fault | None:
         """The fault a by-product XID follows: the last other XID on the GPU within the

@@ -29,13 +29,13 @@ arrives (the health service taints the GPUs meanwhile if they are really gone).
 from __future__ import annotations
 
 import logging
-import random
 from collections.abc import Callable, Iterable
 
 import anyio
 from opentelemetry import metrics
 
-from gpulet_common.kubeapi import KubeApiError, KubeClient, watch_event
+from gpulet_common.kube_watch import keep_watching, watch_lines
+from gpulet_common.kubeapi import KubeClient, watch_event
 from gpulet_common.logutil import RateLimitedLog
 from gpulet_common.nodeview import NodeChange, NodeView
 from gpulet_common.settings.dra import DraSettings
@@ -143,24 +143,18 @@ class SlicePublisher:
             tg.start_soon(self._watch_forever)
 
     async def _watch_forever(self) -> None:
-        attempt = 0
-        while True:
-            try:
-                await self._watch_once()
-                attempt = 0
-            except (KubeApiError, OSError, TimeoutError, ValueError) as exc:
-                attempt += 1
-                delay = random.uniform(0, min(WATCH_BACKOFF_MAX_S, 0.2 * 2 ** min(attempt, 10)))
-                self._log.warning("watch of resourceslices failed (%s); again in %.1fs", exc, delay)
-                await anyio.sleep(delay)
+        await keep_watching(
+            self._watch_once, self._log, "resourceslices", backoff_max_s=WATCH_BACKOFF_MAX_S
+        )
 
     async def _watch_once(self) -> None:
         seconds = max(1, int(self._settings.watch_timeout_s))
-        async with self.writer.api.watch(
+        async with watch_lines(
+            self.writer.api,
             self.writer.collection,
             field_selector=f"spec.nodeName={self.writer.node},spec.driver={self._settings.driver}",
-            timeout_seconds=seconds,
-            timeout_s=seconds + self._settings.api_timeout_s,
+            timeout_s=seconds,
+            request_timeout_s=seconds + self._settings.api_timeout_s,
         ) as lines:
             # Whatever happened while no watch was open (before the first, during a
             # back-off) sent no event: now that one is open, read the slices again.

@@ -49,7 +49,8 @@ from gpulet_common.bus import BusError
 from gpulet_common.lifecycle import idle_disabled
 from gpulet_common.messages import GpuInfo
 from gpulet_common.nodeview import NodeChange, NodeView
-from gpulet_common.runtime import Runtime
+from gpulet_common.runtime import Runtime, RuntimeService
+from gpulet_common.settings import AllocatorSettings
 
 if TYPE_CHECKING:
     from gpulet_allocator.kubelet.dra.service import DraPluginRunner
@@ -66,18 +67,19 @@ WITHHELD_WAIT_S = MAX_WITHHELD_WAIT_S / 2
 WITHHELD_RETRY_MAX_S = 5.0
 
 
-class DevicePluginService:
+class DevicePluginService(RuntimeService[AllocatorSettings]):
     name = "device-plugin"
 
     def __init__(self, runtime: Runtime) -> None:
-        self._rt = runtime
-        self._settings = runtime.settings.allocator
+        super().__init__(runtime, runtime.settings.allocator)
         self._config = self._settings.plugin
         self.state = DeviceList()
         self._gpus: list[GpuInfo] = []
         self._have_inventory = False
         # Cards holding shares (the allocator's answer): not offered whole.
         self._withheld: frozenset[str] = frozenset()
+        # Time-slicing replicas of each GPU (the allocator's answer, same long poll).
+        self._replicas: dict[str, int] = {}
         self.view = NodeView(
             runtime.bus,
             runtime.node,
@@ -258,10 +260,12 @@ class DevicePluginService:
                 continue
             epoch, version = reply.epoch, reply.version
             withheld = frozenset(reply.withheld)
-            if withheld != self._withheld:
+            if withheld != self._withheld or reply.replicas != self._replicas:
                 for uuid in sorted(withheld - self._withheld):
                     log.info("GPU %s not offered whole: %s", uuid, reply.withheld[uuid])
-                self._withheld = withheld
+                if reply.replicas != self._replicas:
+                    log.info("time-slicing replicas now %s", reply.replicas or "none")
+                self._withheld, self._replicas = withheld, dict(reply.replicas)
                 self._publish()
 
     def _on_view(self, change: NodeChange) -> None:
@@ -292,7 +296,7 @@ class DevicePluginService:
                 if not h.present and h.info is not None and h.info.uuid == u and u not in listed
             ]
         plugin_gpus = plugin_gpus_from_inventory(
-            gpus, self.view.unhealthy(), self._withheld, self._mig
+            gpus, self.view.unhealthy(), self._withheld, self._mig, self._replicas
         )
         if self.state.publish(plugin_gpus):
             log.debug("device list version %d", self.state.snapshot().version)

@@ -123,7 +123,7 @@ class KubeClaimReader:
         self._api = api
         self._timeout = timeout_s
 
-    async def get_claim(self, namespace: str, name: str) -> JsonObj | None:
+    async def get_claim(self, namespace: str, name: str, uid: str = "") -> JsonObj | None:
         try:
             with anyio.fail_after(self._timeout + 1):
                 found = await self._api.get(

@@ -25,7 +25,7 @@ import anyio
 import grpc.aio
 
 from gpulet_allocator.kubelet.dra.contract import DeviceHealth, Health, HealthSource
-from gpulet_common.dra.devices import device_name
+from gpulet_common.dra.mig import targets
 from gpulet_common.kubelet_api.dra_health.v1 import api_pb2 as health_v1
 from gpulet_common.kubelet_api.dra_health.v1 import api_pb2_grpc as health_v1_grpc
 from gpulet_common.kubelet_api.dra_health.v1alpha1 import api_pb2 as health_v1alpha1
@@ -86,8 +86,10 @@ def add_health_servicers(server: grpc.aio.Server, source: HealthSource) -> list[
 
 
 class NodeViewHealth:
-    """:class:`~.contract.HealthSource` from the node read model: every GPU of the
-    inventory as ``gpu-<minor>`` of ``pool``, healthy unless the health service says
+    """:class:`~.contract.HealthSource` from the node read model: every device of the
+    pool (:func:`gpulet_common.dra.mig.targets`: the GPUs that may go whole as
+    ``gpu-<minor>``, the MIG devices; a MIG device is unhealthy with its GPU or on its
+    own) of ``pool``, healthy unless the health service says
     otherwise (the same rule as :meth:`NodeView.healthy`), the active conditions'
     reasons as the message, the health service's ``updated_at`` as the time."""
 
@@ -108,19 +110,24 @@ class NodeViewHealth:
         if inventory is None:
             return []
         out = []
-        for gpu in sorted(inventory.gpus, key=lambda g: g.index):
+        for target in targets(inventory.gpus).values():
+            gpu, own = target.gpu, target.mig.uuid if target.mig is not None else ""
             health = self._view.health(gpu.uuid)
-            state: Health = "healthy" if self._view.healthy(gpu.uuid) else "unhealthy"
+            healthy = self._view.healthy(gpu.uuid) and (not own or self._view.healthy(own))
+            state: Health = "healthy" if healthy else "unhealthy"
             message = ""
             since = 0.0
             if health is not None:
                 since = health.updated_at
+                # A MIG device: its GPU's conditions and its own, never another's.
                 message = "; ".join(
-                    f"{c.condition or c.kind}: {c.reason}" for c in health.conditions
+                    f"{c.condition or c.kind}: {c.reason}"
+                    for c in health.conditions
+                    if c.mig_device in ("", own)
                 )
                 if not health.present:
                     message = "GPU not present" + (f"; {message}" if message else "")
-            out.append(DeviceHealth(self._pool, device_name(gpu), state, since, message))
+            out.append(DeviceHealth(self._pool, target.name, state, since, message))
         return out
 
     async def wait_changed(self, version: int) -> int:

@@ -181,7 +181,7 @@ class DraKubeletPlugin:
                 self.sockets.registration,
             )
             task_status.started()
-            await anyio.sleep_forever()
+            await self.plugin.write_checkpoint()
         finally:
             with anyio.CancelScope(shield=True):
                 await reg_server.stop(STOP_GRACE_S)

@@ -11,7 +11,9 @@ model):
   :mod:`gpulet_common.kube` (``dra.kubeconfig``, else in-cluster, else
   ``$KUBECONFIG`` / ``~/.kube/config``). Without one the plugin waits, degraded on the
   status board, and looks again with a back-off: kubelet cannot call a plugin that is
-  not registered, so nothing is lost meanwhile;
+  not registered, so nothing is lost meanwhile. With ``dra.claim_cache`` a
+  :class:`~.claim_cache.WatchedClaimReader` in front of it answers from a watch of the
+  node's allocated claims;
 * health: :class:`~.health.NodeViewHealth` over the service's
   :class:`~gpulet_common.nodeview.NodeView`;
 * sockets: ``<plugins_registry>/<driver>-reg.sock`` and
@@ -28,7 +30,9 @@ from pathlib import Path
 import anyio
 import anyio.abc
 
+from gpulet_allocator.kubelet.dra.claim_cache import WatchedClaimReader
 from gpulet_allocator.kubelet.dra.claims import KubeClaimReader
+from gpulet_allocator.kubelet.dra.contract import ClaimReader
 from gpulet_allocator.kubelet.dra.health import NodeViewHealth
 from gpulet_allocator.kubelet.dra.nats_core import NatsDecisionCore
 from gpulet_allocator.kubelet.dra.plugin import DraPlugin, PluginSettings
@@ -95,6 +99,7 @@ class DraPluginRunner:
             cdi_dir=Path(dra.cdi_dir),
             checkpoint=checkpoint_path(rt),
             dev_root=Path(rt.settings.allocator.plugin.dev_root),
+            mig_capabilities_root=Path(rt.settings.allocator.plugin.mig_capabilities_root),
         )
         sockets = Sockets.for_driver(dra.driver, dra.plugins_registry, dra.plugins_dir)
         while True:
@@ -116,12 +121,17 @@ class DraPluginRunner:
     ) -> None:
         rt, dra = self._rt, self._rt.settings.dra
         async with KubeClient(configuration) as api:
-            reader = KubeClaimReader(api, timeout_s=dra.api_timeout_s)
+            reader: ClaimReader = KubeClaimReader(api, timeout_s=dra.api_timeout_s)
+            watched: WatchedClaimReader | None = None
+            if dra.claim_cache:
+                reader = watched = WatchedClaimReader(api, reader, driver=dra.driver, pool=rt.node)
             plugin = DraPlugin(core, reader, settings)
             health = NodeViewHealth(self._view, rt.node)
             self.server = server = DraKubeletPlugin(plugin, health, sockets, dra.driver)
             try:
                 async with anyio.create_task_group() as tg:
+                    if watched is not None:
+                        await tg.start(watched.run)
                     await tg.start(server.run)
                     rt.status.set(
                         STATUS_NAME,

@@ -2,8 +2,11 @@
 
 Design
 ------
-This module is data only; :mod:`gpulet_health.catalogue` builds the lookup on it. Each
-row (:class:`Row`) holds:
+This module is data only; the health service's ``gpulet_health.catalogue`` builds the
+lookup on it. It lives in ``gpulet_common`` because the allocator's remediation
+(``gpulet_allocator.service.remediate``) names the catalogue entry (mnemonic, bucket,
+application flag) of the fault that evicts a pod, and a service never imports
+another's internals. Each row (:class:`Row`) holds:
 
 * ``code`` and ``mnemonic``: NVIDIA's names (the ``ROBUST_CHANNEL_`` prefix dropped);
 * ``category``: our own grouping (``hang``, ``ECC``, ``NVLink``, ``media``...;

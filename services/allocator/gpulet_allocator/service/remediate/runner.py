@@ -1,0 +1,380 @@
+"""The remediation loop: follow the node's health, find the holders of a failed GPU,
+and (``remediation.mode = "evict"``) evict them, or (``"report"``) say so.
+
+Flow
+----
+1. The allocator's ``NodeView`` listener calls :meth:`Remediator.poke` on every health
+   change; the loop wakes (and again at the next retry's deadline).
+2. :func:`~.policy.faults_of` reads each GPU's active conditions; none: nothing to do,
+   and what was tracked for GPUs that recovered is forgotten.
+3. The holders of each failed device (:func:`~.policy.holders_of`): the ledger and its
+   DRA claims (in memory), kubelet's PodResources (one ``List``), the node's pods (one
+   API list: UIDs, claims, pods already terminating). A source that fails is named in
+   the plan's problems; the others still count.
+4. The circuit breaker (:mod:`.breaker`) admits the GPU or holds it back.
+5. Each holder of an admitted device is evicted once (mode ``evict``), with an Event
+   on the pod and on the Node naming the fault and its catalogue entry. A 429 (a
+   PodDisruptionBudget) or a failure is retried with exponential backoff
+   (``retry_initial_s`` to ``retry_max_s``) for as long as the fault stands, counted,
+   and said once per pod in an Event. In mode ``report`` the same Events say what
+   would be done, once per pod and fault.
+
+:meth:`Remediator.plan` is the same computation without acting or admitting:
+``gpulet health remediate --dry-run``. Nothing here raises into the allocator: a
+failing API or PodResources is a problem in the plan and a rate-limited log line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import anyio
+
+from gpulet_allocator.protocol import AllocationView
+from gpulet_allocator.service.remediate.breaker import Breaker
+from gpulet_allocator.service.remediate.kube import EventTarget, KubeActions, KubeError
+from gpulet_allocator.service.remediate.policy import (
+    Fault,
+    Holder,
+    Records,
+    devices_in_scope,
+    faults_of,
+    holders_of,
+)
+from gpulet_allocator.state.records import ClaimRecord
+from gpulet_common.kubelet_api.podresources.v1 import api_pb2 as pr
+from gpulet_common.logutil import RateLimitedLog
+from gpulet_common.messages import GpuHealth
+from gpulet_common.podresources import PodResourcesUnavailable
+from gpulet_common.remediation import BreakerView, PlannedGpu, PlannedPod, PodState, RemediationPlan
+from gpulet_common.settings.remediation import RemediationSettings
+
+log = logging.getLogger("gpulet.allocator.remediation")
+
+REASON_EVICTED: Final = "GpuletEvictedForGpuFault"
+REASON_WOULD_EVICT: Final = "GpuletWouldEvictForGpuFault"
+REASON_BLOCKED: Final = "GpuletEvictionBlockedByPDB"
+REASON_BREAKER: Final = "GpuletRemediationBreakerOpen"
+REASON_BREAKER_CLOSED: Final = "GpuletRemediationBreakerClosed"
+
+
+@dataclass(slots=True)
+class Sources:
+    """Where the loop reads the node's health and the records of holders."""
+
+    healths: Callable[[], Mapping[str, GpuHealth]]
+    node_gpus: Callable[[], int]
+    mig_devices: Callable[[str], Iterable[str]]
+    ledger: Callable[[], tuple[Sequence[AllocationView], Sequence[ClaimRecord]]]
+    # One PodResources List; raises PodResourcesUnavailable.
+    pod_resources: Callable[[], Awaitable[pr.ListPodResourcesResponse]]
+
+
+@dataclass(slots=True)
+class Track:
+    """One pod of one failed device, followed until it is evicted or the fault ends."""
+
+    holder: Holder
+    state: PodState = "planned"
+    attempts: int = 0
+    next_at: float = 0.0
+    detail: str = ""
+    reported: set[str] = field(default_factory=set)
+
+
+class Remediator:
+    def __init__(
+        self,
+        settings: RemediationSettings,
+        node: str,
+        sources: Sources,
+        kube: KubeActions | None,
+        *,
+        meter: Any = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.settings = settings
+        self.node = node
+        self._sources = sources
+        self.kube = kube
+        self._clock = clock
+        self.breaker = Breaker(settings.max_fraction, settings.window_s, clock)
+        self._tracks: dict[tuple[str, str], Track] = {}
+        self._wake = anyio.Event()
+        self._log = RateLimitedLog(log, per_minute=6)
+        self.evictions_requested = 0
+        #: Passes of :meth:`step` (tests wait on it).
+        self.passes = 0
+        self._evictions = self._breaker_open = self._trips = None
+        if meter is not None:
+            self._evictions = meter.create_counter(
+                "gpulet.allocator.remediation.evictions",
+                description="Evictions asked for, by result",
+            )
+            self._trips = meter.create_counter(
+                "gpulet.allocator.remediation.breaker_trips",
+                description="Times the remediation circuit breaker opened",
+            )
+            self._breaker_open = meter.create_up_down_counter(
+                "gpulet.allocator.remediation.breaker_open",
+                description="1 while the remediation circuit breaker holds GPUs back",
+            )
+
+    def poke(self) -> None:
+        self._wake.set()
+
+    async def run(self) -> None:
+        if self.settings.mode == "off":
+            return
+        log.info("remediation on node %s: mode %s", self.node, self.settings.mode)
+        while True:
+            self._wake = anyio.Event()
+            try:
+                next_at = await self.step()
+            except Exception:  # a bug here must not end the allocator: say it, go on
+                self._log.exception("remediation pass failed")
+                next_at = self._clock() + self.settings.retry_max_s
+            delay = None if next_at is None else max(0.0, next_at - self._clock())
+            with anyio.move_on_after(delay if delay is not None else 3600.0):
+                await self._wake.wait()
+
+    # --- one pass ----------------------------------------------------------------------
+
+    async def _records(self, problems: list[str]) -> Records:
+        allocations, claims = self._sources.ledger()
+        response: pr.ListPodResourcesResponse | None = None
+        try:
+            response = await self._sources.pod_resources()
+        except PodResourcesUnavailable as exc:
+            problems.append(f"kubelet's PodResources: {exc}")
+        pods = None
+        if self.kube is not None:
+            try:
+                pods = await self.kube.list_pods()
+            except KubeError as exc:
+                problems.append(f"the node's pods cannot be listed: {exc}")
+        else:
+            problems.append("no API server: pods found only by the ledger and PodResources")
+        return Records(allocations=allocations, claims=claims, pod_resources=response, pods=pods)
+
+    def _faults(self) -> list[Fault]:
+        found = [f for h in self._sources.healths().values() for f in faults_of(h, self.settings)]
+        return sorted(found, key=lambda f: (f.gpu_index is None, f.gpu_index or 0, f.device))
+
+    async def plan(self) -> RemediationPlan:
+        """What would be done now; changes nothing (the dry run)."""
+        problems: list[str] = []
+        faults = self._faults()
+        records = await self._records(problems) if faults else Records()
+        gpus = []
+        total = self._sources.node_gpus()
+        window = set(self.breaker.in_window())
+        fits = self.breaker.limit(total) - len(window)
+        for fault in faults:
+            holders = holders_of(devices_in_scope(fault, self._sources.mig_devices), records)
+            admitted = fault.gpu_uuid in window or not holders or fits > 0
+            if holders and fault.gpu_uuid not in window and fits > 0:
+                fits -= 1
+                window.add(fault.gpu_uuid)
+            pods = [self._planned(fault, h, admitted) for h in holders]
+            gpus.append(_planned_gpu(fault, admitted, pods))
+        return RemediationPlan(
+            node=self.node,
+            mode=self.settings.mode,
+            gpus=gpus,
+            breaker=self._breaker_view(total),
+            problems=problems,
+        )
+
+    def _planned(self, fault: Fault, holder: Holder, admitted: bool) -> PlannedPod:
+        track = self._tracks.get((fault.device, holder.key))
+        state: PodState = "held_by_breaker" if not admitted else "planned"
+        if holder.terminating:
+            state = "evicted"
+        attempts, detail = 0, ""
+        if track is not None:
+            state, attempts, detail = track.state, track.attempts, track.detail
+        return PlannedPod(
+            namespace=holder.namespace,
+            name=holder.name,
+            uid=holder.uid,
+            via=sorted(holder.via),
+            state=state,
+            attempts=attempts,
+            detail=detail,
+        )
+
+    def _breaker_view(self, total: int) -> BreakerView:
+        b = self.breaker
+        held = sorted(b.held)
+        return BreakerView(
+            open=b.open,
+            max_fraction=b.max_fraction,
+            window_s=b.window_s,
+            node_gpus=total,
+            limit=b.limit(total),
+            in_window=b.in_window(),
+            trips=b.trips,
+            detail=f"holding back {', '.join(held)}" if held else "",
+        )
+
+    async def step(self) -> float | None:
+        """One pass; returns when the next retry is due (None: nothing pending)."""
+        self.passes += 1
+        now = self._clock()
+        faults = self._faults()
+        devices = {f.device for f in faults}
+        self._tracks = {k: t for k, t in self._tracks.items() if k[0] in devices}
+        if self.breaker.settle({f.gpu_uuid for f in faults}) is False:
+            await self._breaker_closed()
+        if not faults:
+            return None
+        problems: list[str] = []
+        records = await self._records(problems)
+        for problem in problems:
+            self._log.warning("remediation: %s", problem)
+        pending: list[float] = []
+        for fault in faults:
+            holders = holders_of(devices_in_scope(fault, self._sources.mig_devices), records)
+            holders = [h for h in holders if not h.terminating]
+            if not holders:
+                continue
+            verdict = self.breaker.admit(fault.gpu_uuid, self._sources.node_gpus())
+            if verdict.changed is True:
+                await self._breaker_tripped(fault)
+            elif verdict.changed is False:
+                await self._breaker_closed()
+            if not verdict.admitted:
+                continue
+            for holder in holders:
+                track = self._tracks.setdefault((fault.device, holder.key), Track(holder))
+                track.holder = holder
+                if self._evicted_for_another(fault.device, holder.key):
+                    # One pod holding two failed devices is evicted once.
+                    track.state, track.detail = "evicted", "with another failed device"
+                    continue
+                await self._act(fault, track)
+                if track.state in ("blocked_by_pdb", "failed"):
+                    pending.append(track.next_at)
+        # While a fault stands, look again now and then: a holder may show up late.
+        return min(pending) if pending else now + self.settings.retry_max_s
+
+    def _evicted_for_another(self, device: str, pod: str) -> bool:
+        return any(
+            d != device and k == pod and t.state == "evicted" and not t.detail
+            for (d, k), t in self._tracks.items()
+        )
+
+    async def _act(self, fault: Fault, track: Track) -> None:
+        holder = track.holder
+        if track.state in ("evicted", "gone") or self._clock() < track.next_at:
+            return
+        why = _why(fault)
+        if self.settings.mode == "report":
+            if "report" not in track.reported:
+                track.reported.add("report")
+                message = f"would evict pod {holder.key}: {why}"
+                log.warning("remediation (report only): %s", message)
+                await self._events(fault, holder, REASON_WOULD_EVICT, message)
+            return
+        if self.kube is None:
+            return
+        track.attempts += 1
+        self.evictions_requested += 1
+        outcome = await self.kube.evict(holder.namespace, holder.name, holder.uid)
+        if self._evictions is not None:
+            self._evictions.add(1, {"result": outcome.result})
+        track.state, track.detail = outcome.result, outcome.detail
+        if outcome.result == "evicted":
+            log.warning("remediation: evicted pod %s: %s", holder.key, why)
+            await self._events(fault, holder, REASON_EVICTED, f"evicted pod {holder.key}: {why}")
+            return
+        if outcome.result == "gone":
+            return
+        delay = min(
+            self.settings.retry_max_s, self.settings.retry_initial_s * 2 ** (track.attempts - 1)
+        )
+        if outcome.retry_after_s is not None:
+            delay = max(delay, min(outcome.retry_after_s, self.settings.retry_max_s))
+        track.next_at = self._clock() + delay
+        self._log.warning(
+            "remediation: evicting pod %s %s (HTTP %d %s); again in %.1fs",
+            holder.key,
+            "is blocked by a PodDisruptionBudget"
+            if outcome.result == "blocked_by_pdb"
+            else "failed",
+            outcome.status,
+            outcome.detail,
+            delay,
+        )
+        if outcome.result == "blocked_by_pdb" and "blocked" not in track.reported:
+            track.reported.add("blocked")
+            message = (
+                f"eviction of pod {holder.key} is blocked by a PodDisruptionBudget "
+                f"({outcome.detail or 'HTTP 429'}); retrying: {why}"
+            )
+            await self._events(fault, holder, REASON_BLOCKED, message, node=False)
+
+    async def _events(
+        self, fault: Fault, holder: Holder, reason: str, message: str, *, node: bool = True
+    ) -> None:
+        if self.kube is None:
+            return
+        pod = EventTarget("Pod", holder.name, holder.namespace, holder.uid)
+        await self.kube.post_event(pod, reason, message)
+        if node:
+            await self.kube.post_event(self._node_target(), reason, message)
+
+    def _node_target(self) -> EventTarget:
+        # Kubelet's own Node Events carry the node's name as the UID.
+        return EventTarget("Node", self.node, uid=self.node)
+
+    async def _breaker_tripped(self, fault: Fault) -> None:
+        total = self._sources.node_gpus()
+        message = (
+            f"remediation circuit breaker open: GPU {fault.gpu_uuid} would make more than "
+            f"{self.settings.max_fraction:g} of the node's {total} GPUs remediated within "
+            f"{self.settings.window_s:g} s (already {len(self.breaker.in_window())}); "
+            "no further pod is evicted (a storm: check the driver, power and fabric)"
+        )
+        log.error("%s", message)
+        if self._trips is not None and self._breaker_open is not None:
+            self._trips.add(1)
+            self._breaker_open.add(1)
+        if self.kube is not None:
+            await self.kube.post_event(self._node_target(), REASON_BREAKER, message)
+
+    async def _breaker_closed(self) -> None:
+        message = "remediation circuit breaker closed: held-back GPUs recovered or fit again"
+        log.warning("%s", message)
+        if self._breaker_open is not None:
+            self._breaker_open.add(-1)
+        if self.kube is not None:
+            await self.kube.post_event(
+                self._node_target(),
+                REASON_BREAKER_CLOSED,
+                message,
+                warning=False,
+            )
+
+
+def _why(fault: Fault) -> str:
+    where = (
+        f"GPU {fault.gpu_index} {fault.gpu_uuid}" if fault.gpu_index is not None else fault.gpu_uuid
+    )
+    if fault.device != fault.gpu_uuid:
+        where += f" MIG device {fault.device}"
+    return (
+        f"{where} failed: {fault.condition} ({fault.kind}, {fault.severity}, action "
+        f"{fault.action}; {fault.entry}): {fault.reason}"
+    )
+
+
+def _planned_gpu(fault: Fault, admitted: bool, pods: list[PlannedPod]) -> PlannedGpu:
+    # A Fault's fields are PlannedGpu's first ones, by the same names.
+    return PlannedGpu(**dataclasses.asdict(fault), admitted=admitted, pods=pods)

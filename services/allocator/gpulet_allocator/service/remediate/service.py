@@ -1,0 +1,102 @@
+"""Remediation inside the allocator service: its sources, its API connection and its
+``remediation`` endpoint (the dry run).
+
+:class:`RemediationService` builds the :class:`~.runner.Remediator` over the
+allocator's own records (the core's ledger and claims, kubelet's PodResources, the
+``NodeView``'s health), connects to the API server the way the handshake does
+(``allocator.handshake.kubeconfig``, in-cluster otherwise; retried with backoff while
+it cannot), and answers ``gpulet.allocator.<node>.remediation`` with the plan. With
+``remediation.mode = "off"`` it does nothing but answer that the mode is off.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+from nats.micro.request import Request
+
+from gpulet_allocator import protocol as p
+from gpulet_allocator.decide.core import AllocatorCore
+from gpulet_allocator.service.pod_watch import kube_configuration
+from gpulet_allocator.service.remediate.kube import KubeClient
+from gpulet_allocator.service.remediate.runner import Remediator, Sources
+from gpulet_allocator.service.replies import Replies
+from gpulet_common import kubeapi
+from gpulet_common.kube import KubeConfigError
+from gpulet_common.kubelet_api.podresources.v1 import api_pb2 as pr
+from gpulet_common.nodeview import NodeView
+from gpulet_common.podresources import list_pod_resources
+from gpulet_common.remediation import REMEDIATION_PLAN, REMEDIATION_REQUEST
+from gpulet_common.settings import Settings
+
+log = logging.getLogger("gpulet.allocator.remediation")
+
+RETRY_MIN_S = 1.0
+RETRY_MAX_S = 30.0
+
+
+class RemediationService:
+    def __init__(
+        self, settings: Settings, node: str, core: AllocatorCore, view: NodeView, meter: Any
+    ) -> None:
+        self._allocator = settings.allocator
+        self._node = node
+        socket = Path(self._allocator.pod_resources_socket)
+        timeout = self._allocator.pod_resources_timeout_s
+
+        async def pod_resources() -> pr.ListPodResourcesResponse:
+            return await list_pod_resources(socket, timeout)
+
+        def node_gpus() -> int:
+            inventory = view.inventory
+            known = {g.uuid for g in inventory.gpus} if inventory is not None else set()
+            return len(known | set(view.healths()))
+
+        sources = Sources(
+            healths=view.healths,
+            node_gpus=node_gpus,
+            mig_devices=core.mig_devices_of,
+            ledger=lambda: (core.allocation_views(), list(core.books.claims.values())),
+            pod_resources=pod_resources,
+        )
+        self.remediator = Remediator(settings.remediation, node, sources, None, meter=meter)
+
+    @property
+    def enabled(self) -> bool:
+        return self.remediator.settings.mode != "off"
+
+    def on_view(self) -> None:
+        if self.enabled:
+            self.remediator.poke()
+
+    async def run(self) -> None:
+        if not self.enabled:
+            return
+        handshake = self._allocator.handshake
+        delay = RETRY_MIN_S
+        while True:
+            try:
+                configuration = await kube_configuration(handshake)
+                break
+            except KubeConfigError as exc:
+                log.warning("remediation: no API server: %s; again in %.0fs", exc, delay)
+                await anyio.sleep(delay)
+                delay = min(delay * 2, RETRY_MAX_S)
+        async with kubeapi.KubeClient(configuration) as api:
+            settings = self.remediator.settings
+            self.remediator.kube = KubeClient(
+                api, self._node, settings.node_event_namespace, handshake.api_timeout_s
+            )
+            await self.remediator.run()
+
+    async def on_request(self, req: Request, replies: Replies) -> None:
+        endpoint = p.ENDPOINT_REMEDIATION
+        started = time.perf_counter()
+        if await replies.decode(req, endpoint, REMEDIATION_REQUEST, started) is None:
+            return
+        plan = await self.remediator.plan()
+        await replies.ok(req, endpoint, REMEDIATION_PLAN.encode(plan), started)

@@ -1,0 +1,89 @@
+"""``gpulet health remediate --dry-run``: what remediation would do now.
+
+The allocator plans remediation (it knows which pods hold which GPU); this command asks
+it, on ``gpulet.allocator.<node>.remediation``, and prints the plan: the failed GPUs,
+the pods that hold each and how they were found, why, and the circuit breaker's state.
+The contract is common (:mod:`gpulet_common.remediation`); nothing of the allocator is
+imported. Remediation acts by itself (``remediation.mode = "evict"``); this command
+only shows, so ``--dry-run`` is required.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+import anyio
+import msgspec
+
+from gpulet_common import subjects
+from gpulet_common.bus import Bus, BusError, Refused, RequestTimeout
+from gpulet_common.cli_support import AddFlags, LoadSettings, bind, tool_nats
+from gpulet_common.remediation import (
+    ENDPOINT_REMEDIATION,
+    REMEDIATION_PLAN,
+    REMEDIATION_REQUEST,
+    RemediationPlan,
+    RemediationRequest,
+    format_plan,
+)
+from gpulet_common.settings import Settings
+
+
+async def _ask(settings: Settings, timeout_s: float) -> RemediationPlan:
+    async with Bus.connect(
+        tool_nats(settings),
+        name="gpulet-health-cli",
+        max_initial_attempts=3,
+        limits=settings.limits,
+    ) as bus:
+        plan: RemediationPlan = await bus.request(
+            subjects.allocator_endpoint(settings.node_name, ENDPOINT_REMEDIATION),
+            RemediationRequest(),
+            REMEDIATION_REQUEST,
+            REMEDIATION_PLAN,
+            timeout_s=timeout_s,
+        )
+        return plan
+
+
+def _cmd_remediate(args: argparse.Namespace, load: LoadSettings) -> int:
+    if not args.dry_run:
+        print(
+            "gpulet health remediate: remediation acts by itself (remediation.mode = evict); "
+            "this command only shows what it would do: add --dry-run",
+            file=sys.stderr,
+        )
+        return 2
+    settings = load(args)
+    try:
+        plan = anyio.run(lambda: _ask(settings, args.timeout))
+    except RequestTimeout:
+        print(
+            f"gpulet health remediate: no allocator answered for node {settings.node_name!r}",
+            file=sys.stderr,
+        )
+        return 1
+    except (Refused, BusError) as exc:
+        print(f"gpulet health remediate: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(msgspec.to_builtins(plan), indent=2) if args.json else format_plan(plan))
+    return 0
+
+
+def add_remediate_command(health_sub: Any, add_flags: AddFlags, load: LoadSettings) -> None:
+    remediate = health_sub.add_parser(
+        "remediate",
+        help="show what remediation would do now (which pods, which GPUs, why, the breaker)",
+    )
+    remediate.add_argument(
+        "--dry-run", action="store_true", default=False, help="show, change nothing (required)"
+    )
+    remediate.add_argument("--json", action="store_true", default=False, help="print JSON")
+    remediate.add_argument(
+        "--timeout", type=float, default=10.0, help="seconds to wait for the allocator"
+    )
+    add_flags(remediate)
+    remediate.set_defaults(func=bind(_cmd_remediate, load))

@@ -1,0 +1,365 @@
+"""Remediation against the real control plane: kube-apiserver's Eviction API with
+PodDisruptionBudgets kept by the real disruption controller, the agent's own in-cluster
+credentials (deploy/'s ServiceAccount and RBAC plus components/remediation, a token
+bound to a Pod on the node, ``Node,RBAC``, the node restriction policy).
+
+The holders come from a real :class:`~gpulet_allocator.decide.core.AllocatorCore`
+(device plugin allocations, and a DRA claim reserved through ``reserve_claim``) and a
+PodResources answer as kubelet gives it; the health is the health service's
+``GpuHealth`` as the KV bucket holds it. Pods are created as the scheduler leaves them
+(``spec.nodeName``) and marked Running and Ready as kubelet would, since the Eviction API
+consults a PodDisruptionBudget only for running pods. The agent's requests are read back
+from the server's audit log: what was asked to be evicted is exactly what is asserted.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from gpulet_allocator.decide.core import AllocatorCore
+from gpulet_allocator.protocol import ClaimDeviceRequest
+from gpulet_allocator.service.pod_watch import kube_configuration
+from gpulet_allocator.service.podresources import live_grants
+from gpulet_allocator.service.remediate.kube import KubeClient
+from gpulet_allocator.service.remediate.runner import Remediator, Sources
+from gpulet_common import kubeapi
+from gpulet_common.kubelet_api.podresources.v1 import api_pb2 as pr
+from gpulet_common.messages import GpuHealth
+from gpulet_common.settings.allocator import HandshakeSettings, ResourceNames
+from gpulet_common.settings.remediation import RemediationSettings
+from support import reference
+from support.control_plane import ControlPlane
+from support.deploy import KUSTOMIZE, kustomize
+from support.gpulet_on_kube import AGENT_USER, AgentIdentity, agent_identity, must_apply
+from support.health_kv import gpu_health
+from support.waiting import wait_until
+
+pytestmark = pytest.mark.anyio
+
+GPU = "nvidia.com/gpu"
+HANDSHAKE = HandshakeSettings(api_timeout_s=5.0)
+SETTINGS = RemediationSettings(
+    mode="evict", max_fraction=0.5, window_s=600, retry_initial_s=0.2, retry_max_s=1.0
+)
+
+
+@pytest.fixture
+def remediation_rbac(kube_cluster: ControlPlane, gpulet_access: ControlPlane) -> Iterator[None]:
+    """components/remediation applied for this test only (other tests check that the
+    base refuses evictions); removed afterwards."""
+    docs = kustomize(KUSTOMIZE / "components" / "remediation")
+    must_apply(gpulet_access, docs, manager="remediation-test")
+    yield
+    for doc in docs:
+        plural = "clusterroles" if doc["kind"] == "ClusterRole" else "clusterrolebindings"
+        gpulet_access.request(
+            "DELETE", f"/apis/rbac.authorization.k8s.io/v1/{plural}/{doc['metadata']['name']}"
+        )
+    # The tests after this one see the base's rights again (RBAC follows in a moment).
+    deadline = time.monotonic() + 30
+    while may_evict(gpulet_access):
+        assert time.monotonic() < deadline, "the remediation binding is still in force"
+        time.sleep(0.1)
+
+
+def may_evict(plane: ControlPlane) -> bool:
+    review = {
+        "apiVersion": "authorization.k8s.io/v1",
+        "kind": "SubjectAccessReview",
+        "spec": {
+            "user": AGENT_USER,
+            "groups": ["system:serviceaccounts", "system:authenticated"],
+            "resourceAttributes": {
+                "verb": "create",
+                "resource": "pods",
+                "subresource": "eviction",
+                "namespace": "default",
+            },
+        },
+    }
+    answer = plane.must("POST", "/apis/authorization.k8s.io/v1/subjectaccessreviews", review)
+    return bool(answer["status"].get("allowed"))
+
+
+@pytest.fixture
+def agent(remediation_rbac: None, gpulet_access: ControlPlane, kube_node_name: str,
+          tmp_path: Path) -> AgentIdentity:  # fmt: skip
+    return agent_identity(gpulet_access, kube_node_name, tmp_path / "agent")
+
+
+@pytest.fixture
+async def api(
+    agent: AgentIdentity, gpulet_access: ControlPlane
+) -> AsyncIterator[kubeapi.KubeClient]:
+    # RBAC takes the new binding in a moment: an eviction of no pod answers 404, not 403.
+    def allowed() -> bool:
+        resp = gpulet_access.request(
+            "POST",
+            "/api/v1/namespaces/default/pods/no-such-pod/eviction",
+            {"apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"name": "no-such-pod"}},
+            token=agent.token,
+        )
+        return resp.status == 404
+
+    await wait_until(allowed, timeout_s=30, interval_s=0.1)
+    configuration = await kube_configuration(HANDSHAKE, env=agent.env, sa_dir=agent.sa_dir)
+    async with kubeapi.KubeClient(configuration) as api_client:
+        yield api_client
+
+
+def running_pod(
+    plane: ControlPlane, ns: str, name: str, node: str, *, labels: dict[str, str] | None = None,
+    claim: str = "",
+) -> dict[str, Any]:  # fmt: skip
+    spec: dict[str, Any] = {"nodeName": node, "containers": [{"name": "main", "image": "cuda"}]}
+    if claim:
+        spec["resourceClaims"] = [{"name": "gpu", "resourceClaimName": claim}]
+        spec["containers"][0]["resources"] = {"claims": [{"name": "gpu"}]}
+    pod: dict[str, Any] = plane.must(
+        "POST",
+        f"/api/v1/namespaces/{ns}/pods",
+        {"metadata": {"name": name, "labels": labels or {}}, "spec": spec},
+    )
+    plane.must(
+        "PATCH",
+        f"/api/v1/namespaces/{ns}/pods/{name}/status",
+        {
+            "status": {
+                "phase": "Running",
+                "conditions": [{"type": "Ready", "status": "True"}],
+            }
+        },
+        content_type="application/merge-patch+json",
+    )
+    return pod
+
+
+def pdb(plane: ControlPlane, ns: str, name: str, app: str, min_available: int) -> None:
+    body = {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": {"name": name, "namespace": ns},
+        "spec": {"minAvailable": min_available, "selector": {"matchLabels": {"app": app}}},
+    }
+    assert plane.apply(body).ok
+
+
+def pdb_status(plane: ControlPlane, ns: str, name: str) -> dict[str, Any]:
+    doc = plane.must("GET", f"/apis/policy/v1/namespaces/{ns}/poddisruptionbudgets/{name}")
+    status: dict[str, Any] = doc.get("status") or {}
+    if status.get("observedGeneration") != doc["metadata"]["generation"]:
+        return {}
+    return status
+
+
+def terminating(plane: ControlPlane, ns: str, name: str) -> bool:
+    pod = plane.must("GET", f"/api/v1/namespaces/{ns}/pods/{name}")
+    return bool(pod["metadata"].get("deletionTimestamp"))
+
+
+def evicted_by_agent(plane: ControlPlane, node: str, since: int) -> list[tuple[str, int]]:
+    """(pod, status) of each eviction the agent of ``node`` asked for."""
+    return [
+        (e["objectRef"]["name"], e["responseStatus"]["code"])
+        for e in plane.audit(user=AGENT_USER, resource="pods/eviction", since=since)
+        if e["user"].get("extra", {}).get("authentication.kubernetes.io/node-name") == [node]
+        and e["objectRef"]["name"] != "no-such-pod"
+    ]
+
+
+def events(plane: ControlPlane, ns: str, reason: str) -> list[dict[str, Any]]:
+    items: list[dict[str, Any]] = plane.must("GET", f"/api/v1/namespaces/{ns}/events")["items"]
+    return [e for e in items if e["reason"] == reason]
+
+
+def node_events(plane: ControlPlane, node: str) -> list[dict[str, Any]]:
+    """The eviction Events on the Node (kept in the default namespace, as kubelet's)."""
+    ref = {"apiVersion": "v1", "kind": "Node", "name": node, "uid": node}
+    found = events(plane, "default", "GpuletEvictedForGpuFault")
+    return [e for e in found if e["involvedObject"] == ref]
+
+
+def cleanup(plane: ControlPlane, ns: str, names: list[str]) -> None:
+    # Nothing runs these pods, so a graceful deletion would never finish.
+    for name in names:
+        plane.request(
+            "DELETE",
+            f"/api/v1/namespaces/{ns}/pods/{name}",
+            {"apiVersion": "v1", "kind": "DeleteOptions", "gracePeriodSeconds": 0},
+        )
+
+
+class Node:
+    """``count`` GPUs in a real AllocatorCore, their health, kubelet's PodResources."""
+
+    def __init__(self, name: str, count: int) -> None:
+        self.core = AllocatorCore(node=name, names=ResourceNames())
+        inventory = reference.inventory_from_matrix(name, [[0] * count for _ in range(count)])
+        self.core.update_inventory(inventory)
+        self.uuids = [g.uuid for g in inventory.gpus]
+        self.healths: dict[str, GpuHealth] = {
+            u: GpuHealth(gpu_uuid=u, gpu_index=i) for i, u in enumerate(self.uuids)
+        }
+        self.podresources = pr.ListPodResourcesResponse()
+
+    def plugin_pod(self, ns: str, name: str, gpu: int) -> None:
+        """A device plugin allocation of GPU ``gpu``, as kubelet's Allocate and later its
+        PodResources tell it (the ledger learns the pod from PodResources)."""
+        self.core.allocate(GPU, [[self.uuids[gpu]]])
+        pod = self.podresources.pod_resources.add(namespace=ns, name=name)
+        pod.containers.add(name="main").devices.add(resource_name=GPU, device_ids=[self.uuids[gpu]])
+        self.core.reconcile(live_grants(self.podresources, self.core.kind_of))
+
+    def claim(self, ns: str, name: str, gpu: int) -> None:
+        """A DRA claim on GPU ``gpu``, reserved as the kubelet plugin does."""
+        minor = self.core.books.gpus[self.uuids[gpu]].minor
+        device = ClaimDeviceRequest(device=f"gpu-{minor}")
+        self.core.reserve_claim(f"uid-{name}", [device], namespace=ns, name=name)
+
+    def fail(self, *gpus: int) -> None:
+        for n in gpus:
+            u = self.uuids[n]
+            self.healths[u] = gpu_health(
+                u, healthy=False, severity="fatal", action="reboot", index=n
+            )
+
+    def remediator(self, api: kubeapi.KubeClient, node: str) -> Remediator:
+        async def podresources() -> pr.ListPodResourcesResponse:
+            return self.podresources
+
+        sources = Sources(
+            healths=lambda: self.healths,
+            node_gpus=lambda: len(self.uuids),
+            mig_devices=lambda _: [],
+            ledger=lambda: (self.core.allocation_views(), list(self.core.books.claims.values())),
+            pod_resources=podresources,
+        )
+        kube = KubeClient(api, node, "default", HANDSHAKE.api_timeout_s)
+        return Remediator(SETTINGS, node, sources, kube)
+
+
+@pytest.mark.timeout(180)
+async def test_only_the_pods_on_the_failed_gpu_are_evicted_and_a_pdb_is_respected(
+    kube_cluster: ControlPlane,
+    agent: AgentIdentity,
+    api: kubeapi.KubeClient,
+    kube_namespace: str,
+) -> None:
+    plane, node, ns = kube_cluster, agent.node, kube_namespace
+    gpus = Node(node, 6)
+    gpus.plugin_pod(ns, "hit", 0)
+    gpus.claim(ns, "claim-0", 4)
+    gpus.plugin_pod(ns, "guarded", 1)
+    gpus.plugin_pod(ns, "spared", 2)
+    gpus.plugin_pod(ns, "guarded-peer", 3)
+    names = ["hit", "hit-dra", "guarded", "spared", "guarded-peer", "elsewhere"]
+    running_pod(plane, ns, "hit", node)
+    running_pod(plane, ns, "hit-dra", node, claim="claim-0")
+    running_pod(plane, ns, "guarded", node, labels={"app": "guarded"})
+    running_pod(plane, ns, "spared", node)
+    running_pod(plane, ns, "guarded-peer", node, labels={"app": "guarded"})
+    running_pod(plane, ns, "elsewhere", f"{node}-other", claim="claim-0")
+    pdb(plane, ns, "guard", "guarded", 2)
+    await wait_until(
+        lambda: pdb_status(plane, ns, "guard").get("currentHealthy") == 2, timeout_s=30
+    )
+    assert pdb_status(plane, ns, "guard")["disruptionsAllowed"] == 0
+    mark = plane.audit_mark()
+    gpus.fail(0, 1, 4)  # three of six GPUs: within the breaker's share
+    remediator = gpus.remediator(api, node)
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(remediator.run)
+            await wait_until(
+                lambda: terminating(plane, ns, "hit") and terminating(plane, ns, "hit-dra"),
+                timeout_s=20,
+            )
+            # The PDB refuses the guarded pod (429), again and again.
+            await wait_until(
+                lambda: evicted_by_agent(plane, node, mark).count(("guarded", 429)) >= 2,
+                timeout_s=20,
+            )
+            assert not terminating(plane, ns, "guarded")
+            # The budget allows one disruption now: the next retry goes through.
+            pdb(plane, ns, "guard", "guarded", 1)
+            await wait_until(lambda: terminating(plane, ns, "guarded"), timeout_s=30)
+            # Its Events follow the accepted eviction (pod first, then the Node).
+            await wait_until(lambda: len(node_events(plane, node)) >= 3, timeout_s=20)
+            tg.cancel_scope.cancel()
+        asked = evicted_by_agent(plane, node, mark)
+        assert {pod for pod, _ in asked} == {"hit", "hit-dra", "guarded"}
+        assert sorted(p for p, code in asked if code == 201) == ["guarded", "hit", "hit-dra"]
+        assert {p for p, code in asked if code == 429} == {"guarded"}
+        for name in ("spared", "guarded-peer", "elsewhere"):
+            assert not terminating(plane, ns, name), name
+        # Events: on each evicted pod and on the Node, naming the catalogue entry.
+        evicted = events(plane, ns, "GpuletEvictedForGpuFault")
+        assert sorted(e["involvedObject"]["name"] for e in evicted) == [
+            "guarded",
+            "hit",
+            "hit-dra",
+        ]
+        assert all(
+            "XID 79 GPU_HAS_FALLEN_OFF_THE_BUS [RESTART_BM]" in e["message"] for e in evicted
+        )
+        blocked = events(plane, ns, "GpuletEvictionBlockedByPDB")
+        assert [e["involvedObject"]["name"] for e in blocked] == ["guarded"]
+        assert len(node_events(plane, node)) == 3
+        plan = await remediator.plan()
+        states = {(p.name, p.state) for g in plan.gpus for p in g.pods}
+        assert states == {("hit", "evicted"), ("hit-dra", "evicted"), ("guarded", "evicted")}
+    finally:
+        cleanup(plane, ns, names)
+
+
+@pytest.mark.timeout(180)
+async def test_the_circuit_breaker_stops_a_storm(
+    kube_cluster: ControlPlane,
+    agent: AgentIdentity,
+    api: kubeapi.KubeClient,
+    kube_namespace: str,
+) -> None:
+    plane, node, ns = kube_cluster, agent.node, kube_namespace
+    gpus = Node(node, 4)
+    names = [f"job-{n}" for n in range(4)]
+    for n, name in enumerate(names):
+        gpus.plugin_pod(ns, name, n)
+        running_pod(plane, ns, name, node)
+    mark = plane.audit_mark()
+    gpus.fail(0, 1, 2, 3)  # every GPU at once: a storm
+    remediator = gpus.remediator(api, node)
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(remediator.run)
+            await wait_until(lambda: len(evicted_by_agent(plane, node, mark)) >= 2, timeout_s=20)
+            await wait_until(
+                lambda: bool(events(plane, "default", "GpuletRemediationBreakerOpen")), timeout_s=20
+            )
+            # Later passes (a health change, the periodic look) still evict nothing more.
+            passes = remediator.passes
+            remediator.poke()
+            await wait_until(lambda: remediator.passes >= passes + 1, timeout_s=20)
+            remediator.poke()
+            await wait_until(lambda: remediator.passes >= passes + 2, timeout_s=20)
+            tg.cancel_scope.cancel()
+        asked = evicted_by_agent(plane, node, mark)
+        assert sorted(asked) == [("job-0", 201), ("job-1", 201)]  # half of the 4 GPUs
+        assert [n for n in names if terminating(plane, ns, n)] == ["job-0", "job-1"]
+        (opened,) = [
+            e
+            for e in events(plane, "default", "GpuletRemediationBreakerOpen")
+            if e["involvedObject"]["name"] == node
+        ]
+        assert "circuit breaker open" in opened["message"]
+        plan = await remediator.plan()
+        assert plan.breaker.open
+        assert plan.breaker.trips == 1
+        assert [g.gpu_index for g in plan.gpus if not g.admitted] == [2, 3]
+    finally:
+        cleanup(plane, ns, names)
