@@ -88,12 +88,22 @@ SERVER_FAILURES = {
 }
 
 
-@pytest.mark.parametrize("reason", sorted(CURABLE))
-async def test_a_newer_state_ends_the_back_off_of_a_failure_it_may_cure(reason: str) -> None:
-    sink = ScriptedSink(CURABLE[reason])
+@asynccontextmanager
+async def failed_once(
+    error: Exception,
+) -> AsyncIterator[tuple[ScriptedSink, WriteLoop[str], Debouncer[str]]]:
+    """A running loop whose first write ("v1") failed with ``error``: the sink raised
+    without awaiting, so the loop is in its back-off by now."""
+    sink = ScriptedSink(error)
     async with running_loop(sink) as (loop, debouncer):
         debouncer.submit("v1")
         await wait_until(lambda: sink.attempts == ["v1"])
+        yield sink, loop, debouncer
+
+
+@pytest.mark.parametrize("reason", sorted(CURABLE))
+async def test_a_newer_state_ends_the_back_off_of_a_failure_it_may_cure(reason: str) -> None:
+    async with failed_once(CURABLE[reason]) as (sink, loop, debouncer):
         debouncer.submit("v2")
         # Far sooner than the back-off: only the newer state can have ended the wait.
         await wait_until(lambda: loop.applied == "v2", within=BACKOFF_S / 4)
@@ -104,10 +114,7 @@ async def test_a_newer_state_ends_the_back_off_of_a_failure_it_may_cure(reason: 
 
 @pytest.mark.parametrize("reason", sorted(SERVER_FAILURES))
 async def test_a_failing_server_is_backed_off_whatever_arrives(reason: str) -> None:
-    sink = ScriptedSink(SERVER_FAILURES[reason])
-    async with running_loop(sink) as (_loop, debouncer):
-        debouncer.submit("v1")
-        await wait_until(lambda: sink.attempts == ["v1"])
+    async with failed_once(SERVER_FAILURES[reason]) as (sink, _loop, debouncer):
         debouncer.submit("v2")
         debouncer.submit("v3")
         due = debouncer.due_at()
@@ -121,18 +128,10 @@ async def test_a_failing_server_is_backed_off_whatever_arrives(reason: str) -> N
 
 @pytest.mark.parametrize("reason", ["4xx", "5xx"])
 async def test_a_stop_ends_the_back_off_at_once(reason: str) -> None:
-    error = {**CURABLE, **SERVER_FAILURES}[reason]
-    sink = ScriptedSink(error)
-    debouncer: Debouncer[str] = Debouncer(0.01, 0.05)
-    reporter = fast_settings(backoff_base_s=BACKOFF_S, backoff_max_s=2 * BACKOFF_S)
-    loop = WriteLoop(sink, debouncer, reporter, ReporterMetrics(MetricsProbe().meter))
-    with anyio.fail_after(BACKOFF_S / 4):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(loop.run)
-            debouncer.submit("v1")
-            # The sink raised without awaiting: the loop went on into its back-off.
-            await wait_until(lambda: sink.attempts == ["v1"])
-            tg.cancel_scope.cancel()
+    with anyio.fail_after(BACKOFF_S / 4):  # the back-off is at least 30 s
+        async with failed_once({**CURABLE, **SERVER_FAILURES}[reason]) as (sink, loop, _deb):
+            pass
+        # Leaving the block cancelled the loop's task group: the stop.
     assert sink.attempts == ["v1"]
     assert loop.applied is None
 
