@@ -39,6 +39,8 @@ GPU is offered as (the allocator's plan of the node's config) for GFD's sharing 
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import anyio
@@ -83,6 +85,7 @@ class ReporterService(RuntimeService[ReporterSettings]):
         sa_dir: Path = SERVICE_ACCOUNT_DIR,
         sysfs_pci_devices: Path | None = None,
         machine_type_file: Path = DMI_PRODUCT_NAME,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         super().__init__(runtime, runtime.settings.reporter)
         self._env = env
@@ -96,7 +99,10 @@ class ReporterService(RuntimeService[ReporterSettings]):
             else make_resolver(),
             on_degraded=lambda detail: runtime.status.set(self.name, "degraded", detail),
             facts=node_facts(runtime.settings, read_machine_type(machine_type_file)),
+            clock=clock,
         )
+        # The debouncer's and the Device loop's clock (a test may hold time still).
+        self._clock = clock
         self.view = NodeView(
             runtime.bus, self._node, retry_s=self._settings.request_retry_s, who="reporter"
         )
@@ -292,6 +298,11 @@ class ReporterService(RuntimeService[ReporterSettings]):
     async def _run_loop(self, sink: WriteSink[DesiredState]) -> None:
         self.sink = sink
         self.loop = WriteLoop(
-            sink, self.debouncer, self._settings, self.metrics, on_status=self._status
+            sink,
+            self.debouncer,
+            self._settings,
+            self.metrics,
+            on_status=self._status,
+            clock=self._clock,
         )
         await self.loop.run()

@@ -26,7 +26,12 @@ Layers
   its own task: the bus side only ever calls :meth:`Debouncer.submit`, so a slow or
   failing API server never blocks NATS. Every ``reconcile_interval_s`` (jittered
   ±10 % so a fleet does not read in lock-step) it forgets the observed objects,
-  re-reads them and corrects drift.
+  re-reads them and corrects drift. A newer (debounced) desired state ends a back-off
+  early only after a failure it may cure -- ``conflict``, ``4xx`` (our request was
+  refused: a new body may pass), ``internal`` (our bug on that state) -- and is written
+  at once; after ``429``, ``5xx``, ``timeout`` or ``connection`` the server is what
+  fails, so the back-off is served in full and the newest state goes out after it.
+  Cancelling the loop's task (a stop) ends any wait at once.
 
 Why read-modify-write and not a patch or server-side apply
 ----------------------------------------------------------
@@ -79,6 +84,8 @@ log = logging.getLogger("gpulet.reporter")
 # Conflicts re-read and retry at once this many times before backing off: a second
 # writer racing us every time is unusual enough to deserve the back-off.
 MAX_CONFLICT_ROUNDS: Final = 5
+# Failures a newer desired state may cure: it ends their back-off (see above).
+CURED_BY_NEWER: Final = frozenset({"conflict", "4xx", "internal"})
 
 StatusCallback = Callable[[str, str], None]
 
@@ -457,6 +464,9 @@ class WriteLoop(Generic[T]):
         self._failure_log = RateLimitedLog(log, per_minute=6)
         self.current: T | None = None
         self.applied: T | None = None
+        # For tests: reconciles begun, and whether the loop waits for input or timer.
+        self.reconciles = 0
+        self.waiting = False
 
     def _set_pending(self, pending: bool) -> None:
         if self._track_pending:
@@ -471,11 +481,14 @@ class WriteLoop(Generic[T]):
     async def run(self) -> None:
         deadline = self._clock() + self._next_reconcile_in()
         while True:
-            got: T | None = None
-            with anyio.move_on_after(max(0.0, deadline - self._clock())):
-                got = await self._debouncer.next()
+            self.waiting = True
+            try:
+                got = await self._debouncer.next_within(deadline - self._clock())
+            finally:
+                self.waiting = False
             if got is None:
                 # The reconcile timer: forget what we saw, re-read, correct drift.
+                self.reconciles += 1
                 deadline = self._clock() + self._next_reconcile_in()
                 await self._sink.refresh()
             else:
@@ -523,7 +536,11 @@ class WriteLoop(Generic[T]):
                     delay,
                 )
                 self._on_status("degraded", f"writes failing ({err.reason}): {err}")
-                await anyio.sleep(delay)
+                if err.reason not in CURED_BY_NEWER:
+                    await anyio.sleep(delay)
+                elif (newer := await self._debouncer.next_within(delay)) is not None:
+                    self.current = newer
+                    since = since if since is not None else self._debouncer.taken_since
                 continue
             self.applied = desired
             self._set_pending(self._debouncer.pending)

@@ -43,7 +43,8 @@ class ReporterSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     api_timeout_s: PositiveSeconds = 10.0
     # First back-off after a failed write; it doubles per retry, with full jitter.
     backoff_base_s: PositiveSeconds = 0.2
-    # Longest back-off; also the pace of retries after a 4xx (RBAC, validation).
+    # Longest back-off; also the pace of retries after a 4xx (RBAC, validation), unless
+    # a newer desired state comes first (it is written at once).
     backoff_max_s: PositiveSeconds = 30.0
     # The longest Retry-After (429) honoured; a larger one is clamped to this.
     retry_after_max_s: PositiveSeconds = 60.0
