@@ -9,8 +9,9 @@ count...), and the device plugin and the reporter learn the result from the allo
 source. The allocator already talks to the API server (:mod:`.pod_watch`).
 
 The Kubernetes I/O is :func:`watch_node_label` alone -- one LIST and one WATCH of
-``/api/v1/nodes?fieldSelector=metadata.name=<node>`` through kubernetes-asyncio --
-so that porting it to another client touches this one function. :class:`NodeLabelFollower`
+``/api/v1/nodes?fieldSelector=metadata.name=<node>`` through gpulet's own client
+(:mod:`gpulet_common.kubeapi`) -- so that porting it to another client touches this one
+function. :class:`NodeLabelFollower`
 is the loop around it: a kube config (as the pod watch finds one: in-cluster, else a
 kubeconfig), then list and watch again after every end, with a full-jitter back-off
 after a failure. It never raises: without an API server the config in force stays
