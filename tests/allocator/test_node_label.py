@@ -77,3 +77,29 @@ async def test_the_label_is_followed_through_failures(emu: KubeEmulator, tmp_pat
         emu.add_node(NODE, labels={KEY: "four"})
         await seen.until("four", "the Node back")
         tg.cancel_scope.cancel()
+
+
+async def test_without_the_right_to_watch_nodes_the_label_is_read_by_get(
+    emu: KubeEmulator, tmp_path: Path
+) -> None:
+    """The base RBAC grants GET of Nodes, not LIST/WATCH (least privilege): a 403 on the
+    LIST turns the follower to a GET of its own Node every ``poll_s``; changes still
+    arrive, without a restart."""
+    settings = HandshakeSettings(
+        kubeconfig=str(tmp_path / "kubeconfig"), api_timeout_s=2.0, watch_timeout_s=2.0
+    )
+    emu.add_node(NODE, labels={KEY: "four"})
+    # Every LIST/WATCH of the collection is forbidden; a GET of the Node is not.
+    emu.faults.fail_next(10_000, 403, method="GET", path=f"/api/v1/{NODES}$")
+    seen = Seen()
+    follower = NodeLabelFollower(NODE, KEY, settings, seen.append, poll_s=0.05)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(follower.run)
+        await seen.until("four", "the label read by GET")
+        assert follower.polling
+        emu.add_node(NODE, labels={KEY: "two"})
+        await seen.until("two", "a changed label, at the next GET")
+        emu.delete_object(NODES, NODE)
+        await seen.until(None, "a deleted Node (404) reads as no label")
+        assert follower.problem == ""
+        tg.cancel_scope.cancel()

@@ -460,8 +460,6 @@ def test_rbac_is_exactly_what_the_reporter_and_allocator_need(
     assert rules("gpulet-allocator") == {
         (("",), ("pods",)): ["get", "list", "watch"],
         (("",), ("events",)): ["create"],
-        # Time-slicing: the Node's config label, read (never written) by the allocator.
-        (("",), ("nodes",)): ["get", "list", "watch"],
     }
     bindings = [d for d in docs if d["kind"] in ("ClusterRoleBinding", "RoleBinding")]
     assert sorted(b["roleRef"]["name"] for b in bindings) == sorted(roles)

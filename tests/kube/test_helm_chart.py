@@ -208,9 +208,10 @@ def test_namespace_create_renders_the_base_namespace(tmp_path: Path) -> None:
         (["nats.mode=fleet"], ["nats-fleet"], ()),
         (["alerting.enabled=true"], ["alerts"], ()),
         (["remediation.enabled=true"], ["remediation"], ()),
+        (["sharing.timeSlicing.watchNode=true"], ["time-slicing"], ()),
         (["dra.mode=both"], ["dra"], (DRA_MODE,)),
     ],
-    ids=["nats-existing", "nats-fleet", "alerting", "remediation", "dra"],
+    ids=["nats-existing", "nats-fleet", "alerting", "remediation", "time-slicing", "dra"],
 )
 def test_values_render_what_the_kustomize_components_do(
     values: list[str],

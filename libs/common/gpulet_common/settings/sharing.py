@@ -72,7 +72,9 @@ class TimeSlicingSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tr
     # change applies without a restart. Its configs win over `configs` of the same
     # name; a file that does not load keeps the configs in force, and says why.
     configs_file: str = ""
-    # How often configs_file is checked for a change (size, mtime), in seconds.
+    # How often configs_file is checked for a change (size, mtime), and, where the
+    # agent may not list/watch Nodes (the base RBAC; components/time-slicing grants it),
+    # how often the allocator GETs its Node to read node_label; in seconds.
     configs_poll_s: Annotated[float, msgspec.Meta(gt=0)] = 10.0
 
     @property

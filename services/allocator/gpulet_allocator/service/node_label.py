@@ -16,6 +16,12 @@ is the loop around it: a kube config (as the pod watch finds one: in-cluster, el
 kubeconfig), then list and watch again after every end, with a full-jitter back-off
 after a failure. It never raises: without an API server the config in force stays
 (the default's, at start) and the status says why.
+
+Least privilege: listing and watching Nodes is not in the base RBAC (it would let every
+node's agent read every Node). The watch needs the ``components/time-slicing`` kustomize
+component (Helm: ``sharing.timeSlicing.watchNode``). Without it the LIST answers 403 and
+the follower reads its own Node with a GET (which the base grants) every ``poll_s``
+instead (:func:`get_node_label`): a label change then applies within that period.
 """
 
 from __future__ import annotations
@@ -89,6 +95,25 @@ async def watch_node_label(
                 on_value(None)
 
 
+async def get_node_label(
+    api: KubeClient,
+    node: str,
+    key: str,
+    on_value: Callable[[str | None], None],
+    *,
+    timeout_s: float,
+) -> None:
+    """GET this node and call ``on_value`` with the label (None: absent, or no Node)."""
+    try:
+        with anyio.fail_after(timeout_s + 1):
+            doc = await api.get(api_path("", "v1", "nodes", name=node), timeout_s=timeout_s)
+    except KubeApiError as exc:
+        if exc.status != 404:
+            raise
+        doc = None
+    on_value(_label(doc, key))
+
+
 class NodeLabelFollower:
     """Keeps ``on_value`` told of one label of this node (see the module docstring)."""
 
@@ -99,8 +124,13 @@ class NodeLabelFollower:
         settings: HandshakeSettings,
         on_value: Callable[[str | None], None],
         on_problem: Callable[[], None] = lambda: None,
+        *,
+        poll_s: float = 10.0,
     ) -> None:
         self._node = node
+        self._poll_s = poll_s
+        #: True once the API server refused the LIST/WATCH (403): GET every poll_s.
+        self.polling = False
         self._on_problem = on_problem
         self._key = key
         self._settings = settings
@@ -116,14 +146,7 @@ class NodeLabelFollower:
                 configuration = await kube_configuration(self._settings)
                 async with KubeClient(configuration) as api:
                     while True:
-                        await watch_node_label(
-                            api,
-                            self._node,
-                            self._key,
-                            self._seen,
-                            timeout_s=self._settings.api_timeout_s,
-                            watch_s=self._settings.watch_timeout_s,
-                        )
+                        await self._follow(api)
                         attempt = 0
             except (
                 KubeConfigError,
@@ -137,6 +160,36 @@ class NodeLabelFollower:
                 self._set_problem(f"node label {self._key} not read: {type(exc).__name__}: {exc}")
                 self._log.warning("%s; again in %.1fs", self.problem, delay)
                 await anyio.sleep(delay)
+
+    async def _follow(self, api: KubeClient) -> None:
+        """One watch (until it ends), or, without the right to watch Nodes, one GET and
+        a wait of ``poll_s``."""
+        timeout_s = self._settings.api_timeout_s
+        if self.polling:
+            await get_node_label(api, self._node, self._key, self._seen, timeout_s=timeout_s)
+            await anyio.sleep(self._poll_s)
+            return
+        try:
+            await watch_node_label(
+                api,
+                self._node,
+                self._key,
+                self._seen,
+                timeout_s=timeout_s,
+                watch_s=self._settings.watch_timeout_s,
+            )
+        except KubeApiError as exc:
+            if exc.status != 403:
+                raise
+            self.polling = True
+            log.info(
+                "may not list/watch Nodes (%s): reading node %s's label %s with a GET every"
+                " %.0f s (components/time-slicing grants the watch)",
+                exc,
+                self._node,
+                self._key,
+                self._poll_s,
+            )
 
     def _seen(self, value: str | None) -> None:
         self._set_problem("")

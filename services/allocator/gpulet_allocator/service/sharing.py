@@ -71,7 +71,12 @@ class SharingInputs:
         self._on_change = on_change
         self._on_problem = on_problem
         self.label = NodeLabelFollower(
-            node, settings.node_label, kube, self._on_label, on_problem=on_problem
+            node,
+            settings.node_label,
+            kube,
+            self._on_label,
+            on_problem=on_problem,
+            poll_s=settings.configs_poll_s,
         )
         self._path = Path(settings.configs_file).expanduser()
         #: Why the configs file is not in force ("" when it is, or there is none).
