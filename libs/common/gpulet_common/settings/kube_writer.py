@@ -18,7 +18,7 @@ Seconds = Annotated[float, msgspec.Meta(ge=0.0, le=86400.0)]
 PositiveSeconds = Annotated[float, msgspec.Meta(gt=0.0, le=86400.0)]
 
 
-class KubeWriterSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+class KubeWriterSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
     # Kubeconfig file; empty: the in-cluster config where the pod has a service
     # account, else $KUBECONFIG, then ~/.kube/config.
     kubeconfig: str = ""

@@ -17,7 +17,7 @@ from typing import Literal
 from gpulet_common.settings.kube_writer import KubeWriterSettings, PositiveSeconds, Seconds
 
 
-class ReporterSettings(KubeWriterSettings, kw_only=True, forbid_unknown_fields=True):
+class ReporterSettings(KubeWriterSettings, kw_only=True, forbid_unknown_fields=True, frozen=True):
     """The kubeconfig, debounce, API timeout and back-off of the Device writer are
     KubeWriterSettings' (settings/kube_writer.py)."""
 
