@@ -118,6 +118,12 @@ def ask_agent(
     return None
 
 
+def usage_error(tool: str, message: str) -> int:
+    """Say on stderr why ``tool`` will not run as called; its exit status (2)."""
+    print(f"{tool}: {message}", file=sys.stderr)
+    return 2
+
+
 def bind(command: Command, load: LoadSettings) -> Callable[[argparse.Namespace], int]:
     """An argparse ``func`` that runs ``command`` with the settings loader."""
     return lambda args: command(args, load)

@@ -26,14 +26,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from gpulet_common import subjects
-from gpulet_common.cli_support import AddFlags, Command, LoadSettings, ask_agent, bind
+from gpulet_common.cli_support import (
+    AddFlags,
+    Command,
+    LoadSettings,
+    ask_agent,
+    bind,
+    usage_error,
+)
 from gpulet_common.codec import Codec
 from gpulet_common.settings import Settings
 
@@ -135,11 +141,9 @@ def _cmd_release(args: argparse.Namespace, load: LoadSettings) -> int:
     ids = [t for t in args.targets if "/" not in t]
     pods = [t for t in args.targets if "/" in t]
     if args.device_id and not args.resource:
-        print("gpulet allocator release: --device-id needs --resource", file=sys.stderr)
-        return 2
+        return usage_error("gpulet allocator release", "--device-id needs --resource")
     if not (ids or pods or args.device_id):
-        print("gpulet allocator release: name an allocation, a pod or --device-id", file=sys.stderr)
-        return 2
+        return usage_error("gpulet allocator release", "name an allocation, a pod or --device-id")
     request = p.ReleaseRequest(
         allocation_ids=ids,
         pods=pods,
@@ -169,12 +173,11 @@ def _cmd_reset(args: argparse.Namespace, load: LoadSettings) -> int:
     from gpulet_allocator import protocol as p
 
     if not args.confirm:
-        print(
-            "gpulet allocator reset: this accepts that allocations of running pods may be "
-            "unknown and their GPUs handed out again; add --confirm",
-            file=sys.stderr,
+        return usage_error(
+            "gpulet allocator reset",
+            "this accepts that allocations of running pods may be unknown and their GPUs "
+            "handed out again; add --confirm",
         )
-        return 2
     settings = load(args)
     request = p.ResetRequest(confirm=True, requested_by=args.requested_by)
     reply = _call(
