@@ -68,16 +68,7 @@ class ClaimEndpoints:
         reply = p.ReserveClaimReply(
             claim_uid=record.uid,
             allocation=record.uid,
-            devices=[
-                p.ReservedClaimDevice(
-                    device=d.device,
-                    uuid=d.uuid,
-                    minor=d.minor,
-                    cores=d.cores,
-                    memory_mib=d.memory_mib,
-                )
-                for d in record.devices
-            ],
+            devices=record.devices,
         )
         data = p.RESERVE_CLAIM_REPLY.encode(reply)
         await self._answer_durably(req, endpoint, data, started, undo)
