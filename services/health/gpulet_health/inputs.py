@@ -37,6 +37,7 @@ from opentelemetry import metrics
 from gpulet_common import codec, subjects
 from gpulet_common.bootid import read_boot_id
 from gpulet_common.codec import Codec
+from gpulet_common.lifecycle import take_queued
 from gpulet_common.logutil import RateLimitedLog
 from gpulet_common.messages import HealthEvent, Inventory, SampleBatch
 from gpulet_common.ordering import SenderOrder
@@ -113,14 +114,8 @@ class RuleDriver:
                 # each would cost a turn of the event loop: in an XID storm the thread
                 # then waits for room while NVML's own queue overflows and drops a
                 # newer, different fault); at most SOURCE_BURST, then a checkpoint.
-                for _ in range(SOURCE_BURST):
-                    try:
-                        more = receive.receive_nowait()
-                    except anyio.WouldBlock:
-                        break
-                    except anyio.EndOfStream:
-                        return
-                    await self._handle_source(more)
+                if not await take_queued(receive, self._handle_source, SOURCE_BURST):
+                    return
 
     async def _handle_source(self, item: SourceItem) -> None:
         engine = self._s.engine
