@@ -25,11 +25,8 @@ be handed out again.
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
-
-import msgspec
 
 from gpulet_common import subjects
 from gpulet_common.cli_support import (
@@ -38,6 +35,7 @@ from gpulet_common.cli_support import (
     LoadSettings,
     ask_agent,
     bind,
+    print_answer,
     usage_error,
 )
 from gpulet_common.codec import Codec
@@ -69,13 +67,8 @@ def _call(
         reply=reply,
         timeout_s=args.timeout,
     )
-    if answer is not None:
-        print(_json(answer) if args.json else show(answer))
+    print_answer(answer, args.json, show)
     return answer
-
-
-def _json(reply: Any) -> str:
-    return json.dumps(msgspec.to_builtins(reply), indent=2)
 
 
 def _mib(units: int) -> str:

@@ -11,13 +11,17 @@ only shows, so ``--dry-run`` is required.
 from __future__ import annotations
 
 import argparse
-import json
 from typing import Any
 
-import msgspec
-
 from gpulet_common import subjects
-from gpulet_common.cli_support import AddFlags, LoadSettings, ask_agent, bind, usage_error
+from gpulet_common.cli_support import (
+    AddFlags,
+    LoadSettings,
+    ask_agent,
+    bind,
+    print_answer,
+    usage_error,
+)
 from gpulet_common.remediation import (
     ENDPOINT_REMEDIATION,
     REMEDIATION_PLAN,
@@ -45,10 +49,7 @@ def _cmd_remediate(args: argparse.Namespace, load: LoadSettings) -> int:
         reply=REMEDIATION_PLAN,
         timeout_s=args.timeout,
     )
-    if plan is None:
-        return 1
-    print(json.dumps(msgspec.to_builtins(plan), indent=2) if args.json else format_plan(plan))
-    return 0
+    return print_answer(plan, args.json, format_plan)
 
 
 def add_remediate_command(health_sub: Any, add_flags: AddFlags, load: LoadSettings) -> None:
