@@ -47,8 +47,6 @@ from gpulet_health.events_source import (
     CountChanged,
     EventReceived,
     LostSignal,
-    NvmlDown,
-    NvmlUp,
     Registered,
     SourceItem,
 )
@@ -142,10 +140,11 @@ class RuleDriver:
             self._s.scanner.request()
         elif isinstance(item, Registered):
             self._s.scanner.registered_now(item)
-        elif isinstance(item, NvmlDown):
-            self._on_nvml(item.reason)
-            await self._s.stage.emit(engine.observe_nvml_unavailable(item.reason, item.timestamp))
-        elif isinstance(item, NvmlUp):
+        elif item.down_reason is not None:  # NvmlChanged: NVML went away
+            reason = item.down_reason
+            self._on_nvml(reason)
+            await self._s.stage.emit(engine.observe_nvml_unavailable(reason, item.timestamp))
+        else:  # NvmlChanged: NVML came back
             self._on_nvml(None)
             await self._s.stage.emit(engine.observe_nvml_available(item.timestamp))
             self._on_nvml(None)  # the status as of after the events
