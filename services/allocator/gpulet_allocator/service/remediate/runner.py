@@ -31,9 +31,10 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Final
 
 import anyio
+from opentelemetry.metrics import Counter, Meter, UpDownCounter
 
 from gpulet_allocator.protocol import AllocationView
 from gpulet_allocator.service.remediate.breaker import Breaker
@@ -53,6 +54,7 @@ from gpulet_common.messages import GpuHealth
 from gpulet_common.podresources import PodResourcesUnavailable
 from gpulet_common.remediation import BreakerView, PlannedGpu, PlannedPod, PodState, RemediationPlan
 from gpulet_common.settings.remediation import RemediationSettings
+from gpulet_common.telemetry import create_counters
 
 log = logging.getLogger("gpulet.allocator.remediation")
 
@@ -95,7 +97,7 @@ class Remediator:
         sources: Sources,
         kube: KubeActions | None,
         *,
-        meter: Any = None,
+        meter: Meter | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.settings = settings
@@ -110,15 +112,17 @@ class Remediator:
         self.evictions_requested = 0
         #: Passes of :meth:`step` (tests wait on it).
         self.passes = 0
-        self._evictions = self._breaker_open = self._trips = None
+        self._evictions: Counter | None = None
+        self._trips: Counter | None = None
+        self._breaker_open: UpDownCounter | None = None
         if meter is not None:
-            self._evictions = meter.create_counter(
-                "gpulet.allocator.remediation.evictions",
-                description="Evictions asked for, by result",
-            )
-            self._trips = meter.create_counter(
-                "gpulet.allocator.remediation.breaker_trips",
-                description="Times the remediation circuit breaker opened",
+            self._evictions, self._trips = create_counters(
+                meter,
+                ("gpulet.allocator.remediation.evictions", "Evictions asked for, by result"),
+                (
+                    "gpulet.allocator.remediation.breaker_trips",
+                    "Times the remediation circuit breaker opened",
+                ),
             )
             self._breaker_open = meter.create_up_down_counter(
                 "gpulet.allocator.remediation.breaker_open",
