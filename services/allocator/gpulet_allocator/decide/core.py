@@ -172,26 +172,6 @@ class AllocatorCore:
         return self.record.lost
 
     @property
-    def rebuild_blocker(self) -> str:
-        return self.record.rebuild_blocker
-
-    @rebuild_blocker.setter
-    def rebuild_blocker(self, why: str) -> None:
-        self.record.rebuild_blocker = why
-
-    @property
-    def decisions_followed(self) -> int:
-        return self.handshake.followed
-
-    @property
-    def decisions_refused(self) -> int:
-        return self.handshake.refused
-
-    @property
-    def join_mismatches(self) -> int:
-        return self.releases.join_mismatches
-
-    @property
     def ready(self) -> bool:
         return self.books.inventory is not None
 
