@@ -184,26 +184,6 @@ def capacity(gpu: GpuInfo, *, sharing: bool, memory_step: int) -> JsonObj:
     }
 
 
-def device(
-    gpu: GpuInfo,
-    inventory: Inventory,
-    *,
-    island: int,
-    sharing: bool,
-    memory_step: int,
-    pcie_root: Callable[[str], str] | None = None,
-    taints: list[JsonObj] | None = None,
-) -> JsonObj:
-    """The device's JSON body (``resource.k8s.io/v1`` ``Device``)."""
-    return device_body(
-        device_name(gpu),
-        attributes(gpu, inventory, island=island, pcie_root=pcie_root),
-        capacity(gpu, sharing=sharing, memory_step=memory_step),
-        taints,
-        shared=sharing,
-    )
-
-
 def device_body(
     name: str,
     attributes: JsonObj,

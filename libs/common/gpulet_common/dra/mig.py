@@ -160,21 +160,3 @@ def capacity(mig: MigDevice) -> JsonObj:
     out: JsonObj = {k: {"value": str(v)} for k, v in counts.items()}
     out[dev.MEMORY] = {"value": binary(mig.memory_total_bytes)}
     return out
-
-
-def device(
-    gpu: GpuInfo,
-    mig: MigDevice,
-    inventory: Inventory,
-    *,
-    island: int,
-    pcie_root: Callable[[str], str] | None = None,
-    taints: list[JsonObj] | None = None,
-) -> JsonObj:
-    """The MIG device's JSON body (``resource.k8s.io/v1`` ``Device``): given whole."""
-    return dev.device_body(
-        device_name(gpu, mig),
-        attributes(gpu, mig, inventory, island=island, pcie_root=pcie_root),
-        capacity(mig),
-        taints,
-    )
