@@ -26,7 +26,6 @@ failing API or PodResources is a problem in the plan and a rate-limited log line
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
@@ -34,13 +33,13 @@ from dataclasses import dataclass, field
 from typing import Final
 
 import anyio
+import msgspec
 from opentelemetry.metrics import Counter, Meter, UpDownCounter
 
 from gpulet_allocator.protocol import AllocationView
 from gpulet_allocator.service.remediate.breaker import Breaker
 from gpulet_allocator.service.remediate.kube import EventTarget, KubeActions, KubeError
 from gpulet_allocator.service.remediate.policy import (
-    Fault,
     Holder,
     Records,
     devices_in_scope,
@@ -52,7 +51,14 @@ from gpulet_common.kubelet_api.podresources.v1 import api_pb2 as pr
 from gpulet_common.logutil import RateLimitedLog
 from gpulet_common.messages import GpuHealth
 from gpulet_common.podresources import PodResourcesUnavailable
-from gpulet_common.remediation import BreakerView, PlannedGpu, PlannedPod, PodState, RemediationPlan
+from gpulet_common.remediation import (
+    BreakerView,
+    Fault,
+    PlannedGpu,
+    PlannedPod,
+    PodState,
+    RemediationPlan,
+)
 from gpulet_common.settings.remediation import RemediationSettings
 from gpulet_common.telemetry import create_counters
 
@@ -380,5 +386,5 @@ def _why(fault: Fault) -> str:
 
 
 def _planned_gpu(fault: Fault, admitted: bool, pods: list[PlannedPod]) -> PlannedGpu:
-    # A Fault's fields are PlannedGpu's first ones, by the same names.
-    return PlannedGpu(**dataclasses.asdict(fault), admitted=admitted, pods=pods)
+    # A PlannedGpu is a Fault with the breaker's verdict and the pods.
+    return PlannedGpu(**msgspec.structs.asdict(fault), admitted=admitted, pods=pods)
