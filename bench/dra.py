@@ -54,7 +54,6 @@ import msgspec
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from _util import percentile, table
-from kubernetes_asyncio import client as k8s_client
 
 from gpulet_allocator.kubelet.dra.claim_cache import WatchedClaimReader
 from gpulet_allocator.kubelet.dra.claims import KubeClaimReader
@@ -66,6 +65,8 @@ from gpulet_common import codec, subjects
 from gpulet_common.bus import Bus, Delivery
 from gpulet_common.dra.devices import device_name
 from gpulet_common.embedded_nats import EmbeddedNats
+from gpulet_common.kube import KubeConfig
+from gpulet_common.kubeapi import KubeClient
 from gpulet_common.messages import Inventory, InventoryRequest
 from gpulet_common.nodeview import NodeView
 from gpulet_common.settings.dra import DraSettings
@@ -197,7 +198,7 @@ async def bench_prepare(calls: int, which: str, claim_cache: bool = False) -> li
             )
             sockets = Sockets.for_driver(DRIVER, root / "registry", root / "plugins")
             async with (
-                k8s_client.ApiClient(k8s_client.Configuration(host=emu.url)) as api,
+                KubeClient(KubeConfig(emu.url)) as api,
                 anyio.create_task_group() as tg,
             ):
                 reader: ClaimReader = KubeClaimReader(api)
@@ -271,7 +272,7 @@ async def bench_taints(faults: int, rest_s: float) -> tuple[list[float], list[fl
             async with (
                 Bus.connect(nats_settings, name="collector", max_initial_attempts=5) as collector,
                 Bus.connect(nats_settings, name="reporter", max_initial_attempts=5) as reader,
-                k8s_client.ApiClient(k8s_client.Configuration(host=emu.url)) as api,
+                KubeClient(KubeConfig(emu.url)) as api,
                 anyio.create_task_group() as tg,
             ):
 

@@ -13,10 +13,11 @@ from typing import Any
 
 import anyio
 import pytest
-from kubernetes_asyncio import client as k8s_client
 
 from gpulet_allocator.kubelet.dra.claim_cache import WatchedClaimReader
 from gpulet_allocator.kubelet.dra.claims import KubeClaimReader
+from gpulet_common.kube import KubeConfig
+from gpulet_common.kubeapi import KubeClient
 from support.kube_emulator import KubeEmulator
 from support.kube_emulator_dra import RESOURCE_CLAIMS, add_claim, enable_dra
 from support.waiting import wait_until
@@ -53,7 +54,7 @@ def gets(emu: KubeEmulator) -> int:
 @asynccontextmanager
 async def watched(emu: KubeEmulator) -> AsyncIterator[WatchedClaimReader]:
     async with (
-        k8s_client.ApiClient(k8s_client.Configuration(host=emu.url)) as api,
+        KubeClient(KubeConfig(emu.url)) as api,
         anyio.create_task_group() as tg,
     ):
         reader = WatchedClaimReader(
@@ -109,7 +110,7 @@ async def test_a_miss_or_another_uid_is_a_get(emu: KubeEmulator) -> None:
 
 
 async def test_hostile_lines_are_counted_and_an_error_event_reopens(emu: KubeEmulator) -> None:
-    async with k8s_client.ApiClient(k8s_client.Configuration(host=emu.url)) as api:
+    async with KubeClient(KubeConfig(emu.url)) as api:
         reader = WatchedClaimReader(
             api, KubeClaimReader(api, timeout_s=5), driver=DRIVER, pool=NODE
         )

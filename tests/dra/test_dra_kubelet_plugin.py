@@ -19,12 +19,13 @@ from typing import Any
 
 import anyio
 import pytest
-from kubernetes_asyncio import client as k8s_client
 
 from gpulet_allocator.kubelet.dra.claims import KubeClaimReader
 from gpulet_allocator.kubelet.dra.plugin import DraPlugin, PluginSettings
 from gpulet_allocator.kubelet.dra.server import DraKubeletPlugin, Sockets
 from gpulet_common.dra import cdi
+from gpulet_common.kube import KubeConfig
+from gpulet_common.kubeapi import KubeClient
 from gpulet_common.kubelet_api.dra_health.v1 import api_pb2 as h1
 from gpulet_common.kubelet_api.dra_health.v1 import api_pb2_grpc as h1_grpc
 from gpulet_common.kubelet_api.dra_health.v1alpha1 import api_pb2 as h1a1
@@ -102,7 +103,7 @@ async def rig(
     )
     sockets = Sockets.for_driver(DRIVER, root / "registry", root / "plugins")
     async with (
-        k8s_client.ApiClient(k8s_client.Configuration(host=emu.url)) as api,
+        KubeClient(KubeConfig(emu.url)) as api,
         anyio.create_task_group() as tg,
     ):
         plugin = DraPlugin(core, KubeClaimReader(api, timeout_s=5), settings)

@@ -112,6 +112,7 @@ class _PodResourcesService(pr_grpc.PodResourcesListerServicer):
     async def List(
         self, request: pr.ListPodResourcesRequest, context: Context
     ) -> pr.ListPodResourcesResponse:
+        self._kubelet.pod_lists += 1  # counted as the answer is made: it holds ``pods`` now
         return pr.ListPodResourcesResponse(
             pod_resources=[_pod_resources(p) for p in self._kubelet.pods]
         )
@@ -176,6 +177,8 @@ class FakeKubelet:
         self.registrations: list[Registration] = []
         self.endpoints: dict[str, PluginEndpoint] = {}
         self.restarts = 0
+        # PodResources List calls answered (a test waits on it rather than on time).
+        self.pod_lists = 0
         self._tg = tg
         self._changed = anyio.Event()
         self._registration_server: grpc.aio.Server | None = None

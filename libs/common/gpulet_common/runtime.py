@@ -3,7 +3,9 @@
 In ``gpulet run`` all services share one :class:`Runtime`, so one NVML (or one mock
 GPU node) serves them all. In sidecar mode each process builds its own. Each service
 starts from :class:`RuntimeService`: its name, the runtime, its settings section and
-the node, set in one place.
+the node, set in one place. NVML's bindings and the mock are imported when NVML is
+first opened, so a sidecar whose service never reads GPUs (reporter, allocator, device
+plugin) never loads them.
 """
 
 from __future__ import annotations
@@ -12,17 +14,18 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 import anyio
 from opentelemetry import metrics
 
 from gpulet_common.bus import Bus
-from gpulet_common.nvml.adapter import NvmlAdapter
-from gpulet_common.nvml.loader import open_nvml_waiting
 from gpulet_common.settings import Settings
 from gpulet_common.settings.nvml import NvmlSettings
 from gpulet_common.telemetry import ComponentState, StatusBoard
+
+if TYPE_CHECKING:
+    from gpulet_common.nvml.adapter import NvmlAdapter
 
 log = logging.getLogger("gpulet.nvml")
 
@@ -104,6 +107,8 @@ class NvmlProvider:
             delay = min(delay * 2, self._settings.retry_max_s)
 
     def _open(self) -> NvmlHandle:
+        from gpulet_common.nvml.loader import open_nvml_waiting  # pynvml: only if used
+
         with self._thread_lock:
             self.opens += 1
             adapter, reason, waiting = open_nvml_waiting(self._settings)

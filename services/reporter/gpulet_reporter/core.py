@@ -23,6 +23,7 @@ service remembers the GPUs a node is expected to have, and its state names them
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
 import msgspec
@@ -47,6 +48,7 @@ class ReporterCore:
         pcie_root: Callable[[str], str] = fallback_pcie_root,
         on_degraded: Callable[[str], None] | None = None,
         facts: NodeFacts | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.node = node
         self._facts = facts or NodeFacts()
@@ -57,7 +59,7 @@ class ReporterCore:
         self.inventory: Inventory | None = None
         self.desired: DesiredState | None = None
         self.debouncer: Debouncer[DesiredState] = Debouncer(
-            settings.quiet_window_s, settings.max_delay_s
+            settings.quiet_window_s, settings.max_delay_s, clock=clock
         )
         self._input_log = RateLimitedLog(log, per_minute=10)
         # Every GPU an inventory or a health state described, by UUID.

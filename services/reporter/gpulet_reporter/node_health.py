@@ -75,9 +75,9 @@ from datetime import datetime
 from typing import Any, Final, Literal
 
 import msgspec
-from kubernetes_asyncio.client.exceptions import ApiException
 
 from gpulet_common.bootid import read_boot_id
+from gpulet_common.kubeapi import KubeApiError
 from gpulet_common.messages import UNHEALTHY_SEVERITIES, GpuHealth, Inventory
 from gpulet_common.settings.reporter import ReporterSettings
 from gpulet_reporter.debounce import Debouncer
@@ -95,7 +95,6 @@ REASON_UNHEALTHY: Final = "GPUsUnhealthy"
 REASON_UNREACHABLE: Final = "HealthServiceUnreachable"
 REASON_UNKNOWN: Final = "GPUStateUnknown"
 
-STRATEGIC_PATCH: Final = "application/strategic-merge-patch+json"
 # The message lists this many GPUs, then "and N more".
 MESSAGE_GPUS_MAX: Final = 16
 
@@ -415,13 +414,13 @@ class NodeHealthWriter:
         try:
             result = await self._kube.call(
                 "patch node status",
-                self._kube.core.patch_node_status,
-                self._node,
+                self._kube.api.patch,
+                self._kube.node_path + "/status",
                 {"status": {"conditions": [condition]}},
+                patch="strategic",
                 field_manager=self._settings.field_manager,
-                _content_type=STRATEGIC_PATCH,
             )
-        except ApiException as exc:
+        except KubeApiError as exc:
             if exc.status == 404:
                 self._kube.node_object = None
                 return False

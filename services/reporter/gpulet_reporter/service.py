@@ -39,14 +39,16 @@ GPU is offered as (the allocator's plan of the node's config) for GFD's sharing 
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import anyio
 import anyio.abc
-from kubernetes_asyncio import client as k8s_client
 
 from gpulet_common import codec, subjects
 from gpulet_common.bus import BusError, Refused
+from gpulet_common.kubeapi import KubeClient
 from gpulet_common.lifecycle import idle_disabled
 from gpulet_common.logutil import RateLimitedLog
 from gpulet_common.messages import HealthStateRequest, Inventory
@@ -83,6 +85,7 @@ class ReporterService(RuntimeService[ReporterSettings]):
         sa_dir: Path = SERVICE_ACCOUNT_DIR,
         sysfs_pci_devices: Path | None = None,
         machine_type_file: Path = DMI_PRODUCT_NAME,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         super().__init__(runtime, runtime.settings.reporter)
         self._env = env
@@ -96,7 +99,10 @@ class ReporterService(RuntimeService[ReporterSettings]):
             else make_resolver(),
             on_degraded=lambda detail: runtime.status.set(self.name, "degraded", detail),
             facts=node_facts(runtime.settings, read_machine_type(machine_type_file)),
+            clock=clock,
         )
+        # The debouncer's and the Device loop's clock (a test may hold time still).
+        self._clock = clock
         self.view = NodeView(
             runtime.bus, self._node, retry_s=self._settings.request_retry_s, who="reporter"
         )
@@ -227,7 +233,7 @@ class ReporterService(RuntimeService[ReporterSettings]):
 
     async def _write(self) -> None:
         target = self.target = await self._resolve_target()
-        if target.offline:
+        if target.configuration is None:
             sink = OfflineSink(
                 self._offline_dir(), self._node, self._settings, reason=target.offline_reason
             )
@@ -245,7 +251,7 @@ class ReporterService(RuntimeService[ReporterSettings]):
             target.server,
             target.source,
         )
-        api = k8s_client.ApiClient(target.configuration)
+        api = KubeClient(target.configuration)
         try:
             async with anyio.create_task_group() as tg:
                 node_api = NodeApi(api, self._node, self._settings, self.metrics)
@@ -258,7 +264,7 @@ class ReporterService(RuntimeService[ReporterSettings]):
             with anyio.CancelScope(shield=True), anyio.move_on_after(1.0):
                 await api.close()
 
-    async def _run_slices(self, api: k8s_client.ApiClient, server: str) -> None:
+    async def _run_slices(self, api: KubeClient, server: str) -> None:
         """``dra.mode`` dra or both: the node's ResourceSlices (:mod:`.slices`)."""
         self.slices = SlicePublisher(
             api, self._node, self._rt.settings.dra, meter=self._rt.meter, server=server
@@ -292,6 +298,11 @@ class ReporterService(RuntimeService[ReporterSettings]):
     async def _run_loop(self, sink: WriteSink[DesiredState]) -> None:
         self.sink = sink
         self.loop = WriteLoop(
-            sink, self.debouncer, self._settings, self.metrics, on_status=self._status
+            sink,
+            self.debouncer,
+            self._settings,
+            self.metrics,
+            on_status=self._status,
+            clock=self._clock,
         )
         await self.loop.run()

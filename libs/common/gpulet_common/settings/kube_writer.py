@@ -32,5 +32,6 @@ class KubeWriterSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tru
     api_timeout_s: PositiveSeconds = 10.0
     # First back-off after a failed write; it doubles per retry, with full jitter.
     backoff_base_s: PositiveSeconds = 0.2
-    # Longest back-off; also the pace of retries after a 4xx (RBAC, validation).
+    # Longest back-off; also the pace of retries after a 4xx (RBAC, validation), unless
+    # a newer desired state comes first (it is written at once).
     backoff_max_s: PositiveSeconds = 30.0

@@ -9,8 +9,9 @@ count...), and the device plugin and the reporter learn the result from the allo
 source. The allocator already talks to the API server (:mod:`.pod_watch`).
 
 The Kubernetes I/O is :func:`watch_node_label` alone -- one LIST and one WATCH of
-``/api/v1/nodes?fieldSelector=metadata.name=<node>`` through kubernetes-asyncio --
-so that porting it to another client touches this one function. :class:`NodeLabelFollower`
+``/api/v1/nodes?fieldSelector=metadata.name=<node>`` through gpulet's own client
+(:mod:`gpulet_common.kubeapi`) -- so that porting it to another client touches this one
+function. :class:`NodeLabelFollower`
 is the loop around it: a kube config (as the pod watch finds one: in-cluster, else a
 kubeconfig), then list and watch again after every end, with a full-jitter back-off
 after a failure. It never raises: without an API server the config in force stays
@@ -25,13 +26,11 @@ import random
 from collections.abc import Callable
 from typing import Any, Final
 
-import aiohttp
 import anyio
-from kubernetes_asyncio import client as k8s_client
-from kubernetes_asyncio.client.exceptions import ApiException
 
 from gpulet_allocator.service.pod_watch import kube_configuration
 from gpulet_common.kube import KubeConfigError
+from gpulet_common.kubeapi import KubeApiError, KubeClient, api_path
 from gpulet_common.logutil import RateLimitedLog
 from gpulet_common.settings.allocator import HandshakeSettings
 
@@ -51,7 +50,7 @@ def _label(obj: Any, key: str) -> str | None:
 
 
 async def watch_node_label(
-    api: Any,
+    api: KubeClient,
     node: str,
     key: str,
     on_value: Callable[[str | None], None],
@@ -61,38 +60,25 @@ async def watch_node_label(
 ) -> None:
     """LIST this node, then WATCH it from the list's version, calling ``on_value`` with
     the label's value (None: absent) after the list and after every change. Returns when
-    the watch ends (call again); raises ApiException, aiohttp.ClientError, OSError,
-    TimeoutError or ValueError (bad JSON) when the API server fails."""
-    core = k8s_client.CoreV1Api(api)
+    the watch ends (call again); raises KubeApiError, OSError, TimeoutError or
+    ValueError (bad JSON) when the API server fails."""
+    nodes = api_path("", "v1", "nodes")
     selector = f"metadata.name={node}"
     with anyio.fail_after(timeout_s + 1):
-        response: Any = await core.list_node(
-            field_selector=selector, _request_timeout=timeout_s, _preload_content=False
-        )
-        raw = await response.read()
-    if response.status != 200:
-        raise ApiException(status=response.status, reason=raw[:200].decode(errors="replace"))
-    doc = json.loads(raw)
+        doc = await api.list(nodes, field_selector=selector, timeout_s=timeout_s)
     items = doc.get("items") if isinstance(doc, dict) else None
     on_value(_label(items[0], key) if isinstance(items, list) and items else None)
     meta = doc.get("metadata") if isinstance(doc, dict) else None
     version = str((meta or {}).get("resourceVersion") or "")
     seconds = max(1, int(watch_s))
-    response = await core.list_node(
+    async with api.watch(
+        nodes,
         field_selector=selector,
-        watch=True,
         resource_version=version,
         timeout_seconds=seconds,
-        _request_timeout=seconds + timeout_s,
-        _preload_content=False,
-    )
-    try:
-        if response.status != 200:
-            raw = await response.read()
-            raise ApiException(status=response.status, reason=raw[:200].decode(errors="replace"))
-        async for line in response.content:
-            if not line.strip():
-                continue
+        timeout_s=seconds + timeout_s,
+    ) as lines:
+        async for line in lines:
             event = json.loads(line)
             kind = event.get("type") if isinstance(event, dict) else None
             if kind == "ERROR":
@@ -101,8 +87,6 @@ async def watch_node_label(
                 on_value(_label(event.get("object"), key))
             elif kind == "DELETED":
                 on_value(None)
-    finally:
-        response.release()
 
 
 class NodeLabelFollower:
@@ -130,7 +114,7 @@ class NodeLabelFollower:
         while True:
             try:
                 configuration = await kube_configuration(self._settings)
-                async with k8s_client.ApiClient(configuration) as api:
+                async with KubeClient(configuration) as api:
                     while True:
                         await watch_node_label(
                             api,
@@ -143,8 +127,7 @@ class NodeLabelFollower:
                         attempt = 0
             except (
                 KubeConfigError,
-                ApiException,
-                aiohttp.ClientError,
+                KubeApiError,
                 OSError,
                 TimeoutError,
                 ValueError,

@@ -28,22 +28,21 @@ arrives (the health service taints the GPUs meanwhile if they are really gone).
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable, Iterable
-from typing import Any
 
 import anyio
 from opentelemetry import metrics
 
 from gpulet_common.kube_watch import keep_watching, watch_lines
+from gpulet_common.kubeapi import KubeClient, watch_event
 from gpulet_common.logutil import RateLimitedLog
 from gpulet_common.nodeview import NodeChange, NodeView
 from gpulet_common.settings.dra import DraSettings
 from gpulet_common.settings.reporter import ReporterSettings
 from gpulet_reporter.debounce import Debouncer
 from gpulet_reporter.metrics import ReporterMetrics
-from gpulet_reporter.slices.writer import GROUP, PLURAL, VERSION, SliceInput, SliceWriter
+from gpulet_reporter.slices.writer import SliceInput, SliceWriter
 from gpulet_reporter.writer import NodeClient, WriteLoop
 
 log = logging.getLogger("gpulet.reporter.slices")
@@ -67,7 +66,7 @@ def loop_settings(settings: DraSettings) -> ReporterSettings:
 class SlicePublisher:
     def __init__(
         self,
-        api: Any,
+        api: KubeClient,
         node: str,
         settings: DraSettings,
         *,
@@ -151,10 +150,8 @@ class SlicePublisher:
     async def _watch_once(self) -> None:
         seconds = max(1, int(self._settings.watch_timeout_s))
         async with watch_lines(
-            self.writer._custom,
-            GROUP,
-            VERSION,
-            PLURAL,
+            self.writer.api,
+            self.writer.collection,
             field_selector=f"spec.nodeName={self.writer.node},spec.driver={self._settings.driver}",
             timeout_s=seconds,
             request_timeout_s=seconds + self._settings.api_timeout_s,
@@ -167,18 +164,15 @@ class SlicePublisher:
                 self._on_line(line)
 
     def _on_line(self, line: bytes) -> None:
-        try:
-            event = json.loads(line)
-        except ValueError:
-            self.bad_lines += 1
-            return
-        if not isinstance(event, dict) or not isinstance(event.get("object"), dict):
+        event = watch_event(line)
+        if event is None:
             self.bad_lines += 1
             return
         self.watch_events += 1
-        kind, obj = event.get("type"), event["object"]
-        meta = obj.get("metadata") if isinstance(obj.get("metadata"), dict) else {}
-        spec = obj.get("spec") if isinstance(obj.get("spec"), dict) else {}
+        kind, obj = event
+        meta, spec = obj.get("metadata"), obj.get("spec")
+        meta = meta if isinstance(meta, dict) else {}
+        spec = spec if isinstance(spec, dict) else {}
         name = meta.get("name")
         if kind not in ("ADDED", "MODIFIED", "DELETED") or not isinstance(name, str):
             return

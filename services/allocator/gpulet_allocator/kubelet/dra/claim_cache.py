@@ -38,11 +38,11 @@ import logging
 from typing import Any, Final
 
 import anyio
-from kubernetes_asyncio import client as k8s_client
 
 from gpulet_allocator.kubelet.dra.claims import GROUP, VERSION
 from gpulet_allocator.kubelet.dra.contract import ClaimReader, JsonObj
 from gpulet_common.kube_watch import keep_watching, watch_lines
+from gpulet_common.kubeapi import KubeClient, api_path
 from gpulet_common.logutil import RateLimitedLog
 
 log = logging.getLogger("gpulet.dra.claims")
@@ -70,8 +70,8 @@ def allocated_here(claim: JsonObj, *, driver: str, pool: str) -> bool:
 class WatchedClaimReader:
     """A :class:`~.contract.ClaimReader` from a watch, with a GET on a miss."""
 
-    def __init__(self, api: Any, fallback: ClaimReader, *, driver: str, pool: str) -> None:
-        self._custom = k8s_client.CustomObjectsApi(api)
+    def __init__(self, api: KubeClient, fallback: ClaimReader, *, driver: str, pool: str) -> None:
+        self._api = api
         self._fallback = fallback
         self._driver = driver
         self._pool = pool
@@ -106,10 +106,8 @@ class WatchedClaimReader:
     async def _watch_once(self) -> None:
         try:
             async with watch_lines(
-                self._custom,
-                GROUP,
-                VERSION,
-                "resourceclaims",
+                self._api,
+                api_path(GROUP, VERSION, "resourceclaims"),
                 timeout_s=WATCH_TIMEOUT_S,
                 request_timeout_s=WATCH_TIMEOUT_S + 30,
             ) as lines:
