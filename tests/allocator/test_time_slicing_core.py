@@ -79,7 +79,7 @@ def test_every_adapter_gets_the_one_owner_answer() -> None:
         ClaimDeviceRequest(device=f"gpu-{minor}"),
         ClaimDeviceRequest(device=f"gpu-{minor}", cores=10, memory_bytes=2**30),
     ):
-        assert refusal(core.reserve_claim, "claim-1", [device]).code == "time_sliced"
+        assert refusal(core.claims.reserve, "claim-1", [device]).code == "time_sliced"
     # A replica: given as its GPU; two in one container are refused by the config.
     [answer], _undo = core.allocate(GPU, [[f"{g0}::2"]])
     assert answer.gpus == [g0]

@@ -4,7 +4,7 @@ credentials (deploy/'s ServiceAccount and RBAC plus components/remediation, a to
 bound to a Pod on the node, ``Node,RBAC``, the node restriction policy).
 
 The holders come from a real :class:`~gpulet_allocator.decide.core.AllocatorCore`
-(device plugin allocations, and a DRA claim reserved through ``reserve_claim``) and a
+(device plugin allocations, and a DRA claim reserved through ``claims.reserve``) and a
 PodResources answer as kubelet gives it; the health is the health service's
 ``GpuHealth`` as the KV bucket holds it. Pods are created as the scheduler leaves them
 (``spec.nodeName``) and marked Running and Ready as kubelet would, since the Eviction API
@@ -220,7 +220,7 @@ class Node:
         """A DRA claim on GPU ``gpu``, reserved as the kubelet plugin does."""
         minor = self.core.books.gpus[self.uuids[gpu]].minor
         device = ClaimDeviceRequest(device=f"gpu-{minor}")
-        self.core.reserve_claim(f"uid-{name}", [device], namespace=ns, name=name)
+        self.core.claims.reserve(f"uid-{name}", [device], namespace=ns, name=name)
 
     def fail(self, *gpus: int) -> None:
         for n in gpus:

@@ -16,16 +16,19 @@ import gc
 import logging
 import signal
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import anyio
 import anyio.abc
+from anyio.streams.memory import MemoryObjectReceiveStream
 
 from gpulet_common.telemetry import StatusBoard
 
 log = logging.getLogger("gpulet.lifecycle")
 
 SHUTDOWN_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+T = TypeVar("T")
 
 
 class Service(Protocol):
@@ -124,3 +127,24 @@ async def repeat_every(
     while True:
         await step()
         await anyio.sleep(interval_s)
+
+
+async def take_queued(
+    receive: MemoryObjectReceiveStream[T],
+    handle: Callable[[T], Awaitable[object]],
+    most: int | None = None,
+) -> bool:
+    """Hand ``handle`` what is queued on ``receive`` now, without waiting (and without
+    a checkpoint per item): at most ``most`` items (None: all). False once the stream
+    has ended, so the caller stops."""
+    taken = 0
+    while most is None or taken < most:
+        try:
+            item = receive.receive_nowait()
+        except anyio.WouldBlock:
+            return True
+        except anyio.EndOfStream:
+            return False
+        await handle(item)
+        taken += 1
+    return True

@@ -452,7 +452,9 @@ class ReserveClaimRequest(_Body, frozen=True, kw_only=True):
 
 
 class ReservedClaimDevice(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
-    """A device reserved: the GPU, and the share's limits (None: the whole GPU)."""
+    """A device reserved: the GPU, and the share's limits (None: the whole GPU). The
+    ledger's checkpoint records a claim's devices with this Struct too
+    (``state.records.ClaimDeviceRecord``)."""
 
     device: str
     uuid: str

@@ -37,6 +37,7 @@ from opentelemetry import metrics
 from gpulet_common import codec, subjects
 from gpulet_common.bootid import read_boot_id
 from gpulet_common.codec import Codec
+from gpulet_common.lifecycle import take_queued
 from gpulet_common.logutil import RateLimitedLog
 from gpulet_common.messages import HealthEvent, Inventory, SampleBatch
 from gpulet_common.ordering import SenderOrder
@@ -46,8 +47,6 @@ from gpulet_health.events_source import (
     CountChanged,
     EventReceived,
     LostSignal,
-    NvmlDown,
-    NvmlUp,
     Registered,
     SourceItem,
 )
@@ -113,14 +112,8 @@ class RuleDriver:
                 # each would cost a turn of the event loop: in an XID storm the thread
                 # then waits for room while NVML's own queue overflows and drops a
                 # newer, different fault); at most SOURCE_BURST, then a checkpoint.
-                for _ in range(SOURCE_BURST):
-                    try:
-                        more = receive.receive_nowait()
-                    except anyio.WouldBlock:
-                        break
-                    except anyio.EndOfStream:
-                        return
-                    await self._handle_source(more)
+                if not await take_queued(receive, self._handle_source, SOURCE_BURST):
+                    return
 
     async def _handle_source(self, item: SourceItem) -> None:
         engine = self._s.engine
@@ -147,10 +140,11 @@ class RuleDriver:
             self._s.scanner.request()
         elif isinstance(item, Registered):
             self._s.scanner.registered_now(item)
-        elif isinstance(item, NvmlDown):
-            self._on_nvml(item.reason)
-            await self._s.stage.emit(engine.observe_nvml_unavailable(item.reason, item.timestamp))
-        elif isinstance(item, NvmlUp):
+        elif item.down_reason is not None:  # NvmlChanged: NVML went away
+            reason = item.down_reason
+            self._on_nvml(reason)
+            await self._s.stage.emit(engine.observe_nvml_unavailable(reason, item.timestamp))
+        else:  # NvmlChanged: NVML came back
             self._on_nvml(None)
             await self._s.stage.emit(engine.observe_nvml_available(item.timestamp))
             self._on_nvml(None)  # the status as of after the events

@@ -107,25 +107,21 @@ def render_devices(
         island = islands[gpu.uuid]
         if parent_block(gpu) is None:
             name = dev.device_name(gpu)
-            body = dev.device(
-                gpu,
-                inventory,
-                island=island,
-                sharing=settings.sharing,
-                memory_step=settings.memory_step_bytes,
-                pcie_root=pcie_root,
-                taints=wanted_taints(gpu, name, gpu.uuid),
+            body = dev.device_body(
+                name,
+                dev.attributes(gpu, inventory, island=island, pcie_root=pcie_root),
+                dev.capacity(gpu, sharing=settings.sharing, memory_step=settings.memory_step_bytes),
+                wanted_taints(gpu, name, gpu.uuid),
+                shared=settings.sharing,
             )
             add(name, body)
         for m in mig.offered_migs(gpu):
             name = mig.device_name(gpu, m)
-            body = mig.device(
-                gpu,
-                m,
-                inventory,
-                island=island,
-                pcie_root=pcie_root,
-                taints=wanted_taints(gpu, name, m.uuid, m.uuid),
+            body = dev.device_body(
+                name,
+                mig.attributes(gpu, m, inventory, island=island, pcie_root=pcie_root),
+                mig.capacity(m),  # a MIG device is given whole
+                wanted_taints(gpu, name, m.uuid, m.uuid),
             )
             add(name, body)
     return out

@@ -46,7 +46,7 @@ Synchronous, no I/O; not thread-safe (one event loop).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from gpulet_allocator.decide.books import Books, Undo
 from gpulet_allocator.decide.engine import Owner, WholeAllocation
@@ -91,8 +91,11 @@ def _recorded(record: ClaimRecord) -> Asked:
 class Claims:
     """Reserve and release DRA claims in the books (see the module docstring)."""
 
-    def __init__(self, books: Books) -> None:
+    def __init__(self, books: Books, gate: Callable[[], None] = lambda: None) -> None:
         self._books = books
+        # Raises Refused when nothing may be reserved now (the core: a lost record, no
+        # inventory).
+        self._gate = gate
 
     def _target(self, name: str, pool: dict[str, Target]) -> Target:
         found = pool.get(name)
@@ -113,6 +116,7 @@ class Claims:
         name: str = "",
     ) -> tuple[ClaimRecord, Undo | None]:
         """Reserve ``devices`` for claim ``uid``; the undo is None when nothing changed."""
+        self._gate()
         books = self._books
         if not uid or len(uid) > MAX_UID_CHARS:
             raise Refused("invalid_request", "a claim needs a UID of 1-128 characters")

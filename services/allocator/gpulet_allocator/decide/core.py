@@ -11,7 +11,7 @@ Interface
 :class:`AllocatorCore`: ``allocate`` and ``preferred`` (kubelet's calls), ``release``
 and ``reconcile`` (explicit, and from PodResources), ``update_inventory`` and
 ``set_health`` (the node's read model), ``withheld`` (cards not to be offered whole),
-``reserve_claim``/``release_claim`` (DRA's kubelet plugin, :mod:`.claims`),
+``claims.reserve``/``claims.release`` (DRA's kubelet plugin, :mod:`.claims`),
 ``snapshot``/``restore`` (the checkpoint), ``adopt``/``mark_lost``/``end_loss`` (a lost
 record), ``state`` and ``allocation_views``. Every refusal is a
 :class:`~gpulet_common.refusal.Refused` with a code of the one table.
@@ -80,7 +80,6 @@ from gpulet_allocator.decide.views import allocation_views, gpu_views
 from gpulet_allocator.mig import MigPlan, MigStrategy, mig_plan, mig_resource_prefix
 from gpulet_allocator.protocol import (
     AllocationView,
-    ClaimDeviceRequest,
     ContainerAllocation,
     PreferredRequest,
     ReleaseRequest,
@@ -88,7 +87,7 @@ from gpulet_allocator.protocol import (
     card_id,
     resource_specs,
 )
-from gpulet_allocator.state.records import ClaimRecord, Grant, GrantKind, StoredState
+from gpulet_allocator.state.records import Grant, GrantKind, StoredState
 from gpulet_common.messages import Inventory
 from gpulet_common.refusal import Refused
 from gpulet_common.settings.allocator import CdiSettings, MpsSettings, ResourceNames
@@ -140,7 +139,11 @@ class AllocatorCore:
             kind_of=self.resource_kind,
             on_release=self.joiner.forget,
         )
-        self.claims = Claims(self.books)
+        #: DRA claims (the DRA kubelet plugin): ``reserve`` (raises Refused; its undo,
+        #: None when nothing changed, reverts it for a checkpoint that failed) and
+        #: ``release``. A reservation is refused like Allocate while the record is lost
+        #: or there is no inventory.
+        self.claims = Claims(self.books, self._refuse_unready)
         self._answers = Answers(self.books, mps or MpsSettings(), cdi or CdiSettings())
         #: Time-slicing replicas: the node's config in force (:mod:`.timeslice`).
         self.time_slicing = TimeSlicing(
@@ -167,26 +170,6 @@ class AllocatorCore:
     def lost(self) -> str | None:
         """Why the record of allocations is lost (None: it is not); Allocate is refused."""
         return self.record.lost
-
-    @property
-    def rebuild_blocker(self) -> str:
-        return self.record.rebuild_blocker
-
-    @rebuild_blocker.setter
-    def rebuild_blocker(self, why: str) -> None:
-        self.record.rebuild_blocker = why
-
-    @property
-    def decisions_followed(self) -> int:
-        return self.handshake.followed
-
-    @property
-    def decisions_refused(self) -> int:
-        return self.handshake.refused
-
-    @property
-    def join_mismatches(self) -> int:
-        return self.releases.join_mismatches
 
     @property
     def ready(self) -> bool:
@@ -266,10 +249,7 @@ class AllocatorCore:
         The returned undo reverts what this call changed, for a checkpoint that failed.
         """
         kind = self.resource_kind(resource)
-        if self.record.lost is not None:
-            raise self.record.lost_refusal()
-        if not self.ready:
-            raise Refused("not_ready", "the allocator has no GPU inventory yet")
+        self._refuse_unready()
         if not containers:
             raise Refused("invalid_request", "the request names no container")
         checks.check_across(containers)
@@ -322,6 +302,13 @@ class AllocatorCore:
             return self.handshake.decided_share(resource, kind, ids, key, undo)
         return self.joiner.place(key, resource, kind, len(ids), undo)
 
+    def _refuse_unready(self) -> None:
+        """Nothing is granted while the record is lost or there is no inventory."""
+        if self.record.lost is not None:
+            raise self.record.lost_refusal()
+        if not self.ready:
+            raise Refused("not_ready", "the allocator has no GPU inventory yet")
+
     # --- GetPreferredAllocation ---------------------------------------------------------
 
     def preferred(self, resource: str, requests: Sequence[PreferredRequest]) -> list[list[str]]:
@@ -349,30 +336,6 @@ class AllocatorCore:
             or (self.ledger.is_replica(u) and resource == self.names.gpu)
         ]
         return self.ledger.preferred(available, request.must_include, request.size)
-
-    # --- DRA claims (the DRA kubelet plugin) --------------------------------------------
-
-    def reserve_claim(
-        self,
-        uid: str,
-        devices: Sequence[ClaimDeviceRequest],
-        *,
-        namespace: str = "",
-        name: str = "",
-    ) -> tuple[ClaimRecord, Undo | None]:
-        """Reserve a claim's devices in the ledger (:mod:`.claims`); raises Refused.
-
-        The undo (None: nothing changed) reverts it, for a checkpoint that failed.
-        """
-        if self.record.lost is not None:
-            raise self.record.lost_refusal()
-        if not self.ready:
-            raise Refused("not_ready", "the allocator has no GPU inventory yet")
-        return self.claims.reserve(uid, devices, namespace=namespace, name=name)
-
-    def release_claim(self, uid: str) -> bool:
-        """Release what claim ``uid`` holds; False when it held nothing."""
-        return self.claims.release(uid)
 
     # --- release --------------------------------------------------------------------------
 
