@@ -304,3 +304,22 @@ async def test_watch_lines_are_decoded_totally(emu: KubeEmulator) -> None:
         b' "spec": {"nodeName": "node-a", "driver": "gpu.gpulet.io"}}}'
     )
     assert publisher.repairs == 1
+
+
+async def test_time_sliced_gpus_are_tainted_and_untainted_as_the_plan_changes(
+    emu: KubeEmulator,
+) -> None:
+    """The allocator's ``held`` reply names each GPU's replicas; the publisher taints
+    the time-sliced ones (any mode) and lifts the taint when the config drops them."""
+    inventory = make_inventory(NODE, 2)
+    uuid = inventory.gpus[0].uuid
+    async with publishing(emu) as pub:
+        pub.submit(SliceInput(inventory))
+        await published(emu, 2)
+        pub.set_held((), {uuid: 4})
+        await wait_until(lambda: "taints" in devices(emu)["gpu-0"], what="time-sliced taint")
+        taint = devices(emu)["gpu-0"]["taints"][0]  # type: ignore[index]
+        assert (taint["key"], taint["value"]) == ("gpu.gpulet.io/time-sliced", "4")
+        assert "taints" not in devices(emu)["gpu-1"]
+        pub.set_held((), {})
+        await wait_until(lambda: "taints" not in devices(emu)["gpu-0"], what="taint lifted")

@@ -33,7 +33,9 @@ the same API client; with ``both``, the GPUs the device plugin holds (the alloca
 
 With ``sharing.time_slicing`` configs, the same long poll brings the replicas each
 GPU is offered as (the allocator's plan of the node's config) for GFD's sharing labels
-(:mod:`gpulet_reporter.sharelabels`).
+(:mod:`gpulet_reporter.sharelabels`), and, with DRA on, a time-sliced GPU is tainted
+``NoSchedule`` in the slices (the ledger refuses it to a claim). One poll
+(:meth:`ReporterService._follow_held`) feeds both.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ from gpulet_common.bus import BusError, Refused
 from gpulet_common.kubeapi import KubeClient
 from gpulet_common.lifecycle import idle_disabled
 from gpulet_common.logutil import RateLimitedLog
-from gpulet_common.messages import HealthStateRequest, Inventory
+from gpulet_common.messages import HealthStateRequest, HeldReply, Inventory
 from gpulet_common.nodeview import NodeChange, NodeView
 from gpulet_common.runtime import Runtime, RuntimeService
 from gpulet_common.settings import ReporterSettings
@@ -116,6 +118,8 @@ class ReporterService(RuntimeService[ReporterSettings]):
         self.node_health_loop: WriteLoop[NodeHealthIntent] | None = None
         #: The ResourceSlice publisher (``dra.mode`` dra or both; for tests).
         self.slices: SlicePublisher | None = None
+        # The allocator's last ``held`` reply (None: none yet).
+        self._held: HeldReply | None = None
 
     # The core's state, for tests and the CLI.
     @property
@@ -146,17 +150,24 @@ class ReporterService(RuntimeService[ReporterSettings]):
             tg.start_soon(self._write)
             if self._settings.node_condition:
                 tg.start_soon(self._probe_health)
-            if self._rt.settings.sharing.time_slicing.enabled:
-                tg.start_soon(self._follow_replicas)
+            dra_mode = self._rt.settings.dra.mode
+            if self._rt.settings.sharing.time_slicing.enabled or dra_mode == "both":
+                tg.start_soon(self._follow_held)
             task_status.started()
 
     # -- inputs ------------------------------------------------------------------
 
-    async def _follow_replicas(self) -> None:
-        """The allocator's time-slicing replicas, for GFD's sharing labels."""
+    async def _follow_held(self) -> None:
+        """The allocator's ``held`` reply: the time-slicing replicas for GFD's sharing
+        labels, and what the slices taint (the device plugin's GPUs, time-sliced GPUs)."""
         retry_s = self._settings.request_retry_s
-        on_reply = self.core.on_replicas
-        await follow_held(self._rt.bus, self._node, lambda r: on_reply(r.replicas), retry_s)
+        await follow_held(self._rt.bus, self._node, self._on_held, retry_s)
+
+    def _on_held(self, reply: HeldReply) -> None:
+        self._held = reply
+        self.core.on_replicas(reply.replicas)
+        if self.slices is not None:
+            self.slices.set_held(reply.held, reply.replicas)
 
     def _on_view(self, change: NodeChange) -> None:
         inventory = self.view.inventory
@@ -270,18 +281,9 @@ class ReporterService(RuntimeService[ReporterSettings]):
             api, self._node, self._rt.settings.dra, meter=self._rt.meter, server=server
         )
         self.slices.attach(self.view)
-        async with anyio.create_task_group() as tg:
-            if self._rt.settings.dra.mode == "both":
-                retry_s = self._settings.request_retry_s
-                slices = self.slices
-                tg.start_soon(
-                    follow_held,
-                    self._rt.bus,
-                    self._node,
-                    lambda r: slices.set_held(r.held),
-                    retry_s,
-                )
-            await self.slices.run()
+        if self._held is not None:
+            self.slices.set_held(self._held.held, self._held.replicas)
+        await self.slices.run()
 
     async def _run_node_health_loop(self, node_api: NodeApi, server: str) -> None:
         writer = self.node_health_writer = NodeHealthWriter(node_api, server=server)

@@ -72,6 +72,7 @@ def render_devices(
     settings: DraSettings,
     *,
     held: Collection[str] = (),
+    sliced: Mapping[str, int] | None = None,
     known: Mapping[str, Mapping[taints.TaintKey, str]] | None = None,
     now: float = 0.0,
     pcie_root: Callable[[str], str] | None = None,
@@ -90,6 +91,7 @@ def render_devices(
             driver=settings.driver,
             unhealthy_effect=settings.unhealthy_effect,
             held_by_device_plugin=settings.mode == "both" and uuid in held,
+            time_sliced=(sliced or {}).get(uuid, 0),
             mig_device=mig,
         )
         return taints.render(wanted, known.get(name, {}), now)
@@ -189,6 +191,7 @@ def build(
     previous: Pool | None = None,
     generation_floor: int = 0,
     held: Collection[str] = (),
+    sliced: Mapping[str, int] | None = None,
     known: Mapping[str, Mapping[taints.TaintKey, str]] | None = None,
     now: float = 0.0,
     node_uid: str | None = None,
@@ -196,7 +199,14 @@ def build(
 ) -> Pool:
     """The whole pool: devices, generation, slices."""
     devices = render_devices(
-        inventory, healths, settings, held=held, known=known, now=now, pcie_root=pcie_root
+        inventory,
+        healths,
+        settings,
+        held=held,
+        sliced=sliced,
+        known=known,
+        now=now,
+        pcie_root=pcie_root,
     )
     generation = next_generation(previous, devices, generation_floor)
     return Pool(

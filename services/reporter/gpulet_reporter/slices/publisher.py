@@ -29,7 +29,7 @@ arrives (the health service taints the GPUs meanwhile if they are really gone).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 import anyio
 from opentelemetry import metrics
@@ -87,6 +87,7 @@ class SlicePublisher:
         self._loop = WriteLoop(self.writer, self.debouncer, loop, self.metrics)
         self._view: NodeView | None = None
         self._held: frozenset[str] = frozenset()
+        self._sliced: dict[str, int] = {}
         self.last: SliceInput | None = None
         self.watch_events = 0
         self.watches = 0
@@ -112,15 +113,20 @@ class SlicePublisher:
                 view.inventory.degraded_reason,
             )
             return
-        self.submit(SliceInput(view.inventory, dict(view.healths()), self._held))
+        self.submit(
+            SliceInput(view.inventory, dict(view.healths()), self._held, dict(self._sliced))
+        )
 
-    def set_held(self, uuids: Iterable[str]) -> None:
+    def set_held(self, uuids: Iterable[str], replicas: Mapping[str, int] | None = None) -> None:
+        """The GPUs the device plugin holds, and each GPU's time-slicing replicas (a GPU
+        offered as more than one replica is time-sliced: tainted, not claimable)."""
         held = frozenset(uuids)
-        if held == self._held:
+        sliced = {u: n for u, n in (replicas or {}).items() if n > 1}
+        if held == self._held and sliced == self._sliced:
             return
-        self._held = held
+        self._held, self._sliced = held, sliced
         if self.last is not None:
-            self.submit(SliceInput(self.last.inventory, self.last.healths, held))
+            self.submit(SliceInput(self.last.inventory, self.last.healths, held, dict(sliced)))
 
     def submit(self, desired: SliceInput) -> None:
         if desired == self.last:

@@ -57,6 +57,8 @@ class SliceInput:
     healths: Mapping[str, GpuHealth] = field(default_factory=dict)
     # GPU uuids the device plugin holds (tainted in mode ``both``).
     held: frozenset[str] = frozenset()
+    # GPU uuid -> time-slicing replicas, for the GPUs offered as replicas (tainted).
+    sliced: Mapping[str, int] = field(default_factory=dict)
 
 
 _EMPTY: Final[tuple[Any, ...]] = (None, False, "", [], {})
@@ -188,6 +190,7 @@ class SliceWriter:
             desired.healths,
             self._settings,
             held=desired.held,
+            sliced=desired.sliced,
             known=known,
             now=self._clock(),
             node_uid=uid if isinstance(uid, str) and uid else None,
