@@ -6,9 +6,8 @@ Kubelet never tells a device plugin that a pod went away. Its PodResources API
 (``v1.PodResourcesLister/List`` on ``/var/lib/kubelet/pod-resources/kubelet.sock``)
 lists, for every live pod and container, the device IDs it holds per resource: hashed
 the way :func:`gpulet_allocator.decide.books.grant_key` hashes Allocate's IDs, those are the
-live grants. The call itself (:func:`gpulet_common.podresources.list_pod_resources`,
-bounded by a deadline; a missing socket means "no kubelet here") is shared with the
-collector, which labels GPU metrics with the pods holding them.
+live grants. The call itself (:func:`gpulet_common.podresources.list_pod_resources`)
+is bounded by a deadline; a missing socket means "no kubelet here".
 
 The same answer, as :func:`held_devices`, is what rebuilds a lost allocation record
 (:meth:`gpulet_allocator.decide.core.AllocatorCore.adopt`), and, as
