@@ -20,6 +20,7 @@ from nats.aio.msg import Msg
 from gpulet_allocator.protocol import core_device_id, memory_device_id
 from gpulet_allocator.service.nats import AllocatorService
 from gpulet_allocator.service.podresources import pod_holders
+from gpulet_allocator.service.withheld import MAX_PODS_REPLY_BYTES, pods_reply
 from gpulet_collector.pods import STATUS_NAME, PodAttribution, holders_of
 from gpulet_collector.service import CollectorService
 from gpulet_common import codec, subjects
@@ -235,3 +236,30 @@ async def test_no_allocator_or_a_bad_reply_never_ends_the_attribution(
         said = status.get(STATUS_NAME)
         assert said is not None
         assert said.detail.startswith("pod labels from the allocator")
+
+
+def test_a_pods_reply_always_fits_one_nats_message() -> None:
+    """Many shares (100 IDs each): the reply leaves the IDs out, keeps holders and counts."""
+    ids = [f"GPU-{g}::core-{n}" for g in range(8) for n in range(64)]
+    holders = {
+        f"GPU-{g}": [
+            PodHolder(
+                namespace="n",
+                pod=f"pod-{k}",
+                container="c",
+                device_ids=ids[g * 64 : (g + 1) * 64],
+                device_count=100,
+            )
+            for k in range(200)
+        ]
+        for g in range(8)
+    }
+    data = pods_reply("e", 3, (holders, "ok"))
+    assert len(data) <= MAX_PODS_REPLY_BYTES
+    reply = codec.PODS_REPLY.decode(data)
+    assert sum(len(h) for h in reply.holders.values()) == 1600
+    assert {(h.device_ids == [], h.device_count) for hs in reply.holders.values() for h in hs} == {
+        (True, 100)
+    }
+    small = codec.PODS_REPLY.decode(pods_reply("e", 3, ({"GPU-0": holders["GPU-0"][:1]}, "ok")))
+    assert small.holders["GPU-0"][0].device_ids == ids[:64]

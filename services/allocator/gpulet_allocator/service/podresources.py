@@ -109,6 +109,7 @@ def pod_holders(response: pr.ListPodResourcesResponse) -> dict[str, list[PodHold
                             container=container.name,
                             resource=devices.resource_name[:_MAX_NAME],
                             device_ids=sorted(ids)[:MAX_DEVICE_IDS_PER_HOLDER],
+                            device_count=len(ids),
                         )
                     )
     return {

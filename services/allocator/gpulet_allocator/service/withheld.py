@@ -26,6 +26,7 @@ from typing import Any, Generic, TypeVar
 
 import anyio
 import anyio.abc
+import msgspec
 from nats.micro.request import Request
 
 from gpulet_allocator import protocol as p
@@ -41,6 +42,8 @@ MAX_WAITING = 64
 
 # The ``pods`` feed's value: device UUID -> its holders, and how kubelet answers.
 PodsSnapshot = tuple[dict[str, list[PodHolder]], str]
+# A ``pods`` reply larger than this leaves the device IDs out (NATS carries 1 MiB).
+MAX_PODS_REPLY_BYTES = 256 * 1024
 
 
 Replicas = dict[str, int]
@@ -59,11 +62,19 @@ def _held_reply(epoch: str, version: int, value: tuple[dict[str, str], Replicas]
     return codec.HELD_REPLY.encode(reply)
 
 
-def _pods_reply(epoch: str, version: int, value: PodsSnapshot) -> bytes:
+def pods_reply(epoch: str, version: int, value: PodsSnapshot) -> bytes:
+    """The ``pods`` reply; past :data:`MAX_PODS_REPLY_BYTES` without the device IDs
+    (each holder keeps its count), so that it always fits one NATS message."""
     holders, source = value
-    return codec.PODS_REPLY.encode(
-        PodsReply(epoch=epoch, version=version, holders=holders, source=source)
-    )
+    reply = PodsReply(epoch=epoch, version=version, holders=holders, source=source)
+    data = codec.PODS_REPLY.encode(reply)
+    if len(data) <= MAX_PODS_REPLY_BYTES:
+        return data
+    bare = {
+        uuid: [msgspec.structs.replace(h, device_ids=[]) for h in held]
+        for uuid, held in holders.items()
+    }
+    return codec.PODS_REPLY.encode(msgspec.structs.replace(reply, holders=bare))
 
 
 class WithheldFeed(Generic[V]):
@@ -168,5 +179,5 @@ def pods_feed(replies: Replies, pods: Callable[[], PodsSnapshot]) -> WithheldFee
         ({}, ""),
         endpoint=p.ENDPOINT_PODS,
         request=codec.HELD_REQUEST,
-        reply=_pods_reply,
+        reply=pods_reply,
     )
