@@ -24,7 +24,7 @@ holders and is said once in the status, never ends the collector.
 No allocator (not deployed, not started yet, gone): nobody can tell who holds a GPU,
 so the metrics carry no pod labels; the component ``collector.pod-labels`` of the
 status says why (it stays ``ready``: the metrics are right, only unlabelled), and the
-endpoint is asked again every ``collector.pod_resources_poll_s``.
+endpoint is asked again after 0.5 s, doubling up to ``collector.pod_resources_poll_s``.
 """
 
 from __future__ import annotations
@@ -49,6 +49,9 @@ log = logging.getLogger("gpulet.collector.pods")
 STATUS_NAME: Final = "collector.pod-labels"
 # How long the allocator may hold one long poll (it holds at most 30 s).
 WAIT_S: Final = 15.0
+# No answer: asked again after this, doubling up to collector.pod_resources_poll_s
+# (the allocator of `gpulet run` or of the pod usually starts a moment later).
+FIRST_RETRY_S: Final = 0.5
 
 
 def holders_of(reply: PodsReply, devices: Collection[str]) -> dict[str, list[PodLabels]]:
@@ -134,6 +137,11 @@ class PodAttribution:
     ) -> None:
         self._say("asking the allocator")
         task_status.started()
+        first = min(FIRST_RETRY_S, self._retry_s)
+        delay = first
         while True:
-            if not await self.ask():
-                await anyio.sleep(self._retry_s)
+            if await self.ask():
+                delay = first
+            else:
+                await anyio.sleep(delay)
+                delay = min(delay * 2, self._retry_s)

@@ -39,6 +39,7 @@ class CollectorSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     # No longer read: the allocator alone asks kubelet (allocator.pod_resources_socket).
     # Kept so that existing configuration files still load.
     pod_resources_socket: str = POD_RESOURCES_SOCKET
-    # Seconds before the allocator's `pods` endpoint is asked again when it did not
-    # answer (no allocator yet); while it answers, labels follow each change at once.
+    # The longest wait before the allocator's `pods` endpoint is asked again when it
+    # did not answer (0.5 s, doubling up to this); while it answers, labels follow
+    # each change at once.
     pod_resources_poll_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 10.0
