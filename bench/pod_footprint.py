@@ -8,7 +8,8 @@ deploy/nats/node.conf and the mock variant of auth.conf, then one process per se
 NATS user, the DaemonSet's arguments (``--state-dir``, ``--metrics-port``) and the
 mock NVML (scenario dgx-h100, 8 GPUs) for the services that read GPUs. A fake kubelet
 (tests/support/fake_kubelet.py, in this process, not counted) takes the device
-plugin's registration and answers PodResources. The reporter runs offline (no API
+plugin's registration and answers the allocator's PodResources calls (the collector asks
+the allocator which pods hold which GPU). The reporter runs offline (no API
 server here), which changes what it does, not what it imports.
 
 After ``--settle`` seconds (the issue's figure: 25 s), each process's RSS is read from
@@ -89,7 +90,6 @@ async def measure(settle_s: float, idle_s: float) -> list[tuple[str, float, floa
         socket_env = {
             "GPULET_ALLOCATOR__PLUGIN__PLUGIN_DIR": f"{plugin_dir}/",
             "GPULET_ALLOCATOR__POD_RESOURCES_SOCKET": str(root / "pod-resources.sock"),
-            "GPULET_COLLECTOR__POD_RESOURCES_SOCKET": str(root / "pod-resources.sock"),
         }
         config = node_config(root, mock=True)
         processes: dict[str, subprocess.Popen[bytes]] = {}

@@ -2,7 +2,9 @@
 
 The DaemonSet runs one ``gpulet serve <service>`` process per service, and every module
 a process imports is resident for its whole life: kubernetes-asyncio alone was ~40 MB,
-aiohttp ~11 MB, grpc ~8 MB, NVML's bindings and the mock ~3 MB. Each case runs the real
+aiohttp ~11 MB, grpc ~8 MB, NVML's bindings and the mock ~3 MB. The collector's pod
+labels once took grpc into it (it asked kubelet's PodResources itself); it now asks the
+allocator, the node's one reader of PodResources. Each case runs the real
 CLI dispatch (``gpulet.cli.main``) in a fresh interpreter, with the arguments the
 DaemonSet gives that container (``--nvml mock`` only to the two that read GPUs, as the
 mock overlay does), up to the point where the services would start (``anyio.run`` is
@@ -40,7 +42,8 @@ SERVICES = {"gpulet_collector", "gpulet_health", "gpulet_reporter", "gpulet_allo
 
 # service -> what its process must not import
 FORBIDDEN: dict[str, set[str]] = {
-    "collector": EVERY | KUBERNETES | (SERVICES - {"gpulet_collector"}),
+    # The collector's pod labels come from the allocator's `pods` endpoint: no gRPC.
+    "collector": EVERY | KUBERNETES | GRPC | (SERVICES - {"gpulet_collector"}),
     "health": EVERY | KUBERNETES | GRPC | (SERVICES - {"gpulet_health"}),
     "reporter": EVERY | GRPC | NVML | (SERVICES - {"gpulet_reporter"}),
     "allocator": EVERY | NVML | (SERVICES - {"gpulet_allocator"}),

@@ -1,8 +1,9 @@
 """Pod attribution: DCGM_FI_* metrics carry the pod, namespace and container of a GPU.
 
 A fake kubelet serves the real ``v1.PodResourcesLister`` on a unix socket; the
-collector (mock NVML, real nats-server) polls it and serves ``/metrics`` over HTTP,
-which the test scrapes like Prometheus would.
+allocator polls it and answers its ``pods`` endpoint, which the collector (mock NVML,
+real nats-server, both services in one runtime as in ``gpulet run``) follows; the
+collector serves ``/metrics`` over HTTP, which the test scrapes like Prometheus would.
 """
 
 from __future__ import annotations
@@ -12,14 +13,22 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import msgspec
 import pytest
+from nats.aio.msg import Msg
 
 from gpulet_allocator.protocol import core_device_id, memory_device_id
-from gpulet_collector.pods import PodAttribution, holders_of
+from gpulet_allocator.service.nats import AllocatorService
+from gpulet_allocator.service.podresources import pod_holders
+from gpulet_allocator.service.withheld import MAX_PODS_REPLY_BYTES, pods_reply
+from gpulet_collector.pods import STATUS_NAME, PodAttribution, holders_of
 from gpulet_collector.service import CollectorService
+from gpulet_common import codec, subjects
+from gpulet_common.bus import Bus
 from gpulet_common.embedded_nats import EmbeddedNats
 from gpulet_common.kubelet_api.podresources.v1 import api_pb2 as pr
-from gpulet_common.telemetry import serve_http
+from gpulet_common.messages import PodHolder, PodsReply
+from gpulet_common.telemetry import StatusBoard, serve_http
 from support.agent import agent_settings, mock_adapter, runtime_for
 from support.exposition import parse
 from support.fake_kubelet import FakeContainer, FakePod, running_fake_kubelet
@@ -71,7 +80,8 @@ async def test_pod_labels_follow_the_allocations(nats_server: EmbeddedNats, tmp_
         overrides=[
             "collector.sample_period_s=0.05",
             "collector.pod_resources_poll_s=0.05",
-            f"collector.pod_resources_socket={socket}",
+            "allocator.pods_poll_s=0.05",
+            f"allocator.pod_resources_socket={socket}",
         ],
     )
     adapter, _mock = mock_adapter("dgx-h100")
@@ -104,6 +114,7 @@ async def test_pod_labels_follow_the_allocations(nats_server: EmbeddedNats, tmp_
     ):
         port = await tg.start(serve_http, "127.0.0.1", 0, rt.status)
         await tg.start(CollectorService(rt).run)
+        await tg.start(AllocatorService(rt).run)
 
         expected: Holders = {str(i): set() for i in range(8)}
         expected["1"] = expected["2"] = {("ml", "trainer-a", "main")}
@@ -143,7 +154,9 @@ async def test_pod_labels_follow_the_allocations(nats_server: EmbeddedNats, tmp_
         tg.cancel_scope.cancel()
 
 
-def test_device_ids_of_gpus_the_node_lacks_are_ignored() -> None:
+def test_device_ids_of_any_resource_name_their_device() -> None:
+    """The allocator's side: every resource's device IDs, shares and replicas under
+    their GPU; junk IDs are left out."""
     response = pr.ListPodResourcesResponse(
         pod_resources=[
             pr.PodResources(
@@ -156,7 +169,7 @@ def test_device_ids_of_gpus_the_node_lacks_are_ignored() -> None:
                             pr.ContainerDevices(
                                 resource_name="nvidia.com/gpu",
                                 # NVIDIA's time-slicing replica IDs, a stranger, junk.
-                                device_ids=["GPU-a::0", "GPU-a::1", "GPU-zzz", "", "::x"],
+                                device_ids=["GPU-a::1", "GPU-a::0", "GPU-zzz", "", "::x"],
                             )
                         ],
                     )
@@ -164,36 +177,89 @@ def test_device_ids_of_gpus_the_node_lacks_are_ignored() -> None:
             )
         ]
     )
-    holders = holders_of(response, {"GPU-a", "GPU-b"})
+    holders = pod_holders(response)
+    assert sorted(holders) == ["GPU-a", "GPU-zzz"]
+    [held] = holders["GPU-a"]
+    assert (held.namespace, held.pod, held.container) == ("n", "p", "c")
+    assert (held.resource, held.device_ids) == ("nvidia.com/gpu", ["GPU-a::0", "GPU-a::1"])
+
+
+def test_devices_the_node_lacks_are_ignored() -> None:
+    """The collector's side: only what its inventory has, each container once."""
+    c = PodHolder(namespace="n", pod="p", container="c")
+    reply = PodsReply(
+        epoch="e", version=1, holders={"GPU-a": [c, c], "GPU-zzz": [c], "MIG-b": [], "": [c]}
+    )
+    holders = holders_of(reply, {"GPU-a", "GPU-b", "MIG-b"})
     assert list(holders) == ["GPU-a"]
     assert [(h.namespace, h.pod, h.container) for h in holders["GPU-a"]] == [("n", "p", "c")]
 
 
-async def test_an_unreadable_or_missing_kubelet_never_ends_the_attribution(
-    tmp_path: Path,
+async def test_no_allocator_or_a_bad_reply_never_ends_the_attribution(
+    nats_server: EmbeddedNats, tmp_path: Path
 ) -> None:
-    socket = tmp_path / "pod-resources.sock"
+    """No allocator: no labels, and the status says why; a reply that cannot be read
+    keeps the last holders; a good one after it is used."""
+    settings = agent_settings(nats_server.url, tmp_path)
     updates: list[dict[str, Any]] = []
-    broken = [True]
+    status = StatusBoard()
+    subject = subjects.allocator_endpoint("node-1", subjects.ALLOCATOR_PODS_ENDPOINT)
+    held = PodHolder(namespace="n", pod="p", container="c", device_ids=["GPU-a"])
+    good = codec.PODS_REPLY.encode(
+        PodsReply(epoch="e", version=1, holders={"GPU-a": [held]}, source="ok")
+    )
+    answers = [b"{not json", msgspec.json.encode({"epoch": "e", "version": "x"}), good]
+    async with Bus.connect(settings.nats, max_initial_attempts=3) as bus:
+        attribution = PodAttribution(bus, "node-1", 0.05, lambda: {"GPU-a"}, updates.append, status)
+        assert await attribution.ask() is False  # nobody answers
+        said = status.get(STATUS_NAME)
+        assert said is not None
+        assert said.state == "ready"
+        assert "allocator does not answer" in said.detail
+        assert updates == []  # nothing was held, nothing changes
 
-    def gpus() -> set[str]:
-        if broken[0]:
-            raise ValueError("inventory in flux")
-        return {"GPU-a"}
+        async def answer(msg: Msg) -> None:
+            await msg.respond(answers.pop(0) if answers else good)
 
-    attribution = PodAttribution(socket, 0.05, gpus, updates.append)
-    await attribution.refresh()  # no socket: no kubelet, nobody holds anything
-    assert updates == [{}]
-    (tmp_path / "device-plugins").mkdir()
-    pod = FakePod(name="p", containers=[FakeContainer("c", {"nvidia.com/gpu": ["GPU-a"]})])
-    async with running_fake_kubelet(
-        tmp_path / "device-plugins", pod_resources_socket=socket, pods=[pod]
-    ):
-        await attribution.refresh()  # an answer that cannot be used: logged, kept
-        assert updates == [{}]
-        broken[0] = False
-        await attribution.refresh()
-    assert [{u: [h.pod for h in hs] for u, hs in update.items()} for update in updates] == [
-        {},
-        {"GPU-a": ["p"]},
-    ]
+        await bus.client.subscribe(subject, cb=answer)
+        await bus.client.flush()
+        assert await attribution.ask() is False  # not JSON
+        assert await attribution.ask() is False  # not the schema
+        said = status.get(STATUS_NAME)
+        assert said is not None
+        assert "asking the allocator failed" in said.detail
+        assert updates == []
+        assert await attribution.ask() is True
+        assert [{u: [h.pod for h in hs] for u, hs in update.items()} for update in updates] == [
+            {"GPU-a": ["p"]}
+        ]
+        said = status.get(STATUS_NAME)
+        assert said is not None
+        assert said.detail.startswith("pod labels from the allocator")
+
+
+def test_a_pods_reply_always_fits_one_nats_message() -> None:
+    """Many shares (100 IDs each): the reply leaves the IDs out, keeps holders and counts."""
+    ids = [f"GPU-{g}::core-{n}" for g in range(8) for n in range(64)]
+    holders = {
+        f"GPU-{g}": [
+            PodHolder(
+                namespace="n",
+                pod=f"pod-{k}",
+                container="c",
+                device_ids=ids[g * 64 : (g + 1) * 64],
+                device_count=100,
+            )
+            for k in range(200)
+        ]
+        for g in range(8)
+    }
+    data = pods_reply("e", 3, (holders, "ok"))
+    assert len(data) <= MAX_PODS_REPLY_BYTES
+    reply = codec.PODS_REPLY.decode(data)
+    assert sum(len(h) for h in reply.holders.values()) == 1600
+    assert {(h.device_ids == [], h.device_count) for hs in reply.holders.values() for h in hs} == {
+        (True, 100)
+    }
+    small = codec.PODS_REPLY.decode(pods_reply("e", 3, ({"GPU-0": holders["GPU-0"][:1]}, "ok")))
+    assert small.holders["GPU-0"][0].device_ids == ids[:64]

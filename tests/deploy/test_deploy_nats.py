@@ -325,6 +325,7 @@ async def test_allocator_micro_service_answers_the_device_plugin(
         connect(server, "device-plugin") as plugin,
         connect(server, "operator") as operator,
         connect(server, "reporter") as reporter,
+        connect(server, "collector") as collector,
     ):
 
         async def allocate(req: Request) -> None:
@@ -350,6 +351,11 @@ async def test_allocator_micro_service_answers_the_device_plugin(
             await req.respond(b"held")
 
         await group.add_endpoint(name=subjects.ALLOCATOR_HELD_ENDPOINT, handler=held)
+
+        async def pods(req: Request) -> None:
+            await req.respond(b"pods")
+
+        await group.add_endpoint(name=subjects.ALLOCATOR_PODS_ENDPOINT, handler=pods)
         await allocator.nc.flush()
 
         subject = subjects.allocator_endpoint(NODE, "allocate")
@@ -368,8 +374,15 @@ async def test_allocator_micro_service_answers_the_device_plugin(
         held_subject = subjects.allocator_endpoint(NODE, subjects.ALLOCATOR_HELD_ENDPOINT)
         answer = await request(reporter, held_subject, b"{}")
         assert answer.data == b"held"
-        # ...but read-only users cannot ask for allocations.
-        for conn in (operator, reporter):
+        # The collector may ask which pods hold which GPU (its metric labels) and
+        # nothing else of the allocator...
+        pods_subject = subjects.allocator_endpoint(NODE, subjects.ALLOCATOR_PODS_ENDPOINT)
+        answer = await request(collector, pods_subject, b"{}")
+        assert answer.data == b"pods"
+        await collector.nc.publish(held_subject, b"{}")
+        assert await collector.refused("gpulet.allocator")
+        # ...and read-only users cannot ask for allocations.
+        for conn in (operator, reporter, collector):
             await conn.nc.publish(subject, b"gpu-1")
             assert await conn.refused("gpulet.allocator")
         await service.stop()
@@ -467,6 +480,7 @@ async def test_health_owns_its_stream_and_bucket_and_alerts_reads_them(
 # What each user's service asks, and who answers (the responders' own users).
 REQUESTS: dict[str, list[str]] = {
     "health": [subjects.inventory_request(NODE)],
+    "collector": [subjects.allocator_endpoint(NODE, subjects.ALLOCATOR_PODS_ENDPOINT)],
     "reporter": [subjects.inventory_request(NODE), subjects.health_state(NODE)],
     "allocator": [subjects.inventory_request(NODE), subjects.health_state(NODE)],
     "device-plugin": [

@@ -38,7 +38,7 @@ def kubectl() -> str:
 def test_the_overlays_are_all_here() -> None:
     """The parametrisations below are read from the tree: a new overlay is applied too."""
     assert OVERLAYS == ["mock", "production"]
-    assert {"nats-leaf", "nats-fleet", "alerts", "pod-labels"} <= set(COMPONENTS)
+    assert {"nats-leaf", "nats-fleet", "alerts", "remediation"} <= set(COMPONENTS)
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -97,7 +97,7 @@ def _with_components(tmp_path: Path, components: list[str]) -> list[dict[str, An
 # nats-leaf and nats-fleet are alternatives (a leaf to a cluster NATS, or to the hub).
 @pytest.mark.parametrize(
     "components",
-    [["nats-leaf", "alerts", "pod-labels"], ["nats-fleet", "alerts", "pod-labels"]],
+    [["nats-leaf", "alerts", "remediation"], ["nats-fleet", "alerts", "remediation"]],
     ids=["leaf", "fleet"],
 )
 def test_production_with_components_is_accepted(

@@ -100,6 +100,7 @@ from gpulet_common.refusal import (
     bounded,
     status_of,
 )
+from gpulet_common.remediation import REMEDIATION_PLAN, REMEDIATION_REQUEST
 from gpulet_common.settings import Settings
 from gpulet_common.settings.allocator import ResourceNames
 from robustness.strategies import bases, mutants
@@ -914,6 +915,8 @@ REPLY_CODECS: Final[dict[str, Codec[Any]]] = {
     p.ENDPOINT_RESERVE_CLAIM: p.RESERVE_CLAIM_REPLY,
     p.ENDPOINT_RELEASE_CLAIM: p.RELEASE_CLAIM_REPLY,
     p.ENDPOINT_HELD: codec.HELD_REPLY,
+    p.ENDPOINT_PODS: codec.PODS_REPLY,
+    p.ENDPOINT_REMEDIATION: REMEDIATION_PLAN,
 }
 REQUEST_CODECS: Final[dict[str, Codec[Any]]] = {
     p.ENDPOINT_ALLOCATE: p.ALLOCATE_REQUEST,
@@ -926,6 +929,8 @@ REQUEST_CODECS: Final[dict[str, Codec[Any]]] = {
     p.ENDPOINT_RESERVE_CLAIM: p.RESERVE_CLAIM_REQUEST,
     p.ENDPOINT_RELEASE_CLAIM: p.RELEASE_CLAIM_REQUEST,
     p.ENDPOINT_HELD: codec.HELD_REQUEST,
+    p.ENDPOINT_PODS: codec.HELD_REQUEST,
+    p.ENDPOINT_REMEDIATION: REMEDIATION_REQUEST,
 }
 
 
@@ -965,6 +970,10 @@ class Fuzz:
             p.ENDPOINT_RESERVE_CLAIM: service.claims.on_reserve,
             p.ENDPOINT_RELEASE_CLAIM: service.claims.on_release,
             p.ENDPOINT_HELD: self._on_held,
+            p.ENDPOINT_PODS: self._on_pods,
+            p.ENDPOINT_REMEDIATION: lambda req: service.remediation.on_request(
+                req, service._replies
+            ),
         }
         #: Outcome ("ok" or the refusal's code) of every answer, by endpoint.
         self.tally: dict[str, Counter[str]] = {e: Counter() for e in p.ENDPOINTS}
@@ -993,6 +1002,10 @@ class Fuzz:
     async def _on_held(self, req: Request) -> None:
         assert self.service._tg is not None
         await self.service.held.on_request(req, self.service._tg)
+
+    async def _on_pods(self, req: Request) -> None:
+        assert self.service._tg is not None
+        await self.service.pods.on_request(req, self.service._tg)
 
     @property
     def core(self) -> AllocatorCore:

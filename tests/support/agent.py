@@ -34,6 +34,7 @@ def agent_settings(
             # Never the host's kubelet: a socket path that does not exist unless a test
             # serves a fake PodResources there.
             f"collector.pod_resources_socket={state_dir / 'pod-resources.sock'}",
+            f"allocator.pod_resources_socket={state_dir / 'pod-resources.sock'}",
             *(overrides or []),
         ]
     )

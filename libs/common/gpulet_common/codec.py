@@ -229,6 +229,8 @@ HEALTH_STATE_REQUEST = Codec(m.HealthStateRequest, limit="request")
 HEALTH_CLEAR_REQUEST = Codec(m.HealthClearRequest, limit="request")
 HELD_REQUEST = Codec(m.HeldRequest, limit="request")
 HELD_REPLY = Codec(m.HeldReply)
+# The allocator's ``pods`` endpoint (asked with HELD_REQUEST); the collector's pod labels.
+PODS_REPLY = Codec(m.PodsReply)
 ERROR_REPLY = Codec(m.ErrorReply)
 MOCK_INJECT_REQUEST = Codec(m.MockInjectRequest, limit="request")
 MOCK_INJECT_REPLY = Codec(m.MockInjectReply)

@@ -423,7 +423,8 @@ class HealthClearRequest(_Message, frozen=True, kw_only=True):
 class HeldRequest(_Message, frozen=True, kw_only=True):
     """The GPUs the device plugin's allocations hold (the allocator's ``held``
     endpoint, for the ResourceSlice publisher in ``dra.mode`` both): wait up to
-    ``wait_s`` for a change past ``version`` of ``epoch`` (a long poll)."""
+    ``wait_s`` for a change past ``version`` of ``epoch`` (a long poll). The ``pods``
+    endpoint (:class:`PodsReply`) is asked the same way."""
 
     epoch: str = ""
     version: int = 0
@@ -439,6 +440,45 @@ class HeldReply(_Message, frozen=True, kw_only=True):
     version: int
     held: dict[str, str] = {}
     replicas: dict[str, int] = {}
+
+
+# The most holders one device may list, and the longest name of each (Kubernetes'
+# names are at most 253 characters): a pods reply is bounded, whoever sent it.
+MAX_HOLDERS_PER_DEVICE: Final = 256
+MAX_DEVICE_IDS_PER_HOLDER: Final = 64
+K8sName = Annotated[str, msgspec.Meta(max_length=253)]
+DeviceId = Annotated[str, msgspec.Meta(max_length=512)]
+
+
+class PodHolder(_Message, frozen=True, kw_only=True, omit_defaults=True):
+    """One container holding (part of) a device, as kubelet's PodResources lists it:
+    ``resource`` and ``device_ids`` say how (a whole GPU's ID is its UUID; a share,
+    a time-slicing replica ``<uuid>::N``, a MIG device its own UUID). ``device_count``
+    counts them all; ``device_ids`` lists at most :data:`MAX_DEVICE_IDS_PER_HOLDER`
+    (a share of 100 core units is 100 IDs), none when the reply would grow too large."""
+
+    namespace: K8sName
+    pod: K8sName
+    container: K8sName
+    resource: K8sName = ""
+    device_ids: Annotated[list[DeviceId], msgspec.Meta(max_length=MAX_DEVICE_IDS_PER_HOLDER)] = []
+    device_count: Annotated[int, msgspec.Meta(ge=0)] = 0
+
+
+class PodsReply(_Message, frozen=True, kw_only=True):
+    """The allocator's ``pods`` endpoint (a long poll, asked with a
+    :class:`HeldRequest`): GPU or MIG device UUID -> the containers holding it, from
+    the allocator's PodResources ``List`` (the one reader of it). ``source`` is
+    ``"ok"`` while kubelet answers, else why it does not (then ``holders`` is the last
+    known answer, or empty when kubelet is absent)."""
+
+    epoch: str
+    version: int
+    holders: dict[
+        Annotated[str, msgspec.Meta(max_length=128)],
+        Annotated[list[PodHolder], msgspec.Meta(max_length=MAX_HOLDERS_PER_DEVICE)],
+    ] = {}
+    source: Annotated[str, msgspec.Meta(max_length=1024)] = ""
 
 
 # --- control / errors ----------------------------------------------------------------

@@ -2,11 +2,12 @@
 
 Why here
 --------
-Two services ask kubelet which container holds which devices
-(``v1.PodResourcesLister/List`` on ``/var/lib/kubelet/pod-resources/kubelet.sock``):
-the allocator, to release the grants of pods that are gone, and the collector, to
-label GPU metrics with the pods using them (as dcgm-exporter does). The call and the
-device-ID grammar they share live here; neither service imports the other.
+The allocator asks kubelet which container holds which devices
+(``v1.PodResourcesLister/List`` on ``/var/lib/kubelet/pod-resources/kubelet.sock``), to
+release the grants of pods that are gone; it is the node's one reader of PodResources,
+and tells the collector (which labels GPU metrics with the pods using them, as
+dcgm-exporter does) over the bus, so the collector never loads gRPC. The call and the
+device-ID grammar stay in the common library, beside the vendored kubelet API.
 
 Device IDs
 ----------

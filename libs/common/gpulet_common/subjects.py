@@ -92,6 +92,9 @@ mock_inject = _node_scoped("gpulet.mock.inject.")
 # The allocator's endpoint of the GPUs the device plugin holds: common, since the
 # reporter (which may not import the allocator's protocol) asks it.
 ALLOCATOR_HELD_ENDPOINT: Final = "held"
+# The allocator's endpoint of which container holds which device (kubelet's
+# PodResources, read by the allocator alone): the collector's pod labels ask it.
+ALLOCATOR_PODS_ENDPOINT: Final = "pods"
 
 
 def allocator_prefix(node: str) -> str:

@@ -36,6 +36,8 @@ release-   :class:`ReleaseClaimRequest` :class:`ReleaseClaimReply`
 claim
 held       :class:`~gpulet_common.       :class:`~gpulet_common.messages.HeldReply`
            messages.HeldRequest`
+pods       :class:`~gpulet_common.       :class:`~gpulet_common.messages.PodsReply`
+           messages.HeldRequest`
 ========== ============================ =============================================
 
 ``reserve-claim`` and ``release-claim`` are the DRA kubelet plugin's
@@ -46,6 +48,10 @@ Both are idempotent and answered once the change is durable. ``held`` is the
 reporter's (``dra.mode`` both): the GPUs the device plugin's allocations hold, a long
 poll like ``withheld``, so the ResourceSlice publisher taints them ``NoSchedule``; its
 types are in :mod:`gpulet_common.messages`, since the reporter may not import this.
+``pods`` is the collector's, the same kind of long poll: which container holds which
+GPU, MIG device, share or time-slicing replica, as the allocator's PodResources pass
+read it (the allocator is kubelet's one PodResources reader on the node; the collector
+labels its DCGM_FI_* metrics with the answer).
 
 ``allocate-batch`` carries several kubelet calls in one message: the device plugin
 coalesces the Allocate calls that arrive while one of its requests is in flight
@@ -259,6 +265,8 @@ ENDPOINT_WITHHELD: Final = "withheld"
 ENDPOINT_RESERVE_CLAIM: Final = "reserve-claim"
 ENDPOINT_RELEASE_CLAIM: Final = "release-claim"
 ENDPOINT_HELD: Final = subjects.ALLOCATOR_HELD_ENDPOINT
+# Which container holds which device, from PodResources (the collector's pod labels).
+ENDPOINT_PODS: Final = subjects.ALLOCATOR_PODS_ENDPOINT
 # What remediation would do now (its types are common: the health CLI asks it).
 ENDPOINT_REMEDIATION: Final = ENDPOINT_REMEDIATION_COMMON
 ENDPOINTS: Final = (
@@ -273,6 +281,7 @@ ENDPOINTS: Final = (
     ENDPOINT_RELEASE_CLAIM,
     ENDPOINT_HELD,
     ENDPOINT_REMEDIATION,
+    ENDPOINT_PODS,
 )
 # The most devices one claim may reserve (a ResourceClaim holds at most 32 results
 # per request; 128 bounds the message, as the kubelet plugin does).

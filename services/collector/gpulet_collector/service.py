@@ -42,7 +42,8 @@ Flow
 6. With ``dcgm_metrics`` (default) ``/metrics`` also serves dcgm-exporter's
    ``DCGM_FI_*`` metrics (:mod:`.dcgm`); the last XID of each GPU comes from the
    health events on ``gpu.health.<node>``, and with ``pod_labels`` the GPUs a
-   container holds carry its pod, namespace and container (:mod:`.pods`).
+   container holds carry its pod, namespace and container, as the allocator's
+   ``pods`` endpoint tells (:mod:`.pods`; the allocator reads kubelet's PodResources).
 
 Every inventory and batch carries the collector's own order: ``seq`` (one counter
 for both, from 1) and ``boot_id`` (random per process). Consumers order by them,
@@ -55,7 +56,6 @@ import itertools
 import logging
 import secrets
 import time
-from pathlib import Path
 
 import anyio
 import anyio.abc
@@ -149,7 +149,8 @@ class CollectorService(RuntimeService[CollectorSettings]):
             self._rt.status.set(self.name, "ready", f"{len(self._inventory.gpus)} GPUs")
             if self._settings.dcgm_metrics and self._settings.pod_labels:
                 attribution = PodAttribution(
-                    Path(self._settings.pod_resources_socket),
+                    self._rt.bus,
+                    self._node,
                     self._settings.pod_resources_poll_s,
                     # GPUs and MIG devices (per-GPU-instance series get their holders).
                     lambda: {
@@ -158,6 +159,7 @@ class CollectorService(RuntimeService[CollectorSettings]):
                         for u in (g.uuid, *(d.uuid for d in g.mig_devices))
                     },
                     self.dcgm.update_holders,
+                    self._rt.status,
                 )
                 await tg.start(attribution.run)
             await self._sample_forever()

@@ -177,6 +177,9 @@ class AllocatorSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     pod_resources_socket: str = POD_RESOURCES_SOCKET
     # How often PodResources is asked.
     release_interval_s: PositiveSeconds = 30.0
+    # How often PodResources is asked at least, for which container holds which GPU
+    # (the ``pods`` endpoint: the collector's pod labels follow allocations this fast).
+    pods_poll_s: PositiveSeconds = 10.0
     # An allocation is released once no pod has listed it for this long (covers a
     # kubelet that restarts and lists no pods for a moment).
     release_grace_s: PositiveSeconds = 60.0

@@ -33,9 +33,13 @@ class CollectorSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     # Export dcgm-exporter's DCGM_FI_* metrics on /metrics beside the gpulet_* ones.
     dcgm_metrics: bool = True
     # Add pod/namespace/container labels to the DCGM_FI_* metrics of GPUs that a
-    # container holds, from kubelet's PodResources List (as dcgm-exporter does).
+    # container holds (as dcgm-exporter does), from the allocator's `pods` endpoint:
+    # the allocator reads kubelet's PodResources (allocator.pods_poll_s).
     pod_labels: bool = True
-    # kubelet's PodResources socket; absent socket: no pod labels, and said so once.
+    # No longer read: the allocator alone asks kubelet (allocator.pod_resources_socket).
+    # Kept so that existing configuration files still load.
     pod_resources_socket: str = POD_RESOURCES_SOCKET
-    # Seconds between two PodResources List calls (labels follow allocations this fast).
+    # The longest wait before the allocator's `pods` endpoint is asked again when it
+    # did not answer (0.5 s, doubling up to this); while it answers, labels follow
+    # each change at once.
     pod_resources_poll_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 10.0

@@ -17,8 +17,10 @@ Flow
    (:mod:`.replies`). ``withheld`` is the device plugin's long poll of the cards that
    may not go whole; ``reserve-claim`` and ``release-claim`` are the DRA kubelet
    plugin's (:mod:`.claims`).
-4. Every ``release_interval_s``, ask kubelet's PodResources API which containers are
-   alive and release the allocations of the others (:mod:`.release`).
+4. Every ``min(release_interval_s, pods_poll_s)``, ask kubelet's PodResources API which
+   containers are alive and release the allocations of the others (:mod:`.release`);
+   the ``pods`` endpoint tells the collector who holds which device from the same
+   answer (the allocator is kubelet's one PodResources reader on the node).
 5. With ``allocator.handshake.enabled``, watch this node's pods into the core's book
    and post refused decisions as Events (:mod:`.handshake`, docs/koordinator.md).
 6. With ``remediation.mode`` ``report`` or ``evict``, follow the health of the GPUs
@@ -83,7 +85,7 @@ from gpulet_allocator.service.remediate.service import RemediationService
 from gpulet_allocator.service.replies import Replies, handler_for
 from gpulet_allocator.service.sharing import SharingInputs
 from gpulet_allocator.service.status import AllocatorStatus
-from gpulet_allocator.service.withheld import core_feeds
+from gpulet_allocator.service.withheld import core_feeds, pods_feed
 from gpulet_allocator.state.checkpoint import (
     CheckpointError,
     CheckpointFile,
@@ -173,8 +175,11 @@ class AllocatorService(RuntimeService[AllocatorSettings]):
             on_change=self._on_record_change,
             committer=lambda: self._committer,
         )
-        #: The long polls of the device plugin (``withheld``) and the reporter (``held``).
+        #: The long polls of the device plugin (``withheld``), the reporter (``held``) and
+        #: the collector (``pods``: who holds which device, from PodResources).
         self.withheld, self.held = core_feeds(replies, self.core)
+        self.pods = pods_feed(replies, lambda: self.pod_resources.pods)
+        self.pod_resources.on_pods = self.pods.follow
         #: The DRA kubelet plugin's endpoints (claims in the same ledger).
         self.claims = ClaimEndpoints(
             self.core, replies, self._answer_durably, self._on_record_change
@@ -262,6 +267,7 @@ class AllocatorService(RuntimeService[AllocatorSettings]):
                     p.ENDPOINT_RESERVE_CLAIM: self.claims.on_reserve,
                     p.ENDPOINT_RELEASE_CLAIM: self.claims.on_release,
                     p.ENDPOINT_HELD: lambda req: self.held.on_request(req, tg),
+                    p.ENDPOINT_PODS: lambda req: self.pods.on_request(req, tg),
                     p.ENDPOINT_REMEDIATION: lambda req: self.remediation.on_request(
                         req, self._replies
                     ),

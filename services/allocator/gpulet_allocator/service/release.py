@@ -11,6 +11,13 @@ Lost record: while the record is lost, PodResources is asked every
 rebuilt once PodResources has answered for ``release_grace_s`` (a kubelet that just
 restarted may list no pods for a moment) and the latest answer held nothing that cannot
 be placed (a share: kubelet does not know its card).
+
+Pods: every answer also says which container holds which device
+(:func:`~.podresources.pod_holders`, :attr:`PodResourcesFollower.pods`), which the
+``pods`` endpoint tells the collector for its metric labels. So the pass runs every
+``min(release_interval_s, pods_poll_s)``. A failed call keeps the last holders (kubelet
+said nothing new); a missing socket drops them (no kubelet, no holder), and either way
+``pods``' ``source`` says why.
 """
 
 from __future__ import annotations
@@ -30,7 +37,9 @@ from gpulet_allocator.service.podresources import (
     held_devices,
     list_pod_resources,
     live_grants,
+    pod_holders,
 )
+from gpulet_allocator.service.withheld import PodsSnapshot
 from gpulet_allocator.state.checkpoint import CheckpointError, Committer
 from gpulet_common.logutil import RateLimitedLog
 from gpulet_common.settings.allocator import AllocatorSettings
@@ -63,13 +72,17 @@ class PodResourcesFollower:
         self._state = ""
         # Since when (monotonic) PodResources has answered without a failure.
         self._since: float | None = None
+        #: Device UUID -> its holders, and "ok" or why PodResources does not answer.
+        self.pods: PodsSnapshot = ({}, "")
+        #: Called after each pass (the ``pods`` feed follows :attr:`pods`).
+        self.on_pods: Callable[[], None] = lambda: None
 
     async def run(self, before_pass: Callable[[], None]) -> None:
         socket = Path(self._settings.pod_resources_socket)
         while True:
             before_pass()
             await self.reconcile_once(socket)
-            interval = self._settings.release_interval_s
+            interval = min(self._settings.release_interval_s, self._settings.pods_poll_s)
             if self._core.lost is not None:
                 interval = min(interval, LOST_RETRY_S)
             await anyio.sleep(interval)
@@ -82,7 +95,10 @@ class PodResourcesFollower:
             response = await list_pod_resources(socket, self._settings.pod_resources_timeout_s)
         except PodResourcesUnavailable as exc:
             await self._unavailable(socket, exc)
+            self.on_pods()
             return 0
+        self.pods = (pod_holders(response), "ok")
+        self.on_pods()
         if self._state != "ok":
             log.info("following PodResources at %s", socket)
             self._state = "ok"
@@ -105,6 +121,8 @@ class PodResourcesFollower:
     async def _unavailable(self, socket: Path, exc: PodResourcesUnavailable) -> None:
         self._since = None
         state = "failing" if await anyio.Path(socket).exists() else "absent"
+        holders = self.pods[0] if state == "failing" else {}
+        self.pods = (holders, f"kubelet's PodResources at {socket}: {exc}"[:1000])
         if state != self._state:
             if state == "absent":
                 log.info(

@@ -1,4 +1,5 @@
-"""The cards kubelet must not count as whole GPUs, as a long poll for the device plugin.
+"""The cards kubelet must not count as whole GPUs, as a long poll for the device plugin
+(and, the same way, the ``held`` and ``pods`` feeds).
 
 The core says which cards may not go whole although they are healthy (they hold
 shares: :meth:`~gpulet_allocator.decide.core.AllocatorCore.withheld`).
@@ -8,6 +9,12 @@ the set changes or ``wait_s`` passes (at most
 :data:`~gpulet_allocator.protocol.MAX_WITHHELD_WAIT_S`), so the device plugin's
 ``ListAndWatch`` learns of a change at once without polling. At most
 :data:`MAX_WAITING` are held at once; more are answered at once.
+
+:func:`core_feeds` builds ``withheld`` and ``held`` (the device plugin's cards, for the
+reporter) from the core; :func:`pods_feed` the ``pods`` feed: which container holds
+which GPU, MIG device, share or time-slicing replica, as the allocator's PodResources
+pass (:mod:`.release`) last read it, for the collector's metric labels (so that kubelet
+has one reader on the node and the collector no gRPC).
 """
 
 from __future__ import annotations
@@ -15,10 +22,11 @@ from __future__ import annotations
 import secrets
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import anyio
 import anyio.abc
+import msgspec
 from nats.micro.request import Request
 
 from gpulet_allocator import protocol as p
@@ -26,60 +34,79 @@ from gpulet_allocator.decide.core import AllocatorCore
 from gpulet_allocator.service.replies import Replies
 from gpulet_common import codec
 from gpulet_common.codec import Codec
-from gpulet_common.messages import HeldReply
+from gpulet_common.messages import HeldReply, PodHolder, PodsReply
 
 # Long polls held open at once; past that a request is answered at once (a flood of
 # them must not pile up tasks; the device plugin keeps one).
 MAX_WAITING = 64
 
+# The ``pods`` feed's value: device UUID -> its holders, and how kubelet answers.
+PodsSnapshot = tuple[dict[str, list[PodHolder]], str]
+# A ``pods`` reply larger than this leaves the device IDs out (NATS carries 1 MiB).
+MAX_PODS_REPLY_BYTES = 256 * 1024
+
 
 Replicas = dict[str, int]
+V = TypeVar("V")
 
 
-def _withheld_reply(
-    epoch: str, version: int, withheld: dict[str, str], replicas: Replicas
-) -> bytes:
+def _withheld_reply(epoch: str, version: int, value: tuple[dict[str, str], Replicas]) -> bytes:
+    withheld, replicas = value
     reply = p.WithheldReply(epoch=epoch, version=version, withheld=withheld, replicas=replicas)
     return p.WITHHELD_REPLY.encode(reply)
 
 
-def _held_reply(epoch: str, version: int, held: dict[str, str], replicas: Replicas) -> bytes:
+def _held_reply(epoch: str, version: int, value: tuple[dict[str, str], Replicas]) -> bytes:
+    held, replicas = value
     reply = HeldReply(epoch=epoch, version=version, held=held, replicas=replicas)
     return codec.HELD_REPLY.encode(reply)
 
 
-class WithheldFeed:
-    """A versioned set of cards as a long poll; ``held`` builds the same feed of the
-    cards the device plugin's allocations hold (the ``held`` endpoint, whose types are
-    common: the reporter's slice publisher asks it)."""
+def pods_reply(epoch: str, version: int, value: PodsSnapshot) -> bytes:
+    """The ``pods`` reply; past :data:`MAX_PODS_REPLY_BYTES` without the device IDs
+    (each holder keeps its count), so that it always fits one NATS message."""
+    holders, source = value
+    reply = PodsReply(epoch=epoch, version=version, holders=holders, source=source)
+    data = codec.PODS_REPLY.encode(reply)
+    if len(data) <= MAX_PODS_REPLY_BYTES:
+        return data
+    bare = {
+        uuid: [msgspec.structs.replace(h, device_ids=[]) for h in held]
+        for uuid, held in holders.items()
+    }
+    return codec.PODS_REPLY.encode(msgspec.structs.replace(reply, holders=bare))
+
+
+class WithheldFeed(Generic[V]):
+    """A versioned value as a long poll: the cards the device plugin may not count
+    (``withheld``), the cards its allocations hold (``held``, whose types are common:
+    the reporter's slice publisher asks it), the pods holding each device (``pods``,
+    the collector's metric labels)."""
 
     def __init__(
         self,
         replies: Replies,
-        withheld: Callable[[], dict[str, str]],
+        source: Callable[[], V],
+        initial: V,
         *,
-        endpoint: str = p.ENDPOINT_WITHHELD,
-        request: Codec[Any] = p.WITHHELD_REQUEST,
-        reply: Callable[[str, int, dict[str, str], Replicas], bytes] = _withheld_reply,
-        replicas: Callable[[], Replicas] = dict,
+        endpoint: str,
+        request: Codec[Any],
+        reply: Callable[[str, int, V], bytes],
     ) -> None:
         self._endpoint, self._request, self._reply = endpoint, request, reply
         self._replies = replies
-        self._source = withheld
-        self._withheld: dict[str, str] = {}
-        # The time-slicing replicas of each GPU, carried along (the same long poll).
-        self._replicas_of = replicas
-        self._replicas: Replicas = {}
+        self._source = source
+        self._value = initial
         self._epoch = secrets.token_hex(8)
         self._version = 0
         self._changed = anyio.Event()
         self._waiting = 0
 
     def follow(self) -> None:
-        """Read the core's set again; wake the long polls when it changed."""
-        withheld, replicas = self._source(), self._replicas_of()
-        if (withheld, replicas) != (self._withheld, self._replicas):
-            self._withheld, self._replicas = withheld, replicas
+        """Read the source again; wake the long polls when it changed."""
+        value = self._source()
+        if value != self._value:
+            self._value = value
             self._version += 1
             changed, self._changed = self._changed, anyio.Event()
             changed.set()
@@ -94,7 +121,7 @@ class WithheldFeed:
             return
 
         async def answer() -> None:
-            data = self._reply(self._epoch, self._version, self._withheld, self._replicas)
+            data = self._reply(self._epoch, self._version, self._value)
             await self._replies.ok(req, endpoint, data, started)
 
         current = value.epoch == self._epoch and value.version == self._version
@@ -116,22 +143,41 @@ class WithheldFeed:
         tg.start_soon(when_changed)
 
 
-def core_feeds(replies: Replies, core: AllocatorCore) -> tuple[WithheldFeed, WithheldFeed]:
+Held = tuple[dict[str, str], Replicas]
+
+
+def core_feeds(
+    replies: Replies, core: AllocatorCore
+) -> tuple[WithheldFeed[Held], WithheldFeed[Held]]:
     """The ``withheld`` feed (the device plugin's) and the ``held`` feed (the
     reporter's) of ``core``, each carrying its time-slicing replicas."""
     replicas = core.time_slicing.replicas
-    withheld = WithheldFeed(replies, core.withheld, replicas=replicas)
-    return withheld, held_feed(replies, core.books.device_plugin_held, replicas)
-
-
-def held_feed(
-    replies: Replies, held: Callable[[], dict[str, str]], replicas: Callable[[], Replicas] = dict
-) -> WithheldFeed:
-    return WithheldFeed(
+    withheld: WithheldFeed[Held] = WithheldFeed(
         replies,
-        held,
+        lambda: (core.withheld(), replicas()),
+        ({}, {}),
+        endpoint=p.ENDPOINT_WITHHELD,
+        request=p.WITHHELD_REQUEST,
+        reply=_withheld_reply,
+    )
+    held: WithheldFeed[Held] = WithheldFeed(
+        replies,
+        lambda: (core.books.device_plugin_held(), replicas()),
+        ({}, {}),
         endpoint=p.ENDPOINT_HELD,
         request=codec.HELD_REQUEST,
         reply=_held_reply,
-        replicas=replicas,
+    )
+    return withheld, held
+
+
+def pods_feed(replies: Replies, pods: Callable[[], PodsSnapshot]) -> WithheldFeed[PodsSnapshot]:
+    """The ``pods`` feed: which containers hold which device, from PodResources."""
+    return WithheldFeed(
+        replies,
+        pods,
+        ({}, ""),
+        endpoint=p.ENDPOINT_PODS,
+        request=codec.HELD_REQUEST,
+        reply=pods_reply,
     )
