@@ -791,8 +791,8 @@ async def in_process_handshake(base: Path, n: int) -> dict[str, list[float]]:
                 core.release(p.ReleaseRequest(allocation_ids=[answer.annotations[ALLOCATION]]))
                 await committer.wait(core.version)
             book.remove(pod.key.uid)  # running now
-        if decided.decisions_followed != n:
-            raise RuntimeError(f"followed {decided.decisions_followed} decisions of {n}")
+        if decided.handshake.followed != n:
+            raise RuntimeError(f"followed {decided.handshake.followed} decisions of {n}")
         tg.cancel_scope.cancel()
     return samples
 

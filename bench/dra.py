@@ -6,14 +6,19 @@ Method
   real sockets in a temporary dir; the fake DRA kubelet (:mod:`support.fake_dra_kubelet`)
   registers it and calls ``NodePrepareResources`` with one claim per call, each claim
   allocated one whole GPU in the API emulator, then ``NodeUnprepareResources`` (not
-  timed). Each call reads the claim over HTTP, reserves it, writes and fsyncs the CDI
-  spec (on tmpfs, as ``/var/run/cdi`` is on a node) and the checkpoint (on disk).
-  The decision core is, as ``gpulet run`` has it, the real allocator service over a
-  real nats-server (:class:`~gpulet_allocator.kubelet.dra.nats_core.NatsDecisionCore`:
-  ``reserve-claim`` answered once the ledger's checkpoint is on disk); ``--core
-  memory`` takes the tests' in-memory core instead (support.dra_core), which leaves the
-  NATS round trip and the ledger's checkpoint out. The claims live in the API emulator
-  on 127.0.0.1, not a real API server. Target p99 < 10 ms.
+  timed). Each call reads the claim over HTTP (``--claim-cache``: from a watch of the
+  node's claims, ``dra.claim_cache``; the bench waits until the watch has the claim, as
+  it has by the time kubelet prepares a pod's claim), reserves it, writes and fsyncs
+  the CDI spec (on tmpfs, as ``/var/run/cdi`` is on a node); the plugin's checkpoint (on
+  disk) is written after the answer. The decision core is, as ``gpulet run`` has it,
+  the real allocator service over a real nats-server
+  (:class:`~gpulet_allocator.kubelet.dra.nats_core.NatsDecisionCore`: ``reserve-claim``
+  answered once the ledger's checkpoint is on disk), in this process (``--core nats``)
+  or, as in the pod, in one of its own (``--core nats-process``); ``--core memory``
+  takes the tests' in-memory core instead (support.dra_core), which leaves the NATS
+  round trip and the ledger's checkpoint out. The claims live in the API emulator on
+  127.0.0.1, not a real API server. Target p99 < 10 ms. ``--prepare-only`` prints
+  only this table; every table says the load average.
 * **Fault → taint**: a real nats-server, the node read model (NodeView), the slice
   publisher with the default debounce (quiet 0.5 s, at most 2 s) and the API emulator
   (its slice validation off: 45 ms of Python jsonschema a write, which a real API
@@ -33,7 +38,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -47,10 +54,10 @@ import msgspec
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from _util import percentile, table
-from kubernetes_asyncio import client as k8s_client
 
+from gpulet_allocator.kubelet.dra.claim_cache import WatchedClaimReader
 from gpulet_allocator.kubelet.dra.claims import KubeClaimReader
-from gpulet_allocator.kubelet.dra.contract import DecisionCore
+from gpulet_allocator.kubelet.dra.contract import ClaimReader, DecisionCore
 from gpulet_allocator.kubelet.dra.nats_core import NatsDecisionCore
 from gpulet_allocator.kubelet.dra.plugin import DraPlugin, PluginSettings
 from gpulet_allocator.kubelet.dra.server import DraKubeletPlugin, Sockets
@@ -58,6 +65,8 @@ from gpulet_common import codec, subjects
 from gpulet_common.bus import Bus, Delivery
 from gpulet_common.dra.devices import device_name
 from gpulet_common.embedded_nats import EmbeddedNats
+from gpulet_common.kube import KubeConfig
+from gpulet_common.kubeapi import KubeClient
 from gpulet_common.messages import Inventory, InventoryRequest
 from gpulet_common.nodeview import NodeView
 from gpulet_common.settings.dra import DraSettings
@@ -68,13 +77,27 @@ from support.dra_core import InMemoryCore, InMemoryHealth
 from support.fake_dra_kubelet import registered
 from support.health_kv import gpu_health, health_bucket, put_health
 from support.kube_emulator import KubeEmulator
-from support.kube_emulator_dra import RESOURCE_SLICES, add_claim, enable_dra, slices
+from support.kube_emulator_dra import (
+    RESOURCE_CLAIMS,
+    RESOURCE_SLICES,
+    add_claim,
+    enable_dra,
+    slices,
+)
 from support.reporter_harness import make_inventory
 from support.waiting import wait_until
 
 NODE = "bench-node"
-CORES = {"nats": "the allocator over NATS", "memory": "the tests' in-memory core"}
+CORES = {
+    "nats": "the allocator over NATS, in the bench's process",
+    "nats-process": "the allocator over NATS, in a process of its own",
+    "memory": "the tests' in-memory core",
+}
 DRIVER = "gpu.gpulet.io"
+
+
+def load_average() -> str:
+    return " / ".join(f"{x:.1f}" for x in os.getloadavg())
 
 
 def ms(seconds: float) -> str:
@@ -86,20 +109,64 @@ def run_dir() -> str:
     return "/dev/shm" if Path("/dev/shm").is_dir() else "/tmp"
 
 
+BENCH_INVENTORY = msgspec.structs.replace(make_inventory(NODE, 8), seq=1, boot_id="bench")
+NAMES = [device_name(g) for g in BENCH_INVENTORY.gpus]
+
+
 @contextlib.asynccontextmanager
-async def allocator_core(root: Path) -> AsyncIterator[tuple[DecisionCore, list[str]]]:
-    """The real allocator service on a real nats-server, and its GPUs' DRA names."""
-    inventory = msgspec.structs.replace(make_inventory(NODE, 8), seq=1, boot_id="bench")
+async def allocator_stack_on_nats(root: Path) -> AsyncIterator[tuple[str, Bus]]:
+    """The real allocator service on a real nats-server: its URL and a connection."""
     (root / "dp").mkdir(parents=True, exist_ok=True)
     async with EmbeddedNats(state_dir=root / "nats", port=0) as nats:
         settings = make_settings(
             nats.url, root / "state", root / "dp", dev_root_with(root / "dev", 8)
         )
         settings.node_name = NODE
-        async with allocator_stack(settings, inventory=inventory, start_plugin=False) as stack:
+        async with allocator_stack(
+            settings, inventory=BENCH_INVENTORY, start_plugin=False
+        ) as stack:
             await stack.wait_allocator_ready()
-            names = [device_name(g) for g in inventory.gpus]
-            yield NatsDecisionCore(stack.bus, NODE, timeout_s=5.0), names
+            yield nats.url, stack.bus
+
+
+@contextlib.asynccontextmanager
+async def allocator_core(root: Path) -> AsyncIterator[tuple[DecisionCore, list[str]]]:
+    """The allocator in this process: its event loop is the plugin's and the fake
+    kubelet's too, so its checkpoint's fsync stalls them all."""
+    async with allocator_stack_on_nats(root) as (_url, bus):
+        yield NatsDecisionCore(bus, NODE, timeout_s=5.0), NAMES
+
+
+@contextlib.asynccontextmanager
+async def allocator_process_core(root: Path) -> AsyncIterator[tuple[DecisionCore, list[str]]]:
+    """The allocator (and its nats-server) in a process of its own, as in the pod."""
+    async with await anyio.open_process(
+        [sys.executable, __file__, "--serve-allocator", str(root / "allocator")]
+    ) as process:
+        assert process.stdout is not None
+        url = ""
+        with anyio.fail_after(60):
+            async for chunk in process.stdout:
+                url += chunk.decode()
+                if url.endswith("\n"):
+                    break
+        try:
+            async with Bus.connect(
+                NatsSettings(url=url.strip()), name="dra-plugin", max_initial_attempts=5
+            ) as bus:
+                yield NatsDecisionCore(bus, NODE, timeout_s=5.0), NAMES
+        finally:
+            process.terminate()
+
+
+async def serve_allocator(root: Path) -> None:
+    """``--serve-allocator``: print the NATS URL, serve until SIGTERM (then stop the
+    nats-server too)."""
+    with anyio.open_signal_receiver(signal.SIGTERM) as signals:
+        async with allocator_stack_on_nats(root) as (url, _bus):
+            print(url, flush=True)
+            async for _ in signals:
+                break
 
 
 @contextlib.asynccontextmanager
@@ -108,11 +175,17 @@ async def memory_core(_root: Path) -> AsyncIterator[tuple[DecisionCore, list[str
     yield core, sorted(core.gpus)
 
 
-async def bench_prepare(calls: int, which: str) -> list[float]:
+async def cached(reader: WatchedClaimReader, count: int) -> None:
+    await wait_until(lambda: len(reader) == count, timeout_s=5.0, what="the claim watch")
+
+
+async def bench_prepare(calls: int, which: str, claim_cache: bool = False) -> list[float]:
     # Sockets and the checkpoint on disk (/var/lib/kubelet, /var/lib/gpulet on a node).
     root = Path(tempfile.mkdtemp(prefix="dra", dir="/tmp"))
     run = Path(tempfile.mkdtemp(prefix="dra-cdi", dir=run_dir()))
-    make_core = allocator_core if which == "nats" else memory_core
+    make_core = {"nats": allocator_core, "nats-process": allocator_process_core}.get(
+        which, memory_core
+    )
     try:
         async with KubeEmulator.running() as emu, make_core(root) as (core, names):
             enable_dra(emu)
@@ -125,10 +198,15 @@ async def bench_prepare(calls: int, which: str) -> list[float]:
             )
             sockets = Sockets.for_driver(DRIVER, root / "registry", root / "plugins")
             async with (
-                k8s_client.ApiClient(k8s_client.Configuration(host=emu.url)) as api,
+                KubeClient(KubeConfig(emu.url)) as api,
                 anyio.create_task_group() as tg,
             ):
-                plugin = DraPlugin(core, KubeClaimReader(api), settings)
+                reader: ClaimReader = KubeClaimReader(api)
+                watched: WatchedClaimReader | None = None
+                if claim_cache:
+                    reader = watched = WatchedClaimReader(api, reader, driver=DRIVER, pool=NODE)
+                    await tg.start(watched.run)
+                plugin = DraPlugin(core, reader, settings)
                 server = DraKubeletPlugin(plugin, InMemoryHealth(NODE, []), sockets, DRIVER)
                 await tg.start(server.run)
                 timings: list[float] = []
@@ -150,12 +228,19 @@ async def bench_prepare(calls: int, which: str) -> list[float]:
                                 "status": {"allocation": {"devices": {"results": [result]}}},
                             },
                         )
+                        if watched is not None:
+                            # kubelet prepares a claim well after the scheduler allocated
+                            # it (binding, the pod's sync): the watch has seen it by then.
+                            await cached(watched, 1)
                         started = time.perf_counter()
                         answer = await kubelet.prepare(("default", uid, name))
                         timings.append(time.perf_counter() - started)
                         if answer.claims[uid].error:
                             raise SystemExit(f"prepare failed: {answer.claims[uid].error}")
                         await kubelet.unprepare(("default", uid, name))
+                        emu.delete_object(RESOURCE_CLAIMS, f"default/{name}")
+                        if watched is not None:
+                            await cached(watched, 0)
                 tg.cancel_scope.cancel()
         return timings
     finally:
@@ -187,7 +272,7 @@ async def bench_taints(faults: int, rest_s: float) -> tuple[list[float], list[fl
             async with (
                 Bus.connect(nats_settings, name="collector", max_initial_attempts=5) as collector,
                 Bus.connect(nats_settings, name="reporter", max_initial_attempts=5) as reader,
-                k8s_client.ApiClient(k8s_client.Configuration(host=emu.url)) as api,
+                KubeClient(KubeConfig(emu.url)) as api,
                 anyio.create_task_group() as tg,
             ):
 
@@ -237,12 +322,12 @@ async def bench_taints(faults: int, rest_s: float) -> tuple[list[float], list[fl
 
 
 async def main_async(args: argparse.Namespace) -> None:
-    prepare = await bench_prepare(args.calls, args.core)
-    raised, cleared, at_rest = await bench_taints(args.faults, args.rest)
+    prepare = await bench_prepare(args.calls, args.core, args.claim_cache)
+    reads = "claims from the watch cache" if args.claim_cache else "a GET per claim"
     print(
         table(
             f"DRA Prepare through the fake kubelet ({args.calls} calls, one claim each; "
-            f"{CORES[args.core]}, API emulator)",
+            f"{CORES[args.core]}, {reads}, API emulator; load average {load_average()})",
             ["", "p50 ms", "p99 ms", "max ms", "target"],
             [
                 [
@@ -256,6 +341,9 @@ async def main_async(args: argparse.Namespace) -> None:
         )
     )
     print()
+    if args.prepare_only:
+        return
+    raised, cleared, at_rest = await bench_taints(args.faults, args.rest)
     quiet = DraSettings().quiet_window_s
     print(
         table(
@@ -297,7 +385,16 @@ def main() -> int:
     parser.add_argument("--faults", type=int, default=30)
     parser.add_argument("--rest", type=float, default=60.0)
     parser.add_argument("--quick", action="store_true", help="100 calls, 5 faults, 10 s rest")
+    parser.add_argument(
+        "--claim-cache", action="store_true", help="read claims from a watch (dra.claim_cache)"
+    )
+    parser.add_argument("--prepare-only", action="store_true", help="only the Prepare table")
+    parser.add_argument("--serve-allocator", metavar="DIR", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.serve_allocator:
+        logging.basicConfig(level=logging.WARNING)
+        anyio.run(serve_allocator, Path(args.serve_allocator))
+        return 0
     if args.quick:
         args.calls, args.faults, args.rest = 100, 5, 10.0
     logging.basicConfig(level=logging.WARNING)

@@ -5,11 +5,11 @@ Run: ``python bench/reporter_fleet.py --nodes 1000 --duration 60``
 What is real
 ------------
 Per node, the reporter's own pieces: :class:`ReporterCore` (health view, intent,
-debouncer), :class:`WriteLoop` and :class:`KubeWriter` with a kubernetes-asyncio
-``ApiClient`` of its own (its own HTTP connection), talking HTTP to the API emulator
-on 127.0.0.1 -- CRD validation, resourceVersions, the Node objects -- exactly as in
-production. Settings are the production defaults (quiet window 0.5 s, maximum delay
-2 s, reconcile every 300 s) unless flags say otherwise.
+debouncer), :class:`WriteLoop` and :class:`KubeWriter` with a
+:class:`~gpulet_common.kubeapi.KubeClient` of its own (its own HTTP connection),
+talking HTTP to the API emulator on 127.0.0.1 -- CRD validation, resourceVersions, the
+Node objects -- exactly as in production. Settings are the production defaults (quiet
+window 0.5 s, maximum delay 2 s, reconcile every 300 s) unless flags say otherwise.
 
 What is simulated
 -----------------
@@ -66,6 +66,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _util import percentile, rss_mb, table
 
+from gpulet_common.kube import KubeConfig
+from gpulet_common.kubeapi import KubeClient
 from gpulet_common.messages import ActiveCondition, GpuHealth, Inventory
 from gpulet_common.settings.reporter import ReporterSettings
 from gpulet_reporter.core import ReporterCore
@@ -300,7 +302,7 @@ async def run(args: argparse.Namespace) -> int:
         names = [f"gpu-node-{i:04d}" for i in range(args.nodes)]
         for name in names:
             emu.add_node(name, labels={"topology.kubernetes.io/zone": "z1"})
-        apis = [k8s_client.ApiClient(configuration) for _ in names]
+        apis = [KubeClient(KubeConfig(emu.url, token=emu.token or "")) for _ in names]
         watch_api = k8s_client.ApiClient(configuration)
         nodes = [
             SimNode(name, api, settings, args.gpus, expectations, results)
@@ -362,8 +364,9 @@ async def run(args: argparse.Namespace) -> int:
                 tg.cancel_scope.cancel()
         finally:
             with anyio.CancelScope(shield=True):
-                for api in [*apis, watch_api]:
+                for api in apis:
                     await api.close()
+                await watch_api.close()  # the informer's kubernetes-asyncio client
     cpu_s = time.process_time() - cpu_start
 
     # -- report ----------------------------------------------------------------------

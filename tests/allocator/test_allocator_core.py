@@ -218,7 +218,7 @@ def test_reconcile_reports_a_share_joined_across_two_containers() -> None:
     }
     core.reconcile(live)
     core.reconcile(live)
-    assert core.join_mismatches == 1
+    assert core.releases.join_mismatches == 1
 
 
 def test_explicit_release_by_id_pod_and_devices() -> None:

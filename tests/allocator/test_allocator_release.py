@@ -28,6 +28,7 @@ from support.allocator_stack import (
     make_settings,
 )
 from support.fake_kubelet import FakeContainer, FakePod, running_fake_kubelet
+from support.waiting import wait_until
 
 pytestmark = pytest.mark.anyio
 
@@ -104,19 +105,31 @@ async def test_allocations_of_pods_gone_are_released_via_pod_resources(
 async def test_a_kubelet_that_lists_nothing_for_a_moment_releases_nothing(
     nats_server: EmbeddedNats, tmp_path: Path, plugin_dir: Path
 ) -> None:
-    settings = settings_for(nats_server, tmp_path, plugin_dir, release_grace_s=1.0)
+    """Five empty answers in a row, then the pod again: nothing is released. Counted in
+    PodResources answers, not in real time, and the grace (30 s) is far longer than a
+    loaded machine could stretch those answers."""
+    settings = settings_for(nats_server, tmp_path, plugin_dir, release_grace_s=30.0)
     async with allocator_stack(
         settings, inventory=reference.nvlink_pairs_8(), pod_resources=True
     ) as stack:
-        gpus = [d.ID for d in stack.kubelet.devices(GPU)]
+        kubelet = stack.kubelet
+        gpus = [d.ID for d in kubelet.devices(GPU)]
         pods = [FakePod("p", containers=[FakeContainer("c", {GPU: gpus[:1]})])]
-        stack.kubelet.pods = list(pods)
-        await stack.kubelet.allocate(GPU, [gpus[:1]])
-        await anyio.sleep(0.3)
-        stack.kubelet.pods = []  # kubelet restarting, its pod list not synced yet
-        await anyio.sleep(0.4)
-        stack.kubelet.pods = list(pods)
-        await anyio.sleep(1.0)
+        kubelet.pods = list(pods)
+        await kubelet.allocate(GPU, [gpus[:1]])
+
+        async def answers(count: int, what: str) -> None:
+            """Wait until ``count`` more answers went out and the follower handled all
+            but the last (it asks again only once it handled the previous one)."""
+            target = kubelet.pod_lists + count + 1
+            await wait_until(lambda: kubelet.pod_lists >= target, timeout_s=30, what=what)
+
+        await answers(1, "the pod listed")
+        kubelet.pods = []  # kubelet restarting, its pod list not synced yet
+        await answers(5, "five empty answers")
+        assert len((await stack.state()).allocations) == 1
+        kubelet.pods = list(pods)
+        await answers(2, "the pod listed again")
         assert len((await stack.state()).allocations) == 1
 
 

@@ -7,8 +7,10 @@ The guarantee under test: whichever adapter asks first, a GPU never has two owne
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
+from collections.abc import AsyncIterator
 
 import anyio
 import grpc
@@ -59,6 +61,17 @@ def core_of(stack: Stack) -> NatsDecisionCore:
     return NatsDecisionCore(stack.bus, NODE, timeout_s=2.0)
 
 
+@contextlib.asynccontextmanager
+async def claims_stack(
+    settings: Settings,
+) -> AsyncIterator[tuple[Stack, NatsDecisionCore, dict[str, str], Inventory]]:
+    """The real allocator and device plugin on the mock's 8 GPUs, the NATS-backed
+    decision core, and the GPUs' DRA names by UUID."""
+    inventory = mock_inventory()
+    async with allocator_stack(settings, inventory=inventory) as stack:
+        yield stack, core_of(stack), names(inventory), inventory
+
+
 async def refused(call: object) -> Refused:
     with pytest.raises(Refused) as info:
         await call  # type: ignore[misc]
@@ -68,10 +81,7 @@ async def refused(call: object) -> Refused:
 async def test_a_gpu_held_by_the_device_plugin_is_refused_to_a_claim_and_back(
     settings: Settings,
 ) -> None:
-    inventory = mock_inventory()
-    dra = names(inventory)
-    async with allocator_stack(settings, inventory=inventory) as stack:
-        core = core_of(stack)
+    async with claims_stack(settings) as (stack, core, dra, _inventory):
         gpus = ids(stack, GPU)
         # The device plugin first: a claim for the same GPU is refused.
         await stack.kubelet.allocate(GPU, [[gpus[0]]])
@@ -107,10 +117,7 @@ async def test_a_gpu_held_by_the_device_plugin_is_refused_to_a_claim_and_back(
 
 
 async def test_reserve_is_idempotent_and_release_frees_the_gpu(settings: Settings) -> None:
-    inventory = mock_inventory()
-    dra = names(inventory)
-    async with allocator_stack(settings, inventory=inventory) as stack:
-        core = core_of(stack)
+    async with claims_stack(settings) as (stack, core, dra, _inventory):
         gpus = ids(stack, GPU)
         want = [whole(dra[gpus[2]]), whole(dra[gpus[3]])]
         first = await core.reserve_claim(UID_A, want)
@@ -140,11 +147,8 @@ async def test_reserve_is_idempotent_and_release_frees_the_gpu(settings: Setting
 async def test_claim_shares_add_up_and_keep_the_card_from_going_whole(
     settings: Settings,
 ) -> None:
-    inventory = mock_inventory()
-    dra = names(inventory)
-    card_gib = inventory.gpus[0].memory_total_bytes // GIB
-    async with allocator_stack(settings, inventory=inventory) as stack:
-        core = core_of(stack)
+    async with claims_stack(settings) as (stack, core, dra, inventory):
+        card_gib = inventory.gpus[0].memory_total_bytes // GIB
         gpu = ids(stack, GPU)[5]
         a = await core.reserve_claim(UID_A, [share(dra[gpu], 30, 8)])
         assert (a.devices[0].cores, a.devices[0].memory_mib) == (30, 8 * 1024)
@@ -160,10 +164,7 @@ async def test_claim_shares_add_up_and_keep_the_card_from_going_whole(
 
 
 async def test_a_card_never_holds_shares_of_both_adapters(settings: Settings) -> None:
-    inventory = mock_inventory()
-    dra = names(inventory)
-    async with allocator_stack(settings, inventory=inventory) as stack:
-        core = core_of(stack)
+    async with claims_stack(settings) as (stack, core, dra, _inventory):
         await stack.kubelet.allocate(CORE, [ids(stack, CORE)[:40]])
         [plugin_share] = [a for a in (await stack.state()).allocations if a.kind == "share"]
         [card] = plugin_share.gpus
@@ -175,11 +176,35 @@ async def test_a_card_never_holds_shares_of_both_adapters(settings: Settings) ->
         await core.reserve_claim(UID_A, [share(dra[other], 20, 4)])
 
 
+async def test_a_device_plugin_share_never_lands_beside_a_claims_share(
+    settings: Settings,
+) -> None:
+    async with claims_stack(settings) as (stack, core, dra, _inventory):
+        card = ids(stack, GPU)[3]
+        await core.reserve_claim(UID_A, [share(dra[card], 20, 4)])
+
+        async def plugin_share_card(first: int, count: int) -> str:
+            before = {a.id for a in (await stack.state()).allocations}
+            await stack.kubelet.allocate(CORE, [ids(stack, CORE)[first : first + count]])
+            state = await stack.state()
+            [placed] = [a for a in state.allocations if a.id not in before]
+            assert placed.kind == "share"
+            [where] = placed.gpus
+            return where
+
+        # Best fit alone would pack the device plugin's share on the claim's card.
+        first = await plugin_share_card(0, 40)
+        assert first != card
+        # After an allocator restart the claim is marked again: a share too big for
+        # the first card (60 % free) would best-fit on the claim's (80 % free).
+        await stack.stop_allocator()
+        await stack.start_allocator()
+        await stack.wait_allocator_ready()
+        assert await plugin_share_card(40, 70) not in (card, first)
+
+
 async def test_unknown_and_unhealthy_devices_are_refused(settings: Settings) -> None:
-    inventory = mock_inventory()
-    dra = names(inventory)
-    async with allocator_stack(settings, inventory=inventory) as stack:
-        core = core_of(stack)
+    async with claims_stack(settings) as (stack, core, dra, inventory):
         error = await refused(core.reserve_claim(UID_A, [whole("gpu-99")]))
         assert error.code == "unknown_device"
         sick = inventory.gpus[6].uuid
@@ -195,10 +220,7 @@ async def test_unknown_and_unhealthy_devices_are_refused(settings: Settings) -> 
 
 
 async def test_claims_survive_an_allocator_restart(settings: Settings) -> None:
-    inventory = mock_inventory()
-    dra = names(inventory)
-    async with allocator_stack(settings, inventory=inventory) as stack:
-        core = core_of(stack)
+    async with claims_stack(settings) as (stack, core, dra, _inventory):
         gpus = ids(stack, GPU)
         whole_claim = await core.reserve_claim(UID_A, [whole(dra[gpus[0]])])
         share_claim = await core.reserve_claim(UID_B, [share(dra[gpus[1]], 40, 8)])

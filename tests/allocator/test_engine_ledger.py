@@ -220,6 +220,43 @@ def test_shared_cards_are_not_offered_whole_and_whole_cards_take_no_shares() -> 
     assert ledger.allocate_share(owner("z"), 10, 1).device == s.device
 
 
+def test_a_card_never_carries_shares_of_both_adapters() -> None:
+    ledger = Ledger(two_cards())
+    # A DRA claim's share first: the device plugin's share goes to the other card,
+    # though best fit alone would pack it beside the claim's ...
+    claim = ledger.allocate_share(owner("claim-uid", "gpu-0"), 30, 4, claim=True)
+    plugin = ledger.allocate_share(owner("dp"), 30, 4)
+    assert plugin.device != claim.device
+    # ... and is refused on the claim's card by name.
+    with pytest.raises(Refused) as err:
+        ledger.allocate_share(owner("dp2"), 10, 1, device=claim.device)
+    assert code_of(err) == "insufficient_capacity"
+    assert err.value.message == f"{claim.device} holds a DRA claim's share (claim-uid)"
+    # The reverse: a claim's share is refused on the device plugin's card.
+    with pytest.raises(Refused) as err:
+        ledger.allocate_share(owner("claim-2", "gpu-1"), 10, 1, device=plugin.device, claim=True)
+    assert code_of(err) == "insufficient_capacity"
+    assert err.value.message == f"{plugin.device} holds a device-plugin share (dp)"
+    # Each adapter still packs beside its own shares.
+    assert ledger.allocate_share(owner("claim-uid", "gpu-x"), 10, 1).device == claim.device
+    assert ledger.allocate_share(owner("dp3"), 10, 1).device == plugin.device
+    # With every share released the card takes either adapter again.
+    ledger.release("claim-uid")
+    assert not ledger.is_claim("claim-uid")
+    assert ledger.allocate_share(owner("dp4"), 10, 1, device=claim.device).device == claim.device
+
+
+def test_a_restored_claim_is_marked_again() -> None:
+    ledger = Ledger(two_cards())
+    claim = ledger.allocate_share(owner("claim-uid", "gpu-0"), 30, 4, claim=True)
+    restored = Ledger(two_cards())
+    assert restored.restore(ledger.snapshot()) == []
+    restored.mark_claim("claim-uid")
+    with pytest.raises(Refused) as err:
+        restored.allocate_share(owner("dp"), 10, 1, device=claim.device)
+    assert "DRA claim's share" in err.value.message
+
+
 def test_a_fresh_shared_card_is_chosen_like_a_single_gpu() -> None:
     ledger = Ledger(nvlink_pairs_8())
     ledger.allocate_whole(owner("w"), 1, must_include=[uuid(ledger, 2)])

@@ -71,7 +71,7 @@ async def test_whole_gpus_follow_the_annotated_minors(
         assert [d.host_path for d in answer.devices][:2] == ["/dev/nvidia5", "/dev/nvidia6"]
         core = stack.allocator.core if stack.allocator else None
         assert core is not None
-        assert core.decisions_followed == 2  # the hint and the allocation
+        assert core.handshake.followed == 2  # the hint and the allocation
         [allocation] = (await stack.state()).allocations
         assert sorted(allocation.gpus) == sorted(preferred)
         assert allocation.grants[0].pod == "ml/train"

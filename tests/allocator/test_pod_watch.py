@@ -1,5 +1,5 @@
 """The allocator's pod watch and Event writer against the Kubernetes API emulator,
-through the unmodified kubernetes-asyncio client: list + watch, resuming, 410 Gone,
+through gpulet's own client (gpulet_common.kubeapi): list + watch, resuming, 410 Gone,
 API failures, hostile objects, and Events that never block the caller."""
 
 from __future__ import annotations
@@ -9,10 +9,11 @@ from collections.abc import AsyncIterator
 
 import anyio
 import pytest
-from kubernetes_asyncio import client
 
 from gpulet_allocator.decide.koordinator import ANNOTATION_DEVICE_ALLOCATED, PodBook, PodKey
 from gpulet_allocator.service.pod_watch import EVENT_QUEUE, EVENT_REASON, EventWriter, PodWatch
+from gpulet_common.kube import KubeConfig
+from gpulet_common.kubeapi import KubeClient
 from gpulet_common.settings.allocator import HandshakeSettings
 from support.kube_emulator import EVENTS, PODS, KubeEmulator
 from support.waiting import wait_until
@@ -31,8 +32,8 @@ async def emu() -> AsyncIterator[KubeEmulator]:
 
 
 @pytest.fixture
-async def api(emu: KubeEmulator) -> AsyncIterator[client.ApiClient]:
-    async with client.ApiClient(client.Configuration(host=emu.url)) as api_client:
+async def api(emu: KubeEmulator) -> AsyncIterator[KubeClient]:
+    async with KubeClient(KubeConfig(emu.url)) as api_client:
         yield api_client
 
 
@@ -41,7 +42,7 @@ def names(book: PodBook) -> set[str]:
 
 
 async def test_list_then_watch_follows_this_nodes_pods_only(
-    emu: KubeEmulator, api: client.ApiClient
+    emu: KubeEmulator, api: KubeClient
 ) -> None:
     emu.add_pod("before", node=NODE, annotations={ANNOTATION_DEVICE_ALLOCATED: DECISION})
     emu.add_pod("elsewhere", node="gpu-2")
@@ -67,7 +68,7 @@ async def test_list_then_watch_follows_this_nodes_pods_only(
 
 
 async def test_410_gone_and_api_failures_list_again_and_never_end_the_watch(
-    emu: KubeEmulator, api: client.ApiClient
+    emu: KubeEmulator, api: KubeClient
 ) -> None:
     book = PodBook(NODE)
     states: list[str] = []
@@ -96,7 +97,7 @@ async def test_410_gone_and_api_failures_list_again_and_never_end_the_watch(
 
 
 async def test_events_are_posted_deduplicated_and_never_block(
-    emu: KubeEmulator, api: client.ApiClient
+    emu: KubeEmulator, api: KubeClient
 ) -> None:
     created = emu.add_pod("doomed", node=NODE, namespace="ml")
     pod = PodKey("ml", "doomed", created["metadata"]["uid"])

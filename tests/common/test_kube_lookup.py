@@ -90,3 +90,85 @@ def test_in_cluster(tmp_path: Path) -> None:
         in_cluster(env, tmp_path)
     (tmp_path / "ca.crt").write_text("-----BEGIN CERTIFICATE-----\n")
     assert in_cluster(env, tmp_path).host == "https://127.0.0.1:6443"
+
+
+async def test_kubeconfig_fields_merge_and_relative_paths(tmp_path: Path) -> None:
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.write_text(
+        """\
+clusters:
+- name: a
+  cluster:
+    server: https://10.0.0.1:6443
+    certificate-authority: ca.crt
+    tls-server-name: api.local
+users:
+- name: u
+  user: {tokenFile: tok, client-certificate-data: Y2VydA==, client-key-data: a2V5}
+contexts:
+- name: c
+  context: {cluster: a, user: u}
+current-context: c
+"""
+    )
+    # The second file's "a" is not used (the first file that names one wins), nor its
+    # current-context; its own context "d" is there to pick.
+    second.write_text(
+        """\
+clusters:
+- name: a
+  cluster: {server: "https://wrong:1"}
+- name: b
+  cluster: {server: "https://10.0.0.2:6443", insecure-skip-tls-verify: true}
+users:
+- name: v
+  user: {username: me, password: pw}
+contexts:
+- name: d
+  context: {cluster: b, user: v}
+current-context: d
+"""
+    )
+    paths = os.pathsep.join([str(first), str(second)])
+    config = await from_kubeconfig(paths)
+    assert config.host == "https://10.0.0.1:6443"
+    assert config.ca_file == str(tmp_path / "ca.crt")
+    assert config.token_file == str(tmp_path / "tok")
+    assert (config.cert_data, config.key_data) == (b"cert", b"key")
+    assert config.tls_server_name == "api.local"
+    assert not config.insecure
+    other = await from_kubeconfig(paths, "d")
+    assert (other.host, other.insecure, other.username, other.password) == (
+        "https://10.0.0.2:6443",
+        True,
+        "me",
+        "pw",
+    )
+
+
+@pytest.mark.parametrize(
+    ("user", "reason"),
+    [
+        ("{exec: {command: aws}}", "exec plugin"),
+        ("{auth-provider: {name: gcp}}", "auth-provider plugin"),
+        ("{client-key-data: '!!not base64'}", "unusable"),
+    ],
+)
+async def test_what_gpulet_cannot_use_is_refused_with_the_reason(
+    tmp_path: Path, user: str, reason: str
+) -> None:
+    path = tmp_path / "config"
+    path.write_text(KUBECONFIG.replace("user: {token: t}", f"user: {user}"))
+    with pytest.raises(KubeConfigError, match=reason):
+        await from_kubeconfig(str(path))
+
+
+def test_in_cluster_ipv6_and_an_empty_token(tmp_path: Path) -> None:
+    env = {"KUBERNETES_SERVICE_HOST": "fd00::1", "KUBERNETES_SERVICE_PORT": "443"}
+    (tmp_path / "ca.crt").write_text("-----BEGIN CERTIFICATE-----\n")
+    (tmp_path / "token").write_text("\n")
+    with pytest.raises(KubeConfigError, match="empty"):
+        in_cluster(env, tmp_path)
+    (tmp_path / "token").write_text("tok\n")
+    config = in_cluster(env, tmp_path)
+    assert (config.host, config.token) == ("https://[fd00::1]:443", "tok")

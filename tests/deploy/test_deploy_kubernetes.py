@@ -456,7 +456,7 @@ def test_rbac_is_exactly_what_the_reporter_and_allocator_need(
         # The GpuletGPUHealthy condition (the taint is a patch of nodes).
         (("",), ("nodes/status",)): ["patch"],
     }
-    # The koord-scheduler handshake: this node's pods and Events on them, nothing more.
+    # The koord-scheduler handshake: this node's pods and Events on them; its Node's labels.
     assert rules("gpulet-allocator") == {
         (("",), ("pods",)): ["get", "list", "watch"],
         (("",), ("events",)): ["create"],

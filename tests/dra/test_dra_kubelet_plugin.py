@@ -19,12 +19,13 @@ from typing import Any
 
 import anyio
 import pytest
-from kubernetes_asyncio import client as k8s_client
 
 from gpulet_allocator.kubelet.dra.claims import KubeClaimReader
 from gpulet_allocator.kubelet.dra.plugin import DraPlugin, PluginSettings
 from gpulet_allocator.kubelet.dra.server import DraKubeletPlugin, Sockets
 from gpulet_common.dra import cdi
+from gpulet_common.kube import KubeConfig
+from gpulet_common.kubeapi import KubeClient
 from gpulet_common.kubelet_api.dra_health.v1 import api_pb2 as h1
 from gpulet_common.kubelet_api.dra_health.v1 import api_pb2_grpc as h1_grpc
 from gpulet_common.kubelet_api.dra_health.v1alpha1 import api_pb2 as h1a1
@@ -102,7 +103,7 @@ async def rig(
     )
     sockets = Sockets.for_driver(DRIVER, root / "registry", root / "plugins")
     async with (
-        k8s_client.ApiClient(k8s_client.Configuration(host=emu.url)) as api,
+        KubeClient(KubeConfig(emu.url)) as api,
         anyio.create_task_group() as tg,
     ):
         plugin = DraPlugin(core, KubeClaimReader(api, timeout_s=5), settings)
@@ -279,6 +280,31 @@ async def test_unprepare_after_a_restart_without_the_claim(
         assert undone.claims[uid].error == ""
         assert core.claims == {}
         assert not cdi.spec_file(r.cdi_dir, DRIVER, uid).exists()
+
+
+def checkpointed(root: Path) -> set[str]:
+    try:
+        return set(json.loads((root / "state" / "dra-checkpoint.json").read_text())["claims"])
+    except (FileNotFoundError, NotADirectoryError):
+        return set()
+
+
+async def test_the_checkpoint_is_written_after_the_answer_and_a_failed_write_again(
+    emu: KubeEmulator, short_dir: Path
+) -> None:
+    # The state dir is a file: the checkpoint cannot be written, Prepare still answers
+    # (what it stands on, the reservation and the CDI spec, is written first).
+    async with rig(emu, short_dir) as r:
+        (short_dir / "state").write_text("in the way")
+        uid = claim(emu, "c", result("gpu-0"))
+        assert (await r.kubelet.prepare(("default", uid, "c"))).claims[uid].error == ""
+        assert set(r.server.plugin.checkpoint.claims) == {uid}
+        # Out of the way: the writer tries again, without another Prepare (and makes
+        # the directory itself).
+        (short_dir / "state").unlink()
+        await wait_until(lambda: checkpointed(short_dir) == {uid}, timeout_s=10)
+        assert (await r.kubelet.unprepare(("default", uid, "c"))).claims[uid].error == ""
+        await wait_until(lambda: checkpointed(short_dir) == set(), timeout_s=10)
 
 
 async def test_a_corrupt_checkpoint_is_kept_aside_and_the_plugin_starts(

@@ -206,13 +206,13 @@ def test_the_core_reserves_a_mig_device_once_and_never_its_parent_whole() -> Non
     gpu0 = inv.gpus[0]
     small = [m for m in gpu0.mig_devices if m.profile == "1g.5gb"]
     name = dramig.device_name(gpu0, small[0])
-    record, _undo = core.reserve_claim(UID_A, [ClaimDeviceRequest(device=name)])
+    record, _undo = core.claims.reserve(UID_A, [ClaimDeviceRequest(device=name)])
     [held] = record.devices
     assert (held.device, held.uuid, held.minor, held.cores) == (name, small[0].uuid, 0, None)
     assert core.books.ledger.device(small[0].uuid).whole_owner is not None
     # A second claim for it is refused; the device plugin's Allocate of it too.
     with pytest.raises(Refused) as again:
-        core.reserve_claim(UID_B, [ClaimDeviceRequest(device=name)])
+        core.claims.reserve(UID_B, [ClaimDeviceRequest(device=name)])
     assert again.value.code == "insufficient_capacity"
     with pytest.raises(Refused) as plugin:
         core.allocate("nvidia.com/mig-1g.5gb", [[small[0].uuid]])
@@ -228,16 +228,16 @@ def test_the_core_reserves_a_mig_device_once_and_never_its_parent_whole() -> Non
     assert {d.id: d.healthy for d in listed} == {small[0].uuid: False, small[1].uuid: True}
     # The MIG-enabled parent, by its whole-GPU name: refused, and said why.
     with pytest.raises(Refused) as parent:
-        core.reserve_claim(UID_B, [ClaimDeviceRequest(device="gpu-0")])
+        core.claims.reserve(UID_B, [ClaimDeviceRequest(device="gpu-0")])
     assert parent.value.code == "mig_enabled"
     # A share of a MIG device: refused (given whole only).
     with pytest.raises(Refused) as share:
-        core.reserve_claim(
+        core.claims.reserve(
             UID_B, [ClaimDeviceRequest(device=dramig.device_name(gpu0, small[1]), cores=30)]
         )
     assert share.value.code == "invalid_request"
-    assert core.release_claim(UID_A)
-    core.reserve_claim(UID_B, [ClaimDeviceRequest(device=name)])
+    assert core.claims.release(UID_A)
+    core.claims.reserve(UID_B, [ClaimDeviceRequest(device=name)])
 
 
 # --- the kubelet plugin -------------------------------------------------------------------
@@ -250,7 +250,7 @@ class CoreAdapter:
         self.core = core
 
     async def reserve_claim(self, claim_uid: str, devices: Sequence[ClaimDevice]) -> Reservation:
-        record, _undo = self.core.reserve_claim(
+        record, _undo = self.core.claims.reserve(
             claim_uid,
             [
                 ClaimDeviceRequest(device=d.device, cores=d.cores, memory_bytes=d.memory_bytes)
@@ -267,7 +267,7 @@ class CoreAdapter:
         )
 
     async def release_claim(self, claim_uid: str) -> bool:
-        return self.core.release_claim(claim_uid)
+        return self.core.claims.release(claim_uid)
 
 
 class OneClaim:
@@ -286,7 +286,7 @@ class OneClaim:
             },
         }
 
-    async def get_claim(self, namespace: str, name: str) -> dict[str, Any] | None:
+    async def get_claim(self, namespace: str, name: str, uid: str = "") -> dict[str, Any] | None:
         return self.body
 
 

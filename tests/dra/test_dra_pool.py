@@ -238,6 +238,24 @@ def test_device_plugin_holdings_are_tainted_only_in_mode_both() -> None:
     assert "taints" not in dra_only.devices[0]
 
 
+def test_time_sliced_gpus_are_tainted_in_every_mode() -> None:
+    """The ledger refuses a time-sliced GPU to a claim (``time_sliced``): the slice
+    says so with a NoSchedule taint whose value is the replica count, so the scheduler
+    never picks it; a count of 1 is not time-sliced."""
+    inventory = make_inventory(NODE, 3)
+    a, b, _ = (g.uuid for g in inventory.gpus)
+    for mode in ("dra", "both"):
+        built = pool.build(inventory, {}, DraSettings(mode=mode), sliced={a: 4, b: 1})
+        taint = built.devices[0]["taints"][0]
+        assert (taint["key"], taint["value"], taint["effect"]) == (
+            "gpu.gpulet.io/time-sliced",
+            "4",
+            "NoSchedule",
+        )
+        assert "taints" not in built.devices[1]
+        assert "taints" not in built.devices[2]
+
+
 def test_a_lost_gpu_is_unhealthy() -> None:
     inventory = make_inventory(NODE, 1)
     uuid = inventory.gpus[0].uuid

@@ -14,8 +14,9 @@ from contextlib import asynccontextmanager
 import anyio
 import msgspec
 import pytest
-from kubernetes_asyncio import client as k8s_client
 
+from gpulet_common.kube import KubeConfig
+from gpulet_common.kubeapi import KubeApiError, KubeClient, api_path
 from gpulet_common.messages import ActiveCondition, GpuHealth
 from gpulet_common.settings.dra import DraSettings
 from gpulet_reporter.slices.publisher import SlicePublisher
@@ -56,7 +57,7 @@ async def publishing(
     emu: KubeEmulator, settings: DraSettings = FAST
 ) -> AsyncIterator[SlicePublisher]:
     async with (
-        k8s_client.ApiClient(k8s_client.Configuration(host=emu.url)) as api,
+        KubeClient(KubeConfig(emu.url)) as api,
         anyio.create_task_group() as tg,
     ):
         publisher = SlicePublisher(api, NODE, settings)
@@ -238,18 +239,13 @@ async def test_the_emulator_refuses_what_the_server_would(emu: KubeEmulator) -> 
             "devices": [{"name": "GPU_0"}],
         },
     }
-    async with k8s_client.ApiClient(k8s_client.Configuration(host=emu.url)) as api:
-        custom = k8s_client.CustomObjectsApi(api)
-        with pytest.raises(k8s_client.ApiException) as refused:
-            await custom.create_cluster_custom_object(
-                "resource.k8s.io", "v1", "resourceslices", body
-            )
+    async with KubeClient(KubeConfig(emu.url)) as api:
+        with pytest.raises(KubeApiError) as refused:
+            await api.create(api_path("resource.k8s.io", "v1", "resourceslices"), body, timeout_s=5)
         assert refused.value.status == 422
         body["spec"]["devices"] = [{"name": "gpu-0", "unknownField": 1}]  # type: ignore[index]
-        with pytest.raises(k8s_client.ApiException) as unknown:
-            await custom.create_cluster_custom_object(
-                "resource.k8s.io", "v1", "resourceslices", body
-            )
+        with pytest.raises(KubeApiError) as unknown:
+            await api.create(api_path("resource.k8s.io", "v1", "resourceslices"), body, timeout_s=5)
         assert unknown.value.status == 422
         assert slices(emu) == []
 
@@ -284,7 +280,7 @@ async def test_server_defaults_are_no_difference(emu: KubeEmulator) -> None:
 
 
 async def test_watch_lines_are_decoded_totally(emu: KubeEmulator) -> None:
-    async with k8s_client.ApiClient(k8s_client.Configuration(host=emu.url)) as api:
+    async with KubeClient(KubeConfig(emu.url)) as api:
         publisher = SlicePublisher(api, NODE, FAST)
     other = {"metadata": {"name": "s"}, "spec": {"nodeName": "other"}}
     lines = [
@@ -308,3 +304,22 @@ async def test_watch_lines_are_decoded_totally(emu: KubeEmulator) -> None:
         b' "spec": {"nodeName": "node-a", "driver": "gpu.gpulet.io"}}}'
     )
     assert publisher.repairs == 1
+
+
+async def test_time_sliced_gpus_are_tainted_and_untainted_as_the_plan_changes(
+    emu: KubeEmulator,
+) -> None:
+    """The allocator's ``held`` reply names each GPU's replicas; the publisher taints
+    the time-sliced ones (any mode) and lifts the taint when the config drops them."""
+    inventory = make_inventory(NODE, 2)
+    uuid = inventory.gpus[0].uuid
+    async with publishing(emu) as pub:
+        pub.submit(SliceInput(inventory))
+        await published(emu, 2)
+        pub.set_held((), {uuid: 4})
+        await wait_until(lambda: "taints" in devices(emu)["gpu-0"], what="time-sliced taint")
+        taint = devices(emu)["gpu-0"]["taints"][0]  # type: ignore[index]
+        assert (taint["key"], taint["value"]) == ("gpu.gpulet.io/time-sliced", "4")
+        assert "taints" not in devices(emu)["gpu-1"]
+        pub.set_held((), {})
+        await wait_until(lambda: "taints" not in devices(emu)["gpu-0"], what="taint lifted")

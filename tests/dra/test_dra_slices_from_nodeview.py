@@ -10,11 +10,12 @@ from collections.abc import AsyncIterator
 import anyio
 import msgspec
 import pytest
-from kubernetes_asyncio import client as k8s_client
 
 from gpulet_common import codec, subjects
 from gpulet_common.bus import Bus, Delivery
 from gpulet_common.embedded_nats import EmbeddedNats
+from gpulet_common.kube import KubeConfig
+from gpulet_common.kubeapi import KubeClient
 from gpulet_common.messages import Inventory, InventoryRequest
 from gpulet_common.nodeview import NodeView
 from gpulet_common.settings.dra import DraSettings
@@ -56,7 +57,7 @@ async def test_health_and_inventory_reach_the_slices(
     async with (
         Bus.connect(settings, name="collector", max_initial_attempts=5) as collector,
         Bus.connect(settings, name="reporter", max_initial_attempts=5) as reader,
-        k8s_client.ApiClient(k8s_client.Configuration(host=emu.url)) as api,
+        KubeClient(KubeConfig(emu.url)) as api,
         anyio.create_task_group() as tg,
     ):
 

@@ -17,7 +17,6 @@ from typing import Any
 
 import anyio
 import pytest
-from kubernetes_asyncio import client
 
 from gpulet_allocator.decide.koordinator import (
     ANNOTATION_DEVICE_ALLOCATED,
@@ -31,6 +30,7 @@ from gpulet_allocator.service.pod_watch import (
     PodWatch,
     kube_configuration,
 )
+from gpulet_common.kubeapi import KubeClient
 from gpulet_common.settings.allocator import HandshakeSettings
 from support.control_plane import ControlPlane
 from support.gpulet_on_kube import AGENT_USER, AgentIdentity, agent_identity
@@ -48,9 +48,9 @@ def agent(gpulet_access: ControlPlane, kube_node_name: str, tmp_path: Path) -> A
 
 
 @pytest.fixture
-async def api(agent: AgentIdentity) -> AsyncIterator[client.ApiClient]:
+async def api(agent: AgentIdentity) -> AsyncIterator[KubeClient]:
     configuration = await kube_configuration(SETTINGS, env=agent.env, sa_dir=agent.sa_dir)
-    async with client.ApiClient(configuration) as api_client:
+    async with KubeClient(configuration) as api_client:
         yield api_client
 
 
@@ -88,7 +88,7 @@ def names(book: PodBook) -> set[str]:
 async def test_pod_watch_follows_this_nodes_pods_and_resumes_across_watch_timeouts(
     gpulet_access: ControlPlane,
     agent: AgentIdentity,
-    api: client.ApiClient,
+    api: KubeClient,
     kube_namespace: str,
     kube_node_name: str,
 ) -> None:
@@ -129,7 +129,7 @@ async def test_pod_watch_follows_this_nodes_pods_and_resumes_across_watch_timeou
 async def test_events_on_a_refused_pod_are_accepted_by_the_real_server(
     gpulet_access: ControlPlane,
     agent: AgentIdentity,
-    api: client.ApiClient,
+    api: KubeClient,
     kube_namespace: str,
 ) -> None:
     plane, node, ns = gpulet_access, agent.node, kube_namespace

@@ -117,27 +117,48 @@ def normalize(docs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def base_with(*components: str, tmp_path: Path) -> list[dict[str, Any]]:
+def base_with(
+    *components: str, tmp_path: Path, patches: tuple[dict[str, Any], ...] = ()
+) -> list[dict[str, Any]]:
     if not components:
         return kustomize(KUSTOMIZE / "base")
-    (tmp_path / "kustomization.yaml").write_text(
-        yaml.safe_dump(
-            {
-                "apiVersion": "kustomize.config.k8s.io/v1beta1",
-                "kind": "Kustomization",
-                "resources": [os.path.relpath(KUSTOMIZE / "base", tmp_path)],
-                "components": [
-                    os.path.relpath(KUSTOMIZE / "components" / c, tmp_path) for c in components
-                ],
-                # A component's containers get the image names an overlay sets, as
-                # the overlays do (the base's own rewrite ran before the component).
-                "images": yaml.safe_load((KUSTOMIZE / "base" / "kustomization.yaml").read_text())[
-                    "images"
-                ],
-            }
-        )
-    )
+    overlay: dict[str, Any] = {
+        "apiVersion": "kustomize.config.k8s.io/v1beta1",
+        "kind": "Kustomization",
+        "resources": [os.path.relpath(KUSTOMIZE / "base", tmp_path)],
+        "components": [os.path.relpath(KUSTOMIZE / "components" / c, tmp_path) for c in components],
+        # A component's containers get the image names an overlay sets, as
+        # the overlays do (the base's own rewrite ran before the component).
+        "images": yaml.safe_load((KUSTOMIZE / "base" / "kustomization.yaml").read_text())["images"],
+    }
+    if patches:
+        overlay["patches"] = [{"patch": yaml.safe_dump(p)} for p in patches]
+    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump(overlay))
     return kustomize(tmp_path)
+
+
+def env_patch(containers: tuple[str, ...], env: dict[str, str]) -> dict[str, Any]:
+    """What an overlay adds to set gpulet settings on some of the DaemonSet's containers."""
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "DaemonSet",
+        "metadata": {"name": "gpulet", "namespace": NAMESPACE},
+        "spec": {
+            "template": {
+                "spec": {
+                    "containers": [
+                        {"name": c, "env": [{"name": k, "value": v} for k, v in env.items()]}
+                        for c in containers
+                    ]
+                }
+            }
+        },
+    }
+
+
+# The dra component leaves the mode to the overlay (gpulet.toml or the environment);
+# the chart's dra.mode sets it on the containers that read it.
+DRA_MODE = env_patch(("reporter", "device-plugin"), {"GPULET_DRA__MODE": "both"})
 
 
 def diff(a: Any, b: Any, path: str = "") -> list[str]:
@@ -181,20 +202,85 @@ def test_namespace_create_renders_the_base_namespace(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("values", "components"),
+    ("values", "components", "patches"),
     [
-        (["nats.mode=existing"], ["nats-leaf"]),
-        (["nats.mode=fleet"], ["nats-fleet"]),
-        (["alerting.enabled=true"], ["alerts"]),
-        (["remediation.enabled=true"], ["remediation"]),
+        (["nats.mode=existing"], ["nats-leaf"], ()),
+        (["nats.mode=fleet"], ["nats-fleet"], ()),
+        (["alerting.enabled=true"], ["alerts"], ()),
+        (["remediation.enabled=true"], ["remediation"], ()),
+        (["sharing.timeSlicing.watchNode=true"], ["time-slicing"], ()),
+        (["dra.mode=both"], ["dra"], (DRA_MODE,)),
     ],
-    ids=["nats-existing", "nats-fleet", "alerting", "remediation"],
+    ids=["nats-existing", "nats-fleet", "alerting", "remediation", "time-slicing", "dra"],
 )
 def test_values_render_what_the_kustomize_components_do(
-    values: list[str], components: list[str], tmp_path: Path
+    values: list[str],
+    components: list[str],
+    patches: tuple[dict[str, Any], ...],
+    tmp_path: Path,
 ) -> None:
-    base = [d for d in base_with(*components, tmp_path=tmp_path) if d["kind"] != "Namespace"]
+    base = [
+        d
+        for d in base_with(*components, tmp_path=tmp_path, patches=patches)
+        if d["kind"] != "Namespace"
+    ]
     assert_same(render(*values), base)
+
+
+def test_dra_values_reach_the_settings_mounts_classes_and_rbac() -> None:
+    docs = render(
+        "dra.mode=dra",
+        "dra.driver=gpu.example.com",
+        "dra.kubeletDir=/data/kubelet",
+        "dra.cdiDir=/etc/cdi",
+        "dra.claimCache=true",
+        "dra.deviceClasses.extendedResource=",
+        "dra.deviceClasses.whole=whole.example.com",
+    )
+    pod = next(d for d in docs if d["kind"] == "DaemonSet")["spec"]["template"]["spec"]
+    containers = {c["name"]: c for c in pod["containers"]}
+    want = {
+        "GPULET_DRA__MODE": "dra",
+        "GPULET_DRA__DRIVER": "gpu.example.com",
+        "GPULET_DRA__PLUGINS_REGISTRY": "/data/kubelet/plugins_registry",
+        "GPULET_DRA__PLUGINS_DIR": "/data/kubelet/plugins",
+        "GPULET_DRA__CLAIM_CACHE": "true",
+    }
+    for name in ("reporter", "device-plugin"):
+        env = {e["name"]: e.get("value") for e in containers[name]["env"]}
+        assert {k: env.get(k) for k in want} == want
+    assert not any(
+        e["name"].startswith("GPULET_DRA__") for e in containers["allocator"].get("env", [])
+    )
+    volumes = {v["name"]: v.get("hostPath", {}).get("path") for v in pod["volumes"]}
+    assert volumes["plugins-registry"] == "/data/kubelet/plugins_registry"
+    assert volumes["dra-plugin"] == "/data/kubelet/plugins/gpu.example.com"
+    assert volumes["cdi"] == "/etc/cdi"
+    mounts = {m["name"]: m["mountPath"] for m in containers["device-plugin"]["volumeMounts"]}
+    # kubelet dials the socket path the plugin registers: the host's path, inside too.
+    assert mounts["plugins-registry"] == "/data/kubelet/plugins_registry"
+    assert mounts["dra-plugin"] == "/data/kubelet/plugins/gpu.example.com"
+    assert mounts["cdi"] == "/var/run/cdi"
+    classes = {d["metadata"]["name"]: d for d in docs if d["kind"] == "DeviceClass"}
+    assert sorted(classes) == ["gpu-share.gpulet.io", "mig.gpulet.io", "whole.example.com"]
+    for name, cls in classes.items():
+        expression = cls["spec"]["selectors"][0]["cel"]["expression"]
+        kind = "mig" if name == "mig.gpulet.io" else "gpu"
+        assert "device.driver == 'gpu.example.com'" in expression
+        assert f"device.attributes['gpu.example.com'].type == '{kind}'" in expression
+    (role,) = [
+        d for d in docs if d["kind"] == "ClusterRole" and d["metadata"]["name"] == "gpulet-dra"
+    ]
+    verbs = {r["resources"][0]: r["verbs"] for r in role["rules"]}
+    assert verbs["resourceclaims"] == ["get", "list", "watch"]
+
+
+def test_dra_off_renders_nothing_of_it() -> None:
+    docs = render("dra.rbac.create=true")
+    assert not [d for d in docs if d["kind"] == "DeviceClass" or "dra" in d["metadata"]["name"]]
+    text = json.dumps(docs)
+    assert "GPULET_DRA__" not in text
+    assert "plugins_registry" not in text
 
 
 def test_placement_and_image_values() -> None:
@@ -216,7 +302,8 @@ def test_placement_and_image_values() -> None:
 @pytest.mark.parametrize(
     ("value", "says"),
     [
-        ("kubeletApi=dra", "device plugin only"),
+        ("kubeletApi=dra", "replaced by dra.mode"),
+        ("dra.mode=on", "one of device-plugin, both, dra"),
         ("mig.strategy=mixed", "whole GPUs only"),
         ("sharing.strategy=time-slicing", "Koordinator"),
         ("nats.mode=cloud", "one of embedded, existing, fleet"),
@@ -243,7 +330,7 @@ def test_a_renamed_release_namespace_keeps_the_node_restriction_on_its_agent() -
 
 
 def test_the_render_is_accepted_by_the_real_server(gpulet_access: ControlPlane) -> None:
-    docs = render("alerting.enabled=true", "namespace.create=true")
+    docs = render("alerting.enabled=true", "namespace.create=true", "dra.mode=both")
     results = apply_manifests(gpulet_access, docs, manager="helm-render")
     refused = {
         f"{obj['kind']}/{obj['metadata']['name']}": resp.raw[:500]
@@ -255,4 +342,5 @@ def test_the_render_is_accepted_by_the_real_server(gpulet_access: ControlPlane) 
         "CustomResourceDefinition",
         "DaemonSet",
         "ValidatingAdmissionPolicy",
+        "DeviceClass",
     }

@@ -4,7 +4,7 @@ credentials (deploy/'s ServiceAccount and RBAC plus components/remediation, a to
 bound to a Pod on the node, ``Node,RBAC``, the node restriction policy).
 
 The holders come from a real :class:`~gpulet_allocator.decide.core.AllocatorCore`
-(device plugin allocations, and a DRA claim reserved through ``reserve_claim``) and a
+(device plugin allocations, and a DRA claim reserved through ``claims.reserve``) and a
 PodResources answer as kubelet gives it; the health is the health service's
 ``GpuHealth`` as the KV bucket holds it. Pods are created as the scheduler leaves them
 (``spec.nodeName``) and marked Running and Ready as kubelet would, since the Eviction API
@@ -21,7 +21,6 @@ from typing import Any
 
 import anyio
 import pytest
-from kubernetes_asyncio import client
 
 from gpulet_allocator.decide.core import AllocatorCore
 from gpulet_allocator.protocol import ClaimDeviceRequest
@@ -29,6 +28,7 @@ from gpulet_allocator.service.pod_watch import kube_configuration
 from gpulet_allocator.service.podresources import live_grants
 from gpulet_allocator.service.remediate.kube import KubeClient
 from gpulet_allocator.service.remediate.runner import Remediator, Sources
+from gpulet_common import kubeapi
 from gpulet_common.kubelet_api.podresources.v1 import api_pb2 as pr
 from gpulet_common.messages import GpuHealth
 from gpulet_common.settings.allocator import HandshakeSettings, ResourceNames
@@ -94,7 +94,9 @@ def agent(remediation_rbac: None, gpulet_access: ControlPlane, kube_node_name: s
 
 
 @pytest.fixture
-async def api(agent: AgentIdentity, gpulet_access: ControlPlane) -> AsyncIterator[client.ApiClient]:
+async def api(
+    agent: AgentIdentity, gpulet_access: ControlPlane
+) -> AsyncIterator[kubeapi.KubeClient]:
     # RBAC takes the new binding in a moment: an eviction of no pod answers 404, not 403.
     def allowed() -> bool:
         resp = gpulet_access.request(
@@ -107,7 +109,7 @@ async def api(agent: AgentIdentity, gpulet_access: ControlPlane) -> AsyncIterato
 
     await wait_until(allowed, timeout_s=30, interval_s=0.1)
     configuration = await kube_configuration(HANDSHAKE, env=agent.env, sa_dir=agent.sa_dir)
-    async with client.ApiClient(configuration) as api_client:
+    async with kubeapi.KubeClient(configuration) as api_client:
         yield api_client
 
 
@@ -218,7 +220,7 @@ class Node:
         """A DRA claim on GPU ``gpu``, reserved as the kubelet plugin does."""
         minor = self.core.books.gpus[self.uuids[gpu]].minor
         device = ClaimDeviceRequest(device=f"gpu-{minor}")
-        self.core.reserve_claim(f"uid-{name}", [device], namespace=ns, name=name)
+        self.core.claims.reserve(f"uid-{name}", [device], namespace=ns, name=name)
 
     def fail(self, *gpus: int) -> None:
         for n in gpus:
@@ -227,7 +229,7 @@ class Node:
                 u, healthy=False, severity="fatal", action="reboot", index=n
             )
 
-    def remediator(self, api: client.ApiClient, node: str) -> Remediator:
+    def remediator(self, api: kubeapi.KubeClient, node: str) -> Remediator:
         async def podresources() -> pr.ListPodResourcesResponse:
             return self.podresources
 
@@ -246,7 +248,7 @@ class Node:
 async def test_only_the_pods_on_the_failed_gpu_are_evicted_and_a_pdb_is_respected(
     kube_cluster: ControlPlane,
     agent: AgentIdentity,
-    api: client.ApiClient,
+    api: kubeapi.KubeClient,
     kube_namespace: str,
 ) -> None:
     plane, node, ns = kube_cluster, agent.node, kube_namespace
@@ -320,7 +322,7 @@ async def test_only_the_pods_on_the_failed_gpu_are_evicted_and_a_pdb_is_respecte
 async def test_the_circuit_breaker_stops_a_storm(
     kube_cluster: ControlPlane,
     agent: AgentIdentity,
-    api: client.ApiClient,
+    api: kubeapi.KubeClient,
     kube_namespace: str,
 ) -> None:
     plane, node, ns = kube_cluster, agent.node, kube_namespace

@@ -25,6 +25,7 @@ import anyio.abc
 import pytest
 
 from gpulet_common import codec, subjects
+from gpulet_common.bootid import read_boot_id
 from gpulet_common.bus import Bus, Delivery
 from gpulet_common.embedded_nats import EmbeddedNats
 from gpulet_common.messages import HealthState, HealthStateRequest
@@ -234,7 +235,9 @@ async def test_node_condition_and_taint_both_ways_keep_the_others(
         await wait_until(lambda: nh.TAINT_KEY in {t["key"] for t in taints(plane, node)})
         cond = condition(plane, node)
         assert cond is not None
-        assert cond["message"] == f"1 of 2 GPUs unhealthy: GPU 1 {bad} (xid)"
+        # The reporter reads this host's boot ID, as the test does (issue 28).
+        boot = read_boot_id()
+        assert cond["message"] == f"1 of 2 GPUs unhealthy: GPU 1 {bad} (xid); boot ID {boot}"
         conditions = node_object(plane, node)["status"]["conditions"]
         # (A strategic merge patch puts a new condition first on the real server.)
         assert sorted(c["type"] for c in conditions) == [nh.CONDITION_TYPE, "Ready"]

@@ -261,8 +261,9 @@ def test_faults_demo_timeline(open_mock: MockFactory, clock: ManualClock) -> Non
     at(56)
     assert adapter.sample(4).temperature_c == 34
 
-    at(60)
+    # Registered while it is at index 8: registration reads the handle at the index now.
     adapter.register_events(event_set, 8, HEALTH_EVENT_MASK)
+    at(60)
     assert events() == [(7, EVENT_XID, 79), (7, EVENT_GPU_UNAVAILABLE, 0)]
     assert adapter.device_count() == 8
     with pytest.raises(Exception, match="lost"):

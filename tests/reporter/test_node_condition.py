@@ -22,6 +22,7 @@ import anyio.abc
 import pytest
 
 from gpulet_common import codec, subjects
+from gpulet_common.bootid import BOOT_ID_PATH_ENV, read_boot_id
 from gpulet_common.bus import Bus, Delivery
 from gpulet_common.embedded_nats import EmbeddedNats
 from gpulet_common.messages import (
@@ -69,6 +70,9 @@ FOREIGN_TAINT = {"key": "dedicated", "value": "ml", "effect": "NoSchedule"}
 # Our key with another effect is not ours to manage.
 OTHER_EFFECT = {"key": nh.TAINT_KEY, "effect": "PreferNoSchedule"}
 OUR_TAINT = {"key": nh.TAINT_KEY, "effect": nh.TAINT_EFFECT}
+
+# Every condition message ends with the node's boot ID (read as the reporter reads it).
+BOOT = f"; boot ID {read_boot_id()}"
 
 
 @pytest.fixture
@@ -185,7 +189,7 @@ async def test_condition_and_taint_follow_gpu_health_both_ways(
         await settled(r)
         cond = condition(emu)
         assert cond is not None
-        assert (cond["reason"], cond["message"]) == ("AllGPUsHealthy", "all 5 GPUs healthy")
+        assert (cond["reason"], cond["message"]) == ("AllGPUsHealthy", "all 5 GPUs healthy" + BOOT)
         assert cond["lastHeartbeatTime"] == cond["lastTransitionTime"]
         healthy_since = cond["lastTransitionTime"]
         assert not tainted(emu)
@@ -206,7 +210,7 @@ async def test_condition_and_taint_follow_gpu_health_both_ways(
         cond = condition(emu)
         assert cond is not None
         assert cond["reason"] == "GPUsUnhealthy"
-        assert cond["message"] == f"1 of 5 GPUs unhealthy: GPU 1 {hot} (thermal)"
+        assert cond["message"] == f"1 of 5 GPUs unhealthy: GPU 1 {hot} (thermal){BOOT}"
         assert cond["lastTransitionTime"] != healthy_since
         failed_since = cond["lastTransitionTime"]
         assert taints(emu) == [FOREIGN_TAINT, OTHER_EFFECT, OUR_TAINT]
@@ -298,7 +302,7 @@ async def test_fails_closed_when_the_health_service_stops_answering(
             await wait_until(lambda: tainted(emu), timeout_s=15, what="our taint")
             cond = condition(emu)
             assert cond is not None
-            assert cond["message"] == f"1 of 2 GPUs unhealthy: GPU 1 {bad} (xid)"
+            assert cond["message"] == f"1 of 2 GPUs unhealthy: GPU 1 {bad} (xid){BOOT}"
             responder.cancel_scope.cancel()
         await wait_until(lambda: status_of(emu) == "Unknown", timeout_s=15, what="Unknown")
         cond = condition(emu)
@@ -504,6 +508,24 @@ def test_keeper_waits_at_start_then_says_why_it_does_not_know() -> None:
     # The same input again: nothing offered.
     keeper.update(make_inventory("n", 1), {}, health_seen=True)
     assert keeper.debouncer.submitted == 3
+
+
+def test_the_message_names_the_boot_it_was_seen_in(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "boot_id"
+    path.write_text("3c3f3c3e-8a0b-4c64-9b7f-0d5e1f2a7b11\n")
+    monkeypatch.setenv(BOOT_ID_PATH_ENV, str(path))
+    keeper = nh.NodeHealthKeeper("n", fast_settings(), clock=lambda: 0.0)
+    keeper.answered()
+    intent = keeper.update(make_inventory("n", 2), {}, health_seen=True)
+    assert intent is not None
+    assert intent.message == "all 2 GPUs healthy; boot ID 3c3f3c3e-8a0b-4c64-9b7f-0d5e1f2a7b11"
+    # Unreadable or nonsense: "unknown", never an error.
+    path.write_bytes(b"\x00" * 10)
+    assert read_boot_id() == "unknown"
+    monkeypatch.setenv(BOOT_ID_PATH_ENV, str(tmp_path / "absent"))
+    assert nh.NodeHealthKeeper("n", fast_settings()).boot_id == "unknown"
 
 
 @pytest.mark.parametrize(

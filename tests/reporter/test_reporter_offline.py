@@ -10,10 +10,10 @@ from typing import Any
 import anyio
 import anyio.abc
 import pytest
-from kubernetes_asyncio import client as k8s_client
 
 from gpulet_common import codec, subjects
 from gpulet_common.embedded_nats import EmbeddedNats
+from gpulet_common.kubeapi import KubeClient, api_path
 from gpulet_common.settings import Settings
 from gpulet_common.settings.nats import NatsSettings
 from gpulet_common.settings.reporter import ReporterSettings
@@ -34,9 +34,9 @@ NODE = "laptop"
 
 
 async def _can_read_node(configuration: Any, node: str) -> str:
-    async with k8s_client.ApiClient(configuration) as api:
-        found = await k8s_client.CoreV1Api(api).read_node(node)
-        return str(found.metadata.name)
+    async with KubeClient(configuration) as api:
+        found = await api.get(api_path("", "v1", "nodes", name=node), timeout_s=5)
+        return str(found["metadata"]["name"])
 
 
 async def test_kubeconfig_from_the_environment_settings_and_home(tmp_path: Path) -> None:
@@ -113,7 +113,7 @@ async def test_in_cluster_config_comes_first(tmp_path: Path) -> None:
     assert target.source == "in-cluster"
     assert target.server == "https://10.0.0.1:443"
     configuration: Any = target.configuration
-    assert configuration.api_key["BearerToken"] == "Bearer sa-token"
+    assert (configuration.token, configuration.token_file) == ("sa-token", str(sa / "token"))
     # Without the service account token it is not "in a cluster".
     (sa / "token").unlink()
     fallback = await load_target(ReporterSettings(), env=env, sa_dir=sa)

@@ -27,6 +27,7 @@ servers. Every wait is bounded by a timeout.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -66,6 +67,9 @@ class PluginEndpoint:
     scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
     devices: list[dp.Device] = field(default_factory=list)
     updates: int = 0
+    # time.monotonic_ns() when the latest list arrived (a system-wide clock on Linux,
+    # so another process can compare it with its own readings).
+    received_ns: int = 0
     # None while the stream runs; OK when the plugin ended it cleanly.
     stream_status: grpc.StatusCode | None = None
     stream_details: str = ""
@@ -108,6 +112,7 @@ class _PodResourcesService(pr_grpc.PodResourcesListerServicer):
     async def List(
         self, request: pr.ListPodResourcesRequest, context: Context
     ) -> pr.ListPodResourcesResponse:
+        self._kubelet.pod_lists += 1  # counted as the answer is made: it holds ``pods`` now
         return pr.ListPodResourcesResponse(
             pod_resources=[_pod_resources(p) for p in self._kubelet.pods]
         )
@@ -172,6 +177,8 @@ class FakeKubelet:
         self.registrations: list[Registration] = []
         self.endpoints: dict[str, PluginEndpoint] = {}
         self.restarts = 0
+        # PodResources List calls answered (a test waits on it rather than on time).
+        self.pod_lists = 0
         self._tg = tg
         self._changed = anyio.Event()
         self._registration_server: grpc.aio.Server | None = None
@@ -259,6 +266,7 @@ class FakeKubelet:
                 call = ep.stub.ListAndWatch(dp.Empty())
                 try:
                     async for response in call:
+                        ep.received_ns = time.monotonic_ns()
                         ep.devices = list(response.devices)
                         ep.updates += 1
                         self._notify()

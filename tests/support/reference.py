@@ -27,6 +27,7 @@ from gpulet_allocator.decide.engine.topology import (
     LEVEL_SYSTEM,
 )
 from gpulet_common.messages import GpuInfo, Inventory, PeerLink
+from gpulet_common.nvml.loader import open_mock
 
 GIB = 1024**3
 
@@ -195,3 +196,12 @@ REFERENCE_TOPOLOGIES: dict[str, Callable[[], Inventory]] = {
     "8-GPU DGX-1V cube-mesh": dgx1_cube_mesh_8,
     "16-GPU NVSwitch": nvswitch_16,
 }
+
+
+def mock_inventory(scenario: str, node: str = "n") -> Inventory:
+    """The inventory the mock NVML's ``scenario`` reports (GPU names, MIG layouts)."""
+    adapter = open_mock(scenario)
+    try:
+        return adapter.inventory(node, 1)
+    finally:
+        adapter.shutdown()

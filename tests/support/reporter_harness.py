@@ -165,6 +165,21 @@ def fast_settings(**overrides: Any) -> ReporterSettings:
     return ReporterSettings(**values)
 
 
+class HeldClock:
+    """A monotonic clock that stands still until the test moves it: the reporter's
+    debouncer on it releases nothing until :meth:`advance` passes the due time, so a
+    burst is one burst however slowly a loaded machine delivers it."""
+
+    def __init__(self) -> None:
+        self.now = time.monotonic()
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
 @dataclass
 class RunningReporter:
     service: ReporterService
@@ -183,10 +198,11 @@ async def running_reporter(
     nvml_backend: Literal["auto", "nvml", "mock"] = "auto",
     env: dict[str, str] | None = None,
     sa_dir: Path | None = None,
+    clock: Callable[[], float] = time.monotonic,
 ) -> AsyncIterator[RunningReporter]:
     """The reporter service; ``env`` and ``sa_dir`` are its in-cluster environment (the
     service-account directory, ``/var/run/secrets/kubernetes.io/serviceaccount`` in a
-    pod), absent unless given."""
+    pod), absent unless given; ``clock`` its debouncer's and Device loop's."""
     settings = Settings(
         node_name=node,
         state_dir=str(tmp_path / "state"),
@@ -199,7 +215,7 @@ async def running_reporter(
     async with runtime_for(settings, meter=probe.meter) as runtime:
         bus = runtime.bus
         service = ReporterService(
-            runtime, env=env or {}, sa_dir=sa_dir or tmp_path / "no-service-account"
+            runtime, env=env or {}, sa_dir=sa_dir or tmp_path / "no-service-account", clock=clock
         )
         await health_bucket(bus)  # as a running health service would have it
         async with anyio.create_task_group() as tg:

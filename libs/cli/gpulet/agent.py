@@ -27,7 +27,6 @@ from gpulet.services import build
 from gpulet_common.bus import Bus, describe_servers
 from gpulet_common.embedded_nats import EmbeddedNats, RestartPolicy
 from gpulet_common.lifecycle import Service, cancel_on_signals, run_services
-from gpulet_common.mock_control import MockControlService
 from gpulet_common.runtime import NvmlProvider, Runtime
 from gpulet_common.settings import Settings
 from gpulet_common.telemetry import StatusBoard, serve_http
@@ -79,6 +78,8 @@ async def run_agent(
                 runtime = Runtime(settings=settings, bus=bus, status=status, nvml=nvml)
                 services: list[Service] = []
                 if settings.nvml.backend == "mock":
+                    from gpulet_common.mock_control import MockControlService  # the mock's
+
                     services.append(MockControlService(runtime))
                 services += build(service_names, runtime)
                 if settings.telemetry.http_port:

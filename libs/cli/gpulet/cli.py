@@ -196,7 +196,8 @@ def preflight(
 
 
 def skip_unused_aiohttp(settings: Settings, names: Sequence[str]) -> bool:
-    """Keep aiohttp (~11 MB of RSS) out of a process whose services do not use it.
+    """Keep aiohttp (~11 MB of RSS) out of a process whose services do not use it (none
+    of gpulet's does now; ``ws://`` NATS URLs still need it).
 
     nats-py imports aiohttp for its WebSocket transport only, and carries on without it
     when the import fails; so when no service here uses it (see

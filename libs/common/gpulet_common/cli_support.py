@@ -14,6 +14,7 @@ which says on stderr, the same way for every service, why no answer came.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
@@ -116,6 +117,26 @@ def ask_agent(
     except BusError as exc:
         print(f"{tool}: {exc}", file=sys.stderr)
     return None
+
+
+def print_answer(
+    answer: R | None,
+    as_json: bool,
+    show: Callable[[R], str],
+    builtins: Callable[[R], object] = msgspec.to_builtins,
+) -> int:
+    """Print a tool's answer (indented JSON with ``--json``, else ``show(answer)``);
+    the exit status: 1 when there is none (:func:`ask_agent` said why)."""
+    if answer is None:
+        return 1
+    print(json.dumps(builtins(answer), indent=2) if as_json else show(answer))
+    return 0
+
+
+def usage_error(tool: str, message: str) -> int:
+    """Say on stderr why ``tool`` will not run as called; its exit status (2)."""
+    print(f"{tool}: {message}", file=sys.stderr)
+    return 2
 
 
 def bind(command: Command, load: LoadSettings) -> Callable[[argparse.Namespace], int]:

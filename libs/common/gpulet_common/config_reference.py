@@ -17,11 +17,15 @@ from gpulet_common.settings import Settings
 
 
 def _comments_above_fields(cls: type) -> dict[str, str]:
+    """Each field's comment, from the class and the Structs it inherits fields from."""
+    found: dict[str, str] = {}
+    for base in reversed(cls.__mro__):
+        if base is not cls and issubclass(base, msgspec.Struct) and base is not msgspec.Struct:
+            found.update(_comments_above_fields(base))
     try:
         lines = inspect.getsource(cls).splitlines()
     except (OSError, TypeError):
-        return {}
-    found: dict[str, str] = {}
+        return found
     pending: list[str] = []
     for line in lines:
         text = line.strip()

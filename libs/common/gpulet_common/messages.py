@@ -349,6 +349,11 @@ class HealthEvent(_Message, frozen=True, kw_only=True):
     # driver does not report it. Added after schema version 1.
     recovery_action: str = ""
     published_at: float = 0.0
+    # The node's boot ID (/proc/sys/kernel/random/boot_id) when the event was made: which
+    # boot of the kernel the fact belongs to (not the ``boot_id`` of the ordering
+    # messages, which names a process). "unknown" where it could not be read; empty
+    # from older health services. Added after schema version 1.
+    node_boot_id: str = ""
     # When the condition this event raises, repeats or ends began. On recovered and
     # cleared events also the kind and severity the condition had, so a consumer that
     # raised an alert from the raise event can resolve exactly that alert.
@@ -426,11 +431,14 @@ class HeldRequest(_Message, frozen=True, kw_only=True):
 
 
 class HeldReply(_Message, frozen=True, kw_only=True):
-    """Each GPU a device-plugin allocation holds (whole or a share), with its holder."""
+    """Each GPU a device-plugin allocation holds (whole or a share), with its holder;
+    and the time-slicing replicas each GPU is offered as now (for the reporter's GFD
+    labels; a GPU not named is not time-sliced)."""
 
     epoch: str
     version: int
     held: dict[str, str] = {}
+    replicas: dict[str, int] = {}
 
 
 # --- control / errors ----------------------------------------------------------------

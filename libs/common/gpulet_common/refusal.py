@@ -110,6 +110,10 @@ STATUS: Final[dict[str, Status]] = {
     # MIG mode change: never given whole nor shared (issue 27).
     "mig_enabled": _STATE,
     "mig_pending": _STATE,
+    # A GPU given as time-slicing replicas is not given whole nor shared, and a GPU held
+    # whole or shared gives no replica; a replica above the count in force is not
+    # given (gpulet_allocator.timeslicing).
+    "time_sliced": _STATE,
     # koord-scheduler's decision for the pod cannot be honoured (unhealthy, held or
     # unknown GPU, kubelet's IDs differ, the annotation is malformed); never answered
     # with another card instead.

@@ -35,8 +35,9 @@ class PlannedPod(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     detail: str = ""
 
 
-class PlannedGpu(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
-    """One failed GPU (or MIG device) and the pods that hold it."""
+class Fault(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """A condition that remediates, and the device it is scoped to: what the
+    allocator's remediation acts on, and the first fields of a :class:`PlannedGpu`."""
 
     gpu_uuid: str
     gpu_index: int | None = None
@@ -51,6 +52,18 @@ class PlannedGpu(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     # The catalogue entry (gpulet_common.xid_table): NVIDIA's mnemonic and immediate bucket.
     mnemonic: str = ""
     bucket: str = ""
+
+    @property
+    def entry(self) -> str:
+        """The catalogue entry, as Events and logs name it."""
+        if self.xid is None:
+            return self.kind
+        return f"XID {self.xid} {self.mnemonic or '(not in the catalogue)'} [{self.bucket or '-'}]"
+
+
+class PlannedGpu(Fault, frozen=True, kw_only=True, omit_defaults=True):
+    """One failed GPU (or MIG device) and the pods that hold it."""
+
     # False: the circuit breaker holds this GPU back.
     admitted: bool = True
     pods: list[PlannedPod] = []

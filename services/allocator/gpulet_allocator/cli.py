@@ -25,15 +25,19 @@ be handed out again.
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import msgspec
-
 from gpulet_common import subjects
-from gpulet_common.cli_support import AddFlags, Command, LoadSettings, ask_agent, bind
+from gpulet_common.cli_support import (
+    AddFlags,
+    Command,
+    LoadSettings,
+    ask_agent,
+    bind,
+    print_answer,
+    usage_error,
+)
 from gpulet_common.codec import Codec
 from gpulet_common.settings import Settings
 
@@ -63,13 +67,8 @@ def _call(
         reply=reply,
         timeout_s=args.timeout,
     )
-    if answer is not None:
-        print(_json(answer) if args.json else show(answer))
+    print_answer(answer, args.json, show)
     return answer
-
-
-def _json(reply: Any) -> str:
-    return json.dumps(msgspec.to_builtins(reply), indent=2)
 
 
 def _mib(units: int) -> str:
@@ -135,11 +134,9 @@ def _cmd_release(args: argparse.Namespace, load: LoadSettings) -> int:
     ids = [t for t in args.targets if "/" not in t]
     pods = [t for t in args.targets if "/" in t]
     if args.device_id and not args.resource:
-        print("gpulet allocator release: --device-id needs --resource", file=sys.stderr)
-        return 2
+        return usage_error("gpulet allocator release", "--device-id needs --resource")
     if not (ids or pods or args.device_id):
-        print("gpulet allocator release: name an allocation, a pod or --device-id", file=sys.stderr)
-        return 2
+        return usage_error("gpulet allocator release", "name an allocation, a pod or --device-id")
     request = p.ReleaseRequest(
         allocation_ids=ids,
         pods=pods,
@@ -169,12 +166,11 @@ def _cmd_reset(args: argparse.Namespace, load: LoadSettings) -> int:
     from gpulet_allocator import protocol as p
 
     if not args.confirm:
-        print(
-            "gpulet allocator reset: this accepts that allocations of running pods may be "
-            "unknown and their GPUs handed out again; add --confirm",
-            file=sys.stderr,
+        return usage_error(
+            "gpulet allocator reset",
+            "this accepts that allocations of running pods may be unknown and their GPUs "
+            "handed out again; add --confirm",
         )
-        return 2
     settings = load(args)
     request = p.ResetRequest(confirm=True, requested_by=args.requested_by)
     reply = _call(

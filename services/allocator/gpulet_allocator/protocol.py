@@ -8,6 +8,7 @@ It holds
 * the share units (:data:`CORES_PER_GPU` core units per card, memory units of
   :data:`MEMORY_UNIT_BYTES`) and the device IDs kubelet is given for them
   (:func:`parse_device_id`), with the resources they belong to (:func:`resource_specs`);
+  time-slicing replicas' IDs ``<uuid>::<n>`` (:func:`replica_device_id`);
 * what a container gets (:class:`ContainerAllocation`);
 * the NATS API below, and its errors.
 
@@ -113,6 +114,9 @@ class ResourceKind(enum.StrEnum):
     # A MIG resource of the mixed strategy (nvidia.com/mig-<profile>): the device
     # plugin's only; its IDs are MIG UUIDs, whole-kind IDs to the allocator.
     MIG = "mig"
+    # A time-slicing replica ``<uuid>::<n>`` (gpulet_allocator.timeslicing): listed under
+    # the whole-GPU resource instead of its GPU, taken by one container at most.
+    REPLICA = "replica"
 
 
 class ResourceSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -161,6 +165,11 @@ def ratio_device_id(gpu_uuid: str, unit: int) -> str:
     return f"{gpu_uuid}{_SEPARATOR}{_RATIO_TAG}-{unit}"
 
 
+def replica_device_id(gpu_uuid: str, replica: int) -> str:
+    """NVIDIA's time-slicing replica ID, ``<uuid>::<n>``."""
+    return f"{gpu_uuid}{_SEPARATOR}{replica}"
+
+
 def memory_units(memory_total_bytes: int) -> int:
     """Memory units of a card; a partial last unit is not offered."""
     return max(memory_total_bytes, 0) // MEMORY_UNIT_BYTES
@@ -173,6 +182,8 @@ def parse_device_id(device_id: str) -> ParsedDeviceId:
         raise ValueError(f"malformed device id {device_id!r}")
     if not sep:
         return ParsedDeviceId(gpu_uuid=uuid, kind=ResourceKind.WHOLE)
+    if suffix.isdigit() and suffix.isascii() and len(suffix) <= 4:
+        return ParsedDeviceId(gpu_uuid=uuid, kind=ResourceKind.REPLICA, unit=int(suffix))
     tag, dash, number = suffix.rpartition("-")
     if not dash or not number.isdigit():
         raise ValueError(f"malformed device id {device_id!r}")
@@ -183,6 +194,13 @@ def parse_device_id(device_id: str) -> ParsedDeviceId:
     if tag == _RATIO_TAG:
         return ParsedDeviceId(gpu_uuid=uuid, kind=ResourceKind.RATIO, unit=int(number))
     raise ValueError(f"malformed device id {device_id!r}")
+
+
+def card_id(device_id: str) -> str:
+    """The ledger card a whole-kind ID names: a time-slicing replica is a card of its
+    own (its ID), any other ID its GPU's (or MIG device's) UUID; ValueError if malformed."""
+    parsed = parse_device_id(device_id)
+    return device_id if parsed.kind is ResourceKind.REPLICA else parsed.gpu_uuid
 
 
 # --- what a container gets ----------------------------------------------------------------
@@ -403,11 +421,14 @@ class WithheldRequest(_Body, frozen=True, kw_only=True):
 
 
 class WithheldReply(_Body, frozen=True, kw_only=True):
-    """The cards kubelet must not count as whole GPUs, each with the reason."""
+    """The cards kubelet must not count as whole GPUs, each with the reason; and the
+    time-slicing replicas each GPU is offered as now (``sharing.time_slicing``, the
+    node's config; a GPU not named is not time-sliced)."""
 
     epoch: str
     version: int
     withheld: dict[str, str] = {}
+    replicas: dict[str, int] = {}
 
 
 class ClaimDeviceRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -431,7 +452,9 @@ class ReserveClaimRequest(_Body, frozen=True, kw_only=True):
 
 
 class ReservedClaimDevice(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
-    """A device reserved: the GPU, and the share's limits (None: the whole GPU)."""
+    """A device reserved: the GPU, and the share's limits (None: the whole GPU). The
+    ledger's checkpoint records a claim's devices with this Struct too
+    (``state.records.ClaimDeviceRecord``)."""
 
     device: str
     uuid: str

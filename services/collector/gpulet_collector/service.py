@@ -4,7 +4,10 @@ Flow
 ----
 1. Open NVML (shared per process). Without NVML the service runs *degraded*: it
    publishes an inventory with ``degraded_reason`` set and retries opening NVML with
-   back-off, so a driver that loads later is picked up without a restart.
+   back-off (``nvml.retry_min_s`` doubling to ``nvml.retry_max_s``), so a driver that
+   loads later is picked up without a restart. Where NVML is expected (the driver is
+   not loaded yet, or the backend was named) the service is *starting*, so not ready
+   on ``/readyz``, with the reason, until NVML starts.
 2. Publish the inventory on ``gpu.inventory.<node>``; answer inventory requests on
    ``gpulet.inventory.request.<node>`` (and republish, so late subscribers catch up).
 3. Every ``sample_period_s`` read every GPU in parallel (:mod:`.sampler`) and publish
@@ -20,6 +23,11 @@ Flow
    a GPU is left out (lost), the inventory is rebuilt every ``SKIPPED_RETRY_S`` to see
    it come back, and published only if it changed: the inventory is published on real
    change only (plus the unsolicited ``inventory_republish_s`` and answers to requests).
+   A GPU that went and came back between two counts (a reset that re-enumerates it, a
+   driver reload, a hot-plug) is seen too: its old handle is void, the adapter fetches
+   the handle at that index again, and a sample that names another GPU than the
+   inventory at that index rebuilds the inventory (that batch is not published). No
+   restart is needed for any of it.
 5. Every ``slow_period_s`` a period also reads the slow fields (energy, PCIe
    replays, NVLink counters, GPM activity: milliseconds per GPU on real NVML); other
    periods repeat their last values. Such a period also re-reads the state of every
@@ -125,12 +133,14 @@ class CollectorService(RuntimeService[CollectorSettings]):
                 await tg.start(self._follow_xids)
             if handle.adapter is None:
                 reason = handle.reason or "NVML unavailable"
-                self._rt.status.set(self.name, "degraded", reason)
+                self._rt.status.set(self.name, handle.state, handle.detail)
                 await self._publish_inventory(
                     Inventory(node=self._node, degraded_reason=reason, nvml_backend="none")
                 )
                 task_status.started()
-                adapter = await self._rt.nvml.wait_available()
+                adapter = await self._rt.nvml.wait_available(
+                    lambda h: self._rt.status.set(self.name, h.state, h.detail)
+                )
                 await self._adopt(adapter)
             else:
                 # Started means the first inventory is out: consumers can rely on it.
@@ -289,6 +299,13 @@ class CollectorService(RuntimeService[CollectorSettings]):
             seq=next(self._seq),
             boot_id=self._boot_id,
         )
+        if any(s.uuid != uuid for s, (_, uuid) in zip(samples, gpus, strict=True)):
+            # A GPU answers at another index than the inventory says: one went and came
+            # back (re-enumerated) between two counts. Such a batch may name a GPU twice
+            # (its new index and its old, still-valid handle): not published; the
+            # inventory is rebuilt (every handle fetched again) for the next period.
+            await self._refresh_inventory("a GPU answers at another index", force=False)
+            return None
         if samples and all((s.error or "").startswith(NVML_UNAVAILABLE) for s in samples):
             await self._reinit_nvml(adapter, samples[0].error or "")
         errors = sum(1 for s in samples if s.error)

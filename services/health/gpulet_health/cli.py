@@ -9,14 +9,20 @@ alerting package's (gpulet_alerting.cli).
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Callable
 from typing import Any
 
 import msgspec
 
 from gpulet_common import codec, subjects
-from gpulet_common.cli_support import AddFlags, LoadSettings, add_gpu_flag, ask_agent, bind
+from gpulet_common.cli_support import (
+    AddFlags,
+    LoadSettings,
+    add_gpu_flag,
+    ask_agent,
+    bind,
+    print_answer,
+)
 from gpulet_common.messages import HealthClearRequest, HealthState, HealthStateRequest
 from gpulet_common.settings import Settings
 from gpulet_health.remediate_cli import add_remediate_command
@@ -68,13 +74,7 @@ def _run_request(
         reply=codec.HEALTH_STATE,
         timeout_s=args.timeout,
     )
-    if state is None:
-        return 1
-    if args.json:
-        print(json.dumps(full_builtins(state), indent=2))
-    else:
-        print(format_state(state))
-    return 0
+    return print_answer(state, args.json, format_state, full_builtins)
 
 
 def _cmd_state(args: argparse.Namespace, load: LoadSettings) -> int:

@@ -29,7 +29,7 @@ no event is dropped and memory stays bounded. Besides events it posts:
   GpuUnavailable event report a loss this way, without naming the GPU);
 * :class:`CountChanged` -- the GPU count changed (checked every ``device_poll_s``):
   a removal or a hot-add, seen without waiting for the collector;
-* :class:`NvmlDown` / :class:`NvmlUp` -- NVML as a whole went away / came back. While
+* :class:`NvmlChanged` -- NVML as a whole went away (a reason) / came back. While
   it is away the thread re-initialises it with back-off (NVML must be initialised
   again after the driver or library returns).
 """
@@ -94,17 +94,13 @@ class Registered:
 
 
 @dataclass(frozen=True, slots=True)
-class NvmlDown:
-    reason: str
+class NvmlChanged:
+    # Why NVML went away; None: it came back.
+    down_reason: str | None
     timestamp: float
 
 
-@dataclass(frozen=True, slots=True)
-class NvmlUp:
-    timestamp: float
-
-
-SourceItem = EventReceived | LostSignal | CountChanged | Registered | NvmlDown | NvmlUp
+SourceItem = EventReceived | LostSignal | CountChanged | Registered | NvmlChanged
 
 _BACKOFF_MIN_S = 0.05
 _LOST_PAUSE_S = 0.01
@@ -349,7 +345,7 @@ class NvmlEventSource:
                         down = False
                         self._no_recovery.clear()  # the driver may be another one now
                         log.info("NVML is back")
-                        post(NvmlUp(time.time()))
+                        post(NvmlChanged(None, time.time()))
                     event = adapter.wait_event(event_set, self._timeout_ms)
                     backoff = _BACKOFF_MIN_S
                     if event is not None:
@@ -387,7 +383,7 @@ class NvmlEventSource:
                     announce()
                     if not down:
                         log.warning("NVML unavailable: %s", exc.reason)
-                        post(NvmlDown(exc.reason, time.time()))
+                        post(NvmlChanged(exc.reason, time.time()))
                     down = True
                     # Handles of a previous initialisation are void: never free them.
                     event_set = None

@@ -35,7 +35,9 @@ from anyio.streams.memory import MemoryObjectReceiveStream
 from opentelemetry import metrics
 
 from gpulet_common import codec, subjects
+from gpulet_common.bootid import read_boot_id
 from gpulet_common.codec import Codec
+from gpulet_common.lifecycle import take_queued
 from gpulet_common.logutil import RateLimitedLog
 from gpulet_common.messages import HealthEvent, Inventory, SampleBatch
 from gpulet_common.ordering import SenderOrder
@@ -45,8 +47,6 @@ from gpulet_health.events_source import (
     CountChanged,
     EventReceived,
     LostSignal,
-    NvmlDown,
-    NvmlUp,
     Registered,
     SourceItem,
 )
@@ -56,10 +56,12 @@ from gpulet_health.kmsg import (
     Cursor,
     KmsgReader,
     KmsgXid,
-    boot_id,
     boot_wall_time,
 )
 from gpulet_health.stages import HealthStages
+
+# Source items handled one after another without yielding to the event loop.
+SOURCE_BURST = 256
 
 log = logging.getLogger("gpulet.health")
 
@@ -106,6 +108,12 @@ class RuleDriver:
         async with receive:
             async for item in receive:
                 await self._handle_source(item)
+                # What is queued behind it is taken without a checkpoint per item (one
+                # each would cost a turn of the event loop: in an XID storm the thread
+                # then waits for room while NVML's own queue overflows and drops a
+                # newer, different fault); at most SOURCE_BURST, then a checkpoint.
+                if not await take_queued(receive, self._handle_source, SOURCE_BURST):
+                    return
 
     async def _handle_source(self, item: SourceItem) -> None:
         engine = self._s.engine
@@ -132,10 +140,11 @@ class RuleDriver:
             self._s.scanner.request()
         elif isinstance(item, Registered):
             self._s.scanner.registered_now(item)
-        elif isinstance(item, NvmlDown):
-            self._on_nvml(item.reason)
-            await self._s.stage.emit(engine.observe_nvml_unavailable(item.reason, item.timestamp))
-        elif isinstance(item, NvmlUp):
+        elif item.down_reason is not None:  # NvmlChanged: NVML went away
+            reason = item.down_reason
+            self._on_nvml(reason)
+            await self._s.stage.emit(engine.observe_nvml_unavailable(reason, item.timestamp))
+        else:  # NvmlChanged: NVML came back
             self._on_nvml(None)
             await self._s.stage.emit(engine.observe_nvml_available(item.timestamp))
             self._on_nvml(None)  # the status as of after the events
@@ -218,7 +227,9 @@ class RuleDriver:
         path = cfg.path or ("/dev/kmsg" if backend != "mock" else "")
         if not cfg.enabled or not path:
             return
-        cursor = await anyio.to_thread.run_sync(Cursor, state_dir / "health-kmsg.cursor", boot_id())
+        cursor = await anyio.to_thread.run_sync(
+            Cursor, state_dir / "health-kmsg.cursor", read_boot_id()
+        )
         reader = KmsgReader(path, cursor)
         try:
             await anyio.to_thread.run_sync(reader.open)

@@ -53,8 +53,6 @@ log = logging.getLogger("gpulet.health.kmsg")
 _cursor_log = RateLimitedLog(log, per_minute=2)
 
 MAX_RECORD_BYTES = 8192  # the kernel's own limit for one /dev/kmsg record
-_BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
-
 _HEADER = re.compile(r"^(\d{1,3}),(\d{1,20}),(\d{1,20}),[^;]{0,64};")
 _XID = re.compile(
     r"NVRM: Xid \(PCI:(?:([0-9A-Fa-f]{1,8}):)?([0-9A-Fa-f]{1,2}):([0-9A-Fa-f]{1,2})"
@@ -152,13 +150,6 @@ class Cursor:
             write_atomic(self._path, f"{self.boot_id} {seq}\n".encode(), durable=False)
         except OSError as exc:
             _cursor_log.warning("cannot save the kmsg cursor %s: %s", self._path, exc)
-
-
-def boot_id() -> str:
-    try:
-        return _BOOT_ID.read_text().strip() or "unknown"
-    except OSError:
-        return "unknown"
 
 
 def boot_wall_time() -> float:

@@ -37,8 +37,10 @@ from anyio.streams.memory import MemoryObjectReceiveStream
 from opentelemetry import metrics
 
 from gpulet_common import subjects
+from gpulet_common.bootid import read_boot_id
 from gpulet_common.bus import Bus
 from gpulet_common.codec import HEALTH_EVENT
+from gpulet_common.lifecycle import take_queued
 from gpulet_common.logutil import RateLimitedLog
 from gpulet_common.messages import HealthEvent
 from gpulet_common.telemetry import create_counters
@@ -132,14 +134,8 @@ class HealthPublisher:
                     await self._handle_tracked(event)
                     # Take what else is queued without waiting, to keep latency flat in
                     # a storm (the loop above would otherwise re-check the backlog).
-                    while True:
-                        try:
-                            event = receive.receive_nowait()
-                        except anyio.WouldBlock:
-                            break
-                        except anyio.EndOfStream:
-                            return
-                        await self._handle_tracked(event)
+                    if not await take_queued(receive, self._handle_tracked):
+                        return
             finally:
                 await self._save_unpublished(receive)
 
@@ -298,5 +294,6 @@ class HealthPublisher:
             action="operator_check",
             observed_value=float(overflow.dropped),
             observed_at=overflow.last_at,
+            node_boot_id=read_boot_id(),
             condition_since=overflow.first_at,
         )

@@ -11,66 +11,45 @@ only shows, so ``--dry-run`` is required.
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 from typing import Any
 
-import anyio
-import msgspec
-
 from gpulet_common import subjects
-from gpulet_common.bus import Bus, BusError, Refused, RequestTimeout
-from gpulet_common.cli_support import AddFlags, LoadSettings, bind, tool_nats
+from gpulet_common.cli_support import (
+    AddFlags,
+    LoadSettings,
+    ask_agent,
+    bind,
+    print_answer,
+    usage_error,
+)
 from gpulet_common.remediation import (
     ENDPOINT_REMEDIATION,
     REMEDIATION_PLAN,
     REMEDIATION_REQUEST,
-    RemediationPlan,
     RemediationRequest,
     format_plan,
 )
-from gpulet_common.settings import Settings
-
-
-async def _ask(settings: Settings, timeout_s: float) -> RemediationPlan:
-    async with Bus.connect(
-        tool_nats(settings),
-        name="gpulet-health-cli",
-        max_initial_attempts=3,
-        limits=settings.limits,
-    ) as bus:
-        plan: RemediationPlan = await bus.request(
-            subjects.allocator_endpoint(settings.node_name, ENDPOINT_REMEDIATION),
-            RemediationRequest(),
-            REMEDIATION_REQUEST,
-            REMEDIATION_PLAN,
-            timeout_s=timeout_s,
-        )
-        return plan
 
 
 def _cmd_remediate(args: argparse.Namespace, load: LoadSettings) -> int:
     if not args.dry_run:
-        print(
-            "gpulet health remediate: remediation acts by itself (remediation.mode = evict); "
+        return usage_error(
+            "gpulet health remediate",
+            "remediation acts by itself (remediation.mode = evict); "
             "this command only shows what it would do: add --dry-run",
-            file=sys.stderr,
         )
-        return 2
     settings = load(args)
-    try:
-        plan = anyio.run(lambda: _ask(settings, args.timeout))
-    except RequestTimeout:
-        print(
-            f"gpulet health remediate: no allocator answered for node {settings.node_name!r}",
-            file=sys.stderr,
-        )
-        return 1
-    except (Refused, BusError) as exc:
-        print(f"gpulet health remediate: {exc}", file=sys.stderr)
-        return 1
-    print(json.dumps(msgspec.to_builtins(plan), indent=2) if args.json else format_plan(plan))
-    return 0
+    plan = ask_agent(
+        settings,
+        tool="gpulet health remediate",
+        service="allocator",
+        subject=subjects.allocator_endpoint(settings.node_name, ENDPOINT_REMEDIATION),
+        value=RemediationRequest(),
+        request=REMEDIATION_REQUEST,
+        reply=REMEDIATION_PLAN,
+        timeout_s=args.timeout,
+    )
+    return print_answer(plan, args.json, format_plan)
 
 
 def add_remediate_command(health_sub: Any, add_flags: AddFlags, load: LoadSettings) -> None:

@@ -11,7 +11,10 @@ engine's (:meth:`request`). While a GPU is lost or gone it scans every
 
 It also owns the NVML event thread's watch list (:mod:`.events_source`): a new or
 returning GPU is registered for events *before* anyone is told about it, so whoever
-reacts to ``gpu_added`` can count on that GPU's events being seen. And it keeps the
+reacts to ``gpu_added`` can count on that GPU's events being seen; so is every GPU
+again when a scan finds GPUs at other indices than before (a GPU went and came back
+between two counts: its old handle, and the events registered with it, are void). And
+it keeps the
 list of GPUs the node is expected to have on disk (:mod:`.known`) up to date, and the
 PCI address of every GPU ever seen (the kernel log names GPUs by PCI address).
 """
@@ -61,8 +64,12 @@ class GpuScanner:
         # What the event thread registered, per GPU index (for logs and tests), and
         # for which watch generation.
         self.registered: dict[int, int] = {}
+        # How many times the event thread (re-)registered (for tests).
+        self.registrations = 0
         self._registered_generation = -1
         self._registration = anyio.Event()
+        # NVML index -> UUID of the GPUs when the event thread's watch list was set.
+        self._watched_map: dict[int, str] = {}
         # Every PCI address a GPU of this node has had (kept after a loss: XID 79 is
         # logged for a GPU that NVML no longer answers for), for the kernel log's XIDs.
         self.pci: dict[tuple[int, int, int], str] = {}
@@ -79,6 +86,7 @@ class GpuScanner:
             device_poll_s=self._settings.device_poll_s,
         )
         self.source.watch(self.watch_list(), self.last_count)
+        self._watched_map = self._engine.index_map()
         return self.source
 
     def watch_list(self) -> list[int]:
@@ -97,6 +105,7 @@ class GpuScanner:
     def registered_now(self, item: Registered) -> None:
         """The event thread (re-)registered its GPUs."""
         self.registered = dict(item.masks)
+        self.registrations += 1
         self._registered_generation = item.generation
         self._registration.set()
         self._registration = anyio.Event()
@@ -137,7 +146,12 @@ class GpuScanner:
         log.debug(
             "GPU scan (%s): %d GPUs, %d answering, %d lost", why, count, len(found), len(lost)
         )
-        await self.emit_watched(events, count)
+        # A GPU at another index than before went and came back (re-enumerated, a new
+        # handle): its events are registered again even when the count never changed.
+        # (Compared with the map the events were registered for: a sample may have
+        # told the engine the new index first.)
+        moved = self._engine.index_map() != self._watched_map
+        await self.emit_watched(events, count, force=moved)
         await self.remember()
 
     async def remember(self) -> None:
@@ -150,7 +164,9 @@ class GpuScanner:
         except OSError as exc:
             self._known_log.warning("cannot save the expected GPUs to %s: %s", self.known.path, exc)
 
-    async def emit_watched(self, events: list[HealthEvent], count: int | None) -> None:
+    async def emit_watched(
+        self, events: list[HealthEvent], count: int | None, *, force: bool = False
+    ) -> None:
         """Emit, after updating the event thread's GPU list.
 
         A new or returning GPU is registered before anyone is told about it: whoever
@@ -159,8 +175,9 @@ class GpuScanner:
         itself.)
         """
         if self.source is not None:
-            added = any(e.kind == "gpu_added" for e in events)
+            added = force or any(e.kind == "gpu_added" for e in events)
             generation = self.source.watch(self.watch_list(), count, force=added)
+            self._watched_map = self._engine.index_map()
             if added:
                 await self._await_registration(generation)
         await self._stage.emit(events)

@@ -31,7 +31,9 @@ One task group, all of it structured (nothing outlives the service):
   bucket): one that the first scan does not find raises ``gpu_missing`` and stays
   listed, not present and unhealthy, until it is back.
 
-Without NVML the service runs *degraded* and retries, like the collector.
+Without NVML the service runs *degraded* and retries with back-off, like the collector
+(``nvml.retry_min_s`` doubling to ``nvml.retry_max_s``); where NVML is expected (a
+driver not loaded yet) it is *starting*, not ready on ``/readyz``, with the reason.
 
 Layout
 ------
@@ -55,6 +57,7 @@ import anyio.abc
 import nats.errors
 
 from gpulet_common import codec, subjects
+from gpulet_common.bootid import read_boot_id
 from gpulet_common.bus import BusError
 from gpulet_common.lifecycle import idle_disabled
 from gpulet_common.messages import GpuHealth, InventoryRequest
@@ -70,7 +73,6 @@ from gpulet_health.fleet_relay import run_relay
 from gpulet_health.fleet_status import FleetStatusPublisher
 from gpulet_health.gauges import HealthGauges
 from gpulet_health.inputs import RuleDriver
-from gpulet_health.kmsg import boot_id
 from gpulet_health.known import KnownGpus
 from gpulet_health.kv import StateStore
 from gpulet_health.publisher import HealthPublisher
@@ -92,7 +94,7 @@ class HealthService(RuntimeService[HealthSettings]):
         # The node's event-id key (gpulet_health.dedup): ids stable across restarts,
         # unguessable by anyone else. A tiny file read, once, at construction.
         id_key = load_id_key(self._state_dir / "health" / "event-id.key")
-        self.engine = RuleEngine(self._node, self._settings, id_key=id_key, boot_id=boot_id())
+        self.engine = RuleEngine(self._node, self._settings, id_key=id_key, boot_id=read_boot_id())
         directory = self._settings.buffer.directory or str(self._state_dir / "health-buffer")
         self.buffer = DiskBuffer(
             Path(directory),
@@ -175,7 +177,9 @@ class HealthService(RuntimeService[HealthSettings]):
                     self._update_status()
                 else:
                     reason = handle.reason or "NVML unavailable"
-                    self._rt.status.set(self.name, "degraded", reason)
+                    # Said until NVML starts: not by _update_status (every tick).
+                    self._nvml_down = True
+                    self._rt.status.set(self.name, handle.state, handle.detail)
                     await self.stage.emit(self.engine.observe_nvml_unavailable(reason, time.time()))
                     tg.start_soon(self._wait_for_nvml, tg)
                 tg.start_soon(self._ask_collector)
@@ -243,9 +247,12 @@ class HealthService(RuntimeService[HealthSettings]):
         await tg.start(source.run, send)
 
     async def _wait_for_nvml(self, tg: anyio.abc.TaskGroup) -> None:
-        adapter = await self._rt.nvml.wait_available()
+        adapter = await self._rt.nvml.wait_available(
+            lambda h: self._rt.status.set(self.name, h.state, h.detail)
+        )
         await self.stage.emit(self.engine.observe_nvml_available(time.time()))
         await self._adopt(tg, adapter)
+        self._nvml_down = False
         self._update_status()
 
     def _nvml_changed(self, reason: str | None) -> None:

@@ -23,7 +23,10 @@ service remembers the GPUs a node is expected to have, and its state names them
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
+
+import msgspec
 
 from gpulet_common.logutil import RateLimitedLog
 from gpulet_common.messages import GpuHealth, GpuInfo, Inventory
@@ -45,6 +48,7 @@ class ReporterCore:
         pcie_root: Callable[[str], str] = fallback_pcie_root,
         on_degraded: Callable[[str], None] | None = None,
         facts: NodeFacts | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.node = node
         self._facts = facts or NodeFacts()
@@ -55,7 +59,7 @@ class ReporterCore:
         self.inventory: Inventory | None = None
         self.desired: DesiredState | None = None
         self.debouncer: Debouncer[DesiredState] = Debouncer(
-            settings.quiet_window_s, settings.max_delay_s
+            settings.quiet_window_s, settings.max_delay_s, clock=clock
         )
         self._input_log = RateLimitedLog(log, per_minute=10)
         # Every GPU an inventory or a health state described, by UUID.
@@ -95,6 +99,12 @@ class ReporterCore:
             self._absent.discard(uuid)
             changed = True
         if self.health.apply(uuid, health) or changed:
+            self._rebuild()
+
+    def on_replicas(self, replicas: dict[str, int]) -> None:
+        """The allocator's time-slicing replicas of each GPU (GFD's sharing labels)."""
+        if replicas != self._facts.replicas:
+            self._facts = msgspec.structs.replace(self._facts, replicas=dict(replicas))
             self._rebuild()
 
     def absent_gpus(self) -> list[GpuInfo]:

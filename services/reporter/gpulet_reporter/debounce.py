@@ -18,6 +18,8 @@ here, so a slow or failing API server cannot back up into NATS. The writer await
 :meth:`next`; while it is busy retrying, newer submissions simply overwrite the slot,
 and :meth:`take_now` lets the retry loop pick up the newest state instead of retrying a
 stale one. Values must not be None (None means "nothing pending").
+:meth:`next_within` is :meth:`next` bounded in time, for a writer that is backing off
+but may stop waiting for a newer state.
 """
 
 from __future__ import annotations
@@ -111,3 +113,12 @@ class Debouncer(Generic[T]):
             # the maximum delay), so sleeping to the current due time and re-checking
             # is exact.
             await anyio.sleep(due - now)
+
+    async def next_within(self, seconds: float) -> T | None:
+        """:meth:`next`, if it releases a value within ``seconds``; else None.
+
+        Cancelling :meth:`next` takes nothing (a value is taken and returned without an
+        await in between), so a value is never lost to the deadline."""
+        with anyio.move_on_after(max(0.0, seconds)):
+            return await self.next()
+        return None

@@ -6,8 +6,8 @@ Order (``reporter.mode = "auto"``):
    GPUs must never reach a real cluster merely because the laptop running
    ``gpulet run --nvml mock`` has a kubeconfig; ``mode = "cluster"`` overrides this.
 2. In-cluster: ``$KUBERNETES_SERVICE_HOST``/``PORT`` plus the service-account token,
-   the DaemonSet case. The token file is re-read as it rotates (kubernetes-asyncio's
-   refresh hook), so bound service-account tokens keep working.
+   the DaemonSet case. The token file is re-read as it rotates (every minute), so
+   bound service-account tokens keep working.
 3. A kubeconfig: ``reporter.kubeconfig``, else ``$KUBECONFIG`` (a path list, merged),
    else ``~/.kube/config``; ``reporter.kube_context`` picks a context.
 4. None of these: no-cluster mode, said once at WARNING level with the reason.
@@ -27,10 +27,10 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from gpulet_common.kube import (
     SERVICE_ACCOUNT_DIR,
+    KubeConfig,
     KubeConfigError,
     from_kubeconfig,
     in_cluster,
@@ -48,7 +48,7 @@ log = logging.getLogger("gpulet.reporter.kube")
 class KubeTarget:
     """The outcome of the lookup: a client configuration, or why there is none."""
 
-    configuration: Any | None
+    configuration: KubeConfig | None
     # "in-cluster", "kubeconfig /path (context ctx)" or "" when offline.
     source: str
     server: str

@@ -28,6 +28,12 @@ import msgspec
 from gpulet_common.messages import Inventory
 from gpulet_common.migrules import parent_block
 from gpulet_reporter.miglabels import mig_labels
+from gpulet_reporter.sharelabels import (
+    GFD_SHARING_STRATEGY,
+    SHARED_SUFFIX,
+    TIME_SLICING,
+    sharing_labels,
+)
 
 JsonObj = dict[str, Any]
 
@@ -48,8 +54,6 @@ GFD_COMPUTE_MAJOR: Final = "nvidia.com/gpu.compute.major"
 GFD_COMPUTE_MINOR: Final = "nvidia.com/gpu.compute.minor"
 GFD_MACHINE: Final = "nvidia.com/gpu.machine"
 GFD_MPS_CAPABLE: Final = "nvidia.com/mps.capable"
-GFD_SHARING_STRATEGY: Final = "nvidia.com/gpu.sharing-strategy"
-GFD_REPLICAS: Final = "nvidia.com/gpu.replicas"
 # GFD's value when the machine type file cannot be read.
 MACHINE_UNKNOWN: Final = "unknown"
 # The resource GFD's sharing labels describe.
@@ -77,6 +81,8 @@ class NodeFacts(msgspec.Struct, frozen=True, kw_only=True):
     mig_strategy: str = "none"
     serves_whole_gpus: bool = False
     mps_shares: bool = False
+    # Time-slicing replicas of each GPU, the allocator's (GFD's sharing labels).
+    replicas: dict[str, int] = {}
 
 
 def label_value(text: str) -> str:
@@ -164,13 +170,16 @@ def node_labels(
             labels[GFD_FAMILY] = gpu_family(major, minor)
             labels[GFD_COMPUTE_MAJOR] = str(major)
             labels[GFD_COMPUTE_MINOR] = str(minor)
+    # The plain product: MIG's labels name their products after it, never -SHARED.
+    plain_product = labels.get(GFD_PRODUCT, "")
     if gpus:
         labels[GFD_MACHINE] = label_value(facts.machine.replace(" ", "-")) or MACHINE_UNKNOWN
         labels[GFD_MPS_CAPABLE] = "true" if facts.mps_shares else "false"
         if facts.serves_whole_gpus:
-            labels[GFD_SHARING_STRATEGY] = "none"
-            labels[GFD_REPLICAS] = "1"
-    labels.update(mig_labels(gpus, facts.mig_strategy, labels.get(GFD_PRODUCT, "")))
+            labels.update(sharing := sharing_labels(gpus, facts.replicas))
+            if sharing[GFD_SHARING_STRATEGY] == TIME_SLICING and GFD_PRODUCT in labels:
+                labels[GFD_PRODUCT] = label_value(labels[GFD_PRODUCT] + SHARED_SUFFIX)
+    labels.update(mig_labels(gpus, facts.mig_strategy, plain_product))
     if inventory.driver_version:
         full = label_value(inventory.driver_version)
         parts = _split_version(inventory.driver_version)

@@ -22,6 +22,10 @@ Unknown    ``GPUStateUnknown``         that long after start there is still no i
                                        or no snapshot of the ``gpu_health`` KV bucket
 =========  ==========================  =====================================================
 
+Every message ends with the node's boot ID (``; boot ID <uuid>``, from
+:mod:`gpulet_common.bootid`), so that what the condition says is tied to the boot it
+was seen in; health events carry the same ID (``node_boot_id``).
+
 Failing closed: a state that cannot be trusted is not reported as healthy. It is not
 reported as unhealthy either: an Unknown condition leaves the taint as it is (a taint
 set for a failure stays until the health service is back and says the GPU recovered;
@@ -71,8 +75,9 @@ from datetime import datetime
 from typing import Any, Final, Literal
 
 import msgspec
-from kubernetes_asyncio.client.exceptions import ApiException
 
+from gpulet_common.bootid import read_boot_id
+from gpulet_common.kubeapi import KubeApiError
 from gpulet_common.messages import UNHEALTHY_SEVERITIES, GpuHealth, Inventory
 from gpulet_common.settings.reporter import ReporterSettings
 from gpulet_reporter.debounce import Debouncer
@@ -90,7 +95,6 @@ REASON_UNHEALTHY: Final = "GPUsUnhealthy"
 REASON_UNREACHABLE: Final = "HealthServiceUnreachable"
 REASON_UNKNOWN: Final = "GPUStateUnknown"
 
-STRATEGIC_PATCH: Final = "application/strategic-merge-patch+json"
 # The message lists this many GPUs, then "and N more".
 MESSAGE_GPUS_MAX: Final = 16
 
@@ -172,6 +176,13 @@ def unknown(reason: str, message: str, *, policy: TaintPolicy) -> NodeHealthInte
     )
 
 
+def with_boot_id(intent: NodeHealthIntent | None, boot_id: str) -> NodeHealthIntent | None:
+    """The intent with the node's boot ID at the end of its message."""
+    if intent is None or not boot_id:
+        return intent
+    return msgspec.structs.replace(intent, message=f"{intent.message}; boot ID {boot_id}")
+
+
 class NodeHealthKeeper:
     """The liveness facts and the last intent; offers changed intents to its debouncer.
 
@@ -185,8 +196,11 @@ class NodeHealthKeeper:
         settings: ReporterSettings,
         *,
         clock: Callable[[], float] = time.monotonic,
+        boot_id: str | None = None,
     ) -> None:
         self.node = node
+        # The node's boot ID, in every message (None: read it now).
+        self.boot_id = read_boot_id() if boot_id is None else boot_id
         self._settings = settings
         self._clock = clock
         self._started = clock()
@@ -215,7 +229,9 @@ class NodeHealthKeeper:
         health_seen: bool,
     ) -> NodeHealthIntent | None:
         """Re-evaluate; a changed intent is submitted. Returns the current intent."""
-        intent = self._evaluate(inventory, healths, health_seen=health_seen)
+        intent = with_boot_id(
+            self._evaluate(inventory, healths, health_seen=health_seen), self.boot_id
+        )
         if intent is not None and intent != self.intent:
             self.intent = intent
             self.debouncer.submit(intent)
@@ -398,13 +414,13 @@ class NodeHealthWriter:
         try:
             result = await self._kube.call(
                 "patch node status",
-                self._kube.core.patch_node_status,
-                self._node,
+                self._kube.api.patch,
+                self._kube.node_path + "/status",
                 {"status": {"conditions": [condition]}},
+                patch="strategic",
                 field_manager=self._settings.field_manager,
-                _content_type=STRATEGIC_PATCH,
             )
-        except ApiException as exc:
+        except KubeApiError as exc:
             if exc.status == 404:
                 self._kube.node_object = None
                 return False

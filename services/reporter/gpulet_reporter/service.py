@@ -30,22 +30,30 @@ With ``dra.mode`` ``dra`` or ``both`` the same view also feeds the node's
 ResourceSlices (:class:`~gpulet_reporter.slices.publisher.SlicePublisher`), through
 the same API client; with ``both``, the GPUs the device plugin holds (the allocator's
 ``held`` long poll, :mod:`.slices.held`) are tainted ``NoSchedule`` there.
+
+With ``sharing.time_slicing`` configs, the same long poll brings the replicas each
+GPU is offered as (the allocator's plan of the node's config) for GFD's sharing labels
+(:mod:`gpulet_reporter.sharelabels`), and, with DRA on, a time-sliced GPU is tainted
+``NoSchedule`` in the slices (the ledger refuses it to a claim). One poll
+(:meth:`ReporterService._follow_held`) feeds both.
 """
 
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import anyio
 import anyio.abc
-from kubernetes_asyncio import client as k8s_client
 
 from gpulet_common import codec, subjects
 from gpulet_common.bus import BusError, Refused
+from gpulet_common.kubeapi import KubeClient
 from gpulet_common.lifecycle import idle_disabled
 from gpulet_common.logutil import RateLimitedLog
-from gpulet_common.messages import HealthStateRequest, Inventory
+from gpulet_common.messages import HealthStateRequest, HeldReply, Inventory
 from gpulet_common.nodeview import NodeChange, NodeView
 from gpulet_common.runtime import Runtime, RuntimeService
 from gpulet_common.settings import ReporterSettings
@@ -79,6 +87,7 @@ class ReporterService(RuntimeService[ReporterSettings]):
         sa_dir: Path = SERVICE_ACCOUNT_DIR,
         sysfs_pci_devices: Path | None = None,
         machine_type_file: Path = DMI_PRODUCT_NAME,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         super().__init__(runtime, runtime.settings.reporter)
         self._env = env
@@ -92,7 +101,10 @@ class ReporterService(RuntimeService[ReporterSettings]):
             else make_resolver(),
             on_degraded=lambda detail: runtime.status.set(self.name, "degraded", detail),
             facts=node_facts(runtime.settings, read_machine_type(machine_type_file)),
+            clock=clock,
         )
+        # The debouncer's and the Device loop's clock (a test may hold time still).
+        self._clock = clock
         self.view = NodeView(
             runtime.bus, self._node, retry_s=self._settings.request_retry_s, who="reporter"
         )
@@ -106,6 +118,8 @@ class ReporterService(RuntimeService[ReporterSettings]):
         self.node_health_loop: WriteLoop[NodeHealthIntent] | None = None
         #: The ResourceSlice publisher (``dra.mode`` dra or both; for tests).
         self.slices: SlicePublisher | None = None
+        # The allocator's last ``held`` reply (None: none yet).
+        self._held: HeldReply | None = None
 
     # The core's state, for tests and the CLI.
     @property
@@ -136,9 +150,24 @@ class ReporterService(RuntimeService[ReporterSettings]):
             tg.start_soon(self._write)
             if self._settings.node_condition:
                 tg.start_soon(self._probe_health)
+            dra_mode = self._rt.settings.dra.mode
+            if self._rt.settings.sharing.time_slicing.enabled or dra_mode == "both":
+                tg.start_soon(self._follow_held)
             task_status.started()
 
     # -- inputs ------------------------------------------------------------------
+
+    async def _follow_held(self) -> None:
+        """The allocator's ``held`` reply: the time-slicing replicas for GFD's sharing
+        labels, and what the slices taint (the device plugin's GPUs, time-sliced GPUs)."""
+        retry_s = self._settings.request_retry_s
+        await follow_held(self._rt.bus, self._node, self._on_held, retry_s)
+
+    def _on_held(self, reply: HeldReply) -> None:
+        self._held = reply
+        self.core.on_replicas(reply.replicas)
+        if self.slices is not None:
+            self.slices.set_held(reply.held, reply.replicas)
 
     def _on_view(self, change: NodeChange) -> None:
         inventory = self.view.inventory
@@ -215,7 +244,7 @@ class ReporterService(RuntimeService[ReporterSettings]):
 
     async def _write(self) -> None:
         target = self.target = await self._resolve_target()
-        if target.offline:
+        if target.configuration is None:
             sink = OfflineSink(
                 self._offline_dir(), self._node, self._settings, reason=target.offline_reason
             )
@@ -233,7 +262,7 @@ class ReporterService(RuntimeService[ReporterSettings]):
             target.server,
             target.source,
         )
-        api = k8s_client.ApiClient(target.configuration)
+        api = KubeClient(target.configuration)
         try:
             async with anyio.create_task_group() as tg:
                 node_api = NodeApi(api, self._node, self._settings, self.metrics)
@@ -246,17 +275,15 @@ class ReporterService(RuntimeService[ReporterSettings]):
             with anyio.CancelScope(shield=True), anyio.move_on_after(1.0):
                 await api.close()
 
-    async def _run_slices(self, api: k8s_client.ApiClient, server: str) -> None:
+    async def _run_slices(self, api: KubeClient, server: str) -> None:
         """``dra.mode`` dra or both: the node's ResourceSlices (:mod:`.slices`)."""
         self.slices = SlicePublisher(
             api, self._node, self._rt.settings.dra, meter=self._rt.meter, server=server
         )
         self.slices.attach(self.view)
-        async with anyio.create_task_group() as tg:
-            if self._rt.settings.dra.mode == "both":
-                retry_s = self._settings.request_retry_s
-                tg.start_soon(follow_held, self._rt.bus, self._node, self.slices, retry_s)
-            await self.slices.run()
+        if self._held is not None:
+            self.slices.set_held(self._held.held, self._held.replicas)
+        await self.slices.run()
 
     async def _run_node_health_loop(self, node_api: NodeApi, server: str) -> None:
         writer = self.node_health_writer = NodeHealthWriter(node_api, server=server)
@@ -273,6 +300,11 @@ class ReporterService(RuntimeService[ReporterSettings]):
     async def _run_loop(self, sink: WriteSink[DesiredState]) -> None:
         self.sink = sink
         self.loop = WriteLoop(
-            sink, self.debouncer, self._settings, self.metrics, on_status=self._status
+            sink,
+            self.debouncer,
+            self._settings,
+            self.metrics,
+            on_status=self._status,
+            clock=self._clock,
         )
         await self.loop.run()

@@ -3,8 +3,8 @@
 Layers
 ------
 * :class:`KubeWriter` -- one attempt at making the API server match a
-  :class:`~gpulet_reporter.desired.DesiredState`, through the unmodified
-  kubernetes-asyncio client:
+  :class:`~gpulet_reporter.desired.DesiredState`, through gpulet's own small
+  client (:mod:`gpulet_common.kubeapi`):
 
   - it keeps the last Device and Node it read or wrote (the *observed* objects) and
     compares against them before touching the network: an unchanged desired state
@@ -26,7 +26,12 @@ Layers
   its own task: the bus side only ever calls :meth:`Debouncer.submit`, so a slow or
   failing API server never blocks NATS. Every ``reconcile_interval_s`` (jittered
   ±10 % so a fleet does not read in lock-step) it forgets the observed objects,
-  re-reads them and corrects drift.
+  re-reads them and corrects drift. A newer (debounced) desired state ends a back-off
+  early only after a failure it may cure -- ``conflict``, ``4xx`` (our request was
+  refused: a new body may pass), ``internal`` (our bug on that state) -- and is written
+  at once; after ``429``, ``5xx``, ``timeout`` or ``connection`` the server is what
+  fails, so the back-off is served in full and the newest state goes out after it.
+  Cancelling the loop's task (a stop) ends any wait at once.
 
 Why read-modify-write and not a patch or server-side apply
 ----------------------------------------------------------
@@ -55,12 +60,10 @@ from dataclasses import dataclass
 from email.utils import parsedate_to_datetime
 from typing import Any, Final, Generic, Protocol, TypeVar
 
-import aiohttp
 import anyio
-from kubernetes_asyncio import client as k8s_client
-from kubernetes_asyncio.client.exceptions import ApiException
 
 from gpulet_common.bus import backoff_delay
+from gpulet_common.kubeapi import KubeApiError, KubeClient, api_path
 from gpulet_common.logutil import RateLimitedLog
 from gpulet_common.settings.reporter import ReporterSettings
 from gpulet_reporter.debounce import Debouncer
@@ -78,10 +81,11 @@ from gpulet_reporter.metrics import ReporterMetrics
 
 log = logging.getLogger("gpulet.reporter")
 
-MERGE_PATCH: Final = "application/merge-patch+json"
 # Conflicts re-read and retry at once this many times before backing off: a second
 # writer racing us every time is unusual enough to deserve the back-off.
 MAX_CONFLICT_ROUNDS: Final = 5
+# Failures a newer desired state may cure: it ends their back-off (see above).
+CURED_BY_NEWER: Final = frozenset({"conflict", "4xx", "internal"})
 
 StatusCallback = Callable[[str, str], None]
 
@@ -149,7 +153,7 @@ def retry_after_seconds(headers: Any) -> float | None:
     return max(0.0, value)
 
 
-def api_error(exc: ApiException, what: str) -> WriteError:
+def api_error(exc: KubeApiError, what: str) -> WriteError:
     status = int(exc.status or 0)
     detail = f"{what}: HTTP {status} {exc.reason or ''}".strip()
     if status == 429:
@@ -162,8 +166,7 @@ def api_error(exc: ApiException, what: str) -> WriteError:
         return WriteError("conflict" if status == 409 else "timeout", detail)
     # 400/401/403/422...: our request or our RBAC is wrong. Retrying soon is pointless, but
     # an RBAC fix or a new desired state may cure it, so keep trying at the slowest pace.
-    body = exc.body.decode(errors="replace") if isinstance(exc.body, bytes) else exc.body
-    return WriteError("4xx", f"{detail}: {str(body)[:500]}", permanent=True)
+    return WriteError("4xx", f"{detail}: {exc.message}", permanent=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,7 +174,7 @@ class NodeApi:
     """What every writer of one node's objects works with: the API client, the node,
     the reporter's settings and its metrics."""
 
-    api: Any
+    api: KubeClient
     node: str
     settings: ReporterSettings
     metrics: ReporterMetrics
@@ -184,7 +187,7 @@ class NodeClient:
 
     def __init__(
         self,
-        api: Any,
+        api: KubeClient,
         node: str,
         settings: ReporterSettings,
         metrics: ReporterMetrics,
@@ -192,8 +195,8 @@ class NodeClient:
         missing: str,
     ) -> None:
         self.api = api
-        self.core = k8s_client.CoreV1Api(api)
         self.node = node
+        self.node_path = api_path("", "v1", "nodes", name=node)
         self._settings = settings
         self._metrics = metrics
         self.node_object: JsonObj | None = None
@@ -213,26 +216,24 @@ class NodeClient:
         timeout = self._settings.api_timeout_s
         try:
             # The client's own timeout covers the request; ours also covers connection
-            # set-up and token refresh, so no call can hang the loop.
+            # set-up, so no call can hang the loop.
             with anyio.fail_after(timeout + 1.0):
-                return await fn(*args, _request_timeout=timeout, **kw)
-        except ApiException:
+                return await fn(*args, timeout_s=timeout, **kw)
+        except KubeApiError:
             raise
         except TimeoutError as exc:
             raise WriteError("timeout", f"{what}: no answer within {timeout:.1f}s") from exc
-        except (aiohttp.ClientError, OSError) as exc:
+        except OSError as exc:
             raise WriteError("connection", f"{what}: {type(exc).__name__}: {exc}") from exc
 
-    def as_dict(self, obj: Any) -> JsonObj | None:
-        if isinstance(obj, dict):
-            return obj
-        data = self.api.sanitize_for_serialization(obj)
-        return data if isinstance(data, dict) else None
+    @staticmethod
+    def as_dict(obj: Any) -> JsonObj | None:
+        return obj if isinstance(obj, dict) else None
 
     async def read_node(self) -> None:
         try:
-            found = await self.call("get node", self.core.read_node, self.node)
-        except ApiException as exc:
+            found = await self.call("get node", self.api.get, self.node_path)
+        except KubeApiError as exc:
             if exc.status != 404:
                 raise api_error(exc, "get node") from exc
             self._missing_log.warning("node %s not found: %s", self.node, self._missing)
@@ -246,16 +247,17 @@ class NodeClient:
         """Read-modify-write under optimistic concurrency, for every object we write.
 
         ``attempt`` reads what is not read yet, builds and writes, and lets a 409 from
-        its write through as :class:`ApiException`: that conflict is counted, ``stale``
-        forgets the read, and the attempt runs again at once; so does one that raised
-        :class:`TryAgain`. After :data:`MAX_CONFLICT_ROUNDS` rounds it is a
-        ``conflict`` :class:`WriteError`, for the loop's back-off."""
+        its write through as :class:`~gpulet_common.kubeapi.KubeApiError`: that
+        conflict is counted, ``stale`` forgets the read, and the attempt runs again at
+        once; so does one that raised :class:`TryAgain`. After
+        :data:`MAX_CONFLICT_ROUNDS` rounds it is a ``conflict`` :class:`WriteError`, for
+        the loop's back-off."""
         for _ in range(MAX_CONFLICT_ROUNDS):
             try:
                 return await attempt()
             except TryAgain:
                 continue
-            except ApiException as exc:
+            except KubeApiError as exc:
                 if exc.status != 409:
                     raise
                 self._metrics.conflict(obj)
@@ -283,13 +285,13 @@ class NodeClient:
             try:
                 result = await self.call(
                     what,
-                    self.core.patch_node,
-                    self.node,
+                    self.api.patch,
+                    self.node_path,
                     patch,
+                    patch="merge",
                     field_manager=self._settings.field_manager,
-                    _content_type=MERGE_PATCH,
                 )
-            except ApiException as exc:
+            except KubeApiError as exc:
                 if exc.status == 409:
                     raise
                 if exc.status == 404:
@@ -313,7 +315,8 @@ class KubeWriter:
         self._kube = NodeClient.of(
             target, missing="the Device gets no owner reference and node labels wait"
         )
-        self._custom = k8s_client.CustomObjectsApi(target.api)
+        self._api = target.api
+        self._device_path = api_path(GROUP, VERSION, PLURAL, name=target.node)
         self._node = target.node
         self._settings = target.settings
         self._metrics = target.metrics
@@ -340,15 +343,8 @@ class KubeWriter:
 
     async def _read_device(self) -> None:
         try:
-            found = await self._kube.call(
-                "get device",
-                self._custom.get_cluster_custom_object,
-                GROUP,
-                VERSION,
-                PLURAL,
-                self._node,
-            )
-        except ApiException as exc:
+            found = await self._kube.call("get device", self._api.get, self._device_path)
+        except KubeApiError as exc:
             if exc.status != 404:
                 raise api_error(exc, "get device") from exc
             found = None
@@ -385,25 +381,20 @@ class KubeWriter:
             if self.device is None:
                 result = await self._kube.call(
                     "create device",
-                    self._custom.create_cluster_custom_object,
-                    GROUP,
-                    VERSION,
-                    PLURAL,
+                    self._api.create,
+                    api_path(GROUP, VERSION, PLURAL),
                     rendered,
                     field_manager=manager,
                 )
             else:
                 result = await self._kube.call(
                     "update device",
-                    self._custom.replace_cluster_custom_object,
-                    GROUP,
-                    VERSION,
-                    PLURAL,
-                    self._node,
+                    self._api.replace,
+                    self._device_path,
                     rendered,
                     field_manager=manager,
                 )
-        except ApiException as exc:
+        except KubeApiError as exc:
             if exc.status == 409:
                 # Stale resourceVersion (someone wrote in between) or AlreadyExists.
                 raise
@@ -473,6 +464,9 @@ class WriteLoop(Generic[T]):
         self._failure_log = RateLimitedLog(log, per_minute=6)
         self.current: T | None = None
         self.applied: T | None = None
+        # For tests: reconciles begun, and whether the loop waits for input or timer.
+        self.reconciles = 0
+        self.waiting = False
 
     def _set_pending(self, pending: bool) -> None:
         if self._track_pending:
@@ -487,11 +481,14 @@ class WriteLoop(Generic[T]):
     async def run(self) -> None:
         deadline = self._clock() + self._next_reconcile_in()
         while True:
-            got: T | None = None
-            with anyio.move_on_after(max(0.0, deadline - self._clock())):
-                got = await self._debouncer.next()
+            self.waiting = True
+            try:
+                got = await self._debouncer.next_within(deadline - self._clock())
+            finally:
+                self.waiting = False
             if got is None:
                 # The reconcile timer: forget what we saw, re-read, correct drift.
+                self.reconciles += 1
                 deadline = self._clock() + self._next_reconcile_in()
                 await self._sink.refresh()
             else:
@@ -539,7 +536,11 @@ class WriteLoop(Generic[T]):
                     delay,
                 )
                 self._on_status("degraded", f"writes failing ({err.reason}): {err}")
-                await anyio.sleep(delay)
+                if err.reason not in CURED_BY_NEWER:
+                    await anyio.sleep(delay)
+                elif (newer := await self._debouncer.next_within(delay)) is not None:
+                    self.current = newer
+                    since = since if since is not None else self._debouncer.taken_since
                 continue
             self.applied = desired
             self._set_pending(self._debouncer.pending)

@@ -81,8 +81,11 @@ projected:
 
 {{/* Values this version cannot serve fail the render with why. */}}
 {{- define "gpulet.validate" -}}
-{{- if ne .Values.kubeletApi "device-plugin" -}}
-{{- fail (printf "kubeletApi=%s: this version of gpulet serves GPUs through the device plugin only (kubeletApi=device-plugin); DRA arrives in a later version" .Values.kubeletApi) -}}
+{{- if .Values.kubeletApi -}}
+{{- fail (printf "kubeletApi=%s: replaced by dra.mode (device-plugin, both or dra)" .Values.kubeletApi) -}}
+{{- end -}}
+{{- if not (has .Values.dra.mode (list "device-plugin" "both" "dra")) -}}
+{{- fail (printf "dra.mode=%s: one of device-plugin, both, dra" .Values.dra.mode) -}}
 {{- end -}}
 {{- if ne .Values.mig.strategy "none" -}}
 {{- fail (printf "mig.strategy=%s: this version of gpulet serves whole GPUs only (mig.strategy=none)" .Values.mig.strategy) -}}
@@ -93,4 +96,27 @@ projected:
 {{- if not (has .Values.nats.mode (list "embedded" "existing" "fleet")) -}}
 {{- fail (printf "nats.mode=%s: one of embedded, existing, fleet" .Values.nats.mode) -}}
 {{- end -}}
+{{- end -}}
+
+
+{{/* DRA on: dra.mode both or dra. */}}
+{{- define "gpulet.draOn" -}}
+{{- if ne .Values.dra.mode "device-plugin" }}true{{ end -}}
+{{- end -}}
+
+{{/* The [dra] settings the values carry, for the reporter and the device plugin (only
+     what differs from gpulet's defaults besides the mode, so the default render is the
+     kustomize component's with the mode set). */}}
+{{- define "gpulet.draEnv" -}}
+- {name: GPULET_DRA__MODE, value: {{ .Values.dra.mode }}}
+{{- if ne .Values.dra.driver "gpu.gpulet.io" }}
+- {name: GPULET_DRA__DRIVER, value: {{ .Values.dra.driver }}}
+{{- end }}
+{{- if ne .Values.dra.kubeletDir "/var/lib/kubelet" }}
+- {name: GPULET_DRA__PLUGINS_REGISTRY, value: {{ .Values.dra.kubeletDir }}/plugins_registry}
+- {name: GPULET_DRA__PLUGINS_DIR, value: {{ .Values.dra.kubeletDir }}/plugins}
+{{- end }}
+{{- if .Values.dra.claimCache }}
+- {name: GPULET_DRA__CLAIM_CACHE, value: "true"}
+{{- end }}
 {{- end -}}

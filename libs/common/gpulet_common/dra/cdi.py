@@ -38,7 +38,11 @@ from typing import Any, Final
 
 from gpulet_common.safefile import write_atomic
 
-CDI_VERSION: Final = "0.6.0"
+# The lowest CDI version with what the spec uses (``hostPath`` of a device node is
+# 0.5.0's), as the CDI library's MinimumRequiredVersion picks: a runtime refuses a spec
+# newer than it knows, and containerd 1.7 and podman 4.3 know 0.5.0 at most (podman
+# 4.3.1 answered "invalid version 0.6.0", tests/image/test_image_cdi.py).
+CDI_VERSION: Final = "0.5.0"
 CLASS: Final = "gpu"
 ALLOCATION_ENV: Final = "GPULET_ALLOCATION_ID"
 CONTROL_DEVICES: Final = ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools", "nvidia-modeset")

@@ -125,7 +125,8 @@ def nvlink_islands(gpus: Iterable[GpuInfo]) -> dict[str, int]:
     return {g.uuid: min(members[find(g.uuid)]) for g in listed}
 
 
-def _string(value: str) -> JsonObj | None:
+def string_attribute(value: str) -> JsonObj | None:
+    """A string attribute; None (left out) when empty or longer than the API allows."""
     return {"string": value} if value and len(value) <= limits.MAX_STRING_VALUE else None
 
 
@@ -139,10 +140,10 @@ def attributes(
     cc = gpu.compute_capability
     found: dict[str, JsonObj | None] = {
         "type": {"string": "gpu"},
-        "uuid": _string(gpu.uuid),
-        "productName": _string(gpu.name),
+        "uuid": string_attribute(gpu.uuid),
+        "productName": string_attribute(gpu.name),
         "brand": {"string": DEFAULT_BRAND},
-        "architecture": _string(architecture(cc)),
+        "architecture": string_attribute(architecture(cc)),
         "cudaComputeCapability": (
             {"version": v} if cc and (v := semver(f"{cc[0]}.{cc[1]}")) else None
         ),
@@ -159,7 +160,7 @@ def attributes(
     if bus:
         found[PCI_BUS_ID] = {"string": bus}
         root = pcie_root(gpu.pci_bus_id) if pcie_root is not None else ""
-        found[PCIE_ROOT] = _string(root)
+        found[PCIE_ROOT] = string_attribute(root)
     return {k: v for k, v in found.items() if v is not None}
 
 
@@ -183,23 +184,18 @@ def capacity(gpu: GpuInfo, *, sharing: bool, memory_step: int) -> JsonObj:
     }
 
 
-def device(
-    gpu: GpuInfo,
-    inventory: Inventory,
+def device_body(
+    name: str,
+    attributes: JsonObj,
+    capacity: JsonObj,
+    taints: list[JsonObj] | None,
     *,
-    island: int,
-    sharing: bool,
-    memory_step: int,
-    pcie_root: Callable[[str], str] | None = None,
-    taints: list[JsonObj] | None = None,
+    shared: bool = False,
 ) -> JsonObj:
-    """The device's JSON body (``resource.k8s.io/v1`` ``Device``)."""
-    body: JsonObj = {
-        "name": device_name(gpu),
-        "attributes": attributes(gpu, inventory, island=island, pcie_root=pcie_root),
-        "capacity": capacity(gpu, sharing=sharing, memory_step=memory_step),
-    }
-    if sharing:
+    """A ``Device``'s JSON body (a GPU's or a MIG device's); ``shared``: it may be
+    allocated to several claims (consumable capacity)."""
+    body: JsonObj = {"name": name, "attributes": attributes, "capacity": capacity}
+    if shared:
         body["allowMultipleAllocations"] = True
     if taints:
         body["taints"] = taints

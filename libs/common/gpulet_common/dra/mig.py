@@ -39,7 +39,6 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from gpulet_common.dra import devices as dev
-from gpulet_common.dra import limits
 from gpulet_common.messages import GpuInfo, Inventory, MigDevice
 from gpulet_common.migrules import parent_block
 from gpulet_common.quantity import binary
@@ -137,19 +136,15 @@ def attributes(
     found: dict[str, JsonObj | None] = {
         **parent,
         "type": {"string": MIG_TYPE},
-        "uuid": _string(mig.uuid),
-        "parentUUID": _string(gpu.uuid),
-        "profile": _string(mig.profile),
+        "uuid": dev.string_attribute(mig.uuid),
+        "parentUUID": dev.string_attribute(gpu.uuid),
+        "profile": dev.string_attribute(mig.profile),
         "parentIndex": {"int": gpu.index},
         "parentMinor": {"int": gpu.minor} if gpu.minor is not None else None,
         "gpuInstanceId": {"int": mig.gpu_instance_id},
         "computeInstanceId": {"int": mig.compute_instance_id},
     }
     return {k: v for k, v in found.items() if v is not None}
-
-
-def _string(value: str) -> JsonObj | None:
-    return {"string": value} if value and len(value) <= limits.MAX_STRING_VALUE else None
 
 
 def capacity(mig: MigDevice) -> JsonObj:
@@ -165,23 +160,3 @@ def capacity(mig: MigDevice) -> JsonObj:
     out: JsonObj = {k: {"value": str(v)} for k, v in counts.items()}
     out[dev.MEMORY] = {"value": binary(mig.memory_total_bytes)}
     return out
-
-
-def device(
-    gpu: GpuInfo,
-    mig: MigDevice,
-    inventory: Inventory,
-    *,
-    island: int,
-    pcie_root: Callable[[str], str] | None = None,
-    taints: list[JsonObj] | None = None,
-) -> JsonObj:
-    """The MIG device's JSON body (``resource.k8s.io/v1`` ``Device``): given whole."""
-    body: JsonObj = {
-        "name": device_name(gpu, mig),
-        "attributes": attributes(gpu, mig, inventory, island=island, pcie_root=pcie_root),
-        "capacity": capacity(mig),
-    }
-    if taints:
-        body["taints"] = taints
-    return body

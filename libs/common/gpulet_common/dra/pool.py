@@ -72,6 +72,7 @@ def render_devices(
     settings: DraSettings,
     *,
     held: Collection[str] = (),
+    sliced: Mapping[str, int] | None = None,
     known: Mapping[str, Mapping[taints.TaintKey, str]] | None = None,
     now: float = 0.0,
     pcie_root: Callable[[str], str] | None = None,
@@ -90,6 +91,7 @@ def render_devices(
             driver=settings.driver,
             unhealthy_effect=settings.unhealthy_effect,
             held_by_device_plugin=settings.mode == "both" and uuid in held,
+            time_sliced=(sliced or {}).get(uuid, 0),
             mig_device=mig,
         )
         return taints.render(wanted, known.get(name, {}), now)
@@ -107,25 +109,21 @@ def render_devices(
         island = islands[gpu.uuid]
         if parent_block(gpu) is None:
             name = dev.device_name(gpu)
-            body = dev.device(
-                gpu,
-                inventory,
-                island=island,
-                sharing=settings.sharing,
-                memory_step=settings.memory_step_bytes,
-                pcie_root=pcie_root,
-                taints=wanted_taints(gpu, name, gpu.uuid),
+            body = dev.device_body(
+                name,
+                dev.attributes(gpu, inventory, island=island, pcie_root=pcie_root),
+                dev.capacity(gpu, sharing=settings.sharing, memory_step=settings.memory_step_bytes),
+                wanted_taints(gpu, name, gpu.uuid),
+                shared=settings.sharing,
             )
             add(name, body)
         for m in mig.offered_migs(gpu):
             name = mig.device_name(gpu, m)
-            body = mig.device(
-                gpu,
-                m,
-                inventory,
-                island=island,
-                pcie_root=pcie_root,
-                taints=wanted_taints(gpu, name, m.uuid, m.uuid),
+            body = dev.device_body(
+                name,
+                mig.attributes(gpu, m, inventory, island=island, pcie_root=pcie_root),
+                mig.capacity(m),  # a MIG device is given whole
+                wanted_taints(gpu, name, m.uuid, m.uuid),
             )
             add(name, body)
     return out
@@ -193,6 +191,7 @@ def build(
     previous: Pool | None = None,
     generation_floor: int = 0,
     held: Collection[str] = (),
+    sliced: Mapping[str, int] | None = None,
     known: Mapping[str, Mapping[taints.TaintKey, str]] | None = None,
     now: float = 0.0,
     node_uid: str | None = None,
@@ -200,7 +199,14 @@ def build(
 ) -> Pool:
     """The whole pool: devices, generation, slices."""
     devices = render_devices(
-        inventory, healths, settings, held=held, known=known, now=now, pcie_root=pcie_root
+        inventory,
+        healths,
+        settings,
+        held=held,
+        sliced=sliced,
+        known=known,
+        now=now,
+        pcie_root=pcie_root,
     )
     generation = next_generation(previous, devices, generation_floor)
     return Pool(

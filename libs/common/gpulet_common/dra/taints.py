@@ -10,6 +10,9 @@ Keys (documented in docs/dra.md; ``<driver>`` is ``gpu.gpulet.io`` by default)
   claims, users and tools see why.
 * ``<driver>/device-plugin`` -- in mode ``both``, the device plugin holds this GPU
   (value ``allocated``): ``NoSchedule`` so the scheduler stops picking it for claims.
+* ``<driver>/time-sliced`` -- the node's time-slicing config offers this GPU to the
+  device plugin as replicas (value: how many): ``NoSchedule``, since the ledger refuses
+  a time-sliced GPU to a claim (docs/mig.md, "Time-slicing").
 
 A MIG device (:mod:`.mig`) gets its GPU's taints (a GPU-wide fault, a lost GPU) and
 those of the conditions confined to it (``ActiveCondition.mig_device``, e.g. an XID that
@@ -45,6 +48,7 @@ XID: Final = "xid"
 UNHEALTHY: Final = "unhealthy"
 WARNING: Final = "warning"
 DEVICE_PLUGIN: Final = "device-plugin"
+TIME_SLICED: Final = "time-sliced"
 
 
 def rfc3339(seconds: float) -> str:
@@ -70,6 +74,7 @@ def health_taints(
     unhealthy_effect: str = "NoSchedule",
     held_by_device_plugin: bool = False,
     mig_device: str = "",
+    time_sliced: int = 0,
 ) -> list[tuple[TaintKey, float]]:
     """The taints one GPU deserves, worst first, each with the time its cause began
     (0 when unknown), at most :data:`~limits.MAX_TAINTS_PER_DEVICE`.
@@ -97,6 +102,8 @@ def health_taints(
             )
     if held_by_device_plugin:
         add((f"{driver}/{DEVICE_PLUGIN}", "allocated", "NoSchedule"), 50, 0.0)
+    if time_sliced > 1:
+        add((f"{driver}/{TIME_SLICED}", str(time_sliced), "NoSchedule"), 50, 0.0)
     ordered = sorted(found.items(), key=lambda kv: (-kv[1][0], kv[0]))
     return [(key, since) for key, (_, since) in ordered[: limits.MAX_TAINTS_PER_DEVICE]]
 

@@ -126,6 +126,8 @@ class Slot:
         self.slot = slot
         self.spec = spec
         self.handle = MockDeviceHandle(slot)
+        # Where NVML enumerates it among the GPUs present (see MockCore._reenumerate).
+        self.order = float(slot)
         self.present = True
         self.fell_off = False
         self.lost_until = math.inf if spec.lost_at_start else 0.0
@@ -183,6 +185,8 @@ class MockCore:
         self._cond = threading.Condition(threading.Lock())
         self._closing = threading.Event()
         self._init_count = 0
+        #: nvmlInit calls refused because the driver was not loaded yet.
+        self.init_failures = 0
         self._vanished_until = 0.0
         self._vanish_code = pynvml.NVML_ERROR_LIBRARY_NOT_FOUND
         self._event_sets: list[MockEventSet] = []
@@ -292,6 +296,18 @@ class MockCore:
             self._cond.notify_all()
         return applied, detail
 
+    def apply_together(self, *faults: FaultSpec) -> list[tuple[bool, str]]:
+        """Apply several faults as one step: no NVML call sees the node between them
+        (a GPU that goes and comes back between two polls of the count)."""
+        problems = [check_fault(f, len(self._slots), live=True) for f in faults]
+        if any(p is not None for p in problems):
+            return [(p is None, p or "not applied") for p in problems]
+        with self._cond:
+            now = self._advance()
+            results = [self._apply(fault, now) for fault in faults]
+            self._cond.notify_all()
+        return results
+
     def __getattr__(self, name: str) -> Any:
         # Only reached for names not defined on the class: pynvml's constants and
         # error classes. Unknown functions stay AttributeError, like a missing symbol.
@@ -349,7 +365,19 @@ class MockCore:
     def _slot_of(self, handle: Any) -> Slot:
         if not isinstance(handle, MockDeviceHandle) or not 0 <= handle.slot < len(self._slots):
             raise err(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-        return self._slots[handle.slot]
+        slot = self._slots[handle.slot]
+        if handle is not slot.handle:
+            # A handle of a previous enumeration (before a removal and return, a
+            # fall off the bus and reset, a driver reload): not a device any more.
+            raise err(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return slot
+
+    def _renew_handle(self, slot: Slot) -> None:
+        """The GPU came back as a new device (lock held): a new handle; the old one
+        and the event registrations made with it are void."""
+        slot.handle = MockDeviceHandle(slot.slot)
+        for event_set in self._event_sets:
+            event_set.registered.pop(slot.slot, None)
 
     def _enter(self, handle: Any, *, probe: bool = False) -> tuple[Slot, float]:
         """Gate a device call: NVML there, GPU not hung (else block), GPU not lost.
@@ -373,7 +401,7 @@ class MockCore:
         return slot, now
 
     def _reenumerate(self) -> None:
-        self._enumerated = [s for s in self._slots if s.present]
+        self._enumerated = sorted((s for s in self._slots if s.present), key=lambda s: s.order)
 
     def _add_switch_links(self, slot: Slot) -> None:
         for link in range(slot.spec.nvswitch_links):

@@ -34,6 +34,7 @@ class MockFaults(MockEvents):
             spec, seed=self._scenario.seed, slot=index, used_buses=used, minor=minor
         )
         slot = Slot(index, spec, self._scenario.seed)
+        slot.order = max(s.order for s in self._slots) + 1
         for other in self._slots:
             self._levels[(index, other.slot)] = self._default_level
             self._levels[(other.slot, index)] = self._default_level
@@ -50,8 +51,11 @@ class MockFaults(MockEvents):
             code = vanish_code(fault)
             self._vanished_until = start + duration if duration is not None else math.inf
             self._vanish_code = code
-            # The library is gone: whoever comes back must nvmlInit again.
+            # The library is gone: whoever comes back must nvmlInit again, and gets
+            # new handles (those of the previous initialisation are void).
             self._init_count = 0
+            for slot in self._slots:
+                self._renew_handle(slot)
             return True, f"NVML vanished (every call fails with NVML code {code})"
         if kind == "nvml_return":
             self._vanished_until = 0.0
@@ -67,8 +71,14 @@ class MockFaults(MockEvents):
             if slot.present:
                 return False, f"GPU {fault.gpu} is present already"
             slot.present, slot.fell_off, slot.lost_until = True, False, 0.0
+            self._renew_handle(slot)
+            where = ""
+            if fault.value:
+                slot.order = max(s.order for s in self._slots) + 1
+                where = " enumerated after the others"
             self._reenumerate()
-            return True, f"GPU {fault.gpu} ({slot.spec.uuid}) is back"
+            index = self._enumerated.index(slot)
+            return True, f"GPU {fault.gpu} ({slot.spec.uuid}) is back{where}, index {index}"
         assert fault.gpu is not None  # check_fault: every other kind names a GPU
         slot = self._slots[fault.gpu]
         name = f"GPU {slot.slot} ({slot.spec.uuid})"
@@ -214,9 +224,10 @@ class MockFaults(MockEvents):
         slot.hang_until = 0.0
         if slot.fell_off:
             slot.present, slot.fell_off = True, False
+            self._renew_handle(slot)
             self._reenumerate()
         for event_set in self._event_sets:
-            kept = [e for e in event_set.queue if e.device is not slot.handle]
+            kept = [e for e in event_set.queue if getattr(e.device, "slot", None) != slot.slot]
             event_set.queue.clear()
             event_set.queue.extend(kept)
         return True, f"{name} reset"

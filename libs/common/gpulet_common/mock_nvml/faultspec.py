@@ -147,6 +147,12 @@ def check_fault(fault: FaultSpec, gpu_count: int, *, live: bool) -> str | None:
                 f"fault {kind!r}: value is the GPU's NVLink number (0-{NVLINK_MAX_LINKS - 1}); "
                 "absent: every NVLink of the GPU"
             )
+    elif kind == "hot_add":
+        if value is not None and (value not in (0, 1) or fault.gpu is None):
+            return (
+                "fault 'hot_add': value 1 (with gpu) brings the GPU back enumerated after "
+                "the others, at a new NVML index; 0 or absent: at its place"
+            )
     elif kind == "nvml_vanish":
         if fault.error is not None and fault.error not in VANISH_ERRORS:
             return f"unknown NVML error {fault.error!r} (known: {', '.join(VANISH_ERRORS)})"

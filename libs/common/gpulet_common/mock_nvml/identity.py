@@ -10,6 +10,7 @@ PCI info), INVALID_ARGUMENT beyond the last index or link.
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pynvml
@@ -27,7 +28,19 @@ class MockInventory(MockCore):
             now = self._advance()
             if now < self._vanished_until:
                 raise err(self._vanish_code)
+            if self._driver_not_loaded():
+                raise err(pynvml.NVML_ERROR_DRIVER_NOT_LOADED)
             self._init_count += 1
+
+    def _driver_not_loaded(self) -> bool:
+        """The scenario's driver is not loaded yet ([system] init_failures,
+        driver_loaded_file); counts one failed nvmlInit (lock held)."""
+        system = self._scenario.system
+        loaded = not system.driver_loaded_file or Path(system.driver_loaded_file).exists()
+        if self.init_failures < system.init_failures or not loaded:
+            self.init_failures += 1
+            return True
+        return False
 
     def nvmlInitWithFlags(self, flags: int) -> None:
         self.nvmlInit()

@@ -50,6 +50,12 @@ they shift when a GPU disappears -- as they would after a re-enumeration. A GPU 
 lost (fault ``lost``, or ``lost_at_start`` in the scenario) stays counted by
 ``nvmlDeviceGetCount``, as on real NVML, and its calls fail with GPU_IS_LOST.
 
+A GPU that comes back (``hot_add`` of a removed slot, ``reset`` after
+``fall_off_bus``) and every GPU after ``nvml_vanish`` get a new handle: the old one
+answers INVALID_ARGUMENT and the event registrations made with it are void, as a
+handle of a previous enumeration is on real NVML. ``[system] init_failures`` and
+``driver_loaded_file`` play a driver not loaded yet (nvmlInit: DRIVER_NOT_LOADED).
+
 Live injection
 --------------
 Scenario timelines play faults at fixed times; demos and end-to-end tests also need
@@ -72,7 +78,9 @@ fault              value / duration_s
 ``lost``           duration_s = how long (absent: until ``reset``)
 ``fall_off_bus``   --  (XID 79, lost, GPU count drops; ``reset`` brings it back)
 ``remove``         --  (GPU count drops; ``hot_add`` with gpu brings it back)
-``hot_add``        gpu absent: a new GPU; gpu = a removed slot: it comes back
+``hot_add``        gpu absent: a new GPU; gpu = a removed slot: it comes back,
+                   as a new device (new handle); value = 1: enumerated after
+                   the others (a new NVML index)
 ``remap_pending``  value = rows (default 1)
 ``remap_failure``  --
 ``hang``           duration_s = seconds every call on the GPU blocks (required)

@@ -40,7 +40,7 @@ import re
 import tomllib
 import uuid as uuid_module
 from pathlib import Path
-from typing import Any, Final, Literal
+from typing import Annotated, Any, Final, Literal
 
 import msgspec
 
@@ -94,6 +94,11 @@ class SystemSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     # "h100" for the cost of each call measured on a real H100. The setting
     # nvml.mock_latency overrides it.
     latency_profile: Literal["none", "h100"] = "none"
+    # A driver that is not loaded yet (at boot, before the NVIDIA driver's modules):
+    # nvmlInit fails with DRIVER_NOT_LOADED this many times, and, when a path is
+    # given, for as long as that file does not exist ("until the driver is loaded").
+    init_failures: Annotated[int, msgspec.Meta(ge=0)] = 0
+    driver_loaded_file: str = ""
 
 
 class GpuSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -48,7 +48,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gpulet_common.nvml.calls import Backend, SystemInfo, cuda_version_string
+from gpulet_common.nvml.calls import Backend, SystemInfo, cuda_version_string, handle_key
 from gpulet_common.nvml.events import (
     EVENT_CLOCK,
     EVENT_DOUBLE_BIT_ECC,
@@ -62,7 +62,6 @@ from gpulet_common.nvml.events import (
     EventKind,
     EventReader,
     NvmlEvent,
-    handle_key,
 )
 from gpulet_common.nvml.inventory import InventoryReader
 from gpulet_common.nvml.mig import MigReader

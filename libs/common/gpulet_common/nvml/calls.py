@@ -20,10 +20,21 @@ it does not support (the ``U_*`` bits, one list for every piece), so that the sa
 hot path never calls them again. The mask is kept by UUID, so it survives a handle
 re-fetch. A field that fails unexpectedly drops the cached handle: the next call
 fetches it again (the adapter's only retry; callers decide when to call again).
+
+Handles of a previous enumeration
+---------------------------------
+A GPU that disappears and comes back (a reset that re-enumerates it, a driver reload, a
+hot-plug) is a new device to NVML: the handle cached for its index is void and answers
+``INVALID_ARGUMENT``, and the index may now belong to another GPU. The inventory and the
+health scan drop every cached handle before they read (:meth:`NvmlCalls.invalidate`);
+a sample whose cached handle answers ``INVALID_ARGUMENT`` fetches the handle again and
+reads once more (:meth:`~.sampling.Sampler.sample`), and event registration always
+fetches a fresh handle (:meth:`~.events.EventReader.register_events`).
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import threading
 from collections.abc import Callable
@@ -95,7 +106,7 @@ class SystemInfo(msgspec.Struct, frozen=True, kw_only=True):
 class GpuHandle:
     """What the adapter remembers about one GPU between calls."""
 
-    __slots__ = ("error", "handle", "index", "slow", "unsupported", "uuid")
+    __slots__ = ("error", "error_code", "handle", "index", "slow", "unsupported", "uuid")
 
     def __init__(
         self, index: int, handle: Any, uuid: str, unsupported: int, slow: dict[str, Any]
@@ -106,6 +117,7 @@ class GpuHandle:
         self.unsupported = unsupported
         # First unexpected (non-fatal) field error of the current sample.
         self.error: str | None = None
+        self.error_code: int | None = None
         # The last slow fields read (GpuSample field -> value), "slow_fields_at" included;
         # shared with the adapter's per-UUID memory so a handle re-fetch keeps them.
         self.slow = slow
@@ -130,6 +142,18 @@ def text(value: Any) -> str:
 def cuda_version_string(version: int) -> str:
     """NVML's CUDA driver version integer (12040) as "12.4"."""
     return f"{version // 1000}.{(version % 1000) // 10}"
+
+
+def handle_key(handle: Any) -> Any:
+    """A hashable identity of a device handle, equal for two handles of one GPU.
+
+    pynvml handles are ctypes pointers: a new Python object per call (event data
+    included), so they are compared by address. Mock handles are plain objects
+    returned unchanged by every call, so they are their own key.
+    """
+    if isinstance(handle, ctypes._Pointer):
+        return ctypes.cast(handle, ctypes.c_void_p).value
+    return handle
 
 
 def missing_function(function: str) -> NvmlUnavailable:
@@ -307,6 +331,7 @@ class NvmlCalls:
             raise self._translate(exc, name, gpu.index, gpu.uuid) from exc
         if gpu.error is None:
             gpu.error = f"error: {name}: {exc} (NVML code {code})"
+            gpu.error_code = code
 
     def _read(self, gpu: GpuHandle, bit: int, fn: Callable[..., Any] | None, *args: Any) -> Any:
         """One field: its value, or None when unsupported or failed (see _field_failed)."""

@@ -11,7 +11,6 @@ handle is resolved to the GPU's index and UUID, the time is when the wait return
 
 from __future__ import annotations
 
-import ctypes
 import time
 from typing import Any, Final, Literal
 
@@ -22,6 +21,7 @@ from gpulet_common.nvml.calls import (
     Backend,
     GpuHandle,
     NvmlCalls,
+    handle_key,
     log,
     missing_function,
     text,
@@ -104,18 +104,6 @@ def _instance_id(data: Any, field: str) -> int | None:
     return value
 
 
-def handle_key(handle: Any) -> Any:
-    """A hashable identity of a device handle, equal for two handles of one GPU.
-
-    pynvml handles are ctypes pointers: a new Python object per call (event data
-    included), so they are compared by address. Mock handles are plain objects
-    returned unchanged by every call, so they are their own key.
-    """
-    if isinstance(handle, ctypes._Pointer):
-        return ctypes.cast(handle, ctypes.c_void_p).value
-    return handle
-
-
 class EventReader(NvmlCalls):
     """NVML events: registration per GPU, and the blocking wait."""
 
@@ -157,8 +145,12 @@ class EventReader(NvmlCalls):
         A GPU without event support gives 0, which is not an error. When registration
         of the whole mask says NOT_SUPPORTED (typically the ECC types with ECC off),
         the rest is registered without the ECC types, then type by type.
+
+        The handle is fetched afresh: a cached one may be of a previous enumeration (a
+        GPU that went and came back), and registering with it would silently watch
+        nothing.
         """
-        gpu = self._gpus.get(index) or self._load(index)
+        gpu = self._load(index)
         supported = self._opt(gpu, self._f_supported_events)
         mask = wanted_mask & int(supported) if supported is not None else 0
         registered = 0

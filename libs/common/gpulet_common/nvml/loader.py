@@ -26,11 +26,13 @@ import importlib
 import logging
 from typing import Literal
 
+from gpulet_common.logutil import RateLimitedLog
 from gpulet_common.nvml.adapter import NvmlAdapter
-from gpulet_common.nvml.errors import NvmlUnavailable
+from gpulet_common.nvml.errors import NVML_ERROR_DRIVER_NOT_LOADED, NvmlUnavailable
 from gpulet_common.settings.nvml import NvmlSettings
 
 log = logging.getLogger("gpulet.nvml")
+_degraded_log = RateLimitedLog(log, per_minute=2)
 
 MOCK_HINT = (
     "to run without a GPU, start with --nvml mock[:scenario] (e.g. --nvml mock:dgx-h100; "
@@ -73,13 +75,26 @@ def open_mock(scenario: str, latency: str | None = None) -> NvmlAdapter:
 
 def open_nvml(settings: NvmlSettings) -> tuple[NvmlAdapter | None, str | None]:
     """(adapter, None) when NVML works, (None, reason) when the service must run degraded."""
+    adapter, reason, _ = open_nvml_waiting(settings)
+    return adapter, reason
+
+
+def open_nvml_waiting(settings: NvmlSettings) -> tuple[NvmlAdapter | None, str | None, bool]:
+    """:func:`open_nvml`, and whether NVML is *expected* here but not up yet: the
+    backend ``nvml`` or ``mock`` was asked for, or the library loaded but its driver
+    is not (``DRIVER_NOT_LOADED``, a node still booting). A service then says it is
+    not ready, with the reason, until NVML starts; ``auto`` on a host without the
+    library is a node without GPUs, and runs degraded (ready)."""
     if settings.backend == "mock":
-        return open_mock(settings.scenario, settings.mock_latency), None
+        try:
+            return open_mock(settings.scenario, settings.mock_latency), None, False
+        except NvmlUnavailable as exc:
+            return None, _degraded(settings, exc.reason), True
     try:
         pynvml = importlib.import_module("pynvml")
     except ImportError as exc:
         reason = f"the NVML Python bindings (nvidia-ml-py) are not installed: {exc}"
-        return None, _degraded(settings, reason)
+        return None, _degraded(settings, reason), settings.backend == "nvml"
     try:
         library = ctypes.CDLL(settings.library)
     except OSError as exc:
@@ -88,7 +103,7 @@ def open_nvml(settings: NvmlSettings) -> tuple[NvmlAdapter | None, str | None]:
             "NVIDIA driver on this host, or the container was not started with the NVIDIA "
             "runtime)"
         )
-        return None, _degraded(settings, reason)
+        return None, _degraded(settings, reason), settings.backend == "nvml"
     if getattr(pynvml, "nvmlLib", None) is None:
         # Hand pynvml the library we loaded, so that it does not search for its default.
         setattr(pynvml, "nvmlLib", library)  # noqa: B010 - untyped module attribute
@@ -96,13 +111,17 @@ def open_nvml(settings: NvmlSettings) -> tuple[NvmlAdapter | None, str | None]:
     try:
         adapter.init()
     except NvmlUnavailable as exc:
-        return None, _degraded(settings, exc.reason)
-    return adapter, None
+        waiting = settings.backend == "nvml" or exc.code == NVML_ERROR_DRIVER_NOT_LOADED
+        return None, _degraded(settings, exc.reason), waiting
+    return adapter, None, False
 
 
 def _degraded(settings: NvmlSettings, reason: str) -> str:
-    full = f"NVML unavailable: {reason}; {MOCK_HINT}"
+    full = f"NVML unavailable: {reason}"
+    if settings.backend != "mock":
+        full += f"; {MOCK_HINT}"
     if settings.backend == "nvml":
         full = f"backend 'nvml' requested but {full}"
-    log.warning("%s", full)
+    # Once per try, and the tries go on while the service runs: bounded.
+    _degraded_log.warning("%s", full)
     return full

@@ -45,11 +45,13 @@ from gpulet_common.nvml.calls import (
     UNAVAILABLE_AFTER_INIT,
     Backend,
     GpuHandle,
+    handle_key,
     log,
     within,
 )
 from gpulet_common.nvml.errors import (
     NVML_ERROR_GPU_IS_LOST,
+    NVML_ERROR_INVALID_ARGUMENT,
     NVML_ERROR_RESET_REQUIRED,
     NVML_ERROR_UNKNOWN,
     GpuLostError,
@@ -204,9 +206,25 @@ class Sampler(NvLinkReader):
         field leaves it None, sets ``error`` and drops the cached handle. Raises
         :class:`GpuLostError` for a lost GPU, :class:`GpuResetRequired` when it needs a
         reset, and :class:`NvmlUnavailable` when NVML itself went away.
+
+        A cached handle that answers ``INVALID_ARGUMENT`` is of a previous enumeration
+        (the GPU went and came back, see :mod:`.calls`): the handle at ``index`` is
+        fetched again and read once more, so the sample names whichever GPU is at
+        ``index`` now.
         """
-        gpu = self._gpus.get(index) or self._load(index)
+        cached = self._gpus.get(index)
+        sample = self._sample(cached or self._load(index), index, slow, nvlink_state_every_s)
+        if cached is not None and cached.error_code == NVML_ERROR_INVALID_ARGUMENT:
+            fresh = self._load(index)
+            if handle_key(fresh.handle) != handle_key(cached.handle):
+                sample = self._sample(fresh, index, slow, nvlink_state_every_s)
+        return sample
+
+    def _sample(
+        self, gpu: GpuHandle, index: int, slow: bool, nvlink_state_every_s: float
+    ) -> GpuSample:
         gpu.error = None
+        gpu.error_code = None
         read = self._read
         utilization = read(gpu, U_UTIL, self._f_utilization)
         memory = read(gpu, U_MEM, self._f_memory)

@@ -19,6 +19,7 @@ from gpulet_common.settings.nats import NatsSettings
 from gpulet_common.settings.nvml import NvmlSettings
 from gpulet_common.settings.remediation import RemediationSettings
 from gpulet_common.settings.reporter import ReporterSettings
+from gpulet_common.settings.sharing import SharingSettings
 from gpulet_common.settings.telemetry import TelemetrySettings
 
 
@@ -39,6 +40,7 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     fleet: FleetSettings = msgspec.field(default_factory=FleetSettings)
     dra: DraSettings = msgspec.field(default_factory=DraSettings)
     remediation: RemediationSettings = msgspec.field(default_factory=RemediationSettings)
+    sharing: SharingSettings = msgspec.field(default_factory=SharingSettings)
 
 
 __all__ = [
@@ -53,5 +55,6 @@ __all__ = [
     "RemediationSettings",
     "ReporterSettings",
     "Settings",
+    "SharingSettings",
     "TelemetrySettings",
 ]

@@ -19,6 +19,8 @@ from typing import Annotated, Final, Literal
 
 import msgspec
 
+from gpulet_common.settings.kube_writer import KubeWriterSettings, PositiveSeconds
+
 DEFAULT_DRIVER: Final = "gpu.gpulet.io"
 DEFAULT_CDI_DIR: Final = "/var/run/cdi"
 DEFAULT_PLUGINS_REGISTRY: Final = "/var/lib/kubelet/plugins_registry"
@@ -26,11 +28,12 @@ DEFAULT_PLUGINS_DIR: Final = "/var/lib/kubelet/plugins"
 
 Mode = Literal["device-plugin", "dra", "both"]
 Effect = Literal["NoSchedule", "NoExecute"]
-PositiveSeconds = Annotated[float, msgspec.Meta(gt=0)]
-Seconds = Annotated[float, msgspec.Meta(ge=0)]
 
 
-class DraSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
+class DraSettings(KubeWriterSettings, kw_only=True, forbid_unknown_fields=True, frozen=True):
+    """The kubeconfig, debounce, API timeout and back-off of the slice writer and the
+    claim reads are KubeWriterSettings' (settings/kube_writer.py)."""
+
     # Which kubelet API serves the GPUs: `device-plugin` (DRA off), `dra` (ResourceSlices
     # and the DRA kubelet plugin, no device plugin) or `both` (a migration: both over one
     # ledger; a GPU the device plugin holds is tainted NoSchedule in the slice).
@@ -51,30 +54,19 @@ class DraSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, froz
     plugins_registry: str = DEFAULT_PLUGINS_REGISTRY
     # The DRA socket goes to `<plugins_dir>/<driver>/dra.sock`.
     plugins_dir: str = DEFAULT_PLUGINS_DIR
-    # The kubeconfig the DRA kubelet plugin reads claims with (empty: in-cluster when
-    # the pod has a service account, else $KUBECONFIG, then ~/.kube/config).
-    kubeconfig: str = ""
-    # The kubeconfig context (empty: its current context).
-    kube_context: str = ""
+    # Prepare reads claims from a watch of the ResourceClaims allocated to this node
+    # instead of a GET each (a GET on a miss). Faster Prepare, but every node then
+    # watches every claim of the cluster.
+    claim_cache: bool = False
     # The DRA kubelet plugin's checkpoint of prepared claims (empty:
     # <plugins_dir>/<driver>/checkpoint.json, beside its socket).
     checkpoint_path: str = ""
-    # The slice writer's debounce, as the reporter's Device writer.
-    quiet_window_s: Seconds = 0.5
-    # The longest a slice change waits for the quiet window.
-    max_delay_s: Seconds = 2.0
     # A watch on the node's slices repairs a deletion (kubelet deletes a node's slices
     # when it starts) or an edit within the debounce; the slices are also re-listed
     # this often, which repairs them even when the watch is down.
     resync_s: PositiveSeconds = 60.0
     # The server-side timeout of one watch of the node's slices.
     watch_timeout_s: PositiveSeconds = 300.0
-    # How long one API request may take.
-    api_timeout_s: PositiveSeconds = 10.0
-    # Backoff between failed slice writes, doubling from base to max.
-    backoff_base_s: PositiveSeconds = 0.2
-    # The longest backoff between failed slice writes.
-    backoff_max_s: PositiveSeconds = 30.0
     # The field manager of gpulet's server-side applies of ResourceSlices.
     field_manager: str = "gpulet-dra"
 

@@ -12,15 +12,15 @@ condition turns ``Unknown`` after 90 s without an answer from the health service
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Literal
 
-import msgspec
-
-Seconds = Annotated[float, msgspec.Meta(ge=0.0, le=86400.0)]
-PositiveSeconds = Annotated[float, msgspec.Meta(gt=0.0, le=86400.0)]
+from gpulet_common.settings.kube_writer import KubeWriterSettings, PositiveSeconds, Seconds
 
 
-class ReporterSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+class ReporterSettings(KubeWriterSettings, kw_only=True, forbid_unknown_fields=True, frozen=True):
+    """The kubeconfig, debounce, API timeout and back-off of the Device writer are
+    KubeWriterSettings' (settings/kube_writer.py)."""
+
     # Run the reporter (the node's Device CR and GPU node labels).
     enabled: bool = True
     # "auto": in-cluster config, else a kubeconfig, else no-cluster mode (the Device is
@@ -29,22 +29,8 @@ class ReporterSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     # backend the reporter stays offline: mock GPUs must not reach a real cluster just
     # because the laptop has a kubeconfig (set "cluster" to point it at a test cluster).
     mode: Literal["auto", "cluster", "offline"] = "auto"
-    # Kubeconfig file; empty: $KUBECONFIG, then ~/.kube/config.
-    kubeconfig: str = ""
-    # Kubeconfig context; empty: the file's current-context.
-    kube_context: str = ""
-    # Quiet window: a change is written once no other change came for this long.
-    quiet_window_s: Seconds = 0.5
-    # Upper bound on how long a change may wait for the quiet window (bursts).
-    max_delay_s: Seconds = 2.0
     # Re-read the Device and the Node and correct drift this often (0: never).
     reconcile_interval_s: Seconds = 300.0
-    # Timeout of one API request.
-    api_timeout_s: PositiveSeconds = 10.0
-    # First back-off after a failed write; it doubles per retry, with full jitter.
-    backoff_base_s: PositiveSeconds = 0.2
-    # Longest back-off; also the pace of retries after a 4xx (RBAC, validation).
-    backoff_max_s: PositiveSeconds = 30.0
     # The longest Retry-After (429) honoured; a larger one is clamped to this.
     retry_after_max_s: PositiveSeconds = 60.0
     # Ask the collector / health service for their state this often until they answer.

@@ -27,7 +27,9 @@ class Answers:
         alloc = self._books.ledger.get(grant.allocation)
         if alloc is None:
             raise Refused("internal", f"grant {grant.key} has lost its allocation")
-        gpus = list(alloc.devices) if isinstance(alloc, WholeAllocation) else [alloc.device]
+        cards = list(alloc.devices) if isinstance(alloc, WholeAllocation) else [alloc.device]
+        # A time-slicing replica gives its GPU, as NVIDIA's plugin does.
+        gpus = list(dict.fromkeys(self._books.ledger.gpu_of(c) for c in cards))
         envs = {"NVIDIA_VISIBLE_DEVICES": ",".join(gpus), ALLOCATION_ENV: grant.allocation}
         mounts: list[Mount] = []
         if isinstance(alloc, ShareAllocation) and self._mps.enabled:

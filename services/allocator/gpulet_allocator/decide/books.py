@@ -120,7 +120,18 @@ class Books:
                 refused = self.ledger.refusal(d.uuid, whole=True)
                 if refused is not None:
                     out[d.uuid] = refused.message
+            elif d.present and d.healthy and not d.parent:
+                self._withheld_time_sliced(d.uuid, d.whole_owner is not None or bool(d.shares), out)
         return out
+
+    def _withheld_time_sliced(self, uuid: str, held: bool, out: dict[str, str]) -> None:
+        # Time-sliced but held whole or shared: its replicas are listed Unhealthy. Not
+        # time-sliced but replicas of it still held: it is not offered whole.
+        sliced = self.ledger.replica_count(uuid) > 0
+        if sliced and held:
+            out[uuid] = f"{uuid} is held whole or shared: its replicas wait for its release"
+        elif not sliced and (replicas := self.ledger.replicas_held(uuid)):
+            out[uuid] = f"{uuid}: {replicas} of its time-slicing replicas are still held"
 
     def device_plugin_held(self) -> dict[str, str]:
         """Each GPU an allocation of the device plugin holds (not a DRA claim's), with
@@ -132,7 +143,7 @@ class Books:
                 continue
             uuids = alloc.devices if isinstance(alloc, WholeAllocation) else (alloc.device,)
             for uuid in uuids:
-                out.setdefault(uuid, holder)
+                out.setdefault(self.ledger.gpu_of(uuid), holder)
         return out
 
     # --- ledger access ------------------------------------------------------------------

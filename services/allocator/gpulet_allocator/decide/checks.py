@@ -56,6 +56,11 @@ def check_ids(books: Books, resource: str, kind: GrantKind, ids: list[str], n: i
         except ValueError:
             bad.append(device_id)
             continue
+        if parsed.kind is ResourceKind.REPLICA and expected is ResourceKind.WHOLE:
+            # A time-slicing replica: known only while offered or held.
+            if not books.known_gpu(device_id):
+                bad.append(device_id)
+            continue
         if parsed.kind is not expected:
             bad.append(device_id)
             continue

@@ -23,9 +23,12 @@ Rules (:meth:`Claims.reserve`):
 * a device with 1-99 % of the cores is a **share**: a
   :class:`~.engine.ShareAllocation` under ``(uid, <device>)`` of that card, its memory
   rounded up to the ledger's 256 MiB units (all of the card's memory when the claim
-  names none), refused like the device plugin's shares when it does not fit, and
-  refused on a card that holds a device-plugin share (the scheduler accounts a claim's
-  share in the slice and knows nothing of those);
+  names none), refused like the device plugin's shares when it does not fit. A card
+  never carries shares of both adapters, the ledger's rule
+  (:meth:`~.engine.Ledger.refusal` with ``claim``): a claim's share is refused on a
+  card that holds a device-plugin share, and a device-plugin share on one that holds a
+  claim's (the scheduler accounts a claim's share in the slice and knows nothing of
+  the device plugin's, kubelet the reverse);
 * all or nothing: a refusal leaves nothing reserved;
 * idempotent: the same UID asking for the same devices and shares gets the recorded
   reservation; the same UID asking for others is refused ``invalid_request``;
@@ -43,7 +46,7 @@ Synchronous, no I/O; not thread-safe (one event loop).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from gpulet_allocator.decide.books import Books, Undo
 from gpulet_allocator.decide.engine import Owner, WholeAllocation
@@ -88,8 +91,11 @@ def _recorded(record: ClaimRecord) -> Asked:
 class Claims:
     """Reserve and release DRA claims in the books (see the module docstring)."""
 
-    def __init__(self, books: Books) -> None:
+    def __init__(self, books: Books, gate: Callable[[], None] = lambda: None) -> None:
         self._books = books
+        # Raises Refused when nothing may be reserved now (the core: a lost record, no
+        # inventory).
+        self._gate = gate
 
     def _target(self, name: str, pool: dict[str, Target]) -> Target:
         found = pool.get(name)
@@ -110,6 +116,7 @@ class Claims:
         name: str = "",
     ) -> tuple[ClaimRecord, Undo | None]:
         """Reserve ``devices`` for claim ``uid``; the undo is None when nothing changed."""
+        self._gate()
         books = self._books
         if not uid or len(uid) > MAX_UID_CHARS:
             raise Refused("invalid_request", "a claim needs a UID of 1-128 characters")
@@ -141,7 +148,6 @@ class Claims:
                 )
             for d in shares:
                 target = gpus[d.device]
-                self._check_not_shared_with_device_plugin(target.uuid)
                 units = memory_units(target.gpu.memory_total_bytes)
                 if d.memory_bytes is not None:
                     # Rounded up, but never past the card (its last partial unit).
@@ -151,6 +157,7 @@ class Claims:
                     d.cores or CORES_PER_GPU,
                     units,
                     device=target.uuid,
+                    claim=True,
                 )
         except Exception:
             books.ledger.release(uid)
@@ -179,17 +186,6 @@ class Claims:
 
         return record, undo
 
-    def _check_not_shared_with_device_plugin(self, uuid: str) -> None:
-        """A card never carries shares of both adapters: the scheduler accounts a
-        claim's share in the slice and knows nothing of the device plugin's."""
-        books = self._books
-        for held in books.ledger.device(uuid).shares:
-            if held.owner.allocation_id not in books.claims:
-                raise Refused(
-                    "insufficient_capacity",
-                    f"{uuid} holds a device-plugin share ({held.owner.allocation_id})",
-                )
-
     def release(self, uid: str) -> bool:
         """Free what claim ``uid`` holds; False when it held nothing."""
         books = self._books
@@ -216,4 +212,5 @@ class Claims:
                 problems.append(f"claim {record.uid}: its allocations are not recorded")
                 continue
             books.claims[record.uid] = record
+            books.ledger.mark_claim(record.uid)
         return problems

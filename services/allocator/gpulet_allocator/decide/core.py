@@ -11,7 +11,7 @@ Interface
 :class:`AllocatorCore`: ``allocate`` and ``preferred`` (kubelet's calls), ``release``
 and ``reconcile`` (explicit, and from PodResources), ``update_inventory`` and
 ``set_health`` (the node's read model), ``withheld`` (cards not to be offered whole),
-``reserve_claim``/``release_claim`` (DRA's kubelet plugin, :mod:`.claims`),
+``claims.reserve``/``claims.release`` (DRA's kubelet plugin, :mod:`.claims`),
 ``snapshot``/``restore`` (the checkpoint), ``adopt``/``mark_lost``/``end_loss`` (a lost
 record), ``state`` and ``allocation_views``. Every refusal is a
 :class:`~gpulet_common.refusal.Refused` with a code of the one table.
@@ -53,6 +53,10 @@ by the ledger's one answer. Under the ``single`` and ``mixed`` strategies MIG UU
 whole-kind IDs of the resource the strategy offers them under (``nvidia.com/gpu``, or
 ``nvidia.com/mig-<profile>``); a MIG UUID under any other resource, or not offered by
 the strategy (``none``, an invalid single layout), is refused as ``unknown_device``.
+
+**Time-slicing** (:mod:`gpulet_allocator.timeslicing`, :mod:`.timeslice`): a replica
+``<uuid>::<n>`` is a whole-kind ID of ``nvidia.com/gpu``, a card of its own in the
+ledger; the container is given its GPU. The ledger's one answer keeps one owner per GPU.
 """
 
 from __future__ import annotations
@@ -71,22 +75,23 @@ from gpulet_allocator.decide.joining import ShareJoiner
 from gpulet_allocator.decide.koordinator import PodBook
 from gpulet_allocator.decide.record import Adoption, HeldDevices, PodRef, Record
 from gpulet_allocator.decide.release import Releases
+from gpulet_allocator.decide.timeslice import TimeSlicing
 from gpulet_allocator.decide.views import allocation_views, gpu_views
 from gpulet_allocator.mig import MigPlan, MigStrategy, mig_plan, mig_resource_prefix
 from gpulet_allocator.protocol import (
     AllocationView,
-    ClaimDeviceRequest,
     ContainerAllocation,
     PreferredRequest,
     ReleaseRequest,
     StateReply,
-    parse_device_id,
+    card_id,
     resource_specs,
 )
-from gpulet_allocator.state.records import ClaimRecord, Grant, GrantKind, StoredState
+from gpulet_allocator.state.records import Grant, GrantKind, StoredState
 from gpulet_common.messages import Inventory
 from gpulet_common.refusal import Refused
 from gpulet_common.settings.allocator import CdiSettings, MpsSettings, ResourceNames
+from gpulet_common.settings.sharing import TimeSlicingSettings
 
 
 class AllocatorCore:
@@ -109,6 +114,7 @@ class AllocatorCore:
         book: PodBook | None = None,
         on_refusal: RefusalHook | None = None,
         mig_strategy: MigStrategy = "none",
+        time_slicing: TimeSlicingSettings | None = None,
     ) -> None:
         self.node = node
         self.names = names
@@ -133,8 +139,16 @@ class AllocatorCore:
             kind_of=self.resource_kind,
             on_release=self.joiner.forget,
         )
-        self.claims = Claims(self.books)
+        #: DRA claims (the DRA kubelet plugin): ``reserve`` (raises Refused; its undo,
+        #: None when nothing changed, reverts it for a checkpoint that failed) and
+        #: ``release``. A reservation is refused like Allocate while the record is lost
+        #: or there is no inventory.
+        self.claims = Claims(self.books, self._refuse_unready)
         self._answers = Answers(self.books, mps or MpsSettings(), cdi or CdiSettings())
+        #: Time-slicing replicas: the node's config in force (:mod:`.timeslice`).
+        self.time_slicing = TimeSlicing(
+            self.books, time_slicing or TimeSlicingSettings(), names.gpu
+        )
 
     # --- what the pieces hold -----------------------------------------------------------
 
@@ -156,26 +170,6 @@ class AllocatorCore:
     def lost(self) -> str | None:
         """Why the record of allocations is lost (None: it is not); Allocate is refused."""
         return self.record.lost
-
-    @property
-    def rebuild_blocker(self) -> str:
-        return self.record.rebuild_blocker
-
-    @rebuild_blocker.setter
-    def rebuild_blocker(self, why: str) -> None:
-        self.record.rebuild_blocker = why
-
-    @property
-    def decisions_followed(self) -> int:
-        return self.handshake.followed
-
-    @property
-    def decisions_refused(self) -> int:
-        return self.handshake.refused
-
-    @property
-    def join_mismatches(self) -> int:
-        return self.releases.join_mismatches
 
     @property
     def ready(self) -> bool:
@@ -209,6 +203,7 @@ class AllocatorCore:
         if not self.books.update_inventory(inventory):
             return False
         self.mig = mig_plan(inventory.gpus, self.mig_strategy, self.names.gpu)
+        self.time_slicing.apply()
         return True
 
     def check_mig_pool(self, resource: str, uuids: Sequence[str]) -> None:
@@ -254,10 +249,7 @@ class AllocatorCore:
         The returned undo reverts what this call changed, for a checkpoint that failed.
         """
         kind = self.resource_kind(resource)
-        if self.record.lost is not None:
-            raise self.record.lost_refusal()
-        if not self.ready:
-            raise Refused("not_ready", "the allocator has no GPU inventory yet")
+        self._refuse_unready()
         if not containers:
             raise Refused("invalid_request", "the request names no container")
         checks.check_across(containers)
@@ -295,7 +287,8 @@ class AllocatorCore:
             self.handshake.check_retry(existing, resource, kind, ids)
             return existing
         if kind == "whole":
-            uuids = [parse_device_id(i).gpu_uuid for i in ids]
+            # A replica is a card of its own (its GPU is the ledger's ``gpu_of``).
+            uuids = [card_id(i) for i in ids]
             self.check_mig_pool(resource, uuids)
             claim = self.handshake.whole_claim(resource, uuids)
             books.ledger.allocate_whole(Owner(allocation_id=key), devices=uuids)
@@ -308,6 +301,13 @@ class AllocatorCore:
         if kind in ("core", "ratio") and self.handshake.koordinator:
             return self.handshake.decided_share(resource, kind, ids, key, undo)
         return self.joiner.place(key, resource, kind, len(ids), undo)
+
+    def _refuse_unready(self) -> None:
+        """Nothing is granted while the record is lost or there is no inventory."""
+        if self.record.lost is not None:
+            raise self.record.lost_refusal()
+        if not self.ready:
+            raise Refused("not_ready", "the allocator has no GPU inventory yet")
 
     # --- GetPreferredAllocation ---------------------------------------------------------
 
@@ -333,32 +333,9 @@ class AllocatorCore:
             for u in request.available
             if u in self.ledger.topology
             or (u in self.mig.offers and self.mig.offers[u].resource == resource)
+            or (self.ledger.is_replica(u) and resource == self.names.gpu)
         ]
         return self.ledger.preferred(available, request.must_include, request.size)
-
-    # --- DRA claims (the DRA kubelet plugin) --------------------------------------------
-
-    def reserve_claim(
-        self,
-        uid: str,
-        devices: Sequence[ClaimDeviceRequest],
-        *,
-        namespace: str = "",
-        name: str = "",
-    ) -> tuple[ClaimRecord, Undo | None]:
-        """Reserve a claim's devices in the ledger (:mod:`.claims`); raises Refused.
-
-        The undo (None: nothing changed) reverts it, for a checkpoint that failed.
-        """
-        if self.record.lost is not None:
-            raise self.record.lost_refusal()
-        if not self.ready:
-            raise Refused("not_ready", "the allocator has no GPU inventory yet")
-        return self.claims.reserve(uid, devices, namespace=namespace, name=name)
-
-    def release_claim(self, uid: str) -> bool:
-        """Release what claim ``uid`` holds; False when it held nothing."""
-        return self.claims.release(uid)
 
     # --- release --------------------------------------------------------------------------
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from gpulet_allocator.decide.books import Books, grant_key
 from gpulet_allocator.decide.claims import Claims
 from gpulet_allocator.decide.engine import Owner, WholeAllocation
-from gpulet_allocator.protocol import parse_device_id
+from gpulet_allocator.protocol import card_id
 from gpulet_allocator.state.records import GrantKind, StoredState
 from gpulet_common.refusal import Refused
 
@@ -133,7 +133,8 @@ class Record:
                 unplaceable.append(f"{where} ({len(item.device_ids)} {item.resource})")
                 continue
             try:
-                uuids = tuple(parse_device_id(i).gpu_uuid for i in item.device_ids)
+                # A time-slicing replica is its own card (protocol.card_id).
+                uuids = tuple(card_id(i) for i in item.device_ids)
             except ValueError as exc:
                 conflicts.append(f"{where}: {exc}")
                 continue

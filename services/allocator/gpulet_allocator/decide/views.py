@@ -3,9 +3,22 @@
 
 from __future__ import annotations
 
+from typing import Any, TypeVar
+
+import msgspec
+
 from gpulet_allocator.decide.books import Books
 from gpulet_allocator.decide.engine import Allocation, ShareAllocation
 from gpulet_allocator.protocol import CORES_PER_GPU, AllocationView, GpuView, GrantView
+
+V = TypeVar("V", bound=msgspec.Struct)
+
+
+def _view(view: type[V], source: object, **rest: Any) -> V:
+    """A ``view`` of ``source``: its fields not in ``rest`` are ``source``'s attributes of
+    the same names (the ledger's records and their views share their names)."""
+    same = {name: getattr(source, name) for name in view.__struct_fields__ if name not in rest}
+    return view(**same, **rest)
 
 
 def allocation_view(
@@ -17,18 +30,7 @@ def allocation_view(
         (g for g in books.grants.values() if g.allocation == allocation),
         key=lambda g: (g.created_at, g.key),
     )
-    grant_views = [
-        GrantView(
-            key=g.key,
-            resource=g.resource,
-            kind=g.kind,
-            units=g.units,
-            created_at=g.created_at,
-            pod=g.pod,
-            container=g.container,
-        )
-        for g in grants
-    ]
+    grant_views = [_view(GrantView, g) for g in grants]
     if isinstance(alloc, ShareAllocation):
         return AllocationView(
             id=allocation,
@@ -54,14 +56,9 @@ def allocation_views(books: Books) -> list[AllocationView]:
 
 def gpu_views(books: Books) -> list[GpuView]:
     return [
-        GpuView(
-            uuid=d.uuid,
-            index=d.index,
-            healthy=d.healthy,
-            present=d.present,
-            cores_used=d.cores_used,
-            memory_units=d.memory_units,
-            memory_used=d.memory_used,
+        _view(
+            GpuView,
+            d,
             whole=d.whole_owner.allocation_id if d.whole_owner else "",
             shares=[s.owner.allocation_id for s in d.shares],
         )

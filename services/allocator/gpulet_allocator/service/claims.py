@@ -1,7 +1,7 @@
 """The DRA kubelet plugin's endpoints: ``reserve-claim`` and ``release-claim``.
 
 Served beside the device plugin's (:mod:`.nats`), decided by the same core
-(:meth:`~gpulet_allocator.decide.core.AllocatorCore.reserve_claim`, rules in
+(:meth:`~gpulet_allocator.decide.claims.Claims.reserve`, rules in
 :mod:`gpulet_allocator.decide.claims`) against the same ledger, and answered, like an
 Allocate, only once the change is durable in the same checkpoint (a reservation whose
 write failed is undone and refused ``checkpoint_failed``). A refusal goes back in the
@@ -50,7 +50,7 @@ class ClaimEndpoints:
     async def on_reserve(self, req: Request, value: p.ReserveClaimRequest, started: float) -> None:
         endpoint = p.ENDPOINT_RESERVE_CLAIM
         try:
-            record, undo = self._core.reserve_claim(
+            record, undo = self._core.claims.reserve(
                 value.claim_uid, value.devices, namespace=value.namespace, name=value.name
             )
         except Refused as exc:
@@ -68,16 +68,7 @@ class ClaimEndpoints:
         reply = p.ReserveClaimReply(
             claim_uid=record.uid,
             allocation=record.uid,
-            devices=[
-                p.ReservedClaimDevice(
-                    device=d.device,
-                    uuid=d.uuid,
-                    minor=d.minor,
-                    cores=d.cores,
-                    memory_mib=d.memory_mib,
-                )
-                for d in record.devices
-            ],
+            devices=record.devices,
         )
         data = p.RESERVE_CLAIM_REPLY.encode(reply)
         await self._answer_durably(req, endpoint, data, started, undo)
@@ -85,7 +76,7 @@ class ClaimEndpoints:
     @handler_for(p.ENDPOINT_RELEASE_CLAIM, p.RELEASE_CLAIM_REQUEST)
     async def on_release(self, req: Request, value: p.ReleaseClaimRequest, started: float) -> None:
         endpoint = p.ENDPOINT_RELEASE_CLAIM
-        released = self._core.release_claim(value.claim_uid)
+        released = self._core.claims.release(value.claim_uid)
         if released:
             log.info("released DRA claim %s", one_line(value.claim_uid[:64]))
             self._on_change()

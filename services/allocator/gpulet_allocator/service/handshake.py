@@ -17,7 +17,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import anyio
-from kubernetes_asyncio import client as k8s_client
 
 from gpulet_allocator.decide.koordinator import (
     RES_GPU_CORE,
@@ -27,6 +26,7 @@ from gpulet_allocator.decide.koordinator import (
 )
 from gpulet_allocator.service.pod_watch import EventWriter, PodWatch, kube_configuration
 from gpulet_common.kube import KubeConfigError
+from gpulet_common.kubeapi import KubeClient
 from gpulet_common.settings.allocator import AllocatorSettings
 
 log = logging.getLogger("gpulet.allocator")
@@ -96,7 +96,7 @@ class HandshakeRunner:
                 delay = min(delay * 2, RETRY_MAX_S)
                 continue
             break
-        async with k8s_client.ApiClient(configuration) as api:
+        async with KubeClient(configuration) as api:
             self.events = EventWriter(api, self._node, self._settings)
             self.refusals.writer = self.events
             self.pod_watch = PodWatch(api, book, self._settings, on_state=self._on_state)

@@ -24,6 +24,10 @@ Flow
 6. With ``remediation.mode`` ``report`` or ``evict``, follow the health of the GPUs
    and evict the pods that hold a failed one (:mod:`.remediate`, docs/health.md);
    ``remediation`` answers what it would do now.
+7. With ``sharing.time_slicing`` configs, watch the node label that picks one and the
+   configs file (:mod:`.sharing`) and apply them to the core at once, no restart; the
+   replicas go to the device plugin and the reporter with the ``withheld`` and
+   ``held`` replies.
 
 Lost record
 -----------
@@ -77,8 +81,9 @@ from gpulet_allocator.service.handshake import HandshakeRunner, pod_book
 from gpulet_allocator.service.release import PodResourcesFollower
 from gpulet_allocator.service.remediate.service import RemediationService
 from gpulet_allocator.service.replies import Replies, handler_for
+from gpulet_allocator.service.sharing import SharingInputs
 from gpulet_allocator.service.status import AllocatorStatus
-from gpulet_allocator.service.withheld import WithheldFeed, held_feed
+from gpulet_allocator.service.withheld import core_feeds
 from gpulet_allocator.state.checkpoint import (
     CheckpointError,
     CheckpointFile,
@@ -139,7 +144,10 @@ class AllocatorService(RuntimeService[AllocatorSettings]):
             book=pod_book(self._node, self._settings),
             on_refusal=self.handshake.refusals,
             mig_strategy=self._settings.mig_strategy,
+            time_slicing=runtime.settings.sharing.time_slicing,
         )
+        ts = self.core.time_slicing  # its node label and configs file: self.sharing
+        self.sharing = SharingInputs(runtime, ts, self._count_held, self._update_status)
         self.checkpoint = CheckpointFile(checkpoint_path(runtime.settings))
         self.replies = replies = Replies(runtime.meter, lambda: runtime.bus.client.max_payload)
         self._ok, self._reject = replies.ok, replies.reject
@@ -165,10 +173,8 @@ class AllocatorService(RuntimeService[AllocatorSettings]):
             on_change=self._on_record_change,
             committer=lambda: self._committer,
         )
-        #: The cards kubelet must not count as whole GPUs, for the device plugin.
-        self.withheld = WithheldFeed(replies, self.core.withheld)
-        #: The GPUs the device plugin holds, for the slice publisher (dra.mode both).
-        self.held = held_feed(replies, self.core.books.device_plugin_held)
+        #: The long polls of the device plugin (``withheld``) and the reporter (``held``).
+        self.withheld, self.held = core_feeds(replies, self.core)
         #: The DRA kubelet plugin's endpoints (claims in the same ledger).
         self.claims = ClaimEndpoints(
             self.core, replies, self._answer_durably, self._on_record_change
@@ -273,6 +279,7 @@ class AllocatorService(RuntimeService[AllocatorSettings]):
                 if self.core.book is not None:
                     tg.start_soon(self.handshake.run, self.core.book)
                 tg.start_soon(self.remediation.run)
+                tg.start_soon(self.sharing.run)
                 self._update_status()
                 started()
                 await anyio.sleep_forever()
@@ -307,7 +314,7 @@ class AllocatorService(RuntimeService[AllocatorSettings]):
     # --- koord-scheduler's decisions ---------------------------------------------------
 
     def _update_status(self) -> None:
-        self.status.update(self.core, self.handshake.problem)
+        self.status.update(self.core, self.handshake.problem or self.sharing.problem)
 
     def _on_view(self, change: NodeChange) -> None:
         inventory = self.view.inventory

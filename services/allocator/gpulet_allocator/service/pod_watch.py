@@ -6,7 +6,7 @@ Why a watch
 ``Allocate`` must never wait for the API server: kubelet gives a device plugin a few
 seconds, and an API server that is slow or away would fail pod admission node-wide.
 So the pods of this node are listed and watched (``fieldSelector=spec.nodeName=<node>``,
-kubernetes-asyncio) into an in-memory book, and the allocator consults only the book.
+:mod:`gpulet_common.kubeapi`) into an in-memory book, and the allocator consults only the book.
 A pod is bound before kubelet admits it, and the watch event of the binding arrives
 well before kubelet's first call, so the book knows the decision when it is asked.
 
@@ -35,33 +35,22 @@ minute is sent once.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-import os
 import random
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Final
 
-import aiohttp
 import anyio
 import anyio.abc
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
-from kubernetes_asyncio import client as k8s_client
-from kubernetes_asyncio.client.exceptions import ApiException
 
 from gpulet_allocator.decide.koordinator import PodBook, PodKey, watched_pod
-from gpulet_common.kube import (
-    SERVICE_ACCOUNT_DIR,
-    KubeConfigError,
-    from_kubeconfig,
-    in_cluster,
-    in_cluster_available,
-    kubeconfig_path,
-)
+from gpulet_common.kube import SERVICE_ACCOUNT_DIR, KubeConfig, lookup
 from gpulet_common.kube_events import event_body
+from gpulet_common.kubeapi import KubeApiError, KubeClient, api_path, watch_event
 from gpulet_common.logutil import RateLimitedLog
 from gpulet_common.settings.allocator import HandshakeSettings
 
@@ -72,25 +61,18 @@ EVENT_COMPONENT: Final = "gpulet-allocator"
 EVENT_QUEUE: Final = 256
 EVENT_DEDUP_S: Final = 60.0
 BACKOFF_MAX_S: Final = 30.0
+PODS: Final = api_path("", "v1", "pods")
 
 
 async def kube_configuration(
     settings: HandshakeSettings,
     env: Mapping[str, str] | None = None,
     sa_dir: Path = SERVICE_ACCOUNT_DIR,
-) -> Any:
+) -> KubeConfig:
     """In-cluster config when the pod has a token (and no kubeconfig is set), else a
     kubeconfig: ``handshake.kubeconfig``, ``$KUBECONFIG``, ``~/.kube/config``. Raises
     :class:`~gpulet_common.kube.KubeConfigError` with the reason."""
-    env = os.environ if env is None else env
-    if not settings.kubeconfig and await anyio.to_thread.run_sync(
-        in_cluster_available, env, sa_dir
-    ):
-        return await anyio.to_thread.run_sync(in_cluster, env, sa_dir)
-    path = await anyio.to_thread.run_sync(kubeconfig_path, settings.kubeconfig, env)
-    if path is None:
-        raise KubeConfigError("not in a cluster and no kubeconfig found")
-    return await from_kubeconfig(path, settings.kube_context)
+    return await lookup(settings.kubeconfig, settings.kube_context, env, sa_dir)
 
 
 class PodWatch:
@@ -98,13 +80,13 @@ class PodWatch:
 
     def __init__(
         self,
-        api: Any,
+        api: KubeClient,
         book: PodBook,
         settings: HandshakeSettings,
         *,
         on_state: Callable[[str], None] = lambda _detail: None,
     ) -> None:
-        self._core = k8s_client.CoreV1Api(api)
+        self._api = api
         self._book = book
         self._settings = settings
         self._on_state = on_state
@@ -130,7 +112,7 @@ class PodWatch:
                 self._on_state("")
                 while await self._watch():
                     pass
-            except (ApiException, aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
+            except (KubeApiError, OSError, TimeoutError, ValueError) as exc:
                 attempt += 1
                 delay = random.uniform(0, min(BACKOFF_MAX_S, 0.2 * 2 ** min(attempt, 10)))
                 detail = _describe(exc)
@@ -147,16 +129,8 @@ class PodWatch:
     async def _list(self) -> None:
         timeout = self._settings.api_timeout_s
         with anyio.fail_after(timeout + 1):
-            response: Any = await self._core.list_pod_for_all_namespaces(
-                field_selector=self._selector,
-                _request_timeout=timeout,
-                _preload_content=False,
-            )
-            raw = await response.read()
-        # Unpreloaded answers are not checked by the client: a failed list must not
-        # empty the book.
-        _check_status(response, raw)
-        doc = json.loads(raw)
+            # A failed list raises: it must not empty the book.
+            doc = await self._api.list(PODS, field_selector=self._selector, timeout_s=timeout)
         items = doc.get("items") if isinstance(doc, dict) else None
         pods = []
         for item in items if isinstance(items, list) else []:
@@ -174,42 +148,30 @@ class PodWatch:
         when the book must be listed again."""
         seconds = max(1, int(self._settings.watch_timeout_s))
         self.watches += 1
-        response: Any = await self._core.list_pod_for_all_namespaces(
+        async with self._api.watch(
+            PODS,
             field_selector=self._selector,
-            watch=True,
-            allow_watch_bookmarks=True,
+            bookmarks=True,
             resource_version=self.resource_version,
             timeout_seconds=seconds,
-            _request_timeout=seconds + self._settings.api_timeout_s,
-            _preload_content=False,
-        )
-        try:
-            if response.status != 200:
-                _check_status(response, await response.read())
-            async for line in response.content:
-                if not line.strip():
-                    continue
+            timeout_s=seconds + self._settings.api_timeout_s,
+        ) as lines:
+            async for line in lines:
                 if not self._apply(line):
                     return False
-        finally:
-            response.release()
         return True
 
     def _apply(self, line: bytes) -> bool:
-        try:
-            event = json.loads(line)
-        except ValueError:
+        event = watch_event(line)
+        if event is None:
             self.bad_lines += 1
             return True
-        if not isinstance(event, dict):
-            self.bad_lines += 1
-            return True
-        kind, obj = event.get("type"), event.get("object")
+        kind, obj = event
         if kind == "ERROR":
-            code = obj.get("code") if isinstance(obj, dict) else None
+            code = obj.get("code")
             log.info("pod watch ended by the server (%s): listing again", code)
             return False
-        meta = obj.get("metadata") if isinstance(obj, dict) else None
+        meta = obj.get("metadata")
         if isinstance(meta, dict) and meta.get("resourceVersion"):
             self.resource_version = str(meta["resourceVersion"])
         if kind == "BOOKMARK":
@@ -228,22 +190,17 @@ class PodWatch:
         return True
 
 
-def _check_status(response: Any, body: bytes) -> None:
-    if response.status != 200:
-        raise ApiException(status=response.status, reason=f"{response.reason}: {body[:200]!r}")
-
-
 def _describe(exc: BaseException) -> str:
-    if isinstance(exc, ApiException):
-        return f"HTTP {exc.status} {exc.reason or ''}".strip()
+    if isinstance(exc, KubeApiError):
+        return str(exc)
     return f"{type(exc).__name__}: {exc}"
 
 
 class EventWriter:
     """Posts Warning Events on pods whose decision gpulet refused."""
 
-    def __init__(self, api: Any | None, node: str, settings: HandshakeSettings) -> None:
-        self._core = k8s_client.CoreV1Api(api) if api is not None else None
+    def __init__(self, api: KubeClient | None, node: str, settings: HandshakeSettings) -> None:
+        self._api = api
         self._node = node
         self._settings = settings
         send, receive = anyio.create_memory_object_stream[tuple[PodKey, str]](EVENT_QUEUE)
@@ -257,7 +214,7 @@ class EventWriter:
 
     def post(self, pod: PodKey, message: str) -> None:
         """Queue an Event; never blocks (a full queue drops it)."""
-        if self._core is None or not self._settings.events:
+        if self._api is None or not self._settings.events:
             return
         try:
             self._send.send_nowait((pod, message))
@@ -276,7 +233,7 @@ class EventWriter:
                 await self._create(pod, message)
 
     async def _create(self, pod: PodKey, message: str) -> None:
-        assert self._core is not None
+        assert self._api is not None
         involved = {
             "apiVersion": "v1",
             "kind": "Pod",
@@ -295,10 +252,10 @@ class EventWriter:
         timeout = self._settings.api_timeout_s
         try:
             with anyio.fail_after(timeout + 1):
-                await self._core.create_namespaced_event(
-                    pod.namespace, body, _request_timeout=timeout
+                await self._api.create(
+                    api_path("", "v1", "events", namespace=pod.namespace), body, timeout_s=timeout
                 )
-        except (ApiException, aiohttp.ClientError, OSError, TimeoutError) as exc:
+        except (KubeApiError, OSError, TimeoutError) as exc:
             self.failed += 1
             self._log.warning("cannot post an Event on %s: %s", pod, _describe(exc))
             return

@@ -116,7 +116,7 @@ class PodResourcesFollower:
                 self._log.warning("PodResources List failed: %s", exc)
         self._state = state
         if self._core.lost is not None:
-            self._core.rebuild_blocker = (
+            self._core.record.rebuild_blocker = (
                 f"kubelet's PodResources API at {socket} cannot rebuild it ({exc})"
             )
             self._on_change()
@@ -133,9 +133,11 @@ class PodResourcesFollower:
             )
         grace = self._settings.release_grace_s
         if not adoption.complete:
-            core.rebuild_blocker = f"kubelet's PodResources cannot rebuild it: {adoption.blocker()}"
+            core.record.rebuild_blocker = (
+                f"kubelet's PodResources cannot rebuild it: {adoption.blocker()}"
+            )
         elif answering_s < grace:
-            core.rebuild_blocker = (
+            core.record.rebuild_blocker = (
                 f"rebuilding it from kubelet's PodResources ({core.ledger.count()} allocation(s) "
                 f"so far): PodResources must answer for {grace:g} s (release_grace_s) before "
                 "its pod list is trusted"

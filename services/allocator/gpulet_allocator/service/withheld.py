@@ -22,6 +22,7 @@ import anyio.abc
 from nats.micro.request import Request
 
 from gpulet_allocator import protocol as p
+from gpulet_allocator.decide.core import AllocatorCore
 from gpulet_allocator.service.replies import Replies
 from gpulet_common import codec
 from gpulet_common.codec import Codec
@@ -32,12 +33,19 @@ from gpulet_common.messages import HeldReply
 MAX_WAITING = 64
 
 
-def _withheld_reply(epoch: str, version: int, withheld: dict[str, str]) -> bytes:
-    return p.WITHHELD_REPLY.encode(p.WithheldReply(epoch=epoch, version=version, withheld=withheld))
+Replicas = dict[str, int]
 
 
-def _held_reply(epoch: str, version: int, held: dict[str, str]) -> bytes:
-    return codec.HELD_REPLY.encode(HeldReply(epoch=epoch, version=version, held=held))
+def _withheld_reply(
+    epoch: str, version: int, withheld: dict[str, str], replicas: Replicas
+) -> bytes:
+    reply = p.WithheldReply(epoch=epoch, version=version, withheld=withheld, replicas=replicas)
+    return p.WITHHELD_REPLY.encode(reply)
+
+
+def _held_reply(epoch: str, version: int, held: dict[str, str], replicas: Replicas) -> bytes:
+    reply = HeldReply(epoch=epoch, version=version, held=held, replicas=replicas)
+    return codec.HELD_REPLY.encode(reply)
 
 
 class WithheldFeed:
@@ -52,12 +60,16 @@ class WithheldFeed:
         *,
         endpoint: str = p.ENDPOINT_WITHHELD,
         request: Codec[Any] = p.WITHHELD_REQUEST,
-        reply: Callable[[str, int, dict[str, str]], bytes] = _withheld_reply,
+        reply: Callable[[str, int, dict[str, str], Replicas], bytes] = _withheld_reply,
+        replicas: Callable[[], Replicas] = dict,
     ) -> None:
         self._endpoint, self._request, self._reply = endpoint, request, reply
         self._replies = replies
         self._source = withheld
         self._withheld: dict[str, str] = {}
+        # The time-slicing replicas of each GPU, carried along (the same long poll).
+        self._replicas_of = replicas
+        self._replicas: Replicas = {}
         self._epoch = secrets.token_hex(8)
         self._version = 0
         self._changed = anyio.Event()
@@ -65,9 +77,9 @@ class WithheldFeed:
 
     def follow(self) -> None:
         """Read the core's set again; wake the long polls when it changed."""
-        withheld = self._source()
-        if withheld != self._withheld:
-            self._withheld = withheld
+        withheld, replicas = self._source(), self._replicas_of()
+        if (withheld, replicas) != (self._withheld, self._replicas):
+            self._withheld, self._replicas = withheld, replicas
             self._version += 1
             changed, self._changed = self._changed, anyio.Event()
             changed.set()
@@ -82,7 +94,7 @@ class WithheldFeed:
             return
 
         async def answer() -> None:
-            data = self._reply(self._epoch, self._version, self._withheld)
+            data = self._reply(self._epoch, self._version, self._withheld, self._replicas)
             await self._replies.ok(req, endpoint, data, started)
 
         current = value.epoch == self._epoch and value.version == self._version
@@ -104,7 +116,22 @@ class WithheldFeed:
         tg.start_soon(when_changed)
 
 
-def held_feed(replies: Replies, held: Callable[[], dict[str, str]]) -> WithheldFeed:
+def core_feeds(replies: Replies, core: AllocatorCore) -> tuple[WithheldFeed, WithheldFeed]:
+    """The ``withheld`` feed (the device plugin's) and the ``held`` feed (the
+    reporter's) of ``core``, each carrying its time-slicing replicas."""
+    replicas = core.time_slicing.replicas
+    withheld = WithheldFeed(replies, core.withheld, replicas=replicas)
+    return withheld, held_feed(replies, core.books.device_plugin_held, replicas)
+
+
+def held_feed(
+    replies: Replies, held: Callable[[], dict[str, str]], replicas: Callable[[], Replicas] = dict
+) -> WithheldFeed:
     return WithheldFeed(
-        replies, held, endpoint=p.ENDPOINT_HELD, request=codec.HELD_REQUEST, reply=_held_reply
+        replies,
+        held,
+        endpoint=p.ENDPOINT_HELD,
+        request=codec.HELD_REQUEST,
+        reply=_held_reply,
+        replicas=replicas,
     )

@@ -15,6 +15,7 @@ from typing import Final, Literal
 import msgspec
 
 from gpulet_allocator.decide.engine import ShareAllocation, WholeAllocation
+from gpulet_allocator.protocol import ReservedClaimDevice
 
 STATE_VERSION: Final = 1
 
@@ -39,14 +40,9 @@ class Grant(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     mps_memory_mib: int = 0
 
 
-class ClaimDeviceRecord(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
-    """One device a claim holds: its DRA name, the GPU, and the share (None: whole)."""
-
-    device: str
-    uuid: str
-    minor: int
-    cores: int | None = None
-    memory_mib: int | None = None
+# One device a claim holds: its DRA name, the GPU, and the share (None: whole). The
+# record is what the allocator answers a reservation with: one Struct for both.
+ClaimDeviceRecord = ReservedClaimDevice
 
 
 class ClaimRecord(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):

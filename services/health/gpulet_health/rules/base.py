@@ -56,7 +56,8 @@ class Kit:
         # Every event id of this node (keyed: see gpulet_health.dedup).
         self.ids = ids or EventIds()
         # The node's boot id (/proc/sys/kernel/random/boot_id), given by the service:
-        # a hold until a reboot compares it (rules/recovery.py). Empty: not known.
+        # every event carries it (HealthEvent.node_boot_id), and a hold until a reboot
+        # compares it (rules/recovery.py). Empty: not known.
         self.boot_id = ""
         self.settings = settings
         self.catalogue = catalogue
@@ -90,6 +91,7 @@ class Kit:
             healthy=gpu.healthy,
             reason=reason,
             observed_at=now,
+            node_boot_id=self.boot_id,
         )
 
     def _about(

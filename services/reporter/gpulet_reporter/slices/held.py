@@ -7,19 +7,23 @@ The allocator's ``held`` endpoint is a long poll (like the device plugin's
 set changes. Without an answer (no allocator yet, a timeout) the last known set stays
 and the poll is retried with a back-off; the ledger refuses a held GPU to a claim
 anyway, so the taint only spares the scheduler a pick that Prepare would refuse.
+
+The same reply carries the time-slicing replicas of each GPU, for the GFD sharing
+labels (:mod:`gpulet_reporter.sharelabels`): :func:`follow_held` hands each new reply
+to a callback, whoever needs it.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Final
 
 import anyio
 
 from gpulet_common import codec, subjects
 from gpulet_common.bus import Bus, BusError
-from gpulet_common.messages import HeldRequest
-from gpulet_reporter.slices.publisher import SlicePublisher
+from gpulet_common.messages import HeldReply, HeldRequest
 
 log = logging.getLogger("gpulet.reporter.slices")
 
@@ -27,7 +31,10 @@ WAIT_S: Final = 15.0
 RETRY_MAX_S: Final = 5.0
 
 
-async def follow_held(bus: Bus, node: str, publisher: SlicePublisher, retry_s: float) -> None:
+async def follow_held(
+    bus: Bus, node: str, on_reply: Callable[[HeldReply], None], retry_s: float
+) -> None:
+    """Hand every new ``held`` reply to ``on_reply``; runs until cancelled."""
     subject = subjects.allocator_endpoint(node, subjects.ALLOCATOR_HELD_ENDPOINT)
     epoch, version, delay = "", 0, retry_s
     while True:
@@ -49,4 +56,4 @@ async def follow_held(bus: Bus, node: str, publisher: SlicePublisher, retry_s: f
             await anyio.sleep(0.05)  # the poll's time ran out: a breath, never a hot loop
             continue
         epoch, version = reply.epoch, reply.version
-        publisher.set_held(reply.held)
+        on_reply(reply)

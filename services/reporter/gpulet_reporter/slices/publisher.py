@@ -28,24 +28,21 @@ arrives (the health service taints the GPUs meanwhile if they are really gone).
 
 from __future__ import annotations
 
-import json
 import logging
-import random
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping
 
-import aiohttp
 import anyio
-from kubernetes_asyncio.client.exceptions import ApiException
 from opentelemetry import metrics
 
+from gpulet_common.kube_watch import keep_watching, watch_lines
+from gpulet_common.kubeapi import KubeClient, watch_event
 from gpulet_common.logutil import RateLimitedLog
 from gpulet_common.nodeview import NodeChange, NodeView
 from gpulet_common.settings.dra import DraSettings
 from gpulet_common.settings.reporter import ReporterSettings
 from gpulet_reporter.debounce import Debouncer
 from gpulet_reporter.metrics import ReporterMetrics
-from gpulet_reporter.slices.writer import GROUP, PLURAL, VERSION, SliceInput, SliceWriter
+from gpulet_reporter.slices.writer import SliceInput, SliceWriter
 from gpulet_reporter.writer import NodeClient, WriteLoop
 
 log = logging.getLogger("gpulet.reporter.slices")
@@ -69,7 +66,7 @@ def loop_settings(settings: DraSettings) -> ReporterSettings:
 class SlicePublisher:
     def __init__(
         self,
-        api: Any,
+        api: KubeClient,
         node: str,
         settings: DraSettings,
         *,
@@ -90,6 +87,7 @@ class SlicePublisher:
         self._loop = WriteLoop(self.writer, self.debouncer, loop, self.metrics)
         self._view: NodeView | None = None
         self._held: frozenset[str] = frozenset()
+        self._sliced: dict[str, int] = {}
         self.last: SliceInput | None = None
         self.watch_events = 0
         self.watches = 0
@@ -115,15 +113,20 @@ class SlicePublisher:
                 view.inventory.degraded_reason,
             )
             return
-        self.submit(SliceInput(view.inventory, dict(view.healths()), self._held))
+        self.submit(
+            SliceInput(view.inventory, dict(view.healths()), self._held, dict(self._sliced))
+        )
 
-    def set_held(self, uuids: Iterable[str]) -> None:
+    def set_held(self, uuids: Iterable[str], replicas: Mapping[str, int] | None = None) -> None:
+        """The GPUs the device plugin holds, and each GPU's time-slicing replicas (a GPU
+        offered as more than one replica is time-sliced: tainted, not claimable)."""
         held = frozenset(uuids)
-        if held == self._held:
+        sliced = {u: n for u, n in (replicas or {}).items() if n > 1}
+        if held == self._held and sliced == self._sliced:
             return
-        self._held = held
+        self._held, self._sliced = held, sliced
         if self.last is not None:
-            self.submit(SliceInput(self.last.inventory, self.last.healths, held))
+            self.submit(SliceInput(self.last.inventory, self.last.healths, held, dict(sliced)))
 
     def submit(self, desired: SliceInput) -> None:
         if desired == self.last:
@@ -146,56 +149,36 @@ class SlicePublisher:
             tg.start_soon(self._watch_forever)
 
     async def _watch_forever(self) -> None:
-        attempt = 0
-        while True:
-            try:
-                await self._watch_once()
-                attempt = 0
-            except (ApiException, aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
-                attempt += 1
-                delay = random.uniform(0, min(WATCH_BACKOFF_MAX_S, 0.2 * 2 ** min(attempt, 10)))
-                self._log.warning("watch of resourceslices failed (%s); again in %.1fs", exc, delay)
-                await anyio.sleep(delay)
+        await keep_watching(
+            self._watch_once, self._log, "resourceslices", backoff_max_s=WATCH_BACKOFF_MAX_S
+        )
 
     async def _watch_once(self) -> None:
         seconds = max(1, int(self._settings.watch_timeout_s))
-        custom = self.writer._custom
-        response: Any = await custom.list_cluster_custom_object(
-            GROUP,
-            VERSION,
-            PLURAL,
+        async with watch_lines(
+            self.writer.api,
+            self.writer.collection,
             field_selector=f"spec.nodeName={self.writer.node},spec.driver={self._settings.driver}",
-            watch=True,
-            timeout_seconds=seconds,
-            _request_timeout=seconds + self._settings.api_timeout_s,
-            _preload_content=False,
-        )
-        try:
-            if response.status != 200:
-                raise ApiException(status=response.status, reason=str(response.reason))
+            timeout_s=seconds,
+            request_timeout_s=seconds + self._settings.api_timeout_s,
+        ) as lines:
             # Whatever happened while no watch was open (before the first, during a
             # back-off) sent no event: now that one is open, read the slices again.
             self.watches += 1
             self._repair("a watch opened")
-            async for line in response.content:
-                if line.strip():
-                    self._on_line(line)
-        finally:
-            response.release()
+            async for line in lines:
+                self._on_line(line)
 
     def _on_line(self, line: bytes) -> None:
-        try:
-            event = json.loads(line)
-        except ValueError:
-            self.bad_lines += 1
-            return
-        if not isinstance(event, dict) or not isinstance(event.get("object"), dict):
+        event = watch_event(line)
+        if event is None:
             self.bad_lines += 1
             return
         self.watch_events += 1
-        kind, obj = event.get("type"), event["object"]
-        meta = obj.get("metadata") if isinstance(obj.get("metadata"), dict) else {}
-        spec = obj.get("spec") if isinstance(obj.get("spec"), dict) else {}
+        kind, obj = event
+        meta, spec = obj.get("metadata"), obj.get("spec")
+        meta = meta if isinstance(meta, dict) else {}
+        spec = spec if isinstance(spec, dict) else {}
         name = meta.get("name")
         if kind not in ("ADDED", "MODIFIED", "DELETED") or not isinstance(name, str):
             return

@@ -33,11 +33,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from kubernetes_asyncio import client as k8s_client
-from kubernetes_asyncio.client.exceptions import ApiException
-
 from gpulet_common.dra import pool as dra_pool
 from gpulet_common.dra import taints
+from gpulet_common.kubeapi import KubeApiError, api_path
 from gpulet_common.messages import GpuHealth, Inventory
 from gpulet_common.quantity import binary, parse_whole
 from gpulet_common.settings.dra import DraSettings
@@ -59,6 +57,8 @@ class SliceInput:
     healths: Mapping[str, GpuHealth] = field(default_factory=dict)
     # GPU uuids the device plugin holds (tainted in mode ``both``).
     held: frozenset[str] = frozenset()
+    # GPU uuid -> time-slicing replicas, for the GPUs offered as replicas (tainted).
+    sliced: Mapping[str, int] = field(default_factory=dict)
 
 
 _EMPTY: Final[tuple[Any, ...]] = (None, False, "", [], {})
@@ -136,7 +136,8 @@ class SliceWriter:
         server: str = "",
     ) -> None:
         self._kube = kube
-        self._custom = k8s_client.CustomObjectsApi(kube.api)
+        self.api = kube.api
+        self.collection = api_path(GROUP, VERSION, PLURAL)
         self._settings = settings
         self._clock = clock
         self._pcie_root = pcie_root
@@ -158,14 +159,9 @@ class SliceWriter:
     async def list_slices(self) -> None:
         try:
             found = await self._kube.call(
-                "list resourceslices",
-                self._custom.list_cluster_custom_object,
-                GROUP,
-                VERSION,
-                PLURAL,
-                field_selector=self._selector,
+                "list resourceslices", self.api.list, self.collection, field_selector=self._selector
             )
-        except ApiException as exc:
+        except KubeApiError as exc:
             raise api_error(exc, "list resourceslices") from exc
         items = found.get("items") if isinstance(found, dict) else None
         observed: dict[str, JsonObj] = {}
@@ -194,6 +190,7 @@ class SliceWriter:
             desired.healths,
             self._settings,
             held=desired.held,
+            sliced=desired.sliced,
             known=known,
             now=self._clock(),
             node_uid=uid if isinstance(uid, str) and uid else None,
@@ -253,7 +250,7 @@ class SliceWriter:
                 raise WriteError("invalid", f"pool of {self.node}: {exc}") from exc
             try:
                 wrote = await self._write(built)
-            except ApiException as exc:
+            except KubeApiError as exc:
                 if exc.status == 409:
                     self.listed = False
                     continue
@@ -278,10 +275,8 @@ class SliceWriter:
             if have is None:
                 result = await self._kube.call(
                     "create resourceslice",
-                    self._custom.create_cluster_custom_object,
-                    GROUP,
-                    VERSION,
-                    PLURAL,
+                    self.api.create,
+                    self.collection,
                     body,
                     field_manager=manager,
                 )
@@ -292,19 +287,16 @@ class SliceWriter:
                 try:
                     result = await self._kube.call(
                         "replace resourceslice",
-                        self._custom.replace_cluster_custom_object,
-                        GROUP,
-                        VERSION,
-                        PLURAL,
-                        name,
+                        self.api.replace,
+                        api_path(GROUP, VERSION, PLURAL, name=name),
                         replaced,
                         field_manager=manager,
                     )
-                except ApiException as exc:
+                except KubeApiError as exc:
                     if exc.status != 404:
                         raise
                     self.observed.pop(name, None)
-                    raise ApiException(status=409, reason="gone meanwhile") from exc
+                    raise KubeApiError(409, "gone meanwhile") from exc
                 verb = "replaced"
             self._note(name, result)
             wrote = True
@@ -320,13 +312,10 @@ class SliceWriter:
             try:
                 await self._kube.call(
                     "delete resourceslice",
-                    self._custom.delete_cluster_custom_object,
-                    GROUP,
-                    VERSION,
-                    PLURAL,
-                    name,
+                    self.api.delete,
+                    api_path(GROUP, VERSION, PLURAL, name=name),
                 )
-            except ApiException as exc:
+            except KubeApiError as exc:
                 if exc.status != 404:
                     raise
             self.observed.pop(name, None)

@@ -6,14 +6,24 @@ this card take a new allocation, whole or shared?" (:meth:`CardBook.refusal`), w
 every allocation path asks. :class:`~.ledger.Ledger` builds the decisions on top of it:
 allocate, release, prefer, snapshot and restore (see its module docstring for the
 invariants).
+
+Time-slicing replicas (:mod:`gpulet_allocator.timeslicing`, :meth:`CardBook.set_replicas`)
+are cards too, like MIG devices: ``<uuid>::<n>`` with ``parent`` its GPU, each taken by
+one allocation at most. One owner model: a GPU is time-sliced, or held whole, or in
+shares; never two at once (:meth:`CardBook.refusal` says which holds it).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from gpulet_allocator.protocol import CORES_PER_GPU
+from gpulet_allocator.protocol import (
+    CORES_PER_GPU,
+    ResourceKind,
+    parse_device_id,
+    replica_device_id,
+)
 from gpulet_allocator.protocol import memory_units as units_of_bytes
 from gpulet_common.messages import GpuInfo, Inventory
 from gpulet_common.migrules import parent_block
@@ -38,6 +48,10 @@ class _LedgerGpu:
     parent: str = ""
     # A GPU that MIG keeps out of the whole and share pools: (refusal code, why).
     mig_block: tuple[str, str] | None = None
+    # A time-slicing replica: its number (``parent`` is its GPU); None otherwise.
+    replica: int | None = None
+    # A GPU: how many replicas it is offered as now (0: not time-sliced).
+    replicas: int = 0
 
     @property
     def cores_used(self) -> int:
@@ -62,7 +76,12 @@ class CardBook:
     def __init__(self, gpus: Inventory | Iterable[GpuInfo] = ()) -> None:
         self._gpus: dict[str, _LedgerGpu] = {}
         self._allocs: dict[RequestKey, Allocation] = {}
+        # The allocation IDs that are DRA claims (the kubelet DRA plugin's); every other
+        # allocation is the device plugin's. A card never carries shares of both.
+        self._claim_ids: set[str] = set()
         self._topology = Topology.from_gpus(())
+        # NVIDIA's failRequestsGreaterThanOne, of the time-slicing config in force.
+        self._fail_over_one = False
         self.update_inventory(gpus)
 
     def update_inventory(self, gpus: Inventory | Iterable[GpuInfo]) -> None:
@@ -86,7 +105,8 @@ class CardBook:
         }
         seen = set(unique) | set(migs)
         for g in self._gpus.values():
-            if g.uuid not in seen:
+            # A replica is present when its GPU is (checked through ``parent``).
+            if g.uuid not in seen and g.replica is None:
                 g.present = False
         for info in infos:
             state = self._gpus.get(info.uuid)
@@ -108,6 +128,48 @@ class CardBook:
             state.present, state.index, state.memory_units = True, parent.index, units
             state.parent = parent.uuid
         self._topology = Topology.from_gpus(infos)
+
+    def set_replicas(self, replicas: Mapping[str, int], *, fail_over_one: bool = False) -> None:
+        """Offer each GPU of ``replicas`` as that many time-slicing replicas (the others:
+        none). Replica ``n`` keeps its card, so what is held stays valid; a replica held
+        above the new count stays until released, one not held goes."""
+        self._fail_over_one = fail_over_one
+        for g in [g for g in self._gpus.values() if g.replica is None and not g.parent]:
+            count = replicas.get(g.uuid, 0)
+            g.replicas = count if count > 1 else 0
+            for n in range(g.replicas):
+                rid = replica_device_id(g.uuid, n)
+                if rid not in self._gpus:
+                    self._gpus[rid] = _LedgerGpu(
+                        uuid=rid, index=g.index, memory_units=0, parent=g.uuid, replica=n
+                    )
+        for g in list(self._gpus.values()):
+            if g.replica is None:
+                continue
+            parent = self._gpus.get(g.parent)
+            offered = parent is not None and g.replica < parent.replicas
+            if not offered and g.whole is None:
+                del self._gpus[g.uuid]
+
+    def replicas_held(self, uuid: str) -> int:
+        """How many replicas of GPU ``uuid`` are held."""
+        return sum(
+            1 for g in self._gpus.values() if g.parent == uuid and g.replica is not None and g.whole
+        )
+
+    def replica_count(self, uuid: str) -> int:
+        """How many replicas GPU ``uuid`` is offered as now (0: not time-sliced)."""
+        g = self._gpus.get(uuid)
+        return g.replicas if g is not None else 0
+
+    def is_replica(self, uuid: str) -> bool:
+        g = self._gpus.get(uuid)
+        return g is not None and g.replica is not None
+
+    def gpu_of(self, uuid: str) -> str:
+        """The GPU a container is given for a card: a replica's GPU, else the card."""
+        g = self._gpus.get(uuid)
+        return g.parent if g is not None and g.replica is not None else uuid
 
     def set_health(self, uuid: str, healthy: bool) -> bool:
         """Mark a known card (un)healthy; returns whether that changed."""
@@ -145,7 +207,7 @@ class CardBook:
 
     def is_mig(self, uuid: str) -> bool:
         g = self._gpus.get(uuid)
-        return g is not None and bool(g.parent)
+        return g is not None and bool(g.parent) and g.replica is None
 
     def device(self, uuid: str) -> DeviceState:
         g = self._known(uuid)
@@ -166,7 +228,15 @@ class CardBook:
     def devices(self) -> list[DeviceState]:
         return [self.device(g.uuid) for g in self._ordered()]
 
-    def refusal(self, uuid: str, *, whole: bool) -> Refused | None:
+    def mark_claim(self, allocation_id: str) -> None:
+        """Say that ``allocation_id`` is a DRA claim's (a restored claim; a new one is
+        marked by :meth:`~.ledger.Ledger.allocate_share`'s ``claim``)."""
+        self._claim_ids.add(allocation_id)
+
+    def is_claim(self, allocation_id: str) -> bool:
+        return allocation_id in self._claim_ids
+
+    def refusal(self, uuid: str, *, whole: bool, claim: bool | None = None) -> Refused | None:
         """Why a known card may not take a new allocation now (None: it may).
 
         ``whole``: the card as a whole GPU. This is the one answer to "may this card go
@@ -174,6 +244,11 @@ class CardBook:
         koord-scheduler's decisions and what the device plugin lists all ask it. A GPU
         that MIG keeps out (``mig_enabled``, ``mig_pending``) is refused here too, whole
         and shared; a MIG device goes whole only.
+
+        ``claim``: who asks for a share, a DRA claim (True) or the device plugin
+        (False); None asks for either. A card never carries shares of both adapters:
+        the scheduler accounts a claim's share in the slice and knows nothing of the
+        device plugin's, and kubelet's device manager knows nothing of a claim's.
         """
         g = self._known(uuid)
         if not g.present:
@@ -188,10 +263,17 @@ class CardBook:
                 return Refused("unhealthy_device", f"{uuid}: its GPU {g.parent} is lost")
             if not parent.healthy:
                 return Refused("unhealthy_device", f"{uuid}: its GPU {g.parent} is unhealthy")
+            if g.replica is not None and (refused := _replica_refusal(g, parent)) is not None:
+                return refused
             if not whole:
+                what = "a MIG device" if g.replica is None else "a time-slicing replica"
                 return Refused(
-                    "invalid_request", f"{uuid} is a MIG device: it is given whole, never shared"
+                    "invalid_request", f"{uuid} is {what}: it is given whole, never shared"
                 )
+        elif (held := self.replicas_held(uuid)) or g.replicas:
+            why = f"{held} of its time-slicing replicas are held" if held else ""
+            why = why or f"it is time-sliced ({g.replicas} replicas): given as replicas only"
+            return Refused("time_sliced", f"{uuid} is not given whole nor shared: {why}")
         if g.whole is not None:
             holder = self._allocs[g.whole].owner.describe()
             return Refused("insufficient_capacity", f"{uuid} is allocated whole to {holder}")
@@ -200,6 +282,15 @@ class CardBook:
                 "insufficient_capacity",
                 f"{uuid} holds {len(g.shares)} share(s) and is not offered whole",
             )
+        if not whole and claim is not None:
+            return self._mixed_share(g, claim=claim)
+        return None
+
+    def _mixed_share(self, g: _LedgerGpu, *, claim: bool) -> Refused | None:
+        for key in sorted(g.shares):
+            if (key[0] in self._claim_ids) != claim:
+                holder = "a device-plugin share" if claim else "a DRA claim's share"
+                return Refused("insufficient_capacity", f"{g.uuid} holds {holder} ({key[0]})")
         return None
 
     def _ordered(self) -> list[_LedgerGpu]:
@@ -209,6 +300,10 @@ class CardBook:
         g = self._gpus.get(uuid)
         if g is None:
             g = self._gpus[uuid] = _LedgerGpu(uuid=uuid, index=-1, memory_units=0, present=False)
+            parsed = _replica_of(uuid)
+            if parsed is not None:
+                # A replica held before a restart: its GPU says whether it is usable.
+                g.parent, g.replica, g.present = parsed[0], parsed[1], True
         return g
 
     def _known(self, uuid: str) -> _LedgerGpu:
@@ -217,12 +312,12 @@ class CardBook:
             raise Refused("unknown_device", f"unknown GPU ID: {uuid}")
         return g
 
-    def _check_named(self, uuids: Sequence[str], *, whole: bool) -> None:
+    def _check_named(self, uuids: Sequence[str], *, whole: bool, claim: bool | None = None) -> None:
         unknown = sorted(u for u in uuids if u not in self._gpus)
         if unknown:
             raise Refused("unknown_device", f"unknown GPU IDs: {', '.join(unknown)}")
         for uuid in uuids:
-            if (refused := self.refusal(uuid, whole=whole)) is not None:
+            if (refused := self.refusal(uuid, whole=whole, claim=claim)) is not None:
                 raise refused
 
     def _largest_card(self) -> tuple[str, int] | None:
@@ -263,11 +358,38 @@ class CardBook:
     def _unrecord(self, alloc: Allocation) -> None:
         key = alloc.owner.key
         del self._allocs[key]
+        if not any(k[0] == key[0] for k in self._allocs):
+            self._claim_ids.discard(key[0])
         if isinstance(alloc, WholeAllocation):
             for uuid in alloc.devices:
                 self._gpus[uuid].whole = None
         else:
             self._gpus[alloc.device].shares.pop(key, None)
+
+
+def _replica_of(card: str) -> tuple[str, int] | None:
+    try:
+        parsed = parse_device_id(card)
+    except ValueError:
+        return None
+    if parsed.kind is not ResourceKind.REPLICA or parsed.unit is None:
+        return None
+    return (parsed.gpu_uuid, parsed.unit)
+
+
+def _replica_refusal(g: _LedgerGpu, parent: _LedgerGpu) -> Refused | None:
+    """Why a replica may not be given, by its GPU (None: its GPU allows it)."""
+    if parent.mig_block is not None:
+        return Refused(*parent.mig_block)
+    assert g.replica is not None
+    if g.replica >= parent.replicas:
+        now = f"{parent.replicas} replicas" if parent.replicas else "no replicas"
+        return Refused("time_sliced", f"{g.uuid} is not offered: {g.parent} has {now} now")
+    if parent.whole is not None:
+        return Refused("time_sliced", f"{g.uuid}: its GPU {g.parent} is allocated whole")
+    if parent.shares:
+        return Refused("time_sliced", f"{g.uuid}: its GPU {g.parent} holds shares")
+    return None
 
 
 def card_free(g: _LedgerGpu) -> CardFree:

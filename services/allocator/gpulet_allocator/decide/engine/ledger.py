@@ -19,6 +19,8 @@ Invariants, checked on every mutation (and property-tested):
 
 * a card holds either one whole allocation or shares, never both;
 * the shares of a card never exceed 100 core units nor the card's memory units;
+* a card's shares are all the device plugin's or all DRA claims' (``claim``), never
+  both: each side's scheduler knows only its own;
 * unhealthy or lost (absent from the inventory) cards take no *new* allocation, but
   what they already hold stays recorded until released -- the pod still runs there;
 * a MIG-enabled GPU, or one with a pending MIG mode change, takes no new allocation,
@@ -26,6 +28,11 @@ Invariants, checked on every mutation (and property-tested):
   ``mig_pending``); its MIG devices are cards of their own (``parent`` set), each
   taken whole by one allocation at most (a :class:`WholeAllocation` naming MIG UUIDs),
   never shared, and unusable while their parent is unhealthy or lost.
+* a GPU is time-sliced, or held whole, or in shares, never two at once: its replicas
+  (cards ``<uuid>::<n>``, ``parent`` set, like MIG devices, each taken whole once) are
+  refused while it is held whole or shared, and it is refused whole and shared while
+  it is time-sliced or any replica of it is held (code ``time_sliced``; rules:
+  :mod:`gpulet_allocator.timeslicing`).
 
 **Idempotency.** Allocating again under a key that already holds an equivalent
 allocation returns the recorded one and changes nothing. After a restart the
@@ -165,6 +172,13 @@ class Ledger(CardBook):
                 "invalid_request",
                 f"MIG devices are named one by one: {count} asked, {len(named)} named",
             )
+        replicas = [u for u in named if self._gpus[u].replica is not None]
+        if len(replicas) > 1 and self._fail_over_one:
+            raise Refused(
+                "invalid_request",
+                f"asks for {len(replicas)} time-slicing replicas; the config in force gives "
+                "at most 1 per container (fail_requests_greater_than_one)",
+            )
         alloc = WholeAllocation(owner=owner, devices=tuple(named))
         self._record(alloc)
         return alloc
@@ -176,9 +190,14 @@ class Ledger(CardBook):
         memory_units: int,
         *,
         device: str | None = None,
+        claim: bool = False,
     ) -> ShareAllocation:
-        """A share of one card, best-fit (see :mod:`.shares`), or on ``device``."""
+        """A share of one card, best-fit (see :mod:`.shares`), or on ``device``.
+
+        ``claim``: the share is a DRA claim's (else the device plugin's); it goes only
+        to a card without shares of the other adapter (:meth:`refusal`)."""
         _check_owner(owner)
+        claim = claim or self.is_claim(owner.allocation_id)
         validate_share(cores, memory_units, self._largest_card())
         existing = self._allocs.get(owner.key)
         if existing is not None:
@@ -194,11 +213,13 @@ class Ledger(CardBook):
             )
 
         if device is not None:
-            self._check_named([device], whole=False)
+            self._check_named([device], whole=False, claim=claim)
             cards = [card_free(self._gpus[device])]
         else:
             cards = [
-                card_free(g) for g in self._ordered() if self.refusal(g.uuid, whole=False) is None
+                card_free(g)
+                for g in self._ordered()
+                if self.refusal(g.uuid, whole=False, claim=claim) is None
             ]
         rank = self._untouched_rank(cards)
         card = pick_share(cards, cores, memory_units, rank=rank, largest_card=self._largest_card())
@@ -206,6 +227,8 @@ class Ledger(CardBook):
             owner=owner, device=card.uuid, cores=cores, memory_units=memory_units
         )
         self._record(alloc)
+        if claim:
+            self.mark_claim(owner.allocation_id)
         return alloc
 
     def release(self, allocation_id: str, container: str | None = None) -> list[Allocation]:

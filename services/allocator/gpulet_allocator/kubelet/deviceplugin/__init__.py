@@ -21,7 +21,7 @@ tested and replaced alone:
   :mod:`gpulet_common.refusal`'s one exception tree.
 - :mod:`.devnodes`: device specs for device files that exist.
 - :mod:`.server`: kubelet's ``DevicePlugin`` gRPC service, one server and socket per
-  resource.
+  resource; :mod:`.wire` encodes its ``ListAndWatch`` lists GPU by GPU, cached.
 - :mod:`.manager`: registration with kubelet, kubelet restarts, start/stop of all.
 
 Node labels are not the plugin's business; the reporter owns them.

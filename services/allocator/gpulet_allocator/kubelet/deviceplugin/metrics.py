@@ -18,25 +18,28 @@ from __future__ import annotations
 import grpc
 from opentelemetry import metrics
 
-from gpulet_common.telemetry import REQUEST_LATENCY_BUCKETS_S
+from gpulet_common.telemetry import REQUEST_LATENCY_BUCKETS_S, create_counters
 
 
 class PluginMetrics:
     def __init__(self, meter: metrics.Meter | None = None) -> None:
         meter = meter or metrics.get_meter("gpulet.device-plugin")
-        self._calls = meter.create_counter(
-            "gpulet.device_plugin.calls",
-            description="kubelet's calls to the device plugin, by RPC, resource and gRPC status",
+        self._calls, self._fallbacks = create_counters(
+            meter,
+            (
+                "gpulet.device_plugin.calls",
+                "kubelet's calls to the device plugin, by RPC, resource and gRPC status",
+            ),
+            (
+                "gpulet.device_plugin.preferred_fallbacks",
+                "GetPreferredAllocation answered locally (allocator not reachable)",
+            ),
         )
         self._duration = meter.create_histogram(
             "gpulet.device_plugin.call_duration",
             unit="s",
             description="From kubelet's call reaching the plugin to its answer",
             explicit_bucket_boundaries_advisory=REQUEST_LATENCY_BUCKETS_S,
-        )
-        self._fallbacks = meter.create_counter(
-            "gpulet.device_plugin.preferred_fallbacks",
-            description="GetPreferredAllocation answered locally (allocator not reachable)",
         )
 
     def call(self, rpc: str, resource: str, code: grpc.StatusCode, seconds: float) -> None:

@@ -35,6 +35,13 @@ that the strategy offers (``mig``) are listed under their resource (the whole-GP
 under ``single``, ``nvidia.com/mig-<profile>`` under ``mixed``), ID = the MIG UUID,
 healthy while both the MIG device and its GPU are.
 
+A time-sliced GPU (``replicas`` > 1, the allocator's plan of ``sharing.time_slicing``,
+:mod:`gpulet_allocator.timeslicing`) is listed under the whole-GPU resource as its
+replicas ``<uuid>::<n>``, n < replicas, instead of its UUID, and not under the share
+resources (one owner per GPU). Each replica carries its GPU's health, so a faulty GPU
+withdraws all of its replicas; while the allocator withholds the GPU (held whole or
+shared when it became time-sliced) its replicas are listed ``Unhealthy``.
+
 Layers
 ------
 Pure data and functions, no gRPC and no I/O: :mod:`.server` turns
@@ -45,7 +52,7 @@ so the allocator maps IDs back to GPUs (``parse_device_id``) by the same rules.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Final
 
 import msgspec
@@ -60,6 +67,7 @@ from gpulet_allocator.protocol import (
     memory_device_id,
     memory_units,
     ratio_device_id,
+    replica_device_id,
 )
 from gpulet_common.messages import GpuInfo
 
@@ -94,6 +102,8 @@ class PluginGpu(msgspec.Struct, frozen=True, kw_only=True):
     mig_block: str = ""
     # Its MIG devices the strategy offers.
     mig: tuple[PluginMig, ...] = ()
+    # Time-slicing replicas it is offered as (0 or 1: not time-sliced).
+    replicas: int = 0
 
 
 class PluginDevice(msgspec.Struct, frozen=True, kw_only=True):
@@ -114,35 +124,62 @@ def build_devices(
 ) -> list[PluginDevice]:
     """The devices of one resource, in GPU index order (kubelet shows them that way)."""
     devices: list[PluginDevice] = []
-    for gpu in sorted(gpus, key=lambda g: (g.index, g.uuid)):
-        devices.extend(
-            PluginDevice(
-                id=m.uuid,
-                gpu_uuid=gpu.uuid,
-                healthy=m.healthy and gpu.healthy,
-                numa_node=gpu.numa_node,
-            )
-            for m in gpu.mig
-            if m.resource == resource
-        )
-        if gpu.mig_block or kind is ResourceKind.MIG:
-            continue
-        if kind is ResourceKind.WHOLE:
-            ids = [gpu.uuid]
-        elif kind is ResourceKind.CORE:
-            ids = [core_device_id(gpu.uuid, n) for n in range(CORES_PER_GPU)]
-        elif kind is ResourceKind.RATIO:
-            ids = [ratio_device_id(gpu.uuid, n) for n in range(RATIO_UNITS_PER_GPU)]
-        else:
-            ids = [
-                memory_device_id(gpu.uuid, n) for n in range(memory_units(gpu.memory_total_bytes))
-            ]
-        healthy = gpu.healthy and not (kind is ResourceKind.WHOLE and gpu.withheld)
-        devices.extend(
-            PluginDevice(id=i, gpu_uuid=gpu.uuid, healthy=healthy, numa_node=gpu.numa_node)
-            for i in ids
-        )
+    for gpu in in_index_order(gpus):
+        devices.extend(gpu_devices(kind, gpu, resource))
     return devices
+
+
+def in_index_order(gpus: Iterable[PluginGpu]) -> list[PluginGpu]:
+    return sorted(gpus, key=lambda g: (g.index, g.uuid))
+
+
+def gpu_devices(kind: ResourceKind, gpu: PluginGpu, resource: str = "") -> list[PluginDevice]:
+    """The devices one GPU gives one resource: its MIG devices offered under it, then
+    its own (none when MIG blocks it)."""
+    devices = [
+        PluginDevice(
+            id=m.uuid,
+            gpu_uuid=gpu.uuid,
+            healthy=m.healthy and gpu.healthy,
+            numa_node=gpu.numa_node,
+        )
+        for m in gpu.mig
+        if m.resource == resource
+    ]
+    if gpu.mig_block or kind is ResourceKind.MIG:
+        return devices
+    if gpu.replicas > 1:
+        devices.extend(_replicas(kind, gpu))
+        return devices
+    if kind is ResourceKind.WHOLE:
+        ids = [gpu.uuid]
+    elif kind is ResourceKind.CORE:
+        ids = [core_device_id(gpu.uuid, n) for n in range(CORES_PER_GPU)]
+    elif kind is ResourceKind.RATIO:
+        ids = [ratio_device_id(gpu.uuid, n) for n in range(RATIO_UNITS_PER_GPU)]
+    else:
+        ids = [memory_device_id(gpu.uuid, n) for n in range(memory_units(gpu.memory_total_bytes))]
+    healthy = gpu.healthy and not (kind is ResourceKind.WHOLE and gpu.withheld)
+    devices.extend(
+        PluginDevice(id=i, gpu_uuid=gpu.uuid, healthy=healthy, numa_node=gpu.numa_node) for i in ids
+    )
+    return devices
+
+
+def _replicas(kind: ResourceKind, gpu: PluginGpu) -> list[PluginDevice]:
+    """A time-sliced GPU's devices: its replicas under the whole-GPU resource only."""
+    if kind is not ResourceKind.WHOLE:
+        return []
+    healthy = gpu.healthy and not gpu.withheld
+    return [
+        PluginDevice(
+            id=replica_device_id(gpu.uuid, n),
+            gpu_uuid=gpu.uuid,
+            healthy=healthy,
+            numa_node=gpu.numa_node,
+        )
+        for n in range(gpu.replicas)
+    ]
 
 
 def build_inventory(
@@ -165,9 +202,11 @@ def plugin_gpus_from_inventory(
     unhealthy: Collection[str] = (),
     withheld: Collection[str] = (),
     mig: MigPlan | None = None,
+    replicas: Mapping[str, int] | None = None,
 ) -> list[PluginGpu]:
-    """Adapt the collector's inventory plus the unhealthy and the withheld UUIDs, and
-    the MIG devices ``mig`` offers (unhealthy ones by their MIG UUID)."""
+    """Adapt the collector's inventory plus the unhealthy and the withheld UUIDs, the
+    MIG devices ``mig`` offers (unhealthy ones by their MIG UUID) and the time-slicing
+    ``replicas`` of each GPU (the allocator's plan)."""
     offers: dict[str, list[PluginMig]] = {}
     for o in (mig.offers if mig is not None else {}).values():
         offers.setdefault(o.parent_uuid, []).append(
@@ -192,6 +231,7 @@ def plugin_gpus_from_inventory(
             withheld=g.uuid in withheld,
             mig_block=block[1] if (block := parent_block(g)) else "",
             mig=tuple(offers.get(g.uuid, ())),
+            replicas=(replicas or {}).get(g.uuid, 0),
         )
         for g in gpus
     ]

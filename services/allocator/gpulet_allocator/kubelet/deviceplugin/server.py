@@ -8,7 +8,9 @@ whoever can connect can ask for GPUs). The service itself stays thin:
 
 - ``ListAndWatch`` follows a :class:`~.devicelist.DeviceListSource` and sends the full
   list first and then after every change of that resource's list; it returns (status
-  OK) as soon as the server stops instead of being cut off by the grace timeout.
+  OK) as soon as the server stops instead of being cut off by the grace timeout. The
+  list is encoded GPU by GPU and cached (:mod:`.wire`), so a change on one GPU does not
+  rebuild the thousands of share devices of the others on the event loop.
 - ``Allocate`` and ``GetPreferredAllocation`` are delegated to an
   :class:`~.backend.AllocationBackend` under a deadline, so kubelet never hangs on
   the allocator. Every failure is one of :mod:`gpulet_common.refusal`'s tree and
@@ -48,11 +50,11 @@ from gpulet_allocator.kubelet.deviceplugin.devicelist import DeviceListSource, D
 from gpulet_allocator.kubelet.deviceplugin.devnodes import DeviceNodes
 from gpulet_allocator.kubelet.deviceplugin.metrics import PluginMetrics
 from gpulet_allocator.kubelet.deviceplugin.resources import (
-    PluginDevice,
     PluginGpu,
     PluginMig,
     build_devices,
 )
+from gpulet_allocator.kubelet.deviceplugin.wire import ListEncoder
 from gpulet_allocator.kubelet_api.deviceplugin.v1beta1 import api_pb2 as pb
 from gpulet_allocator.kubelet_api.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
 from gpulet_allocator.protocol import (
@@ -86,19 +88,6 @@ def plugin_options(spec: ResourceSpec) -> pb.DevicePluginOptions:
         pre_start_required=False,
         get_preferred_allocation_available=spec.preferred_allocation,
     )
-
-
-def to_pb_devices(devices: Sequence[PluginDevice]) -> list[pb.Device]:
-    out: list[pb.Device] = []
-    for d in devices:
-        # No topology rather than a made-up node: kubelet then places the pod freely.
-        topology = (
-            pb.TopologyInfo(nodes=[pb.NUMANode(ID=d.numa_node)])
-            if d.numa_node is not None
-            else None
-        )
-        out.append(pb.Device(ID=d.id, health=d.health, topology=topology))
-    return out
 
 
 def grpc_status(failure: BusError) -> grpc.StatusCode:
@@ -153,6 +142,7 @@ class KubeletServicer(pb_grpc.DevicePluginServicer):
         self._nodes = parts.nodes
         self._stop = stop
         self._metrics = parts.metrics
+        self._encoder = ListEncoder(parts.spec)
         self._gpus_of: DeviceSnapshot | None = None
         self._gpus_by_uuid: dict[str, PluginGpu] = {}
         self._migs: dict[str, PluginMig] = {}
@@ -168,13 +158,15 @@ class KubeletServicer(pb_grpc.DevicePluginServicer):
         self, request: pb.Empty, context: Context
     ) -> AsyncIterator[pb.ListAndWatchResponse]:
         snapshot: DeviceSnapshot | None = self._source.snapshot()
-        sent: list[PluginDevice] | None = None
+        sent: bytes | None = None
         while snapshot is not None:
-            devices = build_devices(self._spec.kind, snapshot.gpus, self._spec.name)
+            # Encoded GPU by GPU and cached (:mod:`.wire`): a change rebuilds only the
+            # devices of the GPU that changed.
+            listed = self._encoder.encode(snapshot.gpus)
             # Other resources' changes move the version too; kubelet needs only ours.
-            if devices != sent:
-                yield pb.ListAndWatchResponse(devices=to_pb_devices(devices))
-                sent = devices
+            if listed != sent:
+                yield pb.ListAndWatchResponse.FromString(listed)
+                sent = listed
             snapshot = await self._next_change(snapshot.version)
         log.debug("ListAndWatch of %s ends: plugin stopping", self._spec.name)
 

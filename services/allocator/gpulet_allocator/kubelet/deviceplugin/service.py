@@ -78,6 +78,8 @@ class DevicePluginService(RuntimeService[AllocatorSettings]):
         self._have_inventory = False
         # Cards holding shares (the allocator's answer): not offered whole.
         self._withheld: frozenset[str] = frozenset()
+        # Time-slicing replicas of each GPU (the allocator's answer, same long poll).
+        self._replicas: dict[str, int] = {}
         self.view = NodeView(
             runtime.bus,
             runtime.node,
@@ -258,10 +260,12 @@ class DevicePluginService(RuntimeService[AllocatorSettings]):
                 continue
             epoch, version = reply.epoch, reply.version
             withheld = frozenset(reply.withheld)
-            if withheld != self._withheld:
+            if withheld != self._withheld or reply.replicas != self._replicas:
                 for uuid in sorted(withheld - self._withheld):
                     log.info("GPU %s not offered whole: %s", uuid, reply.withheld[uuid])
-                self._withheld = withheld
+                if reply.replicas != self._replicas:
+                    log.info("time-slicing replicas now %s", reply.replicas or "none")
+                self._withheld, self._replicas = withheld, dict(reply.replicas)
                 self._publish()
 
     def _on_view(self, change: NodeChange) -> None:
@@ -292,7 +296,7 @@ class DevicePluginService(RuntimeService[AllocatorSettings]):
                 if not h.present and h.info is not None and h.info.uuid == u and u not in listed
             ]
         plugin_gpus = plugin_gpus_from_inventory(
-            gpus, self.view.unhealthy(), self._withheld, self._mig
+            gpus, self.view.unhealthy(), self._withheld, self._mig, self._replicas
         )
         if self.state.publish(plugin_gpus):
             log.debug("device list version %d", self.state.snapshot().version)

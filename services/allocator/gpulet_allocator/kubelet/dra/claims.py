@@ -23,11 +23,10 @@ from __future__ import annotations
 from typing import Any, Final
 
 import anyio
-from kubernetes_asyncio import client as k8s_client
-from kubernetes_asyncio.client.exceptions import ApiException
 
 from gpulet_allocator.kubelet.dra.contract import ClaimDevice, ClaimReadError, JsonObj
 from gpulet_common.dra import limits
+from gpulet_common.kubeapi import KubeApiError, KubeClient, api_path
 from gpulet_common.quantity import parse_whole as parse_quantity
 
 MAX_RESULTS: Final = 128
@@ -118,29 +117,25 @@ def _one(result: JsonObj, i: int, *, pool: str, where: str) -> ClaimDevice:
 
 
 class KubeClaimReader:
-    """:class:`~.contract.ClaimReader` through kubernetes-asyncio (raw JSON)."""
+    """:class:`~.contract.ClaimReader` through :mod:`gpulet_common.kubeapi` (raw JSON)."""
 
-    def __init__(self, api: Any, *, timeout_s: float = 10.0) -> None:
-        self._custom = k8s_client.CustomObjectsApi(api)
+    def __init__(self, api: KubeClient, *, timeout_s: float = 10.0) -> None:
+        self._api = api
         self._timeout = timeout_s
 
-    async def get_claim(self, namespace: str, name: str) -> JsonObj | None:
+    async def get_claim(self, namespace: str, name: str, uid: str = "") -> JsonObj | None:
         try:
             with anyio.fail_after(self._timeout + 1):
-                found = await self._custom.get_namespaced_custom_object(
-                    GROUP,
-                    VERSION,
-                    namespace,
-                    "resourceclaims",
-                    name,
-                    _request_timeout=self._timeout,
+                found = await self._api.get(
+                    api_path(GROUP, VERSION, "resourceclaims", namespace=namespace, name=name),
+                    timeout_s=self._timeout,
                 )
-        except ApiException as exc:
+        except KubeApiError as exc:
             if exc.status == 404:
                 return None
             raise ClaimReadError(f"get claim {namespace}/{name}: HTTP {exc.status}") from exc
         except (TimeoutError, OSError) as exc:
             raise ClaimReadError(f"get claim {namespace}/{name}: {type(exc).__name__}") from exc
-        except Exception as exc:  # aiohttp errors and undecodable answers alike
+        except Exception as exc:  # whatever else: the claim cannot be read now
             raise ClaimReadError(f"get claim {namespace}/{name}: {type(exc).__name__}") from exc
         return found if isinstance(found, dict) else {}

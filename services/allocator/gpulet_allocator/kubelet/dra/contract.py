@@ -88,7 +88,10 @@ class ClaimReadError(Exception):
 
 
 class ClaimReader(Protocol):
-    async def get_claim(self, namespace: str, name: str) -> JsonObj | None: ...
+    async def get_claim(self, namespace: str, name: str, uid: str = "") -> JsonObj | None:
+        """The claim, None when it does not exist. ``uid``: the one kubelet named (a
+        reader that caches answers from its cache only with a claim of that UID)."""
+        ...
 
 
 @dataclass(frozen=True)

@@ -90,7 +90,10 @@ class RegistrationServicer(reg_grpc.RegistrationServicer):
         return reg_pb.RegistrationStatusResponse()
 
 
-def _claims(request: Any) -> list[ClaimRef]:
+async def _claims(request: Any, context: Context) -> list[ClaimRef]:
+    """The call's claims; a call with too many is refused (INVALID_ARGUMENT)."""
+    if len(request.claims) > MAX_CLAIMS_PER_CALL:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "too many claims in one call")
     return [ClaimRef(c.namespace, c.uid, c.name) for c in request.claims]
 
 
@@ -102,9 +105,7 @@ class DraServicer(dra_grpc.DRAPluginServicer):
     async def NodePrepareResources(
         self, request: dra_pb.NodePrepareResourcesRequest, context: Context
     ) -> dra_pb.NodePrepareResourcesResponse:
-        if len(request.claims) > MAX_CLAIMS_PER_CALL:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "too many claims in one call")
-        results = await self._plugin.prepare(_claims(request))
+        results = await self._plugin.prepare(await _claims(request, context))
         answer = dra_pb.NodePrepareResourcesResponse()
         for uid, result in results.items():
             entry = answer.claims[uid]
@@ -124,13 +125,10 @@ class DraServicer(dra_grpc.DRAPluginServicer):
     async def NodeUnprepareResources(
         self, request: dra_pb.NodeUnprepareResourcesRequest, context: Context
     ) -> dra_pb.NodeUnprepareResourcesResponse:
-        if len(request.claims) > MAX_CLAIMS_PER_CALL:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "too many claims in one call")
-        errors = await self._plugin.unprepare(_claims(request))
-        answer = dra_pb.NodeUnprepareResourcesResponse()
-        for uid, error in errors.items():
-            answer.claims[uid].error = error
-        return answer
+        errors = await self._plugin.unprepare(await _claims(request, context))
+        return dra_pb.NodeUnprepareResourcesResponse(
+            claims={uid: dra_pb.NodeUnprepareResourceResponse(error=e) for uid, e in errors.items()}
+        )
 
 
 def _check_path(path: Path) -> None:
@@ -181,7 +179,7 @@ class DraKubeletPlugin:
                 self.sockets.registration,
             )
             task_status.started()
-            await anyio.sleep_forever()
+            await self.plugin.write_checkpoint()
         finally:
             with anyio.CancelScope(shield=True):
                 await reg_server.stop(STOP_GRACE_S)

@@ -11,7 +11,9 @@ model):
   :mod:`gpulet_common.kube` (``dra.kubeconfig``, else in-cluster, else
   ``$KUBECONFIG`` / ``~/.kube/config``). Without one the plugin waits, degraded on the
   status board, and looks again with a back-off: kubelet cannot call a plugin that is
-  not registered, so nothing is lost meanwhile;
+  not registered, so nothing is lost meanwhile. With ``dra.claim_cache`` a
+  :class:`~.claim_cache.WatchedClaimReader` in front of it answers from a watch of the
+  node's allocated claims;
 * health: :class:`~.health.NodeViewHealth` over the service's
   :class:`~gpulet_common.nodeview.NodeView`;
 * sockets: ``<plugins_registry>/<driver>-reg.sock`` and
@@ -23,26 +25,20 @@ model):
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
-from typing import Any
 
 import anyio
 import anyio.abc
-from kubernetes_asyncio import client as k8s_client
 
+from gpulet_allocator.kubelet.dra.claim_cache import WatchedClaimReader
 from gpulet_allocator.kubelet.dra.claims import KubeClaimReader
+from gpulet_allocator.kubelet.dra.contract import ClaimReader
 from gpulet_allocator.kubelet.dra.health import NodeViewHealth
 from gpulet_allocator.kubelet.dra.nats_core import NatsDecisionCore
 from gpulet_allocator.kubelet.dra.plugin import DraPlugin, PluginSettings
 from gpulet_allocator.kubelet.dra.server import DraKubeletPlugin, Sockets
-from gpulet_common.kube import (
-    KubeConfigError,
-    from_kubeconfig,
-    in_cluster,
-    in_cluster_available,
-    kubeconfig_path,
-)
+from gpulet_common.kube import KubeConfig, KubeConfigError, lookup
+from gpulet_common.kubeapi import KubeClient
 from gpulet_common.nodeview import NodeView
 from gpulet_common.runtime import Runtime
 from gpulet_common.settings.dra import DraSettings
@@ -63,15 +59,9 @@ def checkpoint_path(runtime: Runtime) -> Path:
     return Path(dra.plugins_dir) / dra.driver / "checkpoint.json"
 
 
-async def kube_configuration(settings: DraSettings) -> Any:
+async def kube_configuration(settings: DraSettings) -> KubeConfig:
     """The cluster configuration to read claims with; raises KubeConfigError."""
-    env = dict(os.environ)
-    if not settings.kubeconfig and await anyio.to_thread.run_sync(in_cluster_available, env):
-        return await anyio.to_thread.run_sync(in_cluster, env)
-    path = await anyio.to_thread.run_sync(kubeconfig_path, settings.kubeconfig, env)
-    if path is None:
-        raise KubeConfigError("not in a cluster and no kubeconfig found")
-    return await from_kubeconfig(path, settings.kube_context)
+    return await lookup(settings.kubeconfig, settings.kube_context)
 
 
 class DraPluginRunner:
@@ -81,7 +71,7 @@ class DraPluginRunner:
         #: The running kubelet plugin (for tests).
         self.server: DraKubeletPlugin | None = None
 
-    async def _configuration(self) -> Any:
+    async def _configuration(self) -> KubeConfig:
         delay = self._rt.settings.allocator.request_retry_s
         while True:
             try:
@@ -124,19 +114,24 @@ class DraPluginRunner:
 
     async def _serve(
         self,
-        configuration: Any,
+        configuration: KubeConfig,
         core: NatsDecisionCore,
         settings: PluginSettings,
         sockets: Sockets,
     ) -> None:
         rt, dra = self._rt, self._rt.settings.dra
-        async with k8s_client.ApiClient(configuration) as api:
-            reader = KubeClaimReader(api, timeout_s=dra.api_timeout_s)
+        async with KubeClient(configuration) as api:
+            reader: ClaimReader = KubeClaimReader(api, timeout_s=dra.api_timeout_s)
+            watched: WatchedClaimReader | None = None
+            if dra.claim_cache:
+                reader = watched = WatchedClaimReader(api, reader, driver=dra.driver, pool=rt.node)
             plugin = DraPlugin(core, reader, settings)
             health = NodeViewHealth(self._view, rt.node)
             self.server = server = DraKubeletPlugin(plugin, health, sockets, dra.driver)
             try:
                 async with anyio.create_task_group() as tg:
+                    if watched is not None:
+                        await tg.start(watched.run)
                     await tg.start(server.run)
                     rt.status.set(
                         STATUS_NAME,

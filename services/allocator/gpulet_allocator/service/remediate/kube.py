@@ -9,9 +9,10 @@ respects PodDisruptionBudgets: it answers 429 while an eviction would violate on
 
 Everything above this module talks to the :class:`KubeActions` protocol, so tests and
 the benchmark can stand in for the server, and the client library can change here
-alone. :class:`KubeClient` is the implementation on kubernetes-asyncio, as
-:mod:`gpulet_allocator.service.pod_watch` uses it. No call raises for an answer of the
-server or a failed connection: each returns what happened.
+alone. :class:`KubeClient` is the implementation on gpulet's own client
+(:mod:`gpulet_common.kubeapi`), as :mod:`gpulet_allocator.service.pod_watch` uses it.
+No call raises for an answer of the server or a failed connection: each returns what
+happened.
 """
 
 from __future__ import annotations
@@ -20,13 +21,12 @@ import json
 from dataclasses import dataclass
 from typing import Any, Final, Literal, Protocol
 
-import aiohttp
 import anyio
-from kubernetes_asyncio import client as k8s_client
-from kubernetes_asyncio.client.exceptions import ApiException
 
 from gpulet_allocator.service.remediate.policy import PodInfo, pod_info
+from gpulet_common import kubeapi
 from gpulet_common.kube_events import event_body
+from gpulet_common.kubeapi import KubeApiError, api_path
 
 EVENT_COMPONENT: Final = "gpulet-allocator"
 EvictResult = Literal["evicted", "blocked_by_pdb", "gone", "failed"]
@@ -89,10 +89,12 @@ def outcome_of(status: int, body: bytes, retry_after: str | None = None) -> Evic
 
 
 class KubeClient:
-    """:class:`KubeActions` on kubernetes-asyncio (``api``: its ApiClient)."""
+    """:class:`KubeActions` on :class:`gpulet_common.kubeapi.KubeClient` (``api``)."""
 
-    def __init__(self, api: Any, node: str, node_event_namespace: str, timeout_s: float) -> None:
-        self._core = k8s_client.CoreV1Api(api)
+    def __init__(
+        self, api: kubeapi.KubeClient, node: str, node_event_namespace: str, timeout_s: float
+    ) -> None:
+        self._api = api
         self._node = node
         self._node_ns = node_event_namespace
         self._timeout = timeout_s
@@ -100,20 +102,17 @@ class KubeClient:
     async def list_pods(self) -> list[PodInfo]:
         try:
             with anyio.fail_after(self._timeout + 1):
-                response: Any = await self._core.list_pod_for_all_namespaces(
+                doc = await self._api.list(
+                    api_path("", "v1", "pods"),
                     field_selector=f"spec.nodeName={self._node}",
-                    _request_timeout=self._timeout,
-                    _preload_content=False,
+                    timeout_s=self._timeout,
                 )
-                raw = await response.read()
-        except (ApiException, aiohttp.ClientError, OSError, TimeoutError) as exc:
+        except KubeApiError as exc:
+            if exc.status:
+                raise KubeError(f"HTTP {exc.status} listing the node's pods") from exc
+            raise KubeError(f"the pod list is not usable: {exc}") from exc
+        except (OSError, TimeoutError) as exc:
             raise KubeError(_describe(exc)) from exc
-        if response.status != 200:
-            raise KubeError(f"HTTP {response.status} listing the node's pods")
-        try:
-            doc = json.loads(raw)
-        except ValueError as exc:
-            raise KubeError("the pod list is not JSON") from exc
         items = doc.get("items") if isinstance(doc, dict) else None
         pods = [pod_info(item) for item in items if isinstance(items, list)] if items else []
         return [p for p in pods if p is not None]
@@ -126,20 +125,17 @@ class KubeClient:
         }
         if uid:
             body["deleteOptions"] = {"preconditions": {"uid": uid}}
+        path = api_path("", "v1", "pods", namespace=namespace, name=name, subresource="eviction")
         try:
             with anyio.fail_after(self._timeout + 1):
-                response: Any = await self._core.create_namespaced_pod_eviction(
-                    name, namespace, body, _request_timeout=self._timeout, _preload_content=False
-                )
-                raw = await response.read()
-        except ApiException as exc:
-            headers: Any = exc.headers or {}
-            raw_body: Any = exc.body or b""
-            body_bytes = raw_body.encode() if isinstance(raw_body, str) else bytes(raw_body)
-            return outcome_of(int(exc.status or 0), body_bytes, headers.get("Retry-After"))
-        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+                await self._api.create(path, body, timeout_s=self._timeout)
+        except KubeApiError as exc:
+            return outcome_of(exc.status, exc.body, exc.headers.get("Retry-After"))
+        except (OSError, TimeoutError) as exc:
             return EvictOutcome("failed", 0, _describe(exc))
-        return outcome_of(response.status, raw, response.headers.get("Retry-After"))
+        # Accepted (the API server answers 201 Created; the client keeps no status of a
+        # success).
+        return outcome_of(201, b"")
 
     async def post_event(
         self, target: EventTarget, reason: str, message: str, *, warning: bool = True
@@ -161,15 +157,15 @@ class KubeClient:
         )
         try:
             with anyio.fail_after(self._timeout + 1):
-                await self._core.create_namespaced_event(
-                    namespace, body, _request_timeout=self._timeout
+                await self._api.create(
+                    api_path("", "v1", "events", namespace=namespace), body, timeout_s=self._timeout
                 )
-        except (ApiException, aiohttp.ClientError, OSError, TimeoutError):
+        except (KubeApiError, OSError, TimeoutError):
             return False
         return True
 
 
 def _describe(exc: BaseException) -> str:
-    if isinstance(exc, ApiException):
-        return f"HTTP {exc.status} {exc.reason or ''}".strip()
+    if isinstance(exc, KubeApiError):
+        return str(exc)
     return f"{type(exc).__name__}: {exc}"

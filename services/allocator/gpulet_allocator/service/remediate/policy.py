@@ -42,6 +42,7 @@ from gpulet_allocator.protocol import AllocationView, parse_device_id
 from gpulet_allocator.state.records import ClaimRecord
 from gpulet_common.kubelet_api.podresources.v1 import api_pb2 as pr
 from gpulet_common.messages import SEVERITY_RANK, ActiveCondition, GpuHealth
+from gpulet_common.remediation import Fault
 from gpulet_common.settings.remediation import RemediationSettings
 from gpulet_common.xid_table import ROWS
 
@@ -49,30 +50,6 @@ LOSS_KINDS: Final = frozenset({"gpu_lost", "gpu_removed", "gpu_missing"})
 NODE_KINDS: Final = frozenset({"nvml_unavailable"})
 RECOVERY_ACTION_XID: Final = 154
 _CATALOGUE: Final = {row.code: row for row in ROWS}
-
-
-@dataclass(frozen=True, slots=True)
-class Fault:
-    """A condition that remediates, and the device it is scoped to."""
-
-    gpu_uuid: str
-    gpu_index: int | None
-    device: str
-    condition: str
-    kind: str
-    severity: str
-    action: str
-    reason: str
-    xid: int | None = None
-    mnemonic: str = ""
-    bucket: str = ""
-
-    @property
-    def entry(self) -> str:
-        """The catalogue entry, as Events and logs name it."""
-        if self.xid is None:
-            return self.kind
-        return f"XID {self.xid} {self.mnemonic or '(not in the catalogue)'} [{self.bucket or '-'}]"
 
 
 def xid_of(condition: ActiveCondition) -> int | None:

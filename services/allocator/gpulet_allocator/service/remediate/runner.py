@@ -26,20 +26,20 @@ failing API or PodResources is a problem in the plan and a rate-limited log line
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Final
 
 import anyio
+import msgspec
+from opentelemetry.metrics import Counter, Meter, UpDownCounter
 
 from gpulet_allocator.protocol import AllocationView
 from gpulet_allocator.service.remediate.breaker import Breaker
 from gpulet_allocator.service.remediate.kube import EventTarget, KubeActions, KubeError
 from gpulet_allocator.service.remediate.policy import (
-    Fault,
     Holder,
     Records,
     devices_in_scope,
@@ -51,8 +51,16 @@ from gpulet_common.kubelet_api.podresources.v1 import api_pb2 as pr
 from gpulet_common.logutil import RateLimitedLog
 from gpulet_common.messages import GpuHealth
 from gpulet_common.podresources import PodResourcesUnavailable
-from gpulet_common.remediation import BreakerView, PlannedGpu, PlannedPod, PodState, RemediationPlan
+from gpulet_common.remediation import (
+    BreakerView,
+    Fault,
+    PlannedGpu,
+    PlannedPod,
+    PodState,
+    RemediationPlan,
+)
 from gpulet_common.settings.remediation import RemediationSettings
+from gpulet_common.telemetry import create_counters
 
 log = logging.getLogger("gpulet.allocator.remediation")
 
@@ -95,7 +103,7 @@ class Remediator:
         sources: Sources,
         kube: KubeActions | None,
         *,
-        meter: Any = None,
+        meter: Meter | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.settings = settings
@@ -110,15 +118,17 @@ class Remediator:
         self.evictions_requested = 0
         #: Passes of :meth:`step` (tests wait on it).
         self.passes = 0
-        self._evictions = self._breaker_open = self._trips = None
+        self._evictions: Counter | None = None
+        self._trips: Counter | None = None
+        self._breaker_open: UpDownCounter | None = None
         if meter is not None:
-            self._evictions = meter.create_counter(
-                "gpulet.allocator.remediation.evictions",
-                description="Evictions asked for, by result",
-            )
-            self._trips = meter.create_counter(
-                "gpulet.allocator.remediation.breaker_trips",
-                description="Times the remediation circuit breaker opened",
+            self._evictions, self._trips = create_counters(
+                meter,
+                ("gpulet.allocator.remediation.evictions", "Evictions asked for, by result"),
+                (
+                    "gpulet.allocator.remediation.breaker_trips",
+                    "Times the remediation circuit breaker opened",
+                ),
             )
             self._breaker_open = meter.create_up_down_counter(
                 "gpulet.allocator.remediation.breaker_open",
@@ -376,5 +386,5 @@ def _why(fault: Fault) -> str:
 
 
 def _planned_gpu(fault: Fault, admitted: bool, pods: list[PlannedPod]) -> PlannedGpu:
-    # A Fault's fields are PlannedGpu's first ones, by the same names.
-    return PlannedGpu(**dataclasses.asdict(fault), admitted=admitted, pods=pods)
+    # A PlannedGpu is a Fault with the breaker's verdict and the pods.
+    return PlannedGpu(**msgspec.structs.asdict(fault), admitted=admitted, pods=pods)

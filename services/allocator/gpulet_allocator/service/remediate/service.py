@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-from kubernetes_asyncio import client as k8s_client
 from nats.micro.request import Request
 
 from gpulet_allocator import protocol as p
@@ -26,6 +25,7 @@ from gpulet_allocator.service.pod_watch import kube_configuration
 from gpulet_allocator.service.remediate.kube import KubeClient
 from gpulet_allocator.service.remediate.runner import Remediator, Sources
 from gpulet_allocator.service.replies import Replies
+from gpulet_common import kubeapi
 from gpulet_common.kube import KubeConfigError
 from gpulet_common.kubelet_api.podresources.v1 import api_pb2 as pr
 from gpulet_common.nodeview import NodeView
@@ -86,7 +86,7 @@ class RemediationService:
                 log.warning("remediation: no API server: %s; again in %.0fs", exc, delay)
                 await anyio.sleep(delay)
                 delay = min(delay * 2, RETRY_MAX_S)
-        async with k8s_client.ApiClient(configuration) as api:
+        async with kubeapi.KubeClient(configuration) as api:
             settings = self.remediator.settings
             self.remediator.kube = KubeClient(
                 api, self._node, settings.node_event_namespace, handshake.api_timeout_s
