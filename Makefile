@@ -33,11 +33,17 @@ typecheck: $(STAMP)
 	$(BIN)/mypy
 
 # Two workers (the CI machine has 2 cores), a test file per worker at a time: the suite
-# waits on servers much of its time. PYTEST_ARGS= runs it in one process.
+# waits on servers much of its time. PYTEST_ARGS= runs it in one process. The order in
+# which files start: tests/support/xdist_order.py (the longest first).
 PYTEST_ARGS ?= -n 2 --dist loadfile
 
+# Bytecode is written even where the environment says not to (PYTHONDONTWRITEBYTECODE):
+# the suite starts `gpulet` in many child processes (agents, sidecars, CLI runs), and
+# without the .pyc files (kept out of git and of the image by .gitignore and
+# .dockerignore) each one compiles gpulet's modules again: tests/cli/test_cli_errors.py,
+# 34 processes, took 30 s instead of 23 s.
 pytest: $(STAMP) k8s-bins
-	$(BIN)/pytest -q $(PYTEST_ARGS)
+	PYTHONDONTWRITEBYTECODE= $(BIN)/pytest -q $(PYTEST_ARGS)
 
 # The real control plane of tests/kube (etcd, kube-apiserver, kube-scheduler,
 # kube-controller-manager) and helm, built from their Go modules (tools/k8s) into
