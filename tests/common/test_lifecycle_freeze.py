@@ -13,6 +13,7 @@ import anyio
 import anyio.abc
 import pytest
 
+from gpulet_common import lifecycle
 from gpulet_common.lifecycle import run_services
 from gpulet_common.telemetry import StatusBoard
 
@@ -29,13 +30,22 @@ class _Idle:
         await anyio.sleep_forever()
 
 
-async def test_started_services_leave_startup_objects_frozen() -> None:
+async def test_started_services_leave_startup_objects_frozen(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     gc.unfreeze()
     assert gc.get_freeze_count() == 0
+    monkeypatch.setattr(lifecycle, "_frozen", False)
     try:
         async with anyio.create_task_group() as tg:
             await tg.start(partial(run_services, [_Idle()], StatusBoard(), handle_signals=False))
             assert gc.get_freeze_count() > 0
+            tg.cancel_scope.cancel()
+        # Once a process: a second start freezes nothing more.
+        gc.unfreeze()
+        async with anyio.create_task_group() as tg:
+            await tg.start(partial(run_services, [_Idle()], StatusBoard(), handle_signals=False))
+            assert gc.get_freeze_count() == 0
             tg.cancel_scope.cancel()
     finally:
         gc.unfreeze()

@@ -94,9 +94,20 @@ def freeze_startup_objects() -> None:
     that paused the event loop 50 ms on a quiet machine and 90-270 ms under load, in the
     middle of a fault on its way to kubelet (bench/listandwatch_latency.py). Collecting
     once and freezing leaves later full collections only the objects made since.
+
+    Once a process: frozen objects are never collected, so a process that starts
+    services again and again (the test suite) must not freeze each start's objects,
+    which would then outlive their services.
     """
+    global _frozen
+    if _frozen:
+        return
+    _frozen = True
     gc.collect()
     gc.freeze()
+
+
+_frozen = False
 
 
 async def idle_disabled(
