@@ -45,7 +45,7 @@ from gpulet_alerting.sinks import (
     WebhookSink,
 )
 from gpulet_common import subjects
-from gpulet_common.bus import Bus, fetch_ready
+from gpulet_common.bus import Bus, fetch_ready, kv_keys
 from gpulet_common.codec import GPU_HEALTH, HEALTH_EVENT
 from gpulet_common.logutil import RateLimitedLog
 from gpulet_common.messages import GpuHealth
@@ -183,15 +183,16 @@ class AlertsConsumer:
         try:
             with anyio.fail_after(5):
                 kv = await self._bus.jetstream.key_value(subjects.HEALTH_KV_BUCKET)
-                try:
-                    keys = await kv.keys()
-                except nats.js.errors.NoKeysError:
-                    return out
+                # The stream's subject list, not kv.keys() (a race under load: kv_keys).
+                keys = await kv_keys(self._bus.jetstream, subjects.HEALTH_KV_BUCKET)
                 for key in keys:
                     node_token = key.split(".", 1)[0]
                     if wanted not in ("*", ">") and node_token != wanted:
                         continue
-                    entry = await kv.get(key)
+                    try:
+                        entry = await kv.get(key)
+                    except (nats.js.errors.KeyDeletedError, nats.js.errors.KeyNotFoundError):
+                        continue
                     if entry.value is None:
                         continue
                     try:

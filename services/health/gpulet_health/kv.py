@@ -28,7 +28,7 @@ import nats.js.errors
 from nats.js.kv import KeyValue
 
 from gpulet_common import subjects
-from gpulet_common.bus import Bus
+from gpulet_common.bus import Bus, kv_keys
 from gpulet_common.codec import GPU_HEALTH
 from gpulet_common.logutil import RateLimitedLog
 from gpulet_common.messages import GpuHealth
@@ -88,17 +88,14 @@ class StateStore:
         prefix = subjects.token(self._node) + "."
         kv = await self._bucket()
         with anyio.fail_after(self._timeout_s * 2):
-            try:
-                # All keys, filtered here: nats-py's server-side key filter answered
-                # nothing for a wildcard filter in testing (nats-py 2.16).
-                keys = await kv.keys()
-            except nats.js.errors.NoKeysError:
-                return []
+            # The stream's subject list, not kv.keys() (a race under load: kv_keys).
+            keys = await kv_keys(self._bus.jetstream, subjects.HEALTH_KV_BUCKET, prefix)
             found: list[GpuHealth] = []
             for key in keys:
-                if not key.startswith(prefix):
+                try:
+                    entry = await kv.get(key)
+                except (nats.js.errors.KeyDeletedError, nats.js.errors.KeyNotFoundError):
                     continue
-                entry = await kv.get(key)
                 if entry.value is None:
                     continue
                 try:

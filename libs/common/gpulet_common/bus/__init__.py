@@ -33,7 +33,7 @@ This package is the one entry point: ``from gpulet_common.bus import Bus, ...``.
 from gpulet_common.bus.client import Bus
 from gpulet_common.bus.connection import backoff_delay, describe_servers
 from gpulet_common.bus.decoding import Delivery
-from gpulet_common.bus.jetstream import fetch_ready
+from gpulet_common.bus.jetstream import fetch_ready, kv_keys
 from gpulet_common.refusal import BusError, NoResponders, Refused, RequestTimeout
 
 __all__ = [
@@ -46,4 +46,5 @@ __all__ = [
     "backoff_delay",
     "describe_servers",
     "fetch_ready",
+    "kv_keys",
 ]

@@ -104,6 +104,25 @@ class JetStreamHelpers(BusBase):
             )
 
 
+async def kv_keys(js: JetStreamContext, bucket: str, prefix: str = "") -> list[str]:
+    """The keys of KV ``bucket`` that start with ``prefix`` (a whole token or more,
+    ending in "." or empty), from the stream's own subject list.
+
+    Not nats-py's ``KeyValue.keys()``: that opens an ordered consumer and ends its
+    listing when the consumer's info shows nothing pending and its callback has not run
+    yet, which, when the server has already pushed the entries but the client has not
+    handled them (a loaded machine), reads as an empty bucket (``NoKeysError``). The
+    health service read its previous state that way and, once in a CI run, would have
+    started without it. The stream's info names every subject it holds, with no
+    consumer and no race. A key whose last entry is a delete is still named: the
+    caller's ``get`` raises ``KeyNotFoundError`` for it (nats-py maps a delete to it).
+    """
+    info = await js.stream_info(f"KV_{bucket}", subjects_filter=f"$KV.{bucket}.{prefix}>")
+    head = f"$KV.{bucket}."
+    held = info.state.subjects or {}
+    return sorted(s[len(head) :] for s in held if s.startswith(head))
+
+
 async def fetch_ready(
     subscription: JetStreamContext.PullSubscription, batch: int, wait_s: float
 ) -> list[Msg]:
