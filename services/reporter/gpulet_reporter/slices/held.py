@@ -19,10 +19,9 @@ import logging
 from collections.abc import Callable
 from typing import Final
 
-import anyio
-
 from gpulet_common import codec, subjects
-from gpulet_common.bus import Bus, BusError
+from gpulet_common.bus import Bus
+from gpulet_common.bus.longpoll import follow_versions
 from gpulet_common.messages import HeldReply, HeldRequest
 
 log = logging.getLogger("gpulet.reporter.slices")
@@ -36,24 +35,21 @@ async def follow_held(
 ) -> None:
     """Hand every new ``held`` reply to ``on_reply``; runs until cancelled."""
     subject = subjects.allocator_endpoint(node, subjects.ALLOCATOR_HELD_ENDPOINT)
-    epoch, version, delay = "", 0, retry_s
-    while True:
-        try:
-            reply = await bus.request(
-                subject,
-                HeldRequest(epoch=epoch, version=version, wait_s=WAIT_S),
-                codec.HELD_REQUEST,
-                codec.HELD_REPLY,
-                timeout_s=WAIT_S + 5.0,
-            )
-        except BusError as exc:
-            log.debug("device-plugin holdings unknown (%s); asking again in %.1f s", exc, delay)
-            await anyio.sleep(delay)
-            delay = min(delay * 2, RETRY_MAX_S)
-            continue
-        delay = retry_s
-        if (reply.epoch, reply.version) == (epoch, version):
-            await anyio.sleep(0.05)  # the poll's time ran out: a breath, never a hot loop
-            continue
-        epoch, version = reply.epoch, reply.version
-        on_reply(reply)
+
+    async def ask(epoch: str, version: int) -> HeldReply:
+        return await bus.request(
+            subject,
+            HeldRequest(epoch=epoch, version=version, wait_s=WAIT_S),
+            codec.HELD_REQUEST,
+            codec.HELD_REPLY,
+            timeout_s=WAIT_S + 5.0,
+        )
+
+    await follow_versions(
+        ask,
+        on_reply,
+        retry_s=retry_s,
+        retry_max_s=RETRY_MAX_S,
+        what="device-plugin holdings",
+        log=log,
+    )

@@ -44,8 +44,8 @@ from gpulet_allocator.kubelet.deviceplugin.resources import (
     plugin_gpus_from_inventory,
 )
 from gpulet_allocator.mig import MigPlan, mig_plan, parent_block
-from gpulet_allocator.protocol import MAX_WITHHELD_WAIT_S, ResourceSpec
-from gpulet_common.bus import BusError
+from gpulet_allocator.protocol import MAX_WITHHELD_WAIT_S, ResourceSpec, WithheldReply
+from gpulet_common.bus.longpoll import follow_versions
 from gpulet_common.lifecycle import idle_disabled
 from gpulet_common.messages import GpuInfo
 from gpulet_common.nodeview import NodeChange, NodeView
@@ -243,30 +243,24 @@ class DevicePluginService(RuntimeService[AllocatorSettings]):
 
     async def _follow_withheld(self, backend: NatsAllocationBackend) -> None:
         """Keep the withheld cards in step with the allocator (a long poll)."""
-        epoch, version = "", 0
-        delay = self._settings.request_retry_s
-        while True:
-            try:
-                reply = await backend.withheld(epoch, version, WITHHELD_WAIT_S)
-            except BusError as exc:
-                log.debug("withheld cards unknown (%s); asking again in %.1f s", exc, delay)
-                await anyio.sleep(delay)
-                delay = min(delay * 2, WITHHELD_RETRY_MAX_S)
-                continue
-            delay = self._settings.request_retry_s
-            if (reply.epoch, reply.version) == (epoch, version):
-                # Nothing changed (the poll's time ran out): a breath, never a hot loop.
-                await anyio.sleep(0.05)
-                continue
-            epoch, version = reply.epoch, reply.version
-            withheld = frozenset(reply.withheld)
-            if withheld != self._withheld or reply.replicas != self._replicas:
-                for uuid in sorted(withheld - self._withheld):
-                    log.info("GPU %s not offered whole: %s", uuid, reply.withheld[uuid])
-                if reply.replicas != self._replicas:
-                    log.info("time-slicing replicas now %s", reply.replicas or "none")
-                self._withheld, self._replicas = withheld, dict(reply.replicas)
-                self._publish()
+        await follow_versions(
+            lambda epoch, version: backend.withheld(epoch, version, WITHHELD_WAIT_S),
+            self._on_withheld,
+            retry_s=self._settings.request_retry_s,
+            retry_max_s=WITHHELD_RETRY_MAX_S,
+            what="withheld cards",
+            log=log,
+        )
+
+    def _on_withheld(self, reply: WithheldReply) -> None:
+        withheld = frozenset(reply.withheld)
+        if withheld != self._withheld or reply.replicas != self._replicas:
+            for uuid in sorted(withheld - self._withheld):
+                log.info("GPU %s not offered whole: %s", uuid, reply.withheld[uuid])
+            if reply.replicas != self._replicas:
+                log.info("time-slicing replicas now %s", reply.replicas or "none")
+            self._withheld, self._replicas = withheld, dict(reply.replicas)
+            self._publish()
 
     def _on_view(self, change: NodeChange) -> None:
         inventory = self.view.inventory
