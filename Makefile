@@ -33,8 +33,7 @@ typecheck: $(STAMP)
 	$(BIN)/mypy
 
 # Two workers (the CI machine has 2 cores), a test file per worker at a time: the suite
-# waits on servers much of its time. PYTEST_ARGS= runs it in one process. The order in
-# which files start: tests/support/xdist_order.py (the longest first).
+# waits on servers much of its time. PYTEST_ARGS= runs it in one process.
 PYTEST_ARGS ?= -n 2 --dist loadfile
 
 # Bytecode is written even where the environment says not to (PYTHONDONTWRITEBYTECODE):

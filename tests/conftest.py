@@ -22,7 +22,7 @@ from gpulet_common.embedded_nats import EmbeddedNats
 # The real control plane's fixtures (kube_api, kube_cluster, kube_namespace): started
 # only by the tests that ask for them; and the order in which `--dist loadfile` hands
 # files to the xdist workers (the long ones first, tests/kube as one unit).
-pytest_plugins = ["support.control_plane_fixtures", "support.xdist_order"]
+pytest_plugins = ["support.control_plane_fixtures"]
 
 # A recording tracer provider, so that trace context really travels in NATS headers.
 trace.set_tracer_provider(TracerProvider())
