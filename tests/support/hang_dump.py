@@ -4,7 +4,7 @@ pytest-timeout's "thread" method prints every thread's stack to the worker's std
 and exits it; under xdist that stderr is pytest's own capture file, so a hung worker
 ended with nothing but "node down: Not properly terminated". This plugin arms a timer
 per test, a little shorter than the test's timeout, that writes to
-``$GPULET_HANG_DIR`` (default: the system temp dir) a file holding:
+``$HANG_DUMP_DIR`` (default: the system temp dir) a file holding:
 
 * every thread's Python stack (``faulthandler``);
 * every task of every running asyncio loop, with its whole await chain (the frames of
@@ -97,7 +97,7 @@ def pytest_runtest_protocol(item: pytest.Item) -> Generator[None, Any, None]:
     if timeout and timeout > 2 * LEAD_S:
         worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
         name = "".join(c if c.isalnum() else "_" for c in item.nodeid)[-120:]
-        directory = Path(os.environ.get("GPULET_HANG_DIR", tempfile.gettempdir()))
+        directory = Path(os.environ.get("HANG_DUMP_DIR", tempfile.gettempdir()))
         path = directory / f"gpulet-hang-{worker}-{os.getpid()}-{name}.txt"
 
         def fire() -> None:
