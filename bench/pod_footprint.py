@@ -17,7 +17,9 @@ After ``--settle`` seconds (the issue's figure: 25 s), each process's RSS is rea
 periodic work (the collector samples 8 GPUs every second): % of one core.
 
 The figures lean on the mock NVML: with a real driver, libnvidia-ml adds its own
-mappings to the collector's and the health service's RSS.
+mappings to the collector's and the health service's RSS. ``--nvml real`` runs the
+collector and the health service on the real driver instead (on a GPU machine), which
+measures exactly that.
 """
 
 from __future__ import annotations
@@ -59,6 +61,14 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / _TICKS  # utime + stime
 
 
+def threads(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("Threads:"):
+                return int(line.split()[1])
+    return 0
+
+
 def _password(user: str) -> str:
     return f"bench-{user}"
 
@@ -77,7 +87,18 @@ def _env(user: str, extra: dict[str, str]) -> dict[str, str]:
     return env
 
 
-async def measure(settle_s: float, idle_s: float) -> list[tuple[str, float, float]]:
+def sidecars(nvml: str) -> dict[str, list[str]]:
+    """The sidecars' arguments; ``nvml == "real"``: the GPU readers on the real driver."""
+    if nvml == "mock":
+        return SIDECARS
+    return {
+        name: ["--nvml", "nvml"] if "--nvml" in extra else extra for name, extra in SIDECARS.items()
+    }
+
+
+async def measure(
+    settle_s: float, idle_s: float, nvml: str = "mock"
+) -> list[tuple[str, float, float, int]]:
     for user in NATS_USERS:  # nats-server reads them from its environment
         os.environ[password_variable(user)] = _password(user)
     with tempfile.TemporaryDirectory(prefix="gpl-pod-") as tmp:
@@ -98,7 +119,7 @@ async def measure(settle_s: float, idle_s: float) -> list[tuple[str, float, floa
             running_fake_kubelet(plugin_dir, pod_resources_socket=root / "pod-resources.sock"),
         ):
             try:
-                for name, extra in SIDECARS.items():
+                for name, extra in sidecars(nvml).items():
                     command = [
                         sys.executable,
                         "-m",
@@ -135,7 +156,12 @@ async def measure(settle_s: float, idle_s: float) -> list[tuple[str, float, floa
                 await anyio.sleep(idle_s)
                 elapsed = time.monotonic() - started
                 return [
-                    (name, rss[name], 100 * (cpu_seconds(pid) - before[name]) / elapsed)
+                    (
+                        name,
+                        rss[name],
+                        100 * (cpu_seconds(pid) - before[name]) / elapsed,
+                        threads(pid),
+                    )
                     for name, pid in pids.items()
                 ]
             finally:
@@ -153,21 +179,28 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--settle", type=float, default=25.0, help="seconds before measuring")
     parser.add_argument("--idle", type=float, default=10.0, help="seconds of CPU measured")
+    parser.add_argument(
+        "--nvml",
+        default="mock",
+        choices=["mock", "real"],
+        help="'real': the collector and the health service on the real driver",
+    )
     args = parser.parse_args()
-    rows = anyio.run(measure, args.settle, args.idle)
-    total_rss = sum(r for _, r, _ in rows)
-    total_cpu = sum(c for _, _, c in rows)
+    rows = anyio.run(measure, args.settle, args.idle, args.nvml)
+    nvml_words = "mock NVML (dgx-h100)" if args.nvml == "mock" else "the real NVML driver"
+    total_rss = sum(r for _, r, _, _ in rows)
+    total_cpu = sum(c for _, _, c, _ in rows)
     load = os.getloadavg()[0]
     print(
         table(
-            f"One node's pod in sidecar mode, mock NVML (dgx-h100), after {args.settle:g} s "
+            f"One node's pod in sidecar mode, {nvml_words}, after {args.settle:g} s "
             f"(load average {load:.1f} on {os.cpu_count()} cores)",
-            ["process", "RSS MB", "idle CPU % of a core"],
-            [(n, f"{r:.1f}", f"{c:.1f}") for n, r, c in rows]
-            + [("sum", f"{total_rss:.1f}", f"{total_cpu:.1f}")],
+            ["process", "RSS MB", "idle CPU % of a core", "threads"],
+            [(n, f"{r:.1f}", f"{c:.1f}", str(t)) for n, r, c, t in rows]
+            + [("sum", f"{total_rss:.1f}", f"{total_cpu:.1f}", str(sum(t for *_, t in rows)))],
         )
     )
-    collector = next(r for n, r, _ in rows if n == "collector")
+    collector = next(r for n, r, _, _ in rows if n == "collector")
     print(
         f"targets: collector < {TARGETS_MB['collector']:g} MB "
         f"({'met' if collector < TARGETS_MB['collector'] else 'NOT met'}), "
