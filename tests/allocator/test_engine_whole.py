@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import time
 from collections.abc import Iterable
 
 import pytest
@@ -232,14 +231,15 @@ def test_heuristic_path_matches_exhaustive_on_reference_boxes(
             assert sel.key[:3] == expected[name, size][:3], (name, size)
 
 
-def test_sixteen_gpus_exhaustive_is_fast() -> None:
+def test_sixteen_gpus_exhaustive_search_stays_small() -> None:
+    """The search's work, not its wall time (bench/allocation_quality.py times it): it
+    scores 305 partial sets for 8 of 16 NVSwitch GPUs; 1,533 without the collapse of
+    interchangeable GPUs; there are 39,202 partial sets of up to 8 in all."""
     topo = Topology.from_inventory(nvswitch_16())
-    start = time.perf_counter()
     sel = select_whole(topo, topo.uuids, 8)
-    elapsed = time.perf_counter() - start
     assert sel.exhaustive
     assert {topo.position(u) for u in sel.devices} == set(range(8))
-    assert elapsed < 0.5
+    assert 0 < sel.visited <= 1000
 
 
 # --- brute-force equivalence ------------------------------------------------------------

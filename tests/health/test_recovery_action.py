@@ -72,8 +72,10 @@ def test_gpu_reset_holds_the_gpu_until_a_reset_is_seen_and_the_field_reads_none(
     # The field reading NONE is not enough without a reset seen (a stale reading)...
     assert e.observe_recovery_action("GPU-0", 0, T0 + 3) == []
     assert not gpu.healthy
+    assert read_into(e, nvml, T0 + 4) == []  # it asks again
     # ...and a reset seen is not enough while the field still asks for one.
-    e.reset_observed(gpu, T0 + 4, "test: volatile ECC counters went back")
+    e.reset_observed(gpu, T0 + 5, "test: volatile ECC counters went back")  # ends xid:79
+    assert "recovery_action" in gpu.conditions
     assert read_into(e, nvml, T0 + 5) == []
     assert "recovery_action" in gpu.conditions
     inject(nvml, "reset")
@@ -81,6 +83,32 @@ def test_gpu_reset_holds_the_gpu_until_a_reset_is_seen_and_the_field_reads_none(
     assert (back.kind, back.condition, back.healthy) == ("recovered", "recovery_action", True)
     assert "GPU reset was seen" in back.reason
     assert gpu.healthy
+
+
+def test_a_reset_seen_after_the_field_read_none_ends_the_hold() -> None:
+    """The other order: the NVML event thread reads NONE right after the reset, before
+    the samples that show the reset are taken in (and it reads the field no more once
+    it reads NONE): the reset, when it is seen, ends the hold."""
+    nvml, e = mock(), engine()
+    gpu = e.gpus["GPU-0"]
+    inject(nvml, "recovery_action", 1)
+    [held] = read_into(e, nvml, T0)
+    assert held.action == "reset_gpu"
+    inject(nvml, "reset")
+    assert read_into(e, nvml, T0 + 1) == []  # NONE: still waiting for the reset
+    assert not gpu.healthy
+    why = "test: volatile ECC counters went back"
+    [back] = e._dedup.apply(e.reset_observed(gpu, T0 + 2, why))
+    assert (back.kind, back.condition, back.healthy) == ("recovered", "recovery_action", True)
+    assert "GPU reset was seen" in back.reason
+    assert gpu.healthy
+    # A reboot's hold is not ended by a reset, whatever the field read before.
+    inject(nvml, "recovery_action", 2)
+    [reboot] = read_into(e, nvml, T0 + 3)
+    assert reboot.action == "reboot"
+    gpu.recovery = "none"
+    assert e.reset_observed(gpu, T0 + 4, why) == []
+    assert not gpu.healthy
 
 
 def test_node_reboot_holds_the_gpu_until_the_boot_id_changes() -> None:
@@ -152,7 +180,8 @@ async def test_the_service_reads_the_action_with_an_xid_and_holds_the_gpu_until_
 ) -> None:
     """End to end on the mock (an R570 driver): the XID event's read of field 230 raises
     the hold; a GPU reset seen and the field back to NONE (read again every
-    device_poll_s, no event comes with it) end it."""
+    device_poll_s, no event comes with it) end it, whichever of the two is taken in
+    first (under load the reading often comes before the samples that show the reset)."""
     scenario = tmp_path / "r570.toml"
     scenario.write_text(f'base = "{SCENARIO}"\n[system]\ndriver_version = "570.86.10"\n')
     async with health_node(nats_server.url, tmp_path, scenario=scenario) as h:

@@ -10,6 +10,8 @@ PodResources answer as kubelet gives it; the health is the health service's
 (``spec.nodeName``) and marked Running and Ready as kubelet would, since the Eviction API
 consults a PodDisruptionBudget only for running pods. The agent's requests are read back
 from the server's audit log: what was asked to be evicted is exactly what is asserted.
+Mode ``report`` runs with the base's rights alone (it needs no component) and is shown
+to ask for no eviction at all while its Events say what it would do.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import msgspec
 import pytest
 
 from gpulet_allocator.decide.core import AllocatorCore
@@ -28,6 +31,7 @@ from gpulet_allocator.service.pod_watch import kube_configuration
 from gpulet_allocator.service.podresources import live_grants
 from gpulet_allocator.service.remediate.kube import KubeClient
 from gpulet_allocator.service.remediate.runner import Remediator, Sources
+from gpulet_allocator.service.remediate.runner import log as runner_log
 from gpulet_common import kubeapi
 from gpulet_common.kubelet_api.podresources.v1 import api_pb2 as pr
 from gpulet_common.messages import GpuHealth
@@ -44,6 +48,7 @@ pytestmark = pytest.mark.anyio
 
 GPU = "nvidia.com/gpu"
 HANDSHAKE = HandshakeSettings(api_timeout_s=5.0)
+WOULD_EVICT = "GpuletWouldEvictForGpuFault"
 SETTINGS = RemediationSettings(
     mode="evict", max_fraction=0.5, window_s=600, retry_initial_s=0.2, retry_max_s=1.0
 )
@@ -178,10 +183,12 @@ def events(plane: ControlPlane, ns: str, reason: str) -> list[dict[str, Any]]:
     return [e for e in items if e["reason"] == reason]
 
 
-def node_events(plane: ControlPlane, node: str) -> list[dict[str, Any]]:
+def node_events(
+    plane: ControlPlane, node: str, reason: str = "GpuletEvictedForGpuFault"
+) -> list[dict[str, Any]]:
     """The eviction Events on the Node (kept in the default namespace, as kubelet's)."""
     ref = {"apiVersion": "v1", "kind": "Node", "name": node, "uid": node}
-    found = events(plane, "default", "GpuletEvictedForGpuFault")
+    found = events(plane, "default", reason)
     return [e for e in found if e["involvedObject"] == ref]
 
 
@@ -229,7 +236,9 @@ class Node:
                 u, healthy=False, severity="fatal", action="reboot", index=n
             )
 
-    def remediator(self, api: kubeapi.KubeClient, node: str) -> Remediator:
+    def remediator(
+        self, api: kubeapi.KubeClient, node: str, settings: RemediationSettings = SETTINGS
+    ) -> Remediator:
         async def podresources() -> pr.ListPodResourcesResponse:
             return self.podresources
 
@@ -241,7 +250,7 @@ class Node:
             pod_resources=podresources,
         )
         kube = KubeClient(api, node, "default", HANDSHAKE.api_timeout_s)
-        return Remediator(SETTINGS, node, sources, kube)
+        return Remediator(settings, node, sources, kube)
 
 
 @pytest.mark.timeout(180)
@@ -361,5 +370,71 @@ async def test_the_circuit_breaker_stops_a_storm(
         assert plan.breaker.open
         assert plan.breaker.trips == 1
         assert [g.gpu_index for g in plan.gpus if not g.admitted] == [2, 3]
+    finally:
+        cleanup(plane, ns, names)
+
+
+@pytest.mark.timeout(180)
+async def test_report_mode_evicts_nothing_and_says_what_it_would_do(
+    kube_cluster: ControlPlane,
+    gpulet_access: ControlPlane,
+    kube_node_name: str,
+    kube_namespace: str,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``remediation.mode = "report"`` with deploy/'s base rights only (no
+    components/remediation, as the component's comment says report needs): a fatal
+    fault on a GPU a pod holds, and the pod stays; the Events say what would be done."""
+    plane, node, ns = kube_cluster, kube_node_name, kube_namespace
+    assert not may_evict(gpulet_access)  # the base alone: report needs no eviction right
+    agent = agent_identity(gpulet_access, node, tmp_path / "agent")
+    gpus = Node(node, 2)
+    gpus.plugin_pod(ns, "held", 0)
+    gpus.plugin_pod(ns, "other", 1)
+    names = ["held", "other"]
+    held = running_pod(plane, ns, "held", node)
+    running_pod(plane, ns, "other", node)
+    mark = plane.audit_mark()
+    gpus.fail(0)
+    configuration = await kube_configuration(HANDSHAKE, env=agent.env, sa_dir=agent.sa_dir)
+    report = msgspec.structs.replace(SETTINGS, mode="report")
+    try:
+        async with kubeapi.KubeClient(configuration) as api:
+            remediator = gpus.remediator(api, node, report)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(remediator.run)
+                await wait_until(
+                    lambda: (
+                        len(events(plane, ns, WOULD_EVICT)) >= 1
+                        and len(node_events(plane, node, WOULD_EVICT)) >= 1
+                    ),
+                    timeout_s=30,
+                )
+                # Later passes (the periodic look, a poke) say it once, evict nothing.
+                passes = remediator.passes
+                remediator.poke()
+                await wait_until(lambda: remediator.passes >= passes + 2, timeout_s=20)
+                tg.cancel_scope.cancel()
+            plan = await remediator.plan()
+        assert evicted_by_agent(plane, node, mark) == []  # not even asked for
+        assert remediator.evictions_requested == 0
+        assert not terminating(plane, ns, "held")
+        assert not terminating(plane, ns, "other")
+        (on_pod,) = events(plane, ns, WOULD_EVICT)
+        (on_node,) = node_events(plane, node, WOULD_EVICT)
+        assert on_pod["involvedObject"]["name"] == "held"
+        assert on_pod["involvedObject"]["uid"] == held["metadata"]["uid"]
+        assert on_pod["type"] == on_node["type"] == "Warning"
+        for event in (on_pod, on_node):
+            assert event["message"].startswith(f"would evict pod {ns}/held: GPU 0 ")
+            assert "XID 79 GPU_HAS_FALLEN_OFF_THE_BUS [RESTART_BM]" in event["message"]
+        assert events(plane, ns, "GpuletEvictedForGpuFault") == []
+        said = [r.getMessage() for r in caplog.records if r.name == runner_log.name]
+        assert sum(m.startswith("remediation (report only): would evict pod") for m in said) == 1
+        assert plan.mode == "report"
+        (gpu,) = plan.gpus
+        assert gpu.gpu_index == 0
+        assert [(p.name, p.state, p.attempts) for p in gpu.pods] == [("held", "planned", 0)]
     finally:
         cleanup(plane, ns, names)

@@ -188,6 +188,24 @@ def nvswitch_16() -> Inventory:
     )
 
 
+def nvlink_islands(count: int, island: int = 8) -> list[GpuInfo]:
+    """``count`` GPUs in NVLink islands of ``island`` (4 links a pair, one PCIe switch),
+    listing only their own island's peers: a big node whose topology must be built in
+    time linear in what it lists (a dense build of 4,096 fills 16.7 million pairs)."""
+    return [
+        GpuInfo(
+            uuid=f"GPU-{i}",
+            index=i,
+            topology=[
+                PeerLink(peer_uuid=f"GPU-{j}", peer_index=j, level=10, nvlinks=4)
+                for j in range(i // island * island, min(count, (i // island + 1) * island))
+                if j != i
+            ],
+        )
+        for i in range(count)
+    ]
+
+
 REFERENCE_TOPOLOGIES: dict[str, Callable[[], Inventory]] = {
     "7-GPU PIX/PHB": pix_phb_7,
     "8-GPU NVLink pairs": nvlink_pairs_8,

@@ -192,6 +192,8 @@ class Kit:
                 out += self.end(gpu, name, now, f"GPU reset observed ({why})")
         for family in self.families:
             family.reset(gpu)
+        for family in self.families:
+            out += family.after_reset(gpu, now)
         return out
 
     def rate(
@@ -243,3 +245,8 @@ class Family:
 
     def reset(self, gpu: GpuState) -> None:
         """A reset of ``gpu`` was observed: forget what no longer holds (baselines)."""
+
+    def after_reset(self, gpu: GpuState, now: float) -> Iterable[Emit]:
+        """What a reset of ``gpu`` ends once every family has forgotten its baselines: a
+        condition whose other evidence came before the reset was seen."""
+        return []

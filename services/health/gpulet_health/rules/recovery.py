@@ -8,7 +8,8 @@ timer:
 
 * GPU_RESET, DRAIN_AND_RESET, BUS_RESET: a GPU reset has been observed since (volatile
   ECC counters going back, pending remaps applied, a lost GPU answering again) **and**
-  the field reads NONE again;
+  the field reads NONE again, in either order (the NONE reading comes from the NVML
+  event thread, the reset from the samples: whichever is taken in last ends the hold);
 * NODE_REBOOT, SYSTEM_REBOOT, and any value this gpulet does not know (it escalates):
   the node's boot id (``/proc/sys/kernel/random/boot_id``) differs from the one the
   condition was raised in -- checked on every tick, so after a restart the state read
@@ -59,6 +60,17 @@ class Recovery(Family):
 
     def reset(self, gpu: GpuState) -> None:
         memo(gpu, self.name, _Memo).reset_seen = True
+
+    def after_reset(self, gpu: GpuState, now: float) -> list[Emit]:
+        """The field read NONE before the reset was seen: both pieces of evidence are in
+        (the readings and the samples that show a reset come by separate paths, in
+        either order; the field is not read again once it reads NONE)."""
+        active = gpu.conditions.get(CONDITION)
+        if active is None or gpu.recovery != NONE or _KINDS.get(active.action) != "reset":
+            return []
+        return self.kit.end(
+            gpu, CONDITION, now, "the driver's recovery action reads NONE and a GPU reset was seen"
+        )
 
     def observe(self, gpu: GpuState, value: int | None, now: float) -> list[Emit]:
         """The field read (or an XID 154 seen): None where the driver lacks it."""

@@ -72,6 +72,9 @@ class Selection:
     devices: tuple[str, ...]
     key: SetKey
     exhaustive: bool
+    # Partial sets the exhaustive search scored (0 for the heuristic): its work, which
+    # the tests bound instead of a wall-clock time.
+    visited: int = 0
 
     @property
     def score(self) -> int:
@@ -197,7 +200,8 @@ def select_whole(
     if need == 0:
         return _selection(ctx, must, exhaustive=True)
     if comb(len(cand), need) <= EXHAUSTIVE_LIMIT:
-        return _selection(ctx, _exhaustive(ctx, must, cand, size), exhaustive=True)
+        positions, visited = _exhaustive(ctx, must, cand, size)
+        return _selection(ctx, positions, exhaustive=True, visited=visited)
     return _selection(ctx, _heuristic(ctx, must, cand, size), exhaustive=False)
 
 
@@ -225,13 +229,16 @@ def fragment_order(topology: Topology, free: Iterable[str]) -> list[str]:
     return [topology.uuids[p] for p in order]
 
 
-def _selection(ctx: _Ctx, positions: Sequence[int], *, exhaustive: bool) -> Selection:
+def _selection(
+    ctx: _Ctx, positions: Sequence[int], *, exhaustive: bool, visited: int = 0
+) -> Selection:
     key = ctx.key(positions)
     devices = tuple(ctx.topo.uuids[p] for p in key.positions)
-    return Selection(devices=devices, key=key, exhaustive=exhaustive)
+    return Selection(devices=devices, key=key, exhaustive=exhaustive, visited=visited)
 
 
-def _exhaustive(ctx: _Ctx, must: list[int], cand: list[int], size: int) -> list[int]:
+def _exhaustive(ctx: _Ctx, must: list[int], cand: list[int], size: int) -> tuple[list[int], int]:
+    """The optimum's positions and the number of partial sets scored on the way."""
     scores, tiers, numa_bit, deg = ctx.scores, ctx.tiers, ctx.numa_bit, ctx.deg
     pred = ctx.predecessors(cand)
     max_pair = ctx.max_pair
@@ -246,9 +253,10 @@ def _exhaustive(ctx: _Ctx, must: list[int], cand: list[int], size: int) -> list[
     chosen = list(must)
     chosen_mask = sum(1 << p for p in must)
     ncand = len(cand)
+    visited = 0
 
     def rec(start: int, tier: int, numa: int, score: int, degsum: int, left: int) -> None:
-        nonlocal best_tier, best_numa, best_neg, best_damage, best_pos, chosen_mask
+        nonlocal best_tier, best_numa, best_neg, best_damage, best_pos, chosen_mask, visited
         size_now = len(chosen) + 1
         for i in range(start, ncand - left + 1):
             p = cand[i]
@@ -256,6 +264,7 @@ def _exhaustive(ctx: _Ctx, must: list[int], cand: list[int], size: int) -> list[
             # Swapping p for its skipped twin q gives the same key with lower indices.
             if q >= 0 and not chosen_mask >> q & 1:
                 continue
+            visited += 1
             srow, trow = scores[p], tiers[p]
             t = tier
             s = score
@@ -297,7 +306,7 @@ def _exhaustive(ctx: _Ctx, must: list[int], cand: list[int], size: int) -> list[
         base_numa |= numa_bit[p]
     base_deg = sum(deg[p] for p in must)
     rec(0, base.tier, base_numa, base.score, base_deg, size - len(must))
-    return list(best_pos)
+    return list(best_pos), visited
 
 
 def _greedy(ctx: _Ctx, start: Sequence[int], pool: Sequence[int], size: int) -> list[int]:
