@@ -11,8 +11,10 @@ per test, a little shorter than the test's timeout, that writes to
   each coroutine a task is suspended in, down to the innermost ``await``): a hung
   shutdown shows here as the task that never finished, and what it waits for.
 
-The path is also printed in the test's report when the test fails. Nothing happens to
-a test that ends in time: the timer is cancelled.
+The path is also written to the worker's real stderr. Nothing happens to a test that
+ends in time: the timer is cancelled. ``kill -USR1 <pid>`` of a pytest process writes
+the same dump at once (``gpulet-hang-<worker>-<pid>-signal.txt``), to look at a test that
+seems stuck before its timer fires.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import asyncio
 import faulthandler
 import gc
 import os
+import signal
 import tempfile
 import threading
 import time
@@ -80,6 +83,26 @@ def dump(path: Path, why: str) -> None:
                     out.write(traceback.format_exc())
 
 
+def _directory() -> Path:
+    return Path(os.environ.get("HANG_DUMP_DIR", tempfile.gettempdir()))
+
+
+def _worker() -> str:
+    return os.environ.get("PYTEST_XDIST_WORKER", "main")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    def on_signal(_signum: int, _frame: object) -> None:
+        path = _directory() / f"gpulet-hang-{_worker()}-{os.getpid()}-signal.txt"
+        try:
+            dump(path, "SIGUSR1")
+        except Exception:  # a diagnostic never raises
+            return
+
+    if hasattr(signal, "SIGUSR1"):
+        signal.signal(signal.SIGUSR1, on_signal)
+
+
 def _timeout_of(item: pytest.Item) -> float | None:
     marker = item.get_closest_marker("timeout")
     if marker and marker.args:
@@ -95,10 +118,8 @@ def pytest_runtest_protocol(item: pytest.Item) -> Generator[None, Any, None]:
     timeout = _timeout_of(item)
     timer: threading.Timer | None = None
     if timeout and timeout > 2 * LEAD_S:
-        worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
         name = "".join(c if c.isalnum() else "_" for c in item.nodeid)[-120:]
-        directory = Path(os.environ.get("HANG_DUMP_DIR", tempfile.gettempdir()))
-        path = directory / f"gpulet-hang-{worker}-{os.getpid()}-{name}.txt"
+        path = _directory() / f"gpulet-hang-{_worker()}-{os.getpid()}-{name}.txt"
 
         def fire() -> None:
             try:
