@@ -10,8 +10,14 @@ from typing import Any, cast
 import anyio
 import anyio.lowlevel
 import pytest
+from nats.aio.subscription import Subscription
 
+from gpulet_common import codec
+from gpulet_common.bus import Bus
 from gpulet_common.bus.connection import close_client
+from gpulet_common.bus.decoding import UNSUBSCRIBE_S
+from gpulet_common.embedded_nats import EmbeddedNats
+from gpulet_common.settings.nats import NatsSettings
 
 pytestmark = pytest.mark.anyio
 
@@ -48,3 +54,23 @@ async def test_a_close_that_hangs_is_still_cut_by_the_deadline() -> None:
     started = time.monotonic()
     await close_client(cast(Any, _Client(close)), 0.1)
     assert time.monotonic() - started < 5
+
+
+async def test_an_unsubscribe_that_hangs_does_not_hold_the_stop(
+    nats_server: EmbeddedNats, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The end of a subscription is shielded; an unsubscribe that never returns (nats-py
+    queueing a flush on a connection going away) is given up after UNSUBSCRIBE_S."""
+
+    async def hangs(_self: object, _limit: int = 0) -> None:
+        await anyio.sleep_forever()
+
+    monkeypatch.setattr(Subscription, "unsubscribe", hangs)
+    async with Bus.connect(NatsSettings(url=nats_server.url)) as bus:
+        started = time.monotonic()
+        with anyio.move_on_after(0.1):
+            async with bus.subscribe("gpu.test.hang", codec.SAMPLES) as messages:
+                async for _ in messages:
+                    pass
+        took = time.monotonic() - started
+    assert UNSUBSCRIBE_S <= took < UNSUBSCRIBE_S + 5

@@ -42,6 +42,9 @@ from gpulet_common.settings.nats import NatsSettings
 
 T = TypeVar("T")
 
+# The most an unsubscribe may take when a subscription ends (it is shielded).
+UNSUBSCRIBE_S = 1.0
+
 tracer = trace.get_tracer("gpulet.bus")
 
 
@@ -134,9 +137,14 @@ class BusBase:
         try:
             yield sub
         finally:
-            with anyio.CancelScope(shield=True):
-                with suppress(nats.errors.Error, OSError):
-                    await sub.unsubscribe()
+            # Bounded: nats-py's unsubscribe queues a flush, which can wait on a
+            # connection that is going away; a stop must end all the same.
+            with (
+                anyio.CancelScope(shield=True),
+                anyio.move_on_after(UNSUBSCRIBE_S),
+                suppress(nats.errors.Error, OSError),
+            ):
+                await sub.unsubscribe()
 
     def count_bad(self, subject: str, codec: Codec[Any], exc: Exception, data: bytes) -> None:
         """Count and log (rate-limited) one payload that failed to decode or check."""
