@@ -33,6 +33,9 @@ from gpulet_common.telemetry import StatusBoard, serve_http
 
 log = logging.getLogger("gpulet")
 
+# The most a stop waits for NVML's shutdown.
+NVML_CLOSE_S = 1.0
+
 
 async def run_agent(
     settings: Settings,
@@ -92,8 +95,12 @@ async def run_agent(
                 await tg.start(partial(run_services, services, status, handle_signals=False))
                 task_status.started(runtime)
     finally:
-        with anyio.CancelScope(shield=True):
-            await anyio.to_thread.run_sync(nvml.close)
+        # Bounded like every step of a stop: a wedged driver (a GPU off the bus) can
+        # hold nvmlShutdown; the process ends all the same and the thread with it.
+        with anyio.CancelScope(shield=True), anyio.move_on_after(NVML_CLOSE_S) as closing:
+            await anyio.to_thread.run_sync(nvml.close, abandon_on_cancel=True)
+        if closing.cancelled_caught:
+            log.warning("NVML did not shut down within %.1fs; stopping without it", NVML_CLOSE_S)
         log.info("stopped")
 
 

@@ -74,7 +74,8 @@ class _Connection:
         self.used = False
 
     async def aclose(self) -> None:
-        with anyio.CancelScope(shield=True):
+        # Bounded: a TLS close waits for the peer's close_notify.
+        with anyio.CancelScope(shield=True), anyio.move_on_after(1.0):
             try:
                 await self.stream.aclose()
             except (OSError, *_STREAM_ERRORS):
