@@ -37,7 +37,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -58,7 +58,6 @@ from support.fleet import (
     running_hub,
     running_leaves,
 )
-from support.waiting import wait_until
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 
@@ -66,6 +65,16 @@ NODES = int(os.environ.get("FLEET_STORM_NODES", "20"))
 FAULTS = int(os.environ.get("FLEET_STORM_FAULTS", "2000"))
 WAVES = 4
 ACK_WAIT_S = 3.0
+# Every wait below ends by the clock (not by a count of polls: under load a poll that
+# asks the hub can take seconds, and the waits of a sick hub then added up to far more
+# than the test's timeout, which ended the xdist worker with no word of what it waited
+# for). All of them together end within STORM_S of the nodes being up, well inside
+# the slow tests' timeout, and a failed wait names itself and shows the timeline.
+STORM_S = 360.0
+# The nodes' and leaves' stop, all at once, on a loaded machine.
+STOP_S = 60.0
+# One question to the hub (stream or consumer info) while it elects a leader.
+ASK_S = 3.0
 FLEET = FleetSettings(
     replicas=3,
     relay_retry_initial_s=0.05,
@@ -188,19 +197,11 @@ async def hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[
 
 async def _consumer_waiting(admin: Bus, replicas: int) -> bool:
     try:
-        info = await admin.jetstream.consumer_info(subjects.FLEET_STREAM, FLEET.alerts_durable)
+        with anyio.fail_after(ASK_S):
+            info = await admin.jetstream.consumer_info(subjects.FLEET_STREAM, FLEET.alerts_durable)
     except Exception:
         return False
     return (info.num_waiting or 0) >= replicas
-
-
-async def _wait_async(predicate: object, *, timeout_s: float, what: str) -> None:
-    assert callable(predicate)
-    for _ in range(int(timeout_s / 0.25)):
-        if await predicate():
-            return
-        await anyio.sleep(0.25)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
 FaultKey = tuple[str, str, int]  # node, GPU uuid, XID
@@ -218,7 +219,8 @@ def fault_counts(events: list[dict[str, object]]) -> dict[FaultKey, int]:
 async def _stored(admin: Bus) -> int:
     """Messages in GPU_FLEET, or -1 while the cluster cannot say (leader election)."""
     try:
-        info = await admin.jetstream.stream_info(subjects.FLEET_STREAM)
+        with anyio.fail_after(ASK_S):
+            info = await admin.jetstream.stream_info(subjects.FLEET_STREAM)
     except Exception:
         return -1
     return info.state.messages
@@ -239,105 +241,149 @@ async def test_every_fault_reaches_the_sink_once_through_hub_and_replica_crashes
     def mark(what: str) -> None:
         timeline.append(f"{time.monotonic() - started:6.1f}s {what}")
 
-    async def wait_stored(count: int, *, timeout_s: float, what: str) -> None:
-        nonlocal stored_count
-        for _ in range(int(timeout_s / 0.25)):
-            stored_count = max(stored_count, await _stored(admin))
-            if stored_count >= count:
+    storm_ends = float("inf")
+
+    def failed(what: str, timeout_s: float) -> AssertionError:
+        mark(f"gave up waiting for {what}")
+        return AssertionError(
+            f"timed out after {timeout_s:.0f}s waiting for {what}: {stored_count} events "
+            f"stored, {sink.faults()} faults at the sink\n" + "\n".join(timeline)
+        )
+
+    async def wait_for(
+        check: Callable[[], Awaitable[bool]], *, timeout_s: float, what: str
+    ) -> None:
+        timeout_s = max(1.0, min(timeout_s, storm_ends - time.monotonic()))
+        ends = time.monotonic() + timeout_s
+        while True:
+            if await check():
                 return
+            if time.monotonic() >= ends:
+                raise failed(what, timeout_s)
             await anyio.sleep(0.25)
-        raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+    async def wait_stored(count: int, *, timeout_s: float, what: str) -> None:
+        async def enough() -> bool:
+            nonlocal stored_count
+            stored_count = max(stored_count, await _stored(admin))
+            return stored_count >= count
+
+        await wait_for(enough, timeout_s=timeout_s, what=what)
+
+    async def wait_sink(count: int, *, timeout_s: float, what: str) -> None:
+        async def enough() -> bool:
+            return sink.faults() >= count
+
+        await wait_for(enough, timeout_s=timeout_s, what=what)
 
     with webhook(sink) as url:
         replicas = [AlertsReplica(f"alerts-{i}", hub, url, tmp_path) for i in range(2)]
         try:
             for replica in replicas:
                 replica.start()
-            async with (
-                Bus.connect(hub.nats_settings("admin"), max_initial_attempts=5) as admin,
-                running_leaves(tmp_path, hub, names, mock=True) as leaves,
-                running_fleet_nodes(tmp_path, [leaves[n] for n in names], FLEET) as nodes,
-            ):
-                rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
-                mark(f"{NODES} leaf nodes, their collector and health services up ({rss} MiB here)")
-                uuids = {
-                    node.node: [(await node.health_mock()).slot_uuid(g) for g in range(MOCK_GPUS)]
-                    for node in nodes
-                }
-                expected = {(n, uuids[n][gpu], code) for n in names for gpu, code in plan}
-                await _wait_async(
-                    lambda: _consumer_waiting(admin, 2), timeout_s=60, what="2 alerts replicas"
-                )
-                # What the nodes published before the storm (none expected; counted).
-                baseline = max(await _stored(admin), 0)
-                mark(f"2 alerts replicas pulling; {baseline} events on the hub before")
+            stopping = anyio.CancelScope()
+            with stopping:
+                async with (
+                    Bus.connect(hub.nats_settings("admin"), max_initial_attempts=5) as admin,
+                    running_leaves(tmp_path, hub, names, mock=True) as leaves,
+                    running_fleet_nodes(tmp_path, [leaves[n] for n in names], FLEET) as nodes,
+                ):
+                    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
+                    mark(f"{NODES} leaf nodes, their collector and health services up ({rss} MiB)")
+                    uuids = {
+                        node.node: [
+                            (await node.health_mock()).slot_uuid(g) for g in range(MOCK_GPUS)
+                        ]
+                        for node in nodes
+                    }
+                    expected = {(n, uuids[n][gpu], code) for n in names for gpu, code in plan}
+                    storm_ends = time.monotonic() + STORM_S
+                    # A failed wait's stop is bounded too (the injections' own requests
+                    # time out; the margin covers them).
+                    stopping.deadline = anyio.current_time() + STORM_S + 120 + STOP_S
+                    await wait_for(
+                        lambda: _consumer_waiting(admin, 2), timeout_s=60, what="2 alerts replicas"
+                    )
+                    # What the nodes published before the storm (none expected; counted).
+                    baseline = max(await _stored(admin), 0)
+                    mark(f"2 alerts replicas pulling; {baseline} events on the hub before")
 
-                async def inject_node(node: NodeServices, lo: int, hi: int) -> None:
-                    for gpu, code in plan[lo:hi]:
-                        await node.inject_xid(gpu, code)
+                    async def inject_node(node: NodeServices, lo: int, hi: int) -> None:
+                        for gpu, code in plan[lo:hi]:
+                            await node.inject_xid(gpu, code)
 
-                async def wave(k: int) -> None:
-                    lo, hi = k * per_node // WAVES, (k + 1) * per_node // WAVES
-                    async with anyio.create_task_group() as tg:
-                        for node in nodes:
-                            tg.start_soon(inject_node, node, lo, hi)
-                    mark(f"wave {k + 1}: faults {lo}..{hi - 1} of every node injected")
+                    async def wave(k: int) -> None:
+                        lo, hi = k * per_node // WAVES, (k + 1) * per_node // WAVES
+                        async with anyio.create_task_group() as tg:
+                            for node in nodes:
+                                tg.start_soon(inject_node, node, lo, hi)
+                        mark(f"wave {k + 1}: faults {lo}..{hi - 1} of every node injected")
 
-                await wave(0)
-                # Kill while events flow: some relayed, most still on the way.
-                await wait_stored(
-                    baseline + total // 16, timeout_s=60, what="the first relayed faults"
-                )
-                info = await admin.jetstream.stream_info(subjects.FLEET_STREAM)
-                leader = info.cluster.leader if info.cluster else None
-                victim = next(s for s in hub.servers if s.name == leader)
-                await victim.kill()
-                mark(f"SIGKILL {victim.name} (GPU_FLEET leader)")
-                await wave(1)
-                # The two survivors elect a leader and store on: R3 keeps its quorum.
-                await wait_stored(
-                    baseline + total * 3 // 8,
-                    timeout_s=120,
-                    what="faults stored while a hub server is down",
-                )
-                mark("faults stored with a hub server down")
-                await victim.start()
-                mark(f"restarted {victim.name}")
-                await wave(2)
-                # Kill a replica that is busy delivering.
-                await wait_until(
-                    lambda: sink.faults() >= total // 3,
-                    timeout_s=120,
-                    interval_s=0.05,
-                    what="a third of the faults at the sink",
-                )
-                replicas[0].kill()
-                mark("SIGKILL alerts-0")
-                await wave(3)
-                replicas[0].start()
-                mark("restarted alerts-0")
+                    await wave(0)
+                    # Kill while events flow: some relayed, most still on the way.
+                    await wait_stored(
+                        baseline + total // 16, timeout_s=60, what="the first relayed faults"
+                    )
+                    info = await admin.jetstream.stream_info(subjects.FLEET_STREAM)
+                    leader = info.cluster.leader if info.cluster else None
+                    victim = next(s for s in hub.servers if s.name == leader)
+                    await victim.kill()
+                    mark(f"SIGKILL {victim.name} (GPU_FLEET leader)")
+                    await wave(1)
+                    # The two survivors elect a leader and store on: R3 keeps its quorum.
+                    await wait_stored(
+                        baseline + total * 3 // 8,
+                        timeout_s=120,
+                        what="faults stored while a hub server is down",
+                    )
+                    mark("faults stored with a hub server down")
+                    await victim.start()
+                    mark(f"restarted {victim.name}")
+                    await wave(2)
+                    # Kill a replica that is busy delivering.
+                    await wait_sink(
+                        total // 3, timeout_s=120, what="a third of the faults at the sink"
+                    )
+                    replicas[0].kill()
+                    mark("SIGKILL alerts-0")
+                    await wave(3)
+                    replicas[0].start()
+                    mark("restarted alerts-0")
 
-                await wait_stored(
-                    baseline + total, timeout_s=180, what="every fault stored on the hub"
-                )
-                mark("every fault stored on the hub")
-                await wait_until(
-                    lambda: sink.faults() >= total,
-                    timeout_s=120,
-                    interval_s=0.25,
-                    what=f"the sink to accept {total} faults",
-                )
-                mark("every fault at the sink")
-                info = await admin.jetstream.stream_info(subjects.FLEET_STREAM)
-                stored: list[dict[str, object]] = []
-                for seq in range(info.state.first_seq, info.state.last_seq + 1):
-                    msg = await admin.jetstream.get_msg(subjects.FLEET_STREAM, seq, direct=False)
-                    stored.append(json.loads(msg.data or b""))
-                await wait_until(
-                    lambda: len(sink.accepted) >= len(stored),
-                    timeout_s=60,
-                    interval_s=0.25,
-                    what="the sink to accept every stored event",
+                    await wait_stored(
+                        baseline + total, timeout_s=180, what="every fault stored on the hub"
+                    )
+                    mark("every fault stored on the hub")
+                    await wait_sink(total, timeout_s=120, what=f"the sink to accept {total} faults")
+                    mark("every fault at the sink")
+                    stored: list[dict[str, object]] = []
+                    with anyio.move_on_after(max(1.0, storm_ends - time.monotonic())) as reading:
+                        info = await admin.jetstream.stream_info(subjects.FLEET_STREAM)
+                        for seq in range(info.state.first_seq, info.state.last_seq + 1):
+                            msg = await admin.jetstream.get_msg(
+                                subjects.FLEET_STREAM, seq, direct=False
+                            )
+                            stored.append(json.loads(msg.data or b""))
+                    if reading.cancelled_caught:
+                        raise failed(f"the stream to be read back ({len(stored)} read)", STORM_S)
+                    mark(f"{len(stored)} stored events read back")
+
+                    async def every_stored_accepted() -> bool:
+                        return len(sink.accepted) >= len(stored)
+
+                    await wait_for(
+                        every_stored_accepted,
+                        timeout_s=60,
+                        what="the sink to accept every stored event",
+                    )
+                    # 20 agents and their leaf servers stop at once; each agent's own
+                    # stop is bounded (SIGTERM within 2 s): a stop that hangs fails here.
+                    mark("stopping the nodes and leaves")
+                    stopping.deadline = anyio.current_time() + STOP_S
+            if stopping.cancelled_caught:
+                raise AssertionError(
+                    f"the nodes and leaves did not stop within {STOP_S:.0f}s\n"
+                    + "\n".join(timeline)
                 )
             mark("nodes and leaves stopped")
         finally:
