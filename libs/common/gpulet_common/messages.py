@@ -379,6 +379,10 @@ class ActiveCondition(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=T
     # The MIG device (its UUID) the condition is confined to: a fault that named a GPU
     # and compute instance. Empty: the whole GPU. Added after schema version 1.
     mig_device: str = ""
+    # For a hold until a GPU reset (``recovery_action``): a GPU reset was seen since it
+    # was raised, so the driver reading NONE again ends it, after a restart too. Added
+    # after schema version 1.
+    reset_seen: bool = False
 
 
 class GpuHealth(msgspec.Struct, frozen=True, kw_only=True):
@@ -398,6 +402,11 @@ class GpuHealth(msgspec.Struct, frozen=True, kw_only=True):
     # GPU itself stays as ``healthy`` says. An unhealthy GPU makes every MIG device on
     # it unhealthy too (consumers apply that). Added after schema version 1.
     unhealthy_mig_devices: list[str] = []
+    # The GPU's recovery action as the driver last reported it (NVML field 230), as in
+    # HealthEvent.recovery_action, or "unsupported" where the driver does not report
+    # it; empty where never read. A restart reads it back (shown; the hold it governs
+    # ends only on a reading taken after the restart). Added after schema version 1.
+    recovery_action: str = ""
 
 
 class HealthState(_Message, frozen=True, kw_only=True):

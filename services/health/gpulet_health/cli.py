@@ -48,6 +48,10 @@ def format_state(state: HealthState) -> str:
         lines.append(
             f"  GPU {gpu.gpu_index if gpu.gpu_index is not None else '?'} {gpu.gpu_uuid}: {verdict}"
         )
+        action = gpu.recovery_action
+        held = any(c.condition == "recovery_action" for c in gpu.conditions)
+        if held or action not in ("", "none", "unsupported"):
+            lines.append(f"    recovery action (NVML field 230): {action or 'not read'}")
         for c in gpu.conditions:
             sticky = ", sticky" if c.sticky else ""
             lines.append(

@@ -19,7 +19,10 @@ Right after an XID event the thread reads the GPU's recovery action (NVML field 
 R570+; :mod:`gpulet_health.recovery`) and posts it with the event
 (``EventReceived.recovery``), once per GPU and batch; for a GPU whose last reading asked
 for an action it reads the field again every ``device_poll_s`` (posted as an event of
-no type), since the return to NONE comes with no event.
+no type), since the return to NONE comes with no event. The async side asks for those
+readings too (:meth:`NvmlEventSource.ask_recovery`): for the GPUs a hold read back from
+the KV bucket keeps out of service (the last reading is not kept across a restart, and
+the XID that raised the hold will not come again).
 
 Everything the thread learns is posted as a :data:`SourceItem` into a bounded memory
 object stream; when the stream is full the thread waits (checking the stop flag), so
@@ -39,7 +42,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -129,6 +132,8 @@ class NvmlEventSource:
         # whose last reading asked for an action (read again every device_poll_s).
         self._no_recovery: set[int] = set()
         self._asking: dict[int, int] = {}
+        # GPUs the async side asked to read again (under the lock).
+        self._asked: set[int] = set()
 
     def watch(
         self, indexes: Sequence[int], count: int | None = None, *, force: bool = False
@@ -149,6 +154,13 @@ class NvmlEventSource:
                 self._count = count
                 self._generation += 1
             return self._generation
+
+    def ask_recovery(self, indexes: Iterable[int]) -> None:
+        """Read the recovery action (field 230) of these GPUs on the next poll, and go on
+        as for a reading from an XID (thread-safe): the GPUs a recovery hold keeps out of
+        service, whose reading may end it with no event to prompt one."""
+        with self._lock:
+            self._asked.update(indexes)
 
     def _watched(self) -> tuple[int, tuple[int, ...], int | None]:
         with self._lock:
@@ -276,7 +288,11 @@ class NvmlEventSource:
         """Read field 230 again for GPUs whose driver asked for an action: the value going
         back to NONE (after the reset) comes with no event. A reading is posted as an
         EventReceived whose NVML event has no type (no family but the recovery rule
-        looks at it)."""
+        looks at it). GPUs the async side asked for are read too."""
+        with self._lock:
+            asked, self._asked = self._asked, set()
+        for index in asked - self._no_recovery:
+            self._asking.setdefault(index, NOT_READ)
         for index in list(self._asking):
             try:
                 value = recovery.read(adapter.module, index)

@@ -42,6 +42,9 @@ ReturnKind = Literal["reset", "reboot", "clears"]
 _RESET: Final = frozenset({"gpu_reset", "drain_and_reset", "bus_reset"})
 _CLEARS: Final = frozenset({"drain_p2p", "recover_imex_domain"})
 
+_NAMES: Final = frozenset(NAMES.values())
+_UNKNOWN = re.compile(r"unknown_[0-9]{1,20}")
+
 # XID 154's log text: "GPU recovery action changed from 0x0 (None) to 0x4 (Drain and Reset)".
 _XID_154 = re.compile(r"recovery action changed from 0x([0-9a-fA-F]+).*? to 0x([0-9a-fA-F]+)")
 
@@ -59,6 +62,14 @@ def kind(name: str) -> ReturnKind:
     if name in _CLEARS:
         return "clears"
     return "reboot"
+
+
+def known(name: str) -> str:
+    """``name`` if it is one this module gives (a value's name, ``unknown_<n>``) or
+    ``unsupported``; else "" (a reading kept in the KV bucket is decoded totally)."""
+    if name in _NAMES or name == "unsupported" or _UNKNOWN.fullmatch(name):
+        return name
+    return ""
 
 
 def from_xid_154(detail: str) -> int | None:

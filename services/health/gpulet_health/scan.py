@@ -86,6 +86,7 @@ class GpuScanner:
             device_poll_s=self._settings.device_poll_s,
         )
         self.source.watch(self.watch_list(), self.last_count)
+        self.source.ask_recovery(self._engine.recovery_holds())
         self._watched_map = self._engine.index_map()
         return self.source
 
@@ -177,6 +178,8 @@ class GpuScanner:
         if self.source is not None:
             added = force or any(e.kind == "gpu_added" for e in events)
             generation = self.source.watch(self.watch_list(), count, force=added)
+            # Indices may have moved: the recovery holds are read again where they are.
+            self.source.ask_recovery(self._engine.recovery_holds())
             self._watched_map = self._engine.index_map()
             if added:
                 await self._await_registration(generation)

@@ -42,6 +42,7 @@ from gpulet_common.messages import (
     HealthKind,
     Severity,
 )
+from gpulet_health.recovery import known as known_action
 
 # Conditions that only the operator or an observed reset end.
 STICKY_KINDS: frozenset[str] = frozenset({"xid", "ecc_uncorrectable"})
@@ -66,6 +67,10 @@ class Condition:
     boot_id: str = ""
     # The MIG device (UUID) the condition is confined to; "" the whole GPU.
     mig_device: str = ""
+    # A hold until a GPU reset (rules/recovery.py): a reset was seen since it was raised.
+    reset_seen: bool = False
+    # Read back from the KV bucket at start (raised by a previous run); not on the wire.
+    restored: bool = False
 
     @property
     def unhealthy(self) -> bool:
@@ -82,7 +87,7 @@ class Condition:
             _, _, code = c.condition.partition(":")
             code = code.partition("@")[0]
             xid = int(code) if code.isdigit() else None
-        return cls(**_same_on_wire(c), xid=xid, evidence=c.evidence_count)
+        return cls(**_same_on_wire(c), xid=xid, evidence=c.evidence_count, restored=True)
 
 
 # What a condition keeps under the same name on the wire (ActiveCondition). The
@@ -99,6 +104,7 @@ WIRE_FIELDS: Final = (
     "since",
     "boot_id",
     "mig_device",
+    "reset_seen",
 )
 
 
@@ -186,6 +192,7 @@ class GpuState:
             updated_at=self.updated_at,
             info=info,
             unhealthy_mig_devices=self.unhealthy_migs,
+            recovery_action=self.recovery,
         )
 
     @classmethod
@@ -198,4 +205,5 @@ class GpuState:
         for c in health.conditions:
             state.conditions[c.condition] = Condition.from_wire(c)
         state.updated_at = health.updated_at
+        state.recovery = known_action(health.recovery_action)
         return state

@@ -61,6 +61,7 @@ from gpulet_health.rules.ecc import Ecc
 from gpulet_health.rules.link_errors import LinkErrors
 from gpulet_health.rules.nvlink import NvLink
 from gpulet_health.rules.presence import GONE_CONDITIONS, Presence
+from gpulet_health.rules.recovery import CONDITION as RECOVERY_HOLD
 from gpulet_health.rules.recovery import XID_RECOVERY, Recovery
 from gpulet_health.rules.remap import Remap
 from gpulet_health.rules.thermal import Thermal
@@ -144,6 +145,16 @@ class RuleEngine(Kit):
     def state(self, now: float, gpu: str | None = None) -> HealthState:
         gpus = [self.find(gpu)] if gpu is not None else self.ordered()
         return HealthState(node=self.node, gpus=[g.snapshot() for g in gpus], updated_at=now)
+
+    def recovery_holds(self) -> list[int]:
+        """Indexes of the present GPUs the driver's recovery action holds (:mod:`.recovery`):
+        the NVML event thread reads their field 230 again (a hold read back from the KV
+        bucket has no reading of this run, and no XID may come to prompt one)."""
+        return sorted(
+            g.index
+            for g in self.gpus.values()
+            if g.present and g.index is not None and RECOVERY_HOLD in g.conditions
+        )
 
     def index_map(self) -> dict[int, str]:
         """NVML index -> UUID of the present GPUs."""
