@@ -237,6 +237,7 @@ class DraPlugin:
             dev_root=s.dev_root,
             host_dev=s.host_dev,
             mps_pipe_directory=s.mps_pipe_directory,
+            control=self._nodes.control_names(),  # looked at once a second
         )
         cdi.write_spec(s.cdi_dir, s.driver, claim.uid, spec)
         devices = [
