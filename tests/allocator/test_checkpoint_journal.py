@@ -34,6 +34,18 @@ def on_disk(store: CheckpointFile) -> str:
     return read_state(store.path)[0].node
 
 
+def records_end(store: CheckpointFile) -> int:
+    """Where the journal's records end (the preallocated zeros start)."""
+    return len(store.journal_path.read_bytes().rstrip(b"\0"))
+
+
+def put_after_records(store: CheckpointFile, data: bytes) -> None:
+    """``data`` where the next record would go, as a write cut short leaves it."""
+    with store.journal_path.open("r+b") as f:
+        f.seek(records_end(store))
+        f.write(data)
+
+
 def test_writes_append_one_record_each_and_compact_when_the_journal_grows(
     tmp_path: Path,
 ) -> None:
@@ -42,15 +54,19 @@ def test_writes_append_one_record_each_and_compact_when_the_journal_grows(
         store.write(state(1))  # the first write compacts: snapshot and a fresh journal
         assert (store.compactions, store.appends) == (1, 0)
         assert store.path.read_bytes() == state(1)
-        assert store.journal_path.read_bytes() == header(state(1))
+        # Preallocated: the header, then zeros (compact_bytes=1: COMPACT_FACTOR records).
+        capacity = cp.COMPACT_FACTOR * len(frame(state(1)))
+        journal = store.journal_path.read_bytes()
+        assert journal == header(state(1)) + bytes(capacity - len(header(state(1))))
         for n in range(2, 40):
+            compactions, size = store.compactions, store.journal_path.stat().st_size
             store.write(state(n))
             assert on_disk(store) == f"s{n}"
-        # compact_bytes=1: the journal holds at most COMPACT_FACTOR records' worth.
-        assert store.compactions >= 3
+            if store.compactions == compactions:
+                # Records overwrite the zeros: the file never grows.
+                assert store.journal_path.stat().st_size == size
+        assert store.compactions == 3  # 15 records fit after the header each time
         assert store.appends == 39 - store.compactions
-        limit = cp.COMPACT_FACTOR * len(frame(state(39)))
-        assert store.journal_path.stat().st_size <= limit + len(header(b""))
         assert (store.path.stat().st_mode & 0o777, store.journal_path.stat().st_mode & 0o777) == (
             0o600,
             0o600,
@@ -78,7 +94,7 @@ def test_load_replays_the_journal_and_the_next_write_compacts(store: CheckpointF
         pytest.param(lambda rec: rec[:-7], id="short"),
         pytest.param(lambda rec: rec[:3], id="length-only"),
         pytest.param(lambda rec: rec[:-3] + b"XX\n", id="checksum"),
-        pytest.param(lambda rec: b"\0" * len(rec), id="zeros"),
+        pytest.param(lambda rec: rec[:20] + b"\0" * 20 + rec[40:-7], id="a-hole"),
     ],
 )
 def test_a_torn_last_record_is_dropped_and_never_appended_after(
@@ -87,14 +103,13 @@ def test_a_torn_last_record_is_dropped_and_never_appended_after(
     store.write(state(1))
     store.write(state(2))
     assert callable(tail)
-    with store.journal_path.open("ab") as f:
-        f.write(tail(frame(state(3))))
+    put_after_records(store, tail(frame(state(3))))
     loaded = store.load()
     assert (loaded.status, loaded.state.node) == ("ok", "s2")
     assert "torn last journal record" in loaded.detail
     # The torn bytes are gone with the first write after the load (a compaction).
     store.write(state(4))
-    assert store.journal_path.read_bytes() == header(state(4))
+    assert store.journal_path.read_bytes().rstrip(b"\0") == header(state(4))
     store.write(state(5))
     assert store.load().state.node == "s5"
 
@@ -132,8 +147,7 @@ def test_a_journal_without_its_snapshot_fails_closed(store: CheckpointFile) -> N
 
 def test_a_last_record_that_does_not_decode_fails_closed(store: CheckpointFile) -> None:
     store.write(state(1))
-    with store.journal_path.open("ab") as f:
-        f.write(frame(b'{"version": 99}'))
+    put_after_records(store, frame(b'{"version": 99}'))
     loaded = store.load()
     assert loaded.status == "corrupt"
     assert "its last record: unsupported checkpoint version 99" in loaded.state.lost
@@ -179,14 +193,14 @@ def test_a_failed_append_is_never_appended_after(
     store.write(state(1))
     store.write(state(2))
 
-    real_write = os.write
+    real_write = os.pwrite
 
-    def full(fd: int, data: bytes | memoryview) -> int:
-        real_write(fd, bytes(data[:10]))  # a part lands, then the disk is full
-        raise OSError(28, "No space left on device")
+    def full(fd: int, data: bytes | memoryview, at: int) -> int:
+        real_write(fd, bytes(data[:10]), at)  # a part lands, then the disk fails
+        raise OSError(5, "Input/output error")
 
-    monkeypatch.setattr(os, "write", full)
-    with pytest.raises(OSError, match="No space"):
+    monkeypatch.setattr(os, "pwrite", full)
+    with pytest.raises(OSError, match="Input/output"):
         store.write(state(3))
     monkeypatch.undo()
     # The last good state stands on disk; the next write compacts over the torn bytes.
@@ -233,6 +247,7 @@ def test_replay_reads_records_and_names_what_is_wrong() -> None:
     records = [state(1), state(2)]
     good = header(snap) + b"".join(frame(r) for r in records)
     assert replay(good, snap).records == records
+    assert replay(good + bytes(100), snap) == replay(good, snap)  # the preallocated rest
     assert replay(good, state(9)).follows is False
     assert replay(header(snap), snap).records == []
     with pytest.raises(JournalCorrupt, match="not a journal header"):

@@ -6,14 +6,15 @@ Design
 ledger's allocations (the engine's tagged union, ``"type": "whole"`` /
 ``"share"``) plus the grants that map kubelet's requests to them. Both must change
 together, so they share one document. It lives in two files: the *snapshot* (the
-checkpoint's path) and, next to it, its *journal* (:mod:`.journal`): each write
-appends the whole new document to the journal and flushes it once (``fdatasync``);
-once the journal would pass :data:`COMPACT_BYTES` (or :data:`COMPACT_FACTOR` records'
-worth), the write is a *compaction* instead: the snapshot replaced atomically and
-durably (:func:`gpulet_common.statefile.write_atomic`: a temporary file in the same
-directory, fsync, rename over it, fsync the directory), then a fresh journal the same
-way. The first write after a start compacts too, so a torn tail is never appended
-after. A crash leaves the last state answered or a newer one, never a mix. Loading
+checkpoint's path) and, next to it, its *journal* (:mod:`.journal`): each write puts
+the whole new document in the journal, after the last record, and flushes it once
+(``fdatasync``). The journal is preallocated (:data:`COMPACT_BYTES`, or
+:data:`COMPACT_FACTOR` records' worth); once it is full, the write is a *compaction*
+instead: the snapshot replaced atomically and durably
+(:func:`gpulet_common.statefile.write_atomic`: a temporary file in the same directory,
+fsync, rename over it, fsync the directory), then a fresh journal the same way. The
+first write after a start compacts too, so a torn tail is never written after. A crash
+leaves the last state answered or a newer one, never a mix. Loading
 (:func:`read_state`) reads the snapshot, then replays the journal (its last good
 record); a torn last record is dropped. Loading never raises: a missing file is a
 first start; an unreadable one is retried by the service. Both files are written
@@ -67,15 +68,15 @@ import msgspec
 
 from gpulet_allocator.state.journal import JournalCorrupt, frame, header, journal_path, replay
 from gpulet_allocator.state.records import STATE_VERSION, StoredState
-from gpulet_common.safefile import open_append
+from gpulet_common.safefile import open_update
 from gpulet_common.statefile import quarantine, tmp_prefix, write_atomic
 
 log = logging.getLogger("gpulet.allocator.store")
 
 RETRY_MIN_S = 0.2
 RETRY_MAX_S = 5.0
-# The journal is compacted into the snapshot once it would pass the larger of these
-# (bytes; times the record's size): its replay reads it whole at the next start.
+# The journal's preallocated size, the larger of these (bytes; times the record's size):
+# full, it is compacted into the snapshot. Its replay reads it whole at the next start.
 COMPACT_BYTES = 1 << 20
 COMPACT_FACTOR = 16
 
@@ -134,7 +135,8 @@ class CheckpointFile:
         # None: the next write compacts (first write, after a load or a failed append).
         self._journal: BinaryIO | None = None
         self._journal_id = (0, 0)  # its (st_dev, st_ino)
-        self._journal_size = 0
+        self._journal_size = 0  # where the next record goes
+        self._journal_capacity = 0  # its preallocated size
         #: Writes appended to the journal and compactions done, for tests and benches.
         self.appends = 0
         self.compactions = 0
@@ -143,20 +145,20 @@ class CheckpointFile:
         """Make ``data`` the durable state: appended to the journal and flushed, or,
         now and then, written as the snapshot with a fresh journal. Raises OSError."""
         record = frame(data)
-        limit = max(self._compact_bytes, COMPACT_FACTOR * len(record))
         journal = self._journal
         if (
             journal is None
-            or self._journal_size + len(record) > limit
+            or self._journal_size + len(record) > self._journal_capacity
             or not self._journal_in_place()
         ):
-            self._compact(data)
+            self._compact(data, len(record))
             return
         try:
-            fd = journal.fileno()
+            fd, at = journal.fileno(), self._journal_size
             view = memoryview(record)
             while view:
-                view = view[os.write(fd, view) :]
+                done = os.pwrite(fd, view, at)
+                view, at = view[done:], at + done
             os.fdatasync(fd)
         except OSError:
             # Maybe a part of the record is on disk: never append after it.
@@ -174,15 +176,17 @@ class CheckpointFile:
             return False
         return (st.st_dev, st.st_ino) == self._journal_id
 
-    def _compact(self, data: bytes) -> None:
+    def _compact(self, data: bytes, record: int) -> None:
         self.close()
         write_atomic(self.path, data)
         head = header(data)
-        write_atomic(self.journal_path, head)
-        self._journal = journal = open_append(self.journal_path)
+        # Preallocated: the appends that follow overwrite zeros (see .journal).
+        capacity = max(self._compact_bytes, COMPACT_FACTOR * record)
+        write_atomic(self.journal_path, head + bytes(capacity - len(head)))
+        self._journal = journal = open_update(self.journal_path)
         st = os.fstat(journal.fileno())
         self._journal_id = (st.st_dev, st.st_ino)
-        self._journal_size = len(head)
+        self._journal_size, self._journal_capacity = len(head), capacity
         self.compactions += 1
 
     def close(self) -> None:

@@ -6,7 +6,11 @@ Why
 Replacing the whole checkpoint each time (:func:`gpulet_common.statefile.write_atomic`)
 costs two fsyncs and a rename, the most expensive step of a DRA Prepare. Appending the
 new state to a journal and flushing it once (``fdatasync``) keeps the same promise for
-one flush.
+one flush. The journal is created full of zeros (preallocated, written and synced
+once), and each record overwrites the zeros after the last one: the file's size and
+blocks never change, so the flush writes the data and no file-system metadata (on a
+shared ext4 disk, no journal commit to wait for: 0.13-0.17 ms at the median, 0.33 ms at
+p99, against 0.22 / 1.0-1.3 ms for a growing file, measured side by side).
 
 Format
 ------
@@ -17,7 +21,9 @@ Format
 * then one line per write, ``<length> <crc32 hex> <state>``: the whole
   :class:`~gpulet_allocator.state.records.StoredState` as the snapshot holds it, so
   the last good record *is* the state (a few KiB on an 8-GPU node; no diffing, and
-  replay is reading the last record).
+  replay is reading the last record);
+* then zeros to the end of the file. No record holds a NUL byte (encoded JSON has
+  none), so the records end where only zeros are left.
 
 Replay (:func:`replay`)
 -----------------------
@@ -110,6 +116,7 @@ def _record_at(data: bytes, pos: int) -> tuple[bytes, int] | tuple[str, int | No
 def replay(data: bytes, snapshot: bytes | None) -> Replay:
     """The records of journal ``data`` that follow ``snapshot`` (None: there is no
     snapshot); see the module docstring. Raises :class:`JournalCorrupt`."""
+    data = data.rstrip(b"\0")  # the preallocated rest
     line_end = data.find(b"\n")
     if line_end < 0 or not data.startswith(MAGIC):
         raise JournalCorrupt("its first line is not a journal header")
