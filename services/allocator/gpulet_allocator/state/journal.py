@@ -8,9 +8,11 @@ costs two fsyncs and a rename, the most expensive step of a DRA Prepare. Appendi
 new state to a journal and flushing it once (``fdatasync``) keeps the same promise for
 one flush. The journal is created full of zeros (preallocated, written and synced
 once), and each record overwrites the zeros after the last one: the file's size and
-blocks never change, so the flush writes the data and no file-system metadata (on a
-shared ext4 disk, no journal commit to wait for: 0.13-0.17 ms at the median, 0.33 ms at
-p99, against 0.22 / 1.0-1.3 ms for a growing file, measured side by side).
+blocks never change, so the flush writes the data and no file-system metadata (on
+ext4, no journal commit to wait for behind other writers). With the bare system calls
+on this project's shared machine: 0.13-0.17 / 0.33 ms at p50 / p99, against 0.22 /
+1.0-1.3 ms for a growing file; through this module the difference was within the
+shared disk's noise.
 
 Format
 ------
