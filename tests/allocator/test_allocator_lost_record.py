@@ -30,7 +30,7 @@ import pytest
 from gpulet_allocator import protocol as p
 from gpulet_allocator.cli import format_state
 from gpulet_allocator.service import checkpoint_path
-from gpulet_allocator.state.checkpoint import CheckpointFile
+from gpulet_allocator.state.checkpoint import CheckpointFile, read_state
 from gpulet_common.bus import Refused
 from gpulet_common.embedded_nats import EmbeddedNats
 from gpulet_common.settings import Settings
@@ -89,7 +89,8 @@ async def readyz(port: int) -> tuple[int, dict[str, Any]]:
 
 
 def stored(settings: Settings) -> dict[str, Any]:
-    data: dict[str, Any] = msgspec.json.decode(checkpoint_path(settings).read_bytes())
+    # The state on disk: the snapshot and its journal.
+    data: dict[str, Any] = msgspec.to_builtins(read_state(checkpoint_path(settings))[0])
     return data
 
 

@@ -6,13 +6,13 @@ import tempfile
 from pathlib import Path
 
 import anyio
-import msgspec
 import pytest
 
 from gpulet_allocator import protocol as p
 from gpulet_allocator.cli import format_state
 from gpulet_allocator.kubelet.deviceplugin.service import DevicePluginService
 from gpulet_allocator.service import AllocatorService
+from gpulet_allocator.state.checkpoint import read_state
 from gpulet_common.bus import Refused
 from gpulet_common.embedded_nats import EmbeddedNats
 from gpulet_common.settings import Settings
@@ -206,8 +206,8 @@ async def test_checkpoint_path_setting_is_honoured(
         await stack.kubelet.allocate(GPU, [[d.ID for d in stack.kubelet.devices(GPU)][:1]])
         state = await stack.state()
         assert state.checkpoint == str(path)
-        stored = msgspec.json.decode(await anyio.Path(path).read_bytes())
-        assert len(stored["grants"]) == 1
+        on_disk, _ = read_state(path)  # the snapshot and its journal
+        assert len(on_disk.grants) == 1
 
 
 async def test_disabled_services_idle_and_say_so(nats_server: EmbeddedNats, tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ collector uses) or from the engine's reference topologies.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import anyio
 import grpc
@@ -18,6 +19,7 @@ import pytest
 
 from gpulet_allocator import protocol as p
 from gpulet_allocator.kubelet_api.deviceplugin.v1beta1 import api_pb2 as dp
+from gpulet_allocator.state.checkpoint import read_state
 from gpulet_common import subjects
 from gpulet_common.bus import Refused
 from gpulet_common.codec import ERROR_REPLY
@@ -352,9 +354,9 @@ async def test_allocator_restart_recovers_and_never_double_allocates(settings: S
         rest = [u for u in gpus if u not in pair]
         [next_pair] = await stack.kubelet.preferred(GPU, [(gpus, [], 2)])
         assert set(next_pair) <= set(rest)
-        checkpoint = json.loads(await anyio.Path(after.checkpoint).read_bytes())
-        assert checkpoint["version"] == 1
-        assert len(checkpoint["allocations"]) == 2
+        on_disk, _ = read_state(Path(after.checkpoint))  # the snapshot and its journal
+        assert on_disk.version == 1
+        assert len(on_disk.allocations) == 2
 
 
 async def test_start_order_does_not_matter(settings: Settings) -> None:

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import anyio
 import grpc
@@ -19,6 +19,7 @@ import pytest
 from gpulet_allocator import protocol as p
 from gpulet_allocator.kubelet.dra.contract import ClaimDevice
 from gpulet_allocator.kubelet.dra.nats_core import NatsDecisionCore
+from gpulet_allocator.state.checkpoint import read_state
 from gpulet_common import subjects
 from gpulet_common.bus import Delivery
 from gpulet_common.dra.devices import device_name
@@ -232,8 +233,8 @@ async def test_claims_survive_an_allocator_restart(settings: Settings) -> None:
 
         after = await stack.state()
         assert after.allocations == before.allocations
-        checkpoint = json.loads(await anyio.Path(after.checkpoint).read_bytes())
-        assert sorted(c["uid"] for c in checkpoint["claims"]) == [UID_A, UID_B]
+        on_disk, _ = read_state(Path(after.checkpoint))  # the snapshot and its journal
+        assert sorted(c.uid for c in on_disk.claims) == [UID_A, UID_B]
         # The same claims again get the same reservations; the GPUs stay theirs.
         assert await core.reserve_claim(UID_A, [whole(dra[gpus[0]])]) == whole_claim
         assert await core.reserve_claim(UID_B, [share(dra[gpus[1]], 40, 8)]) == share_claim

@@ -132,6 +132,11 @@ def test_device_nodes_notice_new_and_removed_files_after_recheck(tmp_path: Path)
     now[0] += 0.6
     assert nodes.specs_for_gpus([0]) == []
     assert [s.host_path for s in nodes.control_specs()] == ["/dev/nvidia-uvm"]
+    assert nodes.control_names() == ["nvidia-uvm"]  # the DRA plugin's CDI specs
+    (tmp_path / "nvidiactl").touch()
+    assert nodes.control_names() == ["nvidia-uvm"]  # looked at once a second
+    now[0] += 1.1
+    assert nodes.control_names() == ["nvidiactl", "nvidia-uvm"]
 
 
 def test_fallback_preference_keeps_one_numa_node() -> None:

@@ -114,6 +114,25 @@ def test_spec_files_are_written_atomically_and_removed(tmp_path: Path) -> None:
     assert list(cdi_dir.iterdir()) == []
 
 
+def test_the_spec_file_is_the_sorted_indented_json_it_always_was(tmp_path: Path) -> None:
+    dev = fake_dev(tmp_path, "nvidiactl", "nvidia-uvm")
+    share = cdi.PreparedDevice("gpu-1", "GPU-1", 1, cores=30, memory_mib=1024)
+    spec = cdi.build_spec(DRIVER, UID, "a", [share], dev_root=dev, mps_pipe_directory="/m")
+    path = cdi.write_spec(tmp_path / "cdi", DRIVER, UID, spec)
+    assert path.read_bytes() == json.dumps(spec, indent=2, sort_keys=True).encode() + b"\n"
+
+
+def test_control_files_named_by_the_caller_are_taken_as_they_are(tmp_path: Path) -> None:
+    """The DRA plugin passes its cached look-up (a stat per file per Prepare otherwise)."""
+    dev = fake_dev(tmp_path, "nvidiactl", "nvidia-uvm")
+    gpu = [cdi.PreparedDevice("gpu-0", "GPU-0", 0)]
+    looked_up = cdi.build_spec(DRIVER, UID, "a", gpu, dev_root=dev)
+    given = cdi.build_spec(DRIVER, UID, "a", gpu, dev_root=dev, control=["nvidiactl", "nvidia-uvm"])
+    assert given == looked_up
+    none = cdi.build_spec(DRIVER, UID, "a", gpu, dev_root=dev, control=[])
+    assert "deviceNodes" not in none["containerEdits"]
+
+
 def test_a_symlinked_cdi_dir_is_refused(tmp_path: Path) -> None:
     target = tmp_path / "elsewhere"
     target.mkdir()

@@ -390,3 +390,29 @@ def test_socket_paths_that_do_not_fit_are_refused() -> None:
 
     with pytest.raises(ValueError, match="longer than 107"):
         server._check_path(Path("/" + "x" * 120))
+
+
+def test_a_write_in_flight_never_drops_a_claim_remembered_meanwhile(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The writer's thread writes the claims it read; a claim that Prepare remembered
+    on the loop while the file was being written stays held and is written next."""
+    from gpulet_allocator.kubelet.dra import checkpoint as ck
+    from gpulet_common.safefile import write_atomic as real_write
+
+    store = ck.CheckpointFile(tmp_path / "dra-checkpoint.json")
+    first = ck.PreparedClaim(uid="a", namespace="ns", name="a")
+    second = ck.PreparedClaim(uid="b", namespace="ns", name="b")
+    store.remember(first)
+
+    def write_while_prepare_remembers(path: Path, data: bytes, **kw: Any) -> None:
+        store.remember(second)  # the loop, while the thread writes
+        real_write(path, data, **kw)
+
+    monkeypatch.setattr(ck, "write_atomic", write_while_prepare_remembers)
+    assert store.flush()
+    monkeypatch.undo()
+    assert set(store.claims) == {"a", "b"}
+    assert set(json.loads(store.path.read_text())["claims"]) == {"a"}
+    assert store.flush()  # the change made meanwhile is still pending
+    assert set(json.loads(store.path.read_text())["claims"]) == {"a", "b"}

@@ -80,6 +80,7 @@ from gpulet_allocator.decide.books import Undo
 from gpulet_allocator.decide.core import AllocatorCore
 from gpulet_allocator.service.claims import ClaimEndpoints
 from gpulet_allocator.service.handshake import HandshakeRunner, pod_book
+from gpulet_allocator.service.held import HeldCount
 from gpulet_allocator.service.release import PodResourcesFollower
 from gpulet_allocator.service.remediate.service import RemediationService
 from gpulet_allocator.service.replies import Replies, handler_for
@@ -164,10 +165,6 @@ class AllocatorService(RuntimeService[AllocatorSettings]):
             "gpulet.allocator.released", description="Allocations released, by reason"
         )
         self._released = released
-        self._allocations = meter.create_up_down_counter(
-            "gpulet.allocator.allocations", description="Allocations held"
-        )
-        self._held = 0
         self.pod_resources = PodResourcesFollower(
             self.core,
             self._settings,
@@ -178,6 +175,12 @@ class AllocatorService(RuntimeService[AllocatorSettings]):
         #: The long polls of the device plugin (``withheld``), the reporter (``held``) and
         #: the collector (``pods``: who holds which device, from PodResources).
         self.withheld, self.held = core_feeds(replies, self.core)
+        gauge = meter.create_up_down_counter(
+            "gpulet.allocator.allocations", description="Allocations held"
+        )
+        feeds = (self.withheld, self.held)
+        count = lambda: self.core.ledger.count()  # noqa: E731 (a restore replaces the ledger)
+        self.held_count = HeldCount(count, gauge, feeds, self._update_status)
         self.pods = pods_feed(replies, lambda: self.pod_resources.pods)
         self.pod_resources.on_pods = self.pods.follow
         #: The DRA kubelet plugin's endpoints (claims in the same ledger).
@@ -205,8 +208,7 @@ class AllocatorService(RuntimeService[AllocatorSettings]):
         self._update_status()
 
     def _on_record_change(self) -> None:
-        self._count_held()
-        self._update_status()
+        self.held_count.changed(status=True)
 
     # --- lifecycle ------------------------------------------------------------------------
 
@@ -296,6 +298,7 @@ class AllocatorService(RuntimeService[AllocatorSettings]):
                         await service.stop()
                     except (nats.errors.Error, OSError) as exc:
                         log.debug("stopping the micro service: %s", exc)
+                self.checkpoint.close()
 
     async def _load_checkpoint(self, started: Callable[[], None]) -> Loaded:
         """Load the checkpoint, waiting while it exists but cannot be read.
@@ -341,13 +344,7 @@ class AllocatorService(RuntimeService[AllocatorSettings]):
             self.remediation.on_view()
 
     def _count_held(self) -> None:
-        held = self.core.ledger.count()
-        if held != self._held:
-            self._allocations.add(held - self._held)
-            self._held = held
-            self._update_status()
-        self.withheld.follow()
-        self.held.follow()
+        self.held_count.changed()
 
     # --- request plumbing ---------------------------------------------------------------
 

@@ -50,4 +50,4 @@ class AllocatorStatus:
             board.set(name, "degraded", handshake_problem)
         else:
             held = core.ledger.count()
-            board.set(name, "ready", f"{len(core.ledger.devices())} GPUs, {held} allocations")
+            board.set(name, "ready", f"{core.ledger.device_count()} GPUs, {held} allocations")

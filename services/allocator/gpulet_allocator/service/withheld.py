@@ -8,7 +8,9 @@ shares: :meth:`~gpulet_allocator.decide.core.AllocatorCore.withheld`).
 the set changes or ``wait_s`` passes (at most
 :data:`~gpulet_allocator.protocol.MAX_WITHHELD_WAIT_S`), so the device plugin's
 ``ListAndWatch`` learns of a change at once without polling. At most
-:data:`MAX_WAITING` are held at once; more are answered at once.
+:data:`MAX_WAITING` are held at once; more are answered at once. The allocator says
+"maybe changed" after every decision; the set is read again then only while a long
+poll waits, else at the next request.
 
 :func:`core_feeds` builds ``withheld`` and ``held`` (the device plugin's cards, for the
 reporter) from the core; :func:`pods_feed` the ``pods`` feed: which container holds
@@ -100,10 +102,21 @@ class WithheldFeed(Generic[V]):
         self._epoch = secrets.token_hex(8)
         self._version = 0
         self._changed = anyio.Event()
-        self._waiting = 0
+        self.waiting = 0
+        # The source changed since it was last read (read it before answering).
+        self._stale = True
 
     def follow(self) -> None:
-        """Read the source again; wake the long polls when it changed."""
+        """The source may have changed: read it again now when a long poll waits on it
+        (and wake them if it did), else at the next request. The allocator calls this
+        on every change of its record; with nobody waiting it costs nothing."""
+        if self.waiting:
+            self._refresh()
+        else:
+            self._stale = True
+
+    def _refresh(self) -> None:
+        self._stale = False
         value = self._source()
         if value != self._value:
             self._value = value
@@ -119,13 +132,15 @@ class WithheldFeed(Generic[V]):
         value = await self._replies.decode(req, endpoint, self._request, started)
         if value is None:
             return
+        if self._stale:
+            self._refresh()
 
         async def answer() -> None:
             data = self._reply(self._epoch, self._version, self._value)
             await self._replies.ok(req, endpoint, data, started)
 
         current = value.epoch == self._epoch and value.version == self._version
-        if not (current and value.wait_s > 0) or self._waiting >= MAX_WAITING:
+        if not (current and value.wait_s > 0) or self.waiting >= MAX_WAITING:
             await answer()
             return
         changed = self._changed
@@ -137,9 +152,9 @@ class WithheldFeed(Generic[V]):
                     await changed.wait()
                 await answer()
             finally:
-                self._waiting -= 1
+                self.waiting -= 1
 
-        self._waiting += 1
+        self.waiting += 1
         tg.start_soon(when_changed)
 
 

@@ -5,14 +5,25 @@ Design
 **File.** One JSON document, :class:`~gpulet_allocator.state.records.StoredState`: the
 ledger's allocations (the engine's tagged union, ``"type": "whole"`` /
 ``"share"``) plus the grants that map kubelet's requests to them. Both must change
-together, so they share one file. Writing is atomic and durable
-(:func:`gpulet_common.statefile.write_atomic`): a temporary file in the same
-directory, fsync, rename over the checkpoint, fsync the directory. A crash leaves the
-old or the new file, never a mix. Loading never raises: a missing
-file is a first start; an unreadable one is retried by the service.
+together, so they share one document. It lives in two files: the *snapshot* (the
+checkpoint's path) and, next to it, its *journal* (:mod:`.journal`): each write puts
+the whole new document in the journal, after the last record, and flushes it once
+(``fdatasync``). The journal is preallocated (:data:`COMPACT_BYTES`, or
+:data:`COMPACT_FACTOR` records' worth); once it is full, the write is a *compaction*
+instead: the snapshot replaced atomically and durably
+(:func:`gpulet_common.statefile.write_atomic`: a temporary file in the same directory,
+fsync, rename over it, fsync the directory), then a fresh journal the same way. The
+first write after a start compacts too, so a torn tail is never written after. A crash
+leaves the last state answered or a newer one, never a mix. Loading
+(:func:`read_state`) reads the snapshot, then replays the journal (its last good
+record); a torn last record is dropped. Loading never raises: a missing file is a
+first start; an unreadable one is retried by the service. Both files are written
+through :mod:`gpulet_common.safefile` (no symlink followed).
 
 **A corrupt file fails closed.** Starting empty would hand out GPUs that running pods
-hold, so a file that does not decode (or a version this build cannot read) is
+hold, so a snapshot that does not decode (or a version this build cannot read), or a
+journal that cannot be trusted (a corrupt record with more after it, no snapshot to
+follow, a last record that does not decode) is
 
 1. kept for a post-mortem under a name never used before,
    ``<name>.corrupt-<UTC time>-<n>`` (:func:`gpulet_common.statefile.quarantine`:
@@ -25,7 +36,7 @@ hold, so a file that does not decode (or a version this build cannot read) is
    (``gpulet allocator reset --confirm``), see :mod:`gpulet_allocator.service`.
 
 **Group commit.** An answer to kubelet may only leave once its allocation is durable,
-and an fsync costs about a millisecond, so writing once per request would queue 50
+and a flush costs about a millisecond, so writing once per request would queue 50
 concurrent requests behind 50 fsyncs. :class:`Committer` instead writes the *latest*
 state whenever it is behind: every request changed while a write was in flight is
 covered by the next single write. Requests wait for "durable version >= mine"
@@ -33,8 +44,8 @@ covered by the next single write. Requests wait for "durable version >= mine"
 (:class:`CheckpointError`); they undo their change and report it, and the committer
 retries with back-off.
 
-The write (about a millisecond, mostly fsync) runs on the event loop, on purpose:
-handed to a worker thread, each of its half-dozen system calls has to win the GIL
+The write (one flush, a fraction of a millisecond on a quiet disk) runs on the event
+loop, on purpose: handed to a worker thread, each of its half-dozen system calls has to win the GIL
 back from a busy event loop, which takes up to the interpreter's 5 ms switch
 interval each, so under a burst a thread write took 10-40 ms instead of 1. Requests
 arriving during a write wait for it and are covered by the next one.
@@ -49,19 +60,25 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import BinaryIO, Literal
 
 import anyio
 import anyio.abc
 import msgspec
 
+from gpulet_allocator.state.journal import JournalCorrupt, frame, header, journal_path, replay
 from gpulet_allocator.state.records import STATE_VERSION, StoredState
+from gpulet_common.safefile import open_update
 from gpulet_common.statefile import quarantine, tmp_prefix, write_atomic
 
 log = logging.getLogger("gpulet.allocator.store")
 
 RETRY_MIN_S = 0.2
 RETRY_MAX_S = 5.0
+# The journal's preallocated size, the larger of these (bytes; times the record's size):
+# full, it is compacted into the snapshot. Its replay reads it whole at the next start.
+COMPACT_BYTES = 1 << 20
+COMPACT_FACTOR = 16
 
 
 class _CheckpointHeader(msgspec.Struct):
@@ -105,12 +122,79 @@ class Loaded:
 
 
 class CheckpointFile:
-    def __init__(self, path: Path | str) -> None:
+    """The snapshot and its journal (module docstring; :mod:`.journal`).
+
+    Not thread-safe: one writer (the :class:`Committer`, on the event loop).
+    """
+
+    def __init__(self, path: Path | str, *, compact_bytes: int = COMPACT_BYTES) -> None:
         self.path = Path(path)
+        self.journal_path = journal_path(self.path)
+        self._compact_bytes = compact_bytes
+        # Open while the journal on disk is known good and follows the snapshot;
+        # None: the next write compacts (first write, after a load or a failed append).
+        self._journal: BinaryIO | None = None
+        self._journal_id = (0, 0)  # its (st_dev, st_ino)
+        self._journal_size = 0  # where the next record goes
+        self._journal_capacity = 0  # its preallocated size
+        #: Writes appended to the journal and compactions done, for tests and benches.
+        self.appends = 0
+        self.compactions = 0
 
     def write(self, data: bytes) -> None:
-        """Atomically and durably replace the file with ``data``; raises OSError."""
+        """Make ``data`` the durable state: appended to the journal and flushed, or,
+        now and then, written as the snapshot with a fresh journal. Raises OSError."""
+        record = frame(data)
+        journal = self._journal
+        if (
+            journal is None
+            or self._journal_size + len(record) > self._journal_capacity
+            or not self._journal_in_place()
+        ):
+            self._compact(data, len(record))
+            return
+        try:
+            fd, at = journal.fileno(), self._journal_size
+            view = memoryview(record)
+            while view:
+                done = os.pwrite(fd, view, at)
+                view, at = view[done:], at + done
+            os.fdatasync(fd)
+        except OSError:
+            # Maybe a part of the record is on disk: never append after it.
+            self.close()
+            raise
+        self._journal_size += len(record)
+        self.appends += 1
+
+    def _journal_in_place(self) -> bool:
+        """Is the open journal still the file at its path? (Not removed, replaced or
+        moved with its directory: an append there would not be found at the next start.)"""
+        try:
+            st = os.lstat(self.journal_path)
+        except OSError:
+            return False
+        return (st.st_dev, st.st_ino) == self._journal_id
+
+    def _compact(self, data: bytes, record: int) -> None:
+        self.close()
         write_atomic(self.path, data)
+        head = header(data)
+        # Preallocated: the appends that follow overwrite zeros (see .journal).
+        capacity = max(self._compact_bytes, COMPACT_FACTOR * record)
+        write_atomic(self.journal_path, head + bytes(capacity - len(head)))
+        self._journal = journal = open_update(self.journal_path)
+        st = os.fstat(journal.fileno())
+        self._journal_id = (st.st_dev, st.st_ino)
+        self._journal_size, self._journal_capacity = len(head), capacity
+        self.compactions += 1
+
+    def close(self) -> None:
+        """Close the journal (the next write compacts)."""
+        journal, self._journal = self._journal, None
+        if journal is not None:
+            with contextlib.suppress(OSError):
+                journal.close()
 
     def probe(self) -> None:
         """Raise OSError unless a write could start now: a temporary file of the kind
@@ -124,23 +208,21 @@ class CheckpointFile:
 
     def load(self) -> Loaded:
         """Read the checkpoint; never raises. A corrupt file is quarantined (docstring)."""
+        self.close()
         with contextlib.suppress(OSError):
             for entry in self.path.parent.iterdir():
                 # Left by a crash between mkstemp and rename; the real file is intact.
                 if entry.name.startswith(tmp_prefix(self.path)) and entry.name.endswith(".tmp"):
                     with contextlib.suppress(OSError):
                         entry.unlink()
-        empty = StoredState()
         try:
-            data = self.path.read_bytes()
+            state, detail = read_state(self.path)
         except FileNotFoundError:
-            return Loaded("missing", empty, f"{self.path} does not exist; starting empty")
-        except OSError as exc:
-            return Loaded("unreadable", empty, f"cannot read {self.path}: {exc}")
-        try:
-            state = decode(data)
-        except ValueError as exc:
+            return Loaded("missing", StoredState(), f"{self.path} does not exist; starting empty")
+        except CorruptFile as exc:
             return self._quarantine(exc)
+        except OSError as exc:
+            return Loaded("unreadable", StoredState(), f"cannot read {self.path}: {exc}")
         if state.lost:
             return Loaded(
                 "lost",
@@ -148,28 +230,77 @@ class CheckpointFile:
                 f"{self.path} records that the allocation record was lost ({state.lost}); "
                 f"{len(state.allocations)} allocation(s) rebuilt since",
             )
-        return Loaded(
-            "ok",
-            state,
-            f"{len(state.allocations)} allocation(s), {len(state.grants)} grant(s) "
-            f"from {self.path}",
-        )
+        return Loaded("ok", state, detail)
 
-    def _quarantine(self, problem: ValueError) -> Loaded:
+    def _quarantine(self, problem: CorruptFile) -> Loaded:
+        bad = problem.path
         try:
-            copy = quarantine(self.path)
+            copy = quarantine(bad)
         except OSError as exc:
             # The file stays where it is: the next start finds it corrupt again.
-            reason = f"{self.path} is corrupt ({problem}) and could not be copied aside: {exc}"
+            reason = f"{bad} is corrupt ({problem}) and could not be copied aside: {exc}"
             return Loaded("corrupt", StoredState(lost=reason), reason)
-        reason = f"{self.path} was corrupt ({problem}); kept as {copy.name}"
+        reason = f"{bad} was corrupt ({problem}); kept as {copy.name}"
+        if bad == self.path and self.journal_path.exists():
+            # The journal followed the corrupt snapshot: kept too, for the post-mortem.
+            with contextlib.suppress(OSError):
+                reason += f" (its journal as {quarantine(self.journal_path).name})"
         marker = StoredState(lost=reason)
         try:
-            self.write(encode(marker))
+            self.write(encode(marker))  # a compaction: a fresh journal too
         except OSError as exc:
             detail = f"{reason}; could not mark the loss in {self.path}: {exc}"
             return Loaded("corrupt", marker, detail, copy)
         return Loaded("corrupt", marker, reason, copy)
+
+
+class CorruptFile(ValueError):
+    """``path`` (the snapshot or the journal) cannot be trusted; the message says why."""
+
+    def __init__(self, path: Path, problem: str) -> None:
+        super().__init__(problem)
+        self.path = path
+
+
+def read_state(path: Path) -> tuple[StoredState, str]:
+    """The state on disk (the snapshot, then its journal) and a line that says where
+    it came from; no side effects. Raises FileNotFoundError (neither exists),
+    :class:`CorruptFile` or OSError."""
+    journal = journal_path(path)
+    try:
+        snapshot: bytes | None = path.read_bytes()
+    except FileNotFoundError:
+        snapshot = None
+    try:
+        log_data: bytes | None = journal.read_bytes()
+    except FileNotFoundError:
+        log_data = None
+    if snapshot is None and log_data is None:
+        raise FileNotFoundError(path)
+    state = StoredState()
+    if snapshot is not None:
+        try:
+            state = decode(snapshot)
+        except ValueError as exc:
+            raise CorruptFile(path, str(exc)) from exc
+    notes: list[str] = []
+    if log_data is not None:
+        try:
+            replayed = replay(log_data, snapshot)
+        except JournalCorrupt as exc:
+            raise CorruptFile(journal, str(exc)) from exc
+        if not replayed.follows:
+            notes.append(f"{journal.name} follows an older snapshot: ignored")
+        if replayed.records:
+            try:
+                state = decode(replayed.records[-1])
+            except ValueError as exc:
+                raise CorruptFile(journal, f"its last record: {exc}") from exc
+            notes.append(f"{len(replayed.records)} journal record(s) replayed")
+        if replayed.torn:
+            notes.append(f"a torn last journal record ({replayed.torn} bytes) dropped")
+    detail = f"{len(state.allocations)} allocation(s), {len(state.grants)} grant(s) from {path}"
+    return state, "; ".join([detail, *notes])
 
 
 class CheckpointError(Exception):

@@ -228,6 +228,10 @@ class CardBook:
     def devices(self) -> list[DeviceState]:
         return [self.device(g.uuid) for g in self._ordered()]
 
+    def device_count(self) -> int:
+        """``len(devices())`` without building them."""
+        return len(self._gpus)
+
     def mark_claim(self, allocation_id: str) -> None:
         """Say that ``allocation_id`` is a DRA claim's (a restored claim; a new one is
         marked by :meth:`~.ledger.Ledger.allocate_share`'s ``claim``)."""

@@ -81,6 +81,10 @@ class DeviceNodes:
             self._specs[name] = spec
         return spec
 
+    def control_names(self) -> list[str]:
+        """The control files that exist, by name (in :data:`CONTROL_DEVICES` order)."""
+        return [name for name in CONTROL_DEVICES if self._exists(name)]
+
     def control_specs(self) -> list[DeviceSpec]:
         return [s for name in CONTROL_DEVICES if (s := self._spec(name)) is not None]
 

@@ -13,7 +13,8 @@ old or the new file, never a mix) but not fsynced: on the 2-core machine under l
 the two fsyncs of a durable write were half of Prepare's time (7.6 of 16 ms at the
 median, bench/dra.py), for a file whose loss after a power cut costs nothing but a
 re-read of the claims. For the same reason Prepare and Unprepare change the claims in
-memory (:meth:`CheckpointFile.remember`, :meth:`CheckpointFile.forget`) and the
+memory, on the event loop (:meth:`CheckpointFile.remember`,
+:meth:`CheckpointFile.forget`; the writer's thread only reads them), and the
 plugin's writer task writes the file after they answered (:meth:`CheckpointFile.flush`,
 one write for every change since the last, and once more when the plugin stops): even
 unsynced, replacing the file cost 1-2 ms of each answer on ext4, whose rename over an
@@ -97,14 +98,15 @@ class CheckpointFile:
         self.claims = dict(loaded.claims)
 
     def _save(self, claims: dict[str, PreparedClaim]) -> None:
-        """Write ``claims``, then hold them (a failed write changes nothing)."""
+        """Write ``claims`` (never replaced in place: :meth:`remember` and :meth:`forget`
+        swap the dict, so a writer thread holds a consistent one). The claims held in
+        memory are not touched: the event loop may have changed them meanwhile."""
         write_atomic(
             self.path,
             _ENCODER.encode(Checkpoint(claims=claims)),
             mode=CHECKPOINT_MODE,
             durable=False,
         )
-        self.claims = claims
 
     def remember(self, claim: PreparedClaim) -> None:
         """Hold ``claim`` now; the file follows with the next :meth:`flush`."""

@@ -134,6 +134,8 @@ class DraPlugin:
     async def prepare(self, claims: Sequence[ClaimRef]) -> dict[str, PrepareResult]:
         out: dict[str, PrepareResult] = {}
         unique = list({c.uid: c for c in claims}.values())
+        if len(unique) == 1:  # kubelet's usual call: no task group for one claim
+            return {unique[0].uid: await self._serialized_prepare(unique[0])}
 
         async def one(claim: ClaimRef) -> None:
             out[claim.uid] = await self._serialized_prepare(claim)
@@ -235,6 +237,7 @@ class DraPlugin:
             dev_root=s.dev_root,
             host_dev=s.host_dev,
             mps_pipe_directory=s.mps_pipe_directory,
+            control=self._nodes.control_names(),  # looked at once a second
         )
         cdi.write_spec(s.cdi_dir, s.driver, claim.uid, spec)
         devices = [
@@ -284,7 +287,9 @@ class DraPlugin:
         try:
             async with lock:
                 await self._core.release_claim(claim.uid)
-                await anyio.to_thread.run_sync(self._forget, claim.uid)
+                # On the event loop, as Prepare writes the spec (an unlink on tmpfs): the
+                # claims in memory and the writer's event are the loop's alone.
+                self._forget(claim.uid)
                 return ""
         except BusError as exc:
             return bounded(f"claim {claim.uid}: {exc.message}")

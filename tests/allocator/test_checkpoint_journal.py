@@ -1,0 +1,262 @@
+"""The allocator checkpoint's journal: appends, compaction, replay, torn tails, corruption.
+
+Each state written is a StoredState whose ``node`` names the write (``s1``, ``s2``...),
+so the state loaded says which write it is.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gpulet_allocator.state import checkpoint as cp
+from gpulet_allocator.state.checkpoint import CheckpointFile, encode, read_state
+from gpulet_allocator.state.journal import JournalCorrupt, frame, header, replay
+from gpulet_allocator.state.records import StoredState
+from gpulet_common.safefile import UnsafePathError
+
+
+def state(n: int) -> bytes:
+    return encode(StoredState(node=f"s{n}"))
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[CheckpointFile]:
+    f = CheckpointFile(tmp_path / "allocator" / "allocations.json")
+    yield f
+    f.close()
+
+
+def on_disk(store: CheckpointFile) -> str:
+    return read_state(store.path)[0].node
+
+
+def records_end(store: CheckpointFile) -> int:
+    """Where the journal's records end (the preallocated zeros start)."""
+    return len(store.journal_path.read_bytes().rstrip(b"\0"))
+
+
+def put_after_records(store: CheckpointFile, data: bytes) -> None:
+    """``data`` where the next record would go, as a write cut short leaves it."""
+    with store.journal_path.open("r+b") as f:
+        f.seek(records_end(store))
+        f.write(data)
+
+
+def test_writes_append_one_record_each_and_compact_when_the_journal_grows(
+    tmp_path: Path,
+) -> None:
+    store = CheckpointFile(tmp_path / "allocations.json", compact_bytes=1)
+    try:
+        store.write(state(1))  # the first write compacts: snapshot and a fresh journal
+        assert (store.compactions, store.appends) == (1, 0)
+        assert store.path.read_bytes() == state(1)
+        # Preallocated: the header, then zeros (compact_bytes=1: COMPACT_FACTOR records).
+        capacity = cp.COMPACT_FACTOR * len(frame(state(1)))
+        journal = store.journal_path.read_bytes()
+        assert journal == header(state(1)) + bytes(capacity - len(header(state(1))))
+        for n in range(2, 40):
+            compactions, size = store.compactions, store.journal_path.stat().st_size
+            store.write(state(n))
+            assert on_disk(store) == f"s{n}"
+            if store.compactions == compactions:
+                # Records overwrite the zeros: the file never grows.
+                assert store.journal_path.stat().st_size == size
+        assert store.compactions == 3  # 15 records fit after the header each time
+        assert store.appends == 39 - store.compactions
+        assert (store.path.stat().st_mode & 0o777, store.journal_path.stat().st_mode & 0o777) == (
+            0o600,
+            0o600,
+        )
+    finally:
+        store.close()
+
+
+def test_load_replays_the_journal_and_the_next_write_compacts(store: CheckpointFile) -> None:
+    for n in range(1, 5):
+        store.write(state(n))
+    assert store.path.read_bytes() == state(1)  # the snapshot lags; the journal has the rest
+    loaded = store.load()
+    assert (loaded.status, loaded.state.node) == ("ok", "s4")
+    assert "3 journal record(s) replayed" in loaded.detail
+    store.write(state(5))
+    assert store.compactions == 2
+    assert store.path.read_bytes() == state(5)
+    assert read_state(store.path)[1].endswith("from " + str(store.path))
+
+
+@pytest.mark.parametrize(
+    "tail",
+    [
+        pytest.param(lambda rec: rec[:-7], id="short"),
+        pytest.param(lambda rec: rec[:3], id="length-only"),
+        pytest.param(lambda rec: rec[:-3] + b"XX\n", id="checksum"),
+        pytest.param(lambda rec: rec[:20] + b"\0" * 20 + rec[40:-7], id="a-hole"),
+    ],
+)
+def test_a_torn_last_record_is_dropped_and_never_appended_after(
+    store: CheckpointFile, tail: object
+) -> None:
+    store.write(state(1))
+    store.write(state(2))
+    assert callable(tail)
+    put_after_records(store, tail(frame(state(3))))
+    loaded = store.load()
+    assert (loaded.status, loaded.state.node) == ("ok", "s2")
+    assert "torn last journal record" in loaded.detail
+    # The torn bytes are gone with the first write after the load (a compaction).
+    store.write(state(4))
+    assert store.journal_path.read_bytes().rstrip(b"\0") == header(state(4))
+    store.write(state(5))
+    assert store.load().state.node == "s5"
+
+
+def test_a_corrupt_record_in_the_middle_fails_closed_and_says_why(
+    store: CheckpointFile,
+) -> None:
+    for n in range(1, 5):
+        store.write(state(n))
+    data = bytearray(store.journal_path.read_bytes())
+    second = data.index(frame(state(3)))
+    data[second + 20] ^= 0x01  # a bit flipped inside record 2 of 3
+    store.journal_path.write_bytes(bytes(data))
+    loaded = store.load()
+    assert loaded.status == "corrupt"
+    assert loaded.state.allocations == []
+    assert "record 2 at byte" in loaded.state.lost
+    assert "checksum mismatch" in loaded.state.lost
+    assert loaded.corrupt_copy is not None
+    assert loaded.corrupt_copy.name.startswith("allocations.json.journal.corrupt-")
+    assert loaded.corrupt_copy.read_bytes() == bytes(data)
+    # The loss is on disk: a restart reads it back, not the journal.
+    again = store.load()
+    assert (again.status, again.state.lost) == ("lost", loaded.state.lost)
+
+
+def test_a_journal_without_its_snapshot_fails_closed(store: CheckpointFile) -> None:
+    store.write(state(1))
+    store.write(state(2))
+    store.path.unlink()
+    loaded = store.load()
+    assert loaded.status == "corrupt"
+    assert "follows a snapshot that does not exist" in loaded.state.lost
+
+
+def test_a_last_record_that_does_not_decode_fails_closed(store: CheckpointFile) -> None:
+    store.write(state(1))
+    put_after_records(store, frame(b'{"version": 99}'))
+    loaded = store.load()
+    assert loaded.status == "corrupt"
+    assert "its last record: unsupported checkpoint version 99" in loaded.state.lost
+
+
+def test_a_corrupt_snapshot_keeps_its_journal_aside_too(store: CheckpointFile) -> None:
+    store.write(state(1))
+    store.write(state(2))
+    journal = store.journal_path.read_bytes()
+    store.path.write_bytes(b"{not json")
+    loaded = store.load()
+    assert loaded.status == "corrupt"
+    assert "its journal as allocations.json.journal.corrupt-" in loaded.state.lost
+    [kept] = store.path.parent.glob("allocations.json.journal.corrupt-*")
+    assert kept.read_bytes() == journal
+
+
+def test_a_journal_that_follows_another_snapshot_is_ignored(store: CheckpointFile) -> None:
+    """A compaction cut short after the snapshot (or a snapshot put back by hand)."""
+    store.write(state(1))
+    store.write(state(2))
+    store.write(state(3))
+    store.path.write_bytes(state(7))  # as _compact leaves it before the fresh journal
+    loaded = store.load()
+    assert (loaded.status, loaded.state.node) == ("ok", "s7")
+    assert "follows an older snapshot: ignored" in loaded.detail
+
+
+def test_a_compaction_cut_short_with_identical_bytes_keeps_the_last_answered_state(
+    store: CheckpointFile,
+) -> None:
+    """The state went back to the snapshot's bytes: the old journal still names it, and
+    its last record (the last answered state) is loaded; the cut write was never answered."""
+    store.write(state(1))
+    store.write(state(2))
+    store.path.write_bytes(state(1))
+    assert store.load().state.node == "s2"
+
+
+def test_a_failed_append_is_never_appended_after(
+    store: CheckpointFile, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store.write(state(1))
+    store.write(state(2))
+
+    real_write = os.pwrite
+
+    def full(fd: int, data: bytes | memoryview, at: int) -> int:
+        real_write(fd, bytes(data[:10]), at)  # a part lands, then the disk fails
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(os, "pwrite", full)
+    with pytest.raises(OSError, match="Input/output"):
+        store.write(state(3))
+    monkeypatch.undo()
+    # The last good state stands on disk; the next write compacts over the torn bytes.
+    assert on_disk(store) == "s2"
+    store.write(state(4))
+    assert store.compactions == 2
+    store.write(state(5))
+    assert store.load().state.node == "s5"
+
+
+def test_a_journal_moved_or_removed_underneath_is_not_appended_to(
+    store: CheckpointFile, tmp_path: Path
+) -> None:
+    store.write(state(1))
+    store.write(state(2))
+    store.journal_path.unlink()
+    store.write(state(3))  # a compaction: found at the next start
+    assert store.compactions == 2
+    assert on_disk(store) == "s3"
+    # The directory moved away and a file in its place: the write fails (and says so).
+    store.write(state(4))
+    directory = store.path.parent
+    directory.rename(tmp_path / "aside")
+    directory.write_text("not a directory")
+    with pytest.raises(FileExistsError):
+        store.write(state(5))
+    directory.unlink()
+    (tmp_path / "aside").rename(directory)
+    store.write(state(6))
+    assert store.load().state.node == "s6"
+
+
+def test_symlinks_are_refused_for_the_journal(store: CheckpointFile, tmp_path: Path) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    store.path.parent.mkdir(parents=True)
+    store.journal_path.symlink_to(elsewhere)
+    with pytest.raises(UnsafePathError, match="symlink"):
+        store.write(state(1))
+    assert not elsewhere.exists()
+
+
+def test_replay_reads_records_and_names_what_is_wrong() -> None:
+    snap = state(0)
+    records = [state(1), state(2)]
+    good = header(snap) + b"".join(frame(r) for r in records)
+    assert replay(good, snap).records == records
+    assert replay(good + bytes(100), snap) == replay(good, snap)  # the preallocated rest
+    assert replay(good, state(9)).follows is False
+    assert replay(header(snap), snap).records == []
+    with pytest.raises(JournalCorrupt, match="not a journal header"):
+        replay(b"gpulet-allocator-journal 2 x\n", snap)
+    with pytest.raises(JournalCorrupt, match="not a journal header"):
+        replay(b"", snap)
+    bad = header(snap) + b"x" + frame(state(1)) + frame(state(2))
+    with pytest.raises(JournalCorrupt, match=r"record 1 at byte \d+ is corrupt \(no length\)"):
+        replay(bad, snap)
+    bad = header(snap) + frame(state(1))[:-1] + b"!" + frame(state(2))
+    with pytest.raises(JournalCorrupt, match=r"record 1 .*announced"):
+        replay(bad, snap)
