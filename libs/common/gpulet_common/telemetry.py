@@ -80,6 +80,10 @@ def create_counters(meter: metrics.Meter, *table: tuple[str, str]) -> list[metri
     return [meter.create_counter(name, description=description) for name, description in table]
 
 
+# Log records a minute for changes of one component's detail alone (see StatusBoard).
+DETAIL_LOGS_PER_MINUTE = 6
+
+
 @dataclass(slots=True)
 class ComponentStatus:
     state: ComponentState
@@ -87,19 +91,38 @@ class ComponentStatus:
 
 
 class StatusBoard:
-    """What each component of the process is doing, for ``/readyz`` and the logs."""
+    """What each component of the process is doing, for ``/readyz`` and the logs.
+
+    Every change of a component's state is logged. A change of its detail alone (the
+    allocator's line counts its allocations, so it changes with every Allocate) is
+    logged at most :data:`DETAIL_LOGS_PER_MINUTE` times a minute per component: the
+    log follows the state without repeating every request; ``/readyz`` always has the
+    latest detail.
+    """
 
     def __init__(self) -> None:
         self._components: dict[str, ComponentStatus] = {}
         self._lock = threading.Lock()
+        self._detail_logs: dict[str, RateLimitedLog] = {}
 
     def set(self, name: str, state: ComponentState, detail: str = "") -> None:
         with self._lock:
             previous = self._components.get(name)
             self._components[name] = ComponentStatus(state, detail)
-        if previous is None or previous.state != state or previous.detail != detail:
-            level = logging.WARNING if state in ("degraded", "blocked", "failed") else logging.INFO
-            log.log(level, "%s: %s%s", name, state, f" ({detail})" if detail else "")
+            if previous is not None and previous.state == state:
+                if previous.detail == detail:
+                    return
+                limited = self._detail_logs.get(name)
+                if limited is None:
+                    limited = RateLimitedLog(log, DETAIL_LOGS_PER_MINUTE)
+                    self._detail_logs[name] = limited
+            else:
+                limited = None
+        args = (name, state, f" ({detail})" if detail else "")
+        if state in ("degraded", "blocked", "failed"):
+            (limited or log).warning("%s: %s%s", *args)
+        else:
+            (limited or log).info("%s: %s%s", *args)
 
     def get(self, name: str) -> ComponentStatus | None:
         with self._lock:
