@@ -88,6 +88,27 @@ def test_load_replays_the_journal_and_the_next_write_compacts(store: CheckpointF
     assert read_state(store.path)[1].endswith("from " + str(store.path))
 
 
+def test_a_clean_stop_folds_the_journal_into_the_snapshot(store: CheckpointFile) -> None:
+    """A rollback to a version that reads only the snapshot starts from the state at the
+    stop, not from the last compaction's."""
+    asked: list[int] = []
+
+    def now() -> bytes:
+        asked.append(1)
+        return state(4)
+
+    for n in range(1, 5):
+        store.write(state(n))
+    assert store.path.read_bytes() == state(1)  # the journal holds s2..s4
+    store.settle(now)
+    assert store.path.read_bytes() == state(4)  # the snapshot alone is the state now
+    assert replay(store.journal_path.read_bytes(), state(4)).records == []
+    assert (read_state(store.path)[0].node, store.compactions) == ("s4", 2)
+    # Nothing appended since: settling again neither asks for the state nor writes.
+    store.settle(now)
+    assert (len(asked), store.compactions) == (1, 2)
+
+
 @pytest.mark.parametrize(
     "tail",
     [

@@ -298,7 +298,7 @@ class AllocatorService(RuntimeService[AllocatorSettings]):
                         await service.stop()
                     except (nats.errors.Error, OSError) as exc:
                         log.debug("stopping the micro service: %s", exc)
-                self.checkpoint.close()
+                self.checkpoint.settle(lambda: encode(self.core.snapshot()))
 
     async def _load_checkpoint(self, started: Callable[[], None]) -> Loaded:
         """Load the checkpoint, waiting while it exists but cannot be read.

@@ -13,7 +13,9 @@ the whole new document in the journal, after the last record, and flushes it onc
 instead: the snapshot replaced atomically and durably
 (:func:`gpulet_common.statefile.write_atomic`: a temporary file in the same directory,
 fsync, rename over it, fsync the directory), then a fresh journal the same way. The
-first write after a start compacts too, so a torn tail is never written after. A crash
+first write after a start compacts too, so a torn tail is never written after, and a
+clean stop folds the journal into the snapshot (:meth:`CheckpointFile.settle`), so a
+rollback to a version that reads only the snapshot finds the state of the stop. A crash
 leaves the last state answered or a newer one, never a mix. Loading
 (:func:`read_state`) reads the snapshot, then replays the journal (its last good
 record); a torn last record is dropped. Loading never raises: a missing file is a
@@ -137,6 +139,7 @@ class CheckpointFile:
         self._journal_id = (0, 0)  # its (st_dev, st_ino)
         self._journal_size = 0  # where the next record goes
         self._journal_capacity = 0  # its preallocated size
+        self._journal_records = 0  # records appended since the last compaction
         #: Writes appended to the journal and compactions done, for tests and benches.
         self.appends = 0
         self.compactions = 0
@@ -165,6 +168,7 @@ class CheckpointFile:
             self.close()
             raise
         self._journal_size += len(record)
+        self._journal_records += 1
         self.appends += 1
 
     def _journal_in_place(self) -> bool:
@@ -187,7 +191,22 @@ class CheckpointFile:
         st = os.fstat(journal.fileno())
         self._journal_id = (st.st_dev, st.st_ino)
         self._journal_size, self._journal_capacity = len(head), capacity
+        self._journal_records = 0
         self.compactions += 1
+
+    def settle(self, state: Callable[[], bytes]) -> None:
+        """At a clean stop: fold the journal into the snapshot (``state()``, the state
+        now) if it holds records, then close it. A version of gpulet that reads only
+        the snapshot (a rollback) then starts from the current state, not from the last
+        compaction's. Best effort: a failure is logged and the journal, still good, is
+        what the next start replays."""
+        if self._journal is not None and self._journal_records:
+            data = state()
+            try:
+                self._compact(data, len(frame(data)))
+            except OSError as exc:
+                log.warning("checkpoint not folded into its snapshot at stop: %s", exc)
+        self.close()
 
     def close(self) -> None:
         """Close the journal (the next write compacts)."""
