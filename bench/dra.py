@@ -3,22 +3,39 @@
 Method
 ------
 * **Prepare**: the DRA kubelet plugin (``gpulet_allocator/kubelet/dra``) serves its
-  real sockets in a temporary dir; the fake DRA kubelet (:mod:`support.fake_dra_kubelet`)
-  registers it and calls ``NodePrepareResources`` with one claim per call, each claim
-  allocated one whole GPU in the API emulator, then ``NodeUnprepareResources`` (not
-  timed). Each call reads the claim over HTTP (``--claim-cache``: from a watch of the
-  node's claims, ``dra.claim_cache``; the bench waits until the watch has the claim, as
-  it has by the time kubelet prepares a pod's claim), reserves it, writes and fsyncs
-  the CDI spec (on tmpfs, as ``/var/run/cdi`` is on a node); the plugin's checkpoint (on
-  disk) is written after the answer. The decision core is, as ``gpulet run`` has it,
-  the real allocator service over a real nats-server
+  real sockets in a temporary dir in the bench's main process, the process under test;
+  a fake DRA kubelet (:mod:`support.fake_dra_kubelet`) registers it and calls
+  ``NodePrepareResources`` with one claim per call, each claim allocated one whole GPU
+  in the API emulator, then ``NodeUnprepareResources`` (not timed). The clock starts
+  right before the call and stops at its answer. Each call reads the claim over HTTP
+  (``--claim-cache``: from a watch of the node's claims, ``dra.claim_cache``; the
+  bench waits until the watch has the claim, as it has by the time kubelet prepares a
+  pod's claim), reserves it, writes and fsyncs the CDI spec (on tmpfs, as
+  ``/var/run/cdi`` is on a node); the plugin's checkpoint (on disk) is written after
+  the answer. The decision core is, as ``gpulet run`` has it, the real allocator
+  service over a real nats-server
   (:class:`~gpulet_allocator.kubelet.dra.nats_core.NatsDecisionCore`: ``reserve-claim``
-  answered once the ledger's checkpoint is on disk), in this process (``--core nats``)
-  or, as in the pod, in one of its own (``--core nats-process``); ``--core memory``
-  takes the tests' in-memory core instead (support.dra_core), which leaves the NATS
-  round trip and the ledger's checkpoint out. The claims live in the API emulator on
-  127.0.0.1, not a real API server. Target p99 < 10 ms. ``--prepare-only`` prints
-  only this table; every table says the load average.
+  answered once the ledger's checkpoint is on disk); ``--core memory`` takes the tests'
+  in-memory core instead (support.dra_core), which leaves the NATS round trip and the
+  ledger's checkpoint out. The claims live in the API emulator on 127.0.0.1, not a
+  real API server. Which process does what (``--topology``; every table says which):
+
+  - ``node`` (the default), as on a node, where kubelet and the API server are other
+    processes: the fake kubelet in a process of its own (bench/dra_kubelet.py), which
+    also plays the scheduler: it creates each claim over HTTP and writes its
+    allocation through ``resourceclaims/<name>/status``, then deletes it after the
+    Unprepare; with ``--claim-cache`` it waits at a line on a pipe until the bench's
+    watch has the claim. The API emulator in its own (``--serve-emulator``), the
+    allocator and its nats-server in theirs (``--serve-allocator``; ``--core nats``
+    puts them back in the bench's process).
+  - ``in-process``, the bench before: the fake kubelet, the API emulator (each claim
+    put straight into its store) and the allocator (``--core nats``; ``nats-process``
+    is taken if named) on the plugin's event loop, so each call also pays for the
+    fake kubelet's Python gRPC client and the emulator's request handling under the
+    same GIL, which a node never does.
+
+  Target p99 < 10 ms. ``--prepare-only`` prints only this table; every table says the
+  load average.
 * **Fault → taint**: a real nats-server, the node read model (NodeView), the slice
   publisher with the default debounce (quiet 0.5 s, at most 2 s) and the API emulator
   (its slice validation off: 45 ms of Python jsonschema a write, which a real API
@@ -50,10 +67,12 @@ from pathlib import Path
 
 import anyio
 import msgspec
+from anyio.streams.buffered import BufferedByteReceiveStream
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from _util import percentile, table
+from dra_kubelet import prepare_once
 
 from gpulet_allocator.kubelet.dra.claim_cache import WatchedClaimReader
 from gpulet_allocator.kubelet.dra.claims import KubeClaimReader
@@ -94,6 +113,10 @@ CORES = {
     "memory": "the tests' in-memory core",
 }
 DRIVER = "gpu.gpulet.io"
+TOPOLOGIES = {
+    "node": "the fake kubelet and the API emulator each in a process of their own",
+    "in-process": "the fake kubelet and the API emulator in the plugin's process",
+}
 
 
 def load_average() -> str:
@@ -138,35 +161,51 @@ async def allocator_core(root: Path) -> AsyncIterator[tuple[DecisionCore, list[s
 
 
 @contextlib.asynccontextmanager
-async def allocator_process_core(root: Path) -> AsyncIterator[tuple[DecisionCore, list[str]]]:
-    """The allocator (and its nats-server) in a process of its own, as in the pod."""
-    async with await anyio.open_process(
-        [sys.executable, __file__, "--serve-allocator", str(root / "allocator")]
-    ) as process:
+async def served(*argv: str) -> AsyncIterator[str]:
+    """This script again with ``argv`` (a ``--serve-*`` mode), in a process of its own:
+    the URL it prints first; it is terminated on the way out."""
+    async with await anyio.open_process([sys.executable, __file__, *argv]) as process:
         assert process.stdout is not None
-        url = ""
-        with anyio.fail_after(60):
-            async for chunk in process.stdout:
-                url += chunk.decode()
-                if url.endswith("\n"):
-                    break
         try:
-            async with Bus.connect(
-                NatsSettings(url=url.strip()), name="dra-plugin", max_initial_attempts=5
-            ) as bus:
-                yield NatsDecisionCore(bus, NODE, timeout_s=5.0), NAMES
+            with anyio.fail_after(60):
+                url = await BufferedByteReceiveStream(process.stdout).receive_until(b"\n", 4096)
+            yield url.decode().strip()
         finally:
             process.terminate()
 
 
-async def serve_allocator(root: Path) -> None:
-    """``--serve-allocator``: print the NATS URL, serve until SIGTERM (then stop the
-    nats-server too)."""
+@contextlib.asynccontextmanager
+async def allocator_process_core(root: Path) -> AsyncIterator[tuple[DecisionCore, list[str]]]:
+    """The allocator (and its nats-server) in a process of its own, as in the pod."""
+    async with (
+        served("--serve-allocator", str(root / "allocator")) as url,
+        Bus.connect(NatsSettings(url=url), name="dra-plugin", max_initial_attempts=5) as bus,
+    ):
+        yield NatsDecisionCore(bus, NODE, timeout_s=5.0), NAMES
+
+
+async def serve_until_sigterm(server: contextlib.AbstractAsyncContextManager[str]) -> None:
+    """A ``--serve-*`` mode: print the server's URL, serve until SIGTERM."""
     with anyio.open_signal_receiver(signal.SIGTERM) as signals:
-        async with allocator_stack_on_nats(root) as (url, _bus):
+        async with server as url:
             print(url, flush=True)
             async for _ in signals:
                 break
+
+
+@contextlib.asynccontextmanager
+async def allocator_url(root: Path) -> AsyncIterator[str]:
+    """``--serve-allocator``: the allocator and its nats-server (stopped with it)."""
+    async with allocator_stack_on_nats(root) as (url, _bus):
+        yield url
+
+
+@contextlib.asynccontextmanager
+async def emulator_url() -> AsyncIterator[str]:
+    """``--serve-emulator``: the API emulator with resource.k8s.io/v1."""
+    async with KubeEmulator.running() as emu:
+        enable_dra(emu)
+        yield emu.url
 
 
 @contextlib.asynccontextmanager
@@ -179,7 +218,90 @@ async def cached(reader: WatchedClaimReader, count: int) -> None:
     await wait_until(lambda: len(reader) == count, timeout_s=5.0, what="the claim watch")
 
 
-async def bench_prepare(calls: int, which: str, claim_cache: bool = False) -> list[float]:
+async def prepare_in_process(
+    emu: KubeEmulator,
+    registry: Path,
+    names: list[str],
+    calls: int,
+    watched: WatchedClaimReader | None,
+) -> list[float]:
+    """``--topology in-process``: the fake kubelet on this process's loop, each claim
+    seeded allocated into the emulator's store (no HTTP)."""
+    timings: list[float] = []
+    async with registered(registry, DRIVER) as kubelet:
+        for i in range(calls):
+            name = f"c{i}"
+            uid = str(uuid.uuid4())
+            result = {
+                "request": "gpu",
+                "driver": DRIVER,
+                "pool": NODE,
+                "device": names[i % len(names)],
+            }
+            add_claim(
+                emu,
+                {
+                    "metadata": {"name": name, "namespace": "default", "uid": uid},
+                    "spec": {},
+                    "status": {"allocation": {"devices": {"results": [result]}}},
+                },
+            )
+            if watched is not None:
+                # kubelet prepares a claim well after the scheduler allocated
+                # it (binding, the pod's sync): the watch has seen it by then.
+                await cached(watched, 1)
+            timings.append(await prepare_once(kubelet, uid, name))
+            emu.delete_object(RESOURCE_CLAIMS, f"default/{name}")
+            if watched is not None:
+                await cached(watched, 0)
+    return timings
+
+
+async def prepare_from_kubelet_process(
+    url: str, registry: Path, names: list[str], calls: int, watched: WatchedClaimReader | None
+) -> list[float]:
+    """``--topology node``: the fake kubelet (and the scheduler's claim writes) in a
+    process of its own, bench/dra_kubelet.py; with the claim cache, it waits at each
+    ``wait`` / ``gone`` until this process's watch has the claim / has dropped it."""
+    argv = [sys.executable, str(Path(__file__).with_name("dra_kubelet.py"))]
+    argv += ["--registry", str(registry), "--api", url, "--driver", DRIVER, "--pool", NODE]
+    argv += ["--names", ",".join(names), "--calls", str(calls)]
+    if watched is not None:
+        argv.append("--handshake")
+    async with await anyio.open_process(argv, stderr=None) as process:
+        assert process.stdout is not None
+        assert process.stdin is not None
+        lines = BufferedByteReceiveStream(process.stdout)
+        while True:
+            with anyio.fail_after(60):
+                line = (await lines.receive_until(b"\n", 1 << 24)).decode()
+            if line.startswith("{"):
+                timings: list[float] = msgspec.json.decode(line, type=dict[str, list[float]])[
+                    "timings"
+                ]
+                return timings
+            assert watched is not None, line
+            await cached(watched, 1 if line == "wait" else 0)
+            await process.stdin.send(b"go\n")
+
+
+@contextlib.asynccontextmanager
+async def api_server(topology: str) -> AsyncIterator[tuple[str, KubeEmulator | None]]:
+    """The API emulator: in this process (``in-process``) or in its own."""
+    if topology == "in-process":
+        async with KubeEmulator.running() as emu:
+            enable_dra(emu)
+            yield emu.url, emu
+    else:
+        async with served("--serve-emulator") as url:
+            yield url, None
+
+
+async def bench_prepare(
+    calls: int, which: str, claim_cache: bool = False, topology: str = "node"
+) -> tuple[list[float], float]:
+    """Each call's time, and the CPU time of this process per call (Prepare, Unprepare
+    and, ``in-process``, the rest: the fake kubelet, the emulator, maybe the allocator)."""
     # Sockets and the checkpoint on disk (/var/lib/kubelet, /var/lib/gpulet on a node).
     root = Path(tempfile.mkdtemp(prefix="dra", dir="/tmp"))
     run = Path(tempfile.mkdtemp(prefix="dra-cdi", dir=run_dir()))
@@ -187,8 +309,7 @@ async def bench_prepare(calls: int, which: str, claim_cache: bool = False) -> li
         which, memory_core
     )
     try:
-        async with KubeEmulator.running() as emu, make_core(root) as (core, names):
-            enable_dra(emu)
+        async with api_server(topology) as (url, emu), make_core(root) as (core, names):
             settings = PluginSettings(
                 driver=DRIVER,
                 pool=NODE,
@@ -198,7 +319,7 @@ async def bench_prepare(calls: int, which: str, claim_cache: bool = False) -> li
             )
             sockets = Sockets.for_driver(DRIVER, root / "registry", root / "plugins")
             async with (
-                KubeClient(KubeConfig(emu.url)) as api,
+                KubeClient(KubeConfig(url)) as api,
                 anyio.create_task_group() as tg,
             ):
                 reader: ClaimReader = KubeClaimReader(api)
@@ -209,40 +330,18 @@ async def bench_prepare(calls: int, which: str, claim_cache: bool = False) -> li
                 plugin = DraPlugin(core, reader, settings)
                 server = DraKubeletPlugin(plugin, InMemoryHealth(NODE, []), sockets, DRIVER)
                 await tg.start(server.run)
-                timings: list[float] = []
-                async with registered(root / "registry", DRIVER) as kubelet:
-                    for i in range(calls):
-                        name = f"c{i}"
-                        uid = str(uuid.uuid4())
-                        result = {
-                            "request": "gpu",
-                            "driver": DRIVER,
-                            "pool": NODE,
-                            "device": names[i % len(names)],
-                        }
-                        add_claim(
-                            emu,
-                            {
-                                "metadata": {"name": name, "namespace": "default", "uid": uid},
-                                "spec": {},
-                                "status": {"allocation": {"devices": {"results": [result]}}},
-                            },
-                        )
-                        if watched is not None:
-                            # kubelet prepares a claim well after the scheduler allocated
-                            # it (binding, the pod's sync): the watch has seen it by then.
-                            await cached(watched, 1)
-                        started = time.perf_counter()
-                        answer = await kubelet.prepare(("default", uid, name))
-                        timings.append(time.perf_counter() - started)
-                        if answer.claims[uid].error:
-                            raise SystemExit(f"prepare failed: {answer.claims[uid].error}")
-                        await kubelet.unprepare(("default", uid, name))
-                        emu.delete_object(RESOURCE_CLAIMS, f"default/{name}")
-                        if watched is not None:
-                            await cached(watched, 0)
+                cpu = time.process_time()
+                if emu is not None:
+                    timings = await prepare_in_process(
+                        emu, root / "registry", names, calls, watched
+                    )
+                else:
+                    timings = await prepare_from_kubelet_process(
+                        url, root / "registry", names, calls, watched
+                    )
+                cpu = (time.process_time() - cpu) / calls
                 tg.cancel_scope.cancel()
-        return timings
+        return timings, cpu
     finally:
         shutil.rmtree(root, ignore_errors=True)
         shutil.rmtree(run, ignore_errors=True)
@@ -322,11 +421,12 @@ async def bench_taints(faults: int, rest_s: float) -> tuple[list[float], list[fl
 
 
 async def main_async(args: argparse.Namespace) -> None:
-    prepare = await bench_prepare(args.calls, args.core, args.claim_cache)
+    prepare, cpu = await bench_prepare(args.calls, args.core, args.claim_cache, args.topology)
     reads = "claims from the watch cache" if args.claim_cache else "a GET per claim"
     print(
         table(
             f"DRA Prepare through the fake kubelet ({args.calls} calls, one claim each; "
+            f"topology {args.topology}: {TOPOLOGIES[args.topology]}; "
             f"{CORES[args.core]}, {reads}, API emulator; load average {load_average()})",
             ["", "p50 ms", "p99 ms", "max ms", "target"],
             [
@@ -336,7 +436,8 @@ async def main_async(args: argparse.Namespace) -> None:
                     ms(percentile(prepare, 99)),
                     ms(max(prepare)),
                     "p99 < 10 ms",
-                ]
+                ],
+                ["CPU of this process per call", ms(cpu), "", "", ""],
             ],
         )
     )
@@ -381,7 +482,15 @@ async def main_async(args: argparse.Namespace) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=500)
-    parser.add_argument("--core", choices=sorted(CORES), default="nats")
+    parser.add_argument(
+        "--topology",
+        choices=sorted(TOPOLOGIES),
+        default="node",
+        help="which process runs what (default: as on a node)",
+    )
+    parser.add_argument(
+        "--core", choices=sorted(CORES), help="default: nats-process (node), nats (in-process)"
+    )
     parser.add_argument("--faults", type=int, default=30)
     parser.add_argument("--rest", type=float, default=60.0)
     parser.add_argument("--quick", action="store_true", help="100 calls, 5 faults, 10 s rest")
@@ -390,11 +499,15 @@ def main() -> int:
     )
     parser.add_argument("--prepare-only", action="store_true", help="only the Prepare table")
     parser.add_argument("--serve-allocator", metavar="DIR", help=argparse.SUPPRESS)
+    parser.add_argument("--serve-emulator", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.serve_allocator:
+    if args.serve_allocator or args.serve_emulator:
         logging.basicConfig(level=logging.WARNING)
-        anyio.run(serve_allocator, Path(args.serve_allocator))
+        server = allocator_url(Path(args.serve_allocator)) if args.serve_allocator else None
+        anyio.run(serve_until_sigterm, server or emulator_url())
         return 0
+    if args.core is None:
+        args.core = "nats" if args.topology == "in-process" else "nats-process"
     if args.quick:
         args.calls, args.faults, args.rest = 100, 5, 10.0
     logging.basicConfig(level=logging.WARNING)

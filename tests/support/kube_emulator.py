@@ -29,7 +29,8 @@ and watched across namespaces or in one, field selectors ``metadata.name``,
 ``metadata.namespace``, ``spec.nodeName`` and ``status.phase``). Pods and Events have
 no schema here, so their validation beyond object metadata is not modelled.
 
-Subresources: ``nodes/status`` only, with the real split: a PUT or PATCH of
+Subresources: ``nodes/status`` (and ``resourceclaims/status`` where
+:mod:`support.kube_emulator_dra` enables DRA), with the real split: a PUT or PATCH of
 ``/api/v1/nodes/<name>/status`` changes nothing but ``.status`` (metadata, labels and
 spec stay as stored; a ``resourceVersion`` in the body is still a precondition), and a
 PUT or PATCH of the Node itself keeps the stored ``.status`` whatever the body says.
@@ -64,7 +65,7 @@ from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 import jsonschema
 import yaml
@@ -334,14 +335,24 @@ def _element_order(merged: list[Any], target: list[Any], patch: list[Any], key: 
     return out
 
 
-def _split_status(obj: JsonObj, current: JsonObj, *, status: bool) -> tuple[JsonObj, JsonObj]:
+class StatusSplit(Protocol):
+    def __call__(
+        self, obj: JsonObj, current: JsonObj, *, status: bool
+    ) -> tuple[JsonObj, JsonObj]: ...
+
+
+def _split_status(
+    obj: JsonObj, current: JsonObj, *, status: bool, labels_from_body: bool = True
+) -> tuple[JsonObj, JsonObj]:
     """A Node write as the real server's node strategies take it.
 
     Through ``/status`` (``status`` True) the new ``.status``, labels and annotations
     count (the node status strategy resets only ``.spec``: a status write changes a
     Node's labels, as tests/kube/test_differential.py found on the real server);
     everything else is the stored object's, except a ``resourceVersion`` the body
-    carries, which stays a precondition.
+    carries, which stays a precondition. ``labels_from_body`` False: the labels and
+    annotations are the stored ones too (``ResetObjectMetaForStatus``, which most
+    types' status strategies call, ResourceClaims' among them).
     Through the main resource the stored ``.status`` is kept whatever the body says.
     Returns the object to store and its metadata.
     """
@@ -351,7 +362,7 @@ def _split_status(obj: JsonObj, current: JsonObj, *, status: bool) -> tuple[Json
         kept["status"] = copy.deepcopy(obj.get("status") or {})
         meta: JsonObj = kept["metadata"]
         incoming = obj.get("metadata") or {}
-        for field_name in ("labels", "annotations"):
+        for field_name in ("labels", "annotations") if labels_from_body else ():
             if incoming.get(field_name):
                 meta[field_name] = copy.deepcopy(incoming[field_name])
             else:
@@ -1138,6 +1149,11 @@ class _Resource:
     custom: bool
     # Namespaced objects are stored under "<namespace>/<name>".
     namespaced: bool = False
+    # A ``/status`` subresource: how a write through it (``status`` True) or through
+    # the main resource (False) splits into what is stored; None: no subresource.
+    status_split: StatusSplit | None = None
+    # The type's create strategy clears ``.status`` (ResourceClaims; not Nodes).
+    create_clears_status: bool = False
 
     def key(self, namespace: str | None, name: str) -> str:
         return f"{namespace}/{name}" if self.namespaced else name
@@ -1248,7 +1264,9 @@ class KubeEmulator:
                 schema=self.crd,
                 custom=True,
             ),
-            NODES: _Resource(NODES, "Node", "NodeList", "", "v1", None, custom=False),
+            NODES: _Resource(
+                NODES, "Node", "NodeList", "", "v1", None, custom=False, status_split=_split_status
+            ),
             # Pods and Events, namespaced: enough of them for the allocator's pod watch
             # (list/watch with field selectors) and the Events it posts. No schema:
             # the real server's validation of these types is not modelled.
@@ -1740,8 +1758,8 @@ class KubeEmulator:
     async def _dispatch_status(
         self, request: web.Request, res: _Resource, name: str | None
     ) -> web.StreamResponse:
-        """``nodes/<name>/status``: GET, PUT and PATCH (not server-side apply)."""
-        if res.plural != NODES or name is None:
+        """``<plural>/<name>/status``: GET, PUT and PATCH (not server-side apply)."""
+        if res.status_split is None or name is None:
             raise ApiError(
                 404, "NotFound", "the server could not find the requested resource", details={}
             )
@@ -1758,7 +1776,7 @@ class KubeEmulator:
                 raise ApiError(
                     415,
                     "UnsupportedMediaType",
-                    "server-side apply to nodes/status is not modelled by the emulator",
+                    f"server-side apply to {res.plural}/status is not modelled by the emulator",
                 )
             outcome = await self._patch(request, res, name, dry_run, status=True)
         else:
@@ -1976,6 +1994,8 @@ class KubeEmulator:
             "managedFields",
         ):
             meta.pop(key, None)
+        if res.create_clears_status:
+            obj.pop("status", None)
         headers = self._normalize(res, obj, query)
         name = res.key(meta.get("namespace"), meta["name"])
         if name in self._objects[res.plural]:
@@ -2024,8 +2044,8 @@ class KubeEmulator:
         if current is None:
             raise res.not_found(name)
         current_meta = current["metadata"]
-        if res.plural == NODES:
-            obj, meta = _split_status(obj, current, status=status)
+        if res.status_split is not None:
+            obj, meta = res.status_split(obj, current, status=status)
         rv = meta.get("resourceVersion", "")
         if not rv and res.custom and not from_patch:
             # CRs disallow unconditional update: a PUT must say which version it replaces.

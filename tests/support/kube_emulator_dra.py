@@ -16,9 +16,16 @@ added to a running emulator with :func:`enable_dra`. What it models:
   counts) plus the slice rules (exactly one of the node selections, devices per
   slice). Failures are 422 Invalid with causes.
 
-Not modelled: ``deletecollection``, the ``spec.pool.name`` field selector,
-``ResourceClaim`` status subresource writes (tests seed claims whole with
-:func:`add_claim`), the allocator in kube-scheduler (the real-server tests do that).
+* ``resourceclaims/status`` as the real claim strategies have it (what kube-scheduler
+  writes the allocation through): a create clears ``.status``; a PUT or PATCH of the
+  claim keeps the stored ``.status`` whatever the body says; a PUT or PATCH of
+  ``/status`` changes only ``.status`` (spec, labels, annotations, finalizers and owner
+  references stay as stored, ``ResetObjectMetaForStatus``; a ``resourceVersion`` in the
+  body is still a precondition). Writes through it count under ``resourceclaims/status``.
+
+Not modelled: ``deletecollection``, the ``spec.pool.name`` field selector, the claim's
+spec being immutable after create, the allocator in kube-scheduler (the real-server
+tests do that; tests may also seed an allocated claim whole with :func:`add_claim`).
 """
 
 from __future__ import annotations
@@ -113,6 +120,14 @@ def _slice_causes(spec: ke.JsonObj) -> list[ke.Cause]:
     return causes
 
 
+def _split_claim_status(
+    obj: ke.JsonObj, current: ke.JsonObj, *, status: bool
+) -> tuple[ke.JsonObj, ke.JsonObj]:
+    """A ResourceClaim write as the claim's update and status strategies take it: through
+    ``/status`` only ``.status`` counts (labels and annotations too stay as stored)."""
+    return ke._split_status(obj, current, status=status, labels_from_body=False)
+
+
 def enable_dra(emu: ke.KubeEmulator, *, validate: bool = True) -> ke.KubeEmulator:
     """Serve resource.k8s.io/v1 on ``emu`` (before or after it started). ``validate``
     False skips the schema checks (45 ms a write): for benchmarks only, whose writes the
@@ -145,6 +160,8 @@ def enable_dra(emu: ke.KubeEmulator, *, validate: bool = True) -> ke.KubeEmulato
             BuiltinSchema("ResourceClaim"),  # type: ignore[arg-type]
             custom=False,
             namespaced=True,
+            status_split=_split_claim_status,
+            create_clears_status=True,
         ),
     }
     for plural, res in resources.items():
