@@ -135,10 +135,14 @@ class SlicePublisher:
         self.debouncer.submit(desired)
 
     def _repair(self, why: str) -> None:
+        """Re-list the slices at the next write; with no write pending, start one. A
+        pending write (a fault waiting out the quiet window) is left alone: submitting
+        the same input again would restart its quiet window (a watch reopens every
+        ``watch_timeout_s``, and that held a fault's taint back by another window)."""
         self.repairs += 1
         log.info("slices of %s: %s; publishing again", self.writer.node, why)
         self.writer.listed = False
-        if self.last is not None:
+        if self.last is not None and not self.debouncer.pending:
             self.debouncer.submit(self.last)
 
     # --- tasks ---------------------------------------------------------------------
