@@ -447,8 +447,9 @@ async def _scenario(w: World) -> None:
     assert {a.id: tuple(a.gpus) for a in state.allocations} == {
         i: (u,) for i, u in held_ids.items()
     }
-    # The checkpoint on disk holds the same (an allocation's ID is its owner's key).
-    checkpoint = store.decode(await anyio.Path(state.checkpoint).read_bytes())
+    # The checkpoint on disk holds the same (an allocation's ID is its owner's key):
+    # the snapshot and its journal, as a start reads them.
+    checkpoint, _ = await anyio.to_thread.run_sync(store.read_state, Path(state.checkpoint))
     on_disk = {
         a.owner.allocation_id: tuple(a.devices)
         for a in checkpoint.allocations
