@@ -216,13 +216,23 @@ def fault_counts(events: list[dict[str, object]]) -> dict[FaultKey, int]:
     return counts
 
 
+# Why the last question to the hub got no count (shown when a wait fails).
+_last_ask_error: list[str] = [""]
+
+
 async def _stored(admin: Bus) -> int:
     """Messages in GPU_FLEET, or -1 while the cluster cannot say (leader election)."""
     try:
         with anyio.fail_after(ASK_S):
             info = await admin.jetstream.stream_info(subjects.FLEET_STREAM)
-    except Exception:
+    except Exception as exc:
+        server = admin.client.connected_url
+        _last_ask_error[0] = (
+            f"{type(exc).__name__}: {exc} (admin connected: {admin.client.is_connected}, "
+            f"to {server.netloc if server else None})"
+        )
         return -1
+    _last_ask_error[0] = ""
     return info.state.messages
 
 
@@ -247,7 +257,8 @@ async def test_every_fault_reaches_the_sink_once_through_hub_and_replica_crashes
         mark(f"gave up waiting for {what}")
         return AssertionError(
             f"timed out after {timeout_s:.0f}s waiting for {what}: {stored_count} events "
-            f"stored, {sink.faults()} faults at the sink\n" + "\n".join(timeline)
+            f"stored, {sink.faults()} faults at the sink; the hub's last answer: "
+            f"{_last_ask_error[0] or 'a count'}\n" + "\n".join(timeline)
         )
 
     async def wait_for(

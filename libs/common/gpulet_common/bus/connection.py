@@ -46,6 +46,25 @@ def backoff_delay(attempt: int, base_s: float, max_s: float) -> float:
     return max(base_s / 2, random.uniform(0, ceiling))
 
 
+def reconnect_choice(servers: list[Any], settings: NatsSettings) -> tuple[Any, float]:
+    """nats-py's reconnect handler: the server to try next, and the wait before.
+
+    The least-tried server of the pool (``reconnects``: failed tries since it last
+    connected), so a dead server is tried once and then passed over for the others.
+    Naming none, as this did, makes nats-py take the first server of its pool on every
+    try, and it shuffles the pool only once per disconnection: a client whose first
+    server was the one that died tried only it until it came back (a cluster with one
+    server down lost that server's clients for as long). The wait backs off only while
+    every server fails.
+    """
+    if not servers:
+        return None, settings.reconnect_wait_s
+    attempt = min(s.reconnects for s in servers)
+    chosen = next(s for s in servers if s.reconnects == attempt)
+    delay = backoff_delay(attempt, settings.reconnect_wait_s, settings.reconnect_max_wait_s)
+    return chosen, delay
+
+
 def tls_context(settings: NatsSettings) -> ssl.SSLContext | None:
     if not (settings.tls_ca_file or settings.tls_cert_file):
         return None
@@ -149,9 +168,7 @@ async def open_client(
     until cancelled); raises :class:`BusError` when the attempts are spent."""
 
     def choose_server(servers: list[Any], _info: dict[str, Any]) -> tuple[Any, float]:
-        attempt = min((s.reconnects for s in servers), default=0)
-        delay = backoff_delay(attempt, settings.reconnect_wait_s, settings.reconnect_max_wait_s)
-        return None, delay
+        return reconnect_choice(servers, settings)
 
     servers = [s.strip() for s in settings.url.split(",") if s.strip()]
     if not servers:
