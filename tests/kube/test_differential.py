@@ -6,8 +6,9 @@ The emulator stays for what a real server cannot easily do (429s, dropped connec
 latency, faults before or after a commit); this test keeps it honest about everything
 else the reporter and the allocator depend on: Device creates and replaces, a stale
 resourceVersion, merge and JSON patches (with ``test``), no-op writes, CRD validation and
-pruning, Node label and taint patches, the ``nodes/status`` split, 404s and 409s, and the
-watch stream of a Device.
+pruning, Node label and taint patches, the ``nodes/status`` split, a ResourceClaim's
+``status`` split (an allocation written as kube-scheduler writes it), 404s and 409s, and
+the watch stream of a Device.
 
 Objects are compared after :func:`normalize` drops what differs by nature (uids,
 resourceVersions, timestamps, managedFields). The differences that stay are in
@@ -30,6 +31,7 @@ import pytest
 from support.control_plane import ControlPlane
 from support.control_plane_fixtures import unique_name
 from support.kube_emulator import KubeEmulator
+from support.kube_emulator_dra import enable_dra
 
 pytestmark = pytest.mark.anyio
 
@@ -145,7 +147,7 @@ def normalize(body: Any) -> Any:
     for ref in meta.get("ownerReferences") or []:
         ref.pop("uid", None)
     status = out.get("status")
-    if isinstance(status, dict):
+    if isinstance(status, dict) and out.get("kind") == "Node":
         for cond in status.get("conditions") or []:
             cond.pop("lastHeartbeatTime", None)
             cond.pop("lastTransitionTime", None)
@@ -209,6 +211,44 @@ READY = {
 }
 NODE = "/api/v1/nodes/{node}"
 DEVICE = DEVICES + "/{node}"
+CLAIMS = "/apis/resource.k8s.io/v1/namespaces/default/resourceclaims"
+CLAIM = CLAIMS + "/{node}"
+# Everything the real server would default is spelled out, so that both hold the same.
+ALLOCATION = {
+    "allocation": {
+        "devices": {
+            "results": [
+                {"request": "gpu", "driver": "gpu.gpulet.io", "pool": "{node}", "device": "gpu-0"}
+            ]
+        }
+    }
+}
+
+
+def claim(status: dict[str, Any] | None = None, **meta: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaim",
+        "metadata": {"name": "{node}", "namespace": "default", **meta},
+        "spec": {
+            "devices": {
+                "requests": [
+                    {
+                        "name": "gpu",
+                        "exactly": {
+                            "deviceClassName": "gpu.gpulet.io",
+                            "allocationMode": "ExactCount",
+                            "count": 1,
+                        },
+                    }
+                ]
+            }
+        },
+    }
+    if status is not None:
+        body["status"] = status
+    return body
+
 
 SCRIPT = [
     Step(
@@ -371,6 +411,39 @@ SCRIPT = [
         {"status": {}},
         MERGE,
     ),
+    # A ResourceClaim's status, as kube-scheduler writes an allocation and the DRA
+    # bench (bench/dra_kubelet.py) does through the emulator.
+    Step("create a claim with a status", "POST", CLAIMS, claim(status=ALLOCATION)),
+    Step("get the claim", "GET", CLAIM),
+    Step("a claim patch ignores status", "PATCH", CLAIM, {"status": ALLOCATION}, MERGE),
+    Step(
+        "allocate through status",
+        "PATCH",
+        CLAIM + "/status",
+        {"metadata": {"labels": {"ignored": "yes"}}, "status": ALLOCATION},
+        MERGE,
+    ),
+    Step(
+        "a claim patch keeps the status",
+        "PATCH",
+        CLAIM,
+        {"metadata": {"labels": {"a": "b"}}},
+        MERGE,
+    ),
+    Step(
+        "a status write with a stale resourceVersion",
+        "PATCH",
+        CLAIM + "/status",
+        {"metadata": {"resourceVersion": "1"}, "status": {"allocation": None}},
+        MERGE,
+    ),
+    Step(
+        "replace the claim's status",
+        "PUT",
+        CLAIM + "/status",
+        claim(status={}, resourceVersion="{crv}"),
+    ),
+    Step("delete the claim", "DELETE", CLAIM),
     Step("delete device", "DELETE", DEVICE),
     Step("delete it again", "DELETE", DEVICE),
     Step("get deleted device", "GET", DEVICE),
@@ -396,11 +469,13 @@ async def play(target: Target, node: str) -> dict[str, Outcome]:
         if 200 <= answer.status < 300 and isinstance(answer.body, dict):
             meta = answer.body.get("metadata") or {}
             kind = answer.body.get("kind", "")
-            if "resourceVersion" in meta and kind in ("Device", "Node"):
+            if "resourceVersion" in meta and kind in ("Device", "Node", "ResourceClaim"):
                 moved = rv.get(kind) != meta["resourceVersion"]
                 rv[kind] = meta["resourceVersion"]
                 if kind == "Device":
                     target.vars["rv"] = meta["resourceVersion"]
+                if kind == "ResourceClaim":
+                    target.vars["crv"] = meta["resourceVersion"]
         outcomes[step.label] = Outcome(answer.status, normalize(answer.body), moved)
     return outcomes
 
@@ -425,6 +500,7 @@ async def watch_events(target: Target, node: str, since: str) -> list[str]:
 @pytest.fixture
 async def emulator() -> AsyncIterator[KubeEmulator]:
     async with KubeEmulator.running() as emu:
+        enable_dra(emu)
         yield emu
 
 

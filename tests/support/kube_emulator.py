@@ -1154,6 +1154,9 @@ class _Resource:
     status_split: StatusSplit | None = None
     # The type's create strategy clears ``.status`` (ResourceClaims; not Nodes).
     create_clears_status: bool = False
+    # A DELETE answers the object as deleted, not a Status (the registry's
+    # ReturnDeletedObject: ResourceClaims, as the differential test showed).
+    returns_deleted_object: bool = False
 
     def key(self, namespace: str | None, name: str) -> str:
         return f"{namespace}/{name}" if self.namespaced else name
@@ -2193,8 +2196,12 @@ class KubeEmulator:
                 f"{current['metadata']['resourceVersion']}",
             )
         if not dry_run:
-            self._delete(res, name)
+            deleted = self._delete(res, name)
             self.stats.deletes[(res.plural, name)] += 1
+            if res.returns_deleted_object:
+                return _Outcome(200, copy.deepcopy(deleted))
+        elif res.returns_deleted_object:
+            return _Outcome(200, copy.deepcopy(current))
         body: JsonObj = {
             "kind": "Status",
             "apiVersion": "v1",

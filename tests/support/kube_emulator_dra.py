@@ -162,6 +162,7 @@ def enable_dra(emu: ke.KubeEmulator, *, validate: bool = True) -> ke.KubeEmulato
             namespaced=True,
             status_split=_split_claim_status,
             create_clears_status=True,
+            returns_deleted_object=True,
         ),
     }
     for plural, res in resources.items():
