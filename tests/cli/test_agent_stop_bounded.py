@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import threading
 import time
+from functools import partial
 from pathlib import Path
 
 import anyio
-import anyio.abc
 import pytest
 
 from gpulet.agent import NVML_CLOSE_S, run_agent
 from gpulet_common.embedded_nats import EmbeddedNats
-from gpulet_common.runtime import NvmlProvider, Runtime
+from gpulet_common.runtime import NvmlProvider
 from support.agent import agent_settings
 
 pytestmark = pytest.mark.anyio
@@ -30,17 +30,8 @@ async def test_a_hanging_nvml_shutdown_does_not_hold_the_stop(
 
     monkeypatch.setattr(NvmlProvider, "close", hangs)
     settings = agent_settings(nats_server.url, tmp_path / "state")
+    agent = partial(run_agent, settings, ["collector"], embedded_nats=False, handle_signals=False)
     try:
-
-        async def agent(*, task_status: anyio.abc.TaskStatus[Runtime]) -> None:
-            await run_agent(
-                settings,
-                ["collector"],
-                embedded_nats=False,
-                handle_signals=False,
-                task_status=task_status,
-            )
-
         async with anyio.create_task_group() as tg:
             await tg.start(agent)
             started = time.monotonic()

@@ -216,24 +216,19 @@ def fault_counts(events: list[dict[str, object]]) -> dict[FaultKey, int]:
     return counts
 
 
-# Why the last question to the hub got no count (shown when a wait fails).
-_last_ask_error: list[str] = [""]
-
-
-async def _stored(admin: Bus) -> int:
-    """Messages in GPU_FLEET, or -1 while the cluster cannot say (leader election)."""
+async def _stored(admin: Bus) -> tuple[int, str]:
+    """Messages in GPU_FLEET, or -1 while the cluster cannot say (leader election) with
+    why (shown when a wait fails)."""
     try:
         with anyio.fail_after(ASK_S):
             info = await admin.jetstream.stream_info(subjects.FLEET_STREAM)
     except Exception as exc:
         server = admin.client.connected_url
-        _last_ask_error[0] = (
+        return -1, (
             f"{type(exc).__name__}: {exc} (admin connected: {admin.client.is_connected}, "
             f"to {server.netloc if server else None})"
         )
-        return -1
-    _last_ask_error[0] = ""
-    return info.state.messages
+    return info.state.messages, ""
 
 
 async def test_every_fault_reaches_the_sink_once_through_hub_and_replica_crashes(
@@ -247,6 +242,7 @@ async def test_every_fault_reaches_the_sink_once_through_hub_and_replica_crashes
     started = time.monotonic()
     timeline: list[str] = []
     stored_count = 0
+    no_count = ""  # why the hub's last answer gave no count
 
     def mark(what: str) -> None:
         timeline.append(f"{time.monotonic() - started:6.1f}s {what}")
@@ -258,7 +254,7 @@ async def test_every_fault_reaches_the_sink_once_through_hub_and_replica_crashes
         return AssertionError(
             f"timed out after {timeout_s:.0f}s waiting for {what}: {stored_count} events "
             f"stored, {sink.faults()} faults at the sink; the hub's last answer: "
-            f"{_last_ask_error[0] or 'a count'}\n" + "\n".join(timeline)
+            f"{no_count or 'a count'}\n" + "\n".join(timeline)
         )
 
     async def wait_for(
@@ -275,8 +271,9 @@ async def test_every_fault_reaches_the_sink_once_through_hub_and_replica_crashes
 
     async def wait_stored(count: int, *, timeout_s: float, what: str) -> None:
         async def enough() -> bool:
-            nonlocal stored_count
-            stored_count = max(stored_count, await _stored(admin))
+            nonlocal stored_count, no_count
+            count, no_count = await _stored(admin)
+            stored_count = max(stored_count, count)
             return stored_count >= count
 
         await wait_for(enough, timeout_s=timeout_s, what=what)
@@ -316,7 +313,7 @@ async def test_every_fault_reaches_the_sink_once_through_hub_and_replica_crashes
                         lambda: _consumer_waiting(admin, 2), timeout_s=60, what="2 alerts replicas"
                     )
                     # What the nodes published before the storm (none expected; counted).
-                    baseline = max(await _stored(admin), 0)
+                    baseline = max((await _stored(admin))[0], 0)
                     mark(f"2 alerts replicas pulling; {baseline} events on the hub before")
 
                     async def inject_node(node: NodeServices, lo: int, hi: int) -> None:

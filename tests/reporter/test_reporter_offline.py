@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -192,14 +193,9 @@ async def test_gpulet_run_on_a_laptop_shows_the_device(
     settings.telemetry.http_port = 0
     device_file = tmp_path / "state" / "reporter" / f"device-{NODE}.json"
 
-    async def agent(*, task_status: anyio.abc.TaskStatus[object]) -> None:
-        await run_agent(
-            settings,
-            ["collector", "reporter"],
-            embedded_nats=False,
-            handle_signals=False,
-            task_status=task_status,
-        )
+    agent = partial(
+        run_agent, settings, ["collector", "reporter"], embedded_nats=False, handle_signals=False
+    )
 
     async with anyio.create_task_group() as tg:
         await tg.start(agent)
@@ -237,14 +233,9 @@ async def test_reporter_preview_asks_the_running_agent(
     with pytest.raises(PreviewError, match="is the agent running"):
         await preview(settings, timeout_s=0.3)
 
-    async def agent(*, task_status: anyio.abc.TaskStatus[object]) -> None:
-        await run_agent(
-            agent_settings,
-            ["collector"],
-            embedded_nats=False,
-            handle_signals=False,
-            task_status=task_status,
-        )
+    agent = partial(
+        run_agent, agent_settings, ["collector"], embedded_nats=False, handle_signals=False
+    )
 
     async with anyio.create_task_group() as tg:
         await tg.start(agent)
