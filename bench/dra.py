@@ -137,14 +137,25 @@ NAMES = [device_name(g) for g in BENCH_INVENTORY.gpus]
 
 
 @contextlib.asynccontextmanager
-async def allocator_stack_on_nats(root: Path) -> AsyncIterator[tuple[str, Bus]]:
+async def allocator_stack_on_nats(
+    root: Path, dra: DraSettings | None = None
+) -> AsyncIterator[tuple[str, Bus]]:
     """The real allocator service on a real nats-server: its URL and a connection."""
     (root / "dp").mkdir(parents=True, exist_ok=True)
     async with EmbeddedNats(state_dir=root / "nats", port=0) as nats:
+        # The production intervals of the PodResources pass (the tests' make 10 a
+        # second, a tenth of the allocator's CPU).
+        allocator = {"release_interval_s": 30.0, "pods_poll_s": 10.0}
         settings = make_settings(
-            nats.url, root / "state", root / "dp", dev_root_with(root / "dev", 8)
+            nats.url,
+            root / "state",
+            root / "dp",
+            dev_root_with(root / "dev", 8),
+            allocator=allocator,
         )
         settings.node_name = NODE
+        if dra is not None:
+            settings = msgspec.structs.replace(settings, dra=dra)
         async with allocator_stack(
             settings, inventory=BENCH_INVENTORY, start_plugin=False
         ) as stack:
@@ -161,24 +172,30 @@ async def allocator_core(root: Path) -> AsyncIterator[tuple[DecisionCore, list[s
 
 
 @contextlib.asynccontextmanager
-async def served(*argv: str) -> AsyncIterator[str]:
+async def served(*argv: str) -> AsyncIterator[tuple[str, int]]:
     """This script again with ``argv`` (a ``--serve-*`` mode), in a process of its own:
-    the URL it prints first; it is terminated on the way out."""
+    the URL it prints first, and its PID; it is terminated on the way out."""
     async with await anyio.open_process([sys.executable, __file__, *argv]) as process:
         assert process.stdout is not None
         try:
             with anyio.fail_after(60):
                 url = await BufferedByteReceiveStream(process.stdout).receive_until(b"\n", 4096)
-            yield url.decode().strip()
+            yield url.decode().strip(), process.pid
         finally:
             process.terminate()
+
+
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU time of process ``pid`` (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 @contextlib.asynccontextmanager
 async def allocator_process_core(root: Path) -> AsyncIterator[tuple[DecisionCore, list[str]]]:
     """The allocator (and its nats-server) in a process of its own, as in the pod."""
     async with (
-        served("--serve-allocator", str(root / "allocator")) as url,
+        served("--serve-allocator", str(root / "allocator")) as (url, _pid),
         Bus.connect(NatsSettings(url=url), name="dra-plugin", max_initial_attempts=5) as bus,
     ):
         yield NatsDecisionCore(bus, NODE, timeout_s=5.0), NAMES
@@ -194,17 +211,32 @@ async def serve_until_sigterm(server: contextlib.AbstractAsyncContextManager[str
 
 
 @contextlib.asynccontextmanager
-async def allocator_url(root: Path) -> AsyncIterator[str]:
-    """``--serve-allocator``: the allocator and its nats-server (stopped with it)."""
-    async with allocator_stack_on_nats(root) as (url, _bus):
+async def allocator_url(root: Path, kubeconfig: str, cdi_dir: str) -> AsyncIterator[str]:
+    """``--serve-allocator``: the allocator and its nats-server (stopped with it); with
+    ``--kubeconfig``, hosting the DRA kubelet plugin too, as ``dra.plugin_host``
+    ``allocator`` has it (sockets under ``root``, CDI specs in ``cdi_dir``)."""
+    dra = None
+    if kubeconfig:
+        dra = DraSettings(
+            mode="dra",
+            plugin_host="allocator",
+            kubeconfig=kubeconfig,
+            cdi_dir=cdi_dir,
+            plugins_registry=str(root / "registry"),
+            plugins_dir=str(root / "plugins"),
+        )
+    async with allocator_stack_on_nats(root, dra) as (url, _bus):
         yield url
 
 
 @contextlib.asynccontextmanager
-async def emulator_url() -> AsyncIterator[str]:
-    """``--serve-emulator``: the API emulator with resource.k8s.io/v1."""
+async def emulator_url(kubeconfig: str) -> AsyncIterator[str]:
+    """``--serve-emulator``: the API emulator with resource.k8s.io/v1 (its kubeconfig
+    written to ``kubeconfig`` if named)."""
     async with KubeEmulator.running() as emu:
         enable_dra(emu)
+        if kubeconfig:
+            emu.write_kubeconfig(kubeconfig)
         yield emu.url
 
 
@@ -268,6 +300,7 @@ async def prepare_from_kubelet_process(
     argv += ["--names", ",".join(names), "--calls", str(calls)]
     if watched is not None:
         argv.append("--handshake")
+
     async with await anyio.open_process(argv, stderr=None) as process:
         assert process.stdout is not None
         assert process.stdin is not None
@@ -293,7 +326,7 @@ async def api_server(topology: str) -> AsyncIterator[tuple[str, KubeEmulator | N
             enable_dra(emu)
             yield emu.url, emu
     else:
-        async with served("--serve-emulator") as url:
+        async with served("--serve-emulator") as (url, _pid):
             yield url, None
 
 
@@ -342,6 +375,36 @@ async def bench_prepare(
                 cpu = (time.process_time() - cpu) / calls
                 tg.cancel_scope.cancel()
         return timings, cpu
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(run, ignore_errors=True)
+
+
+async def bench_prepare_hosted(calls: int) -> tuple[list[float], float]:
+    """``--topology node --host allocator`` (the default): the DRA kubelet plugin in the
+    allocator's process, as ``dra.plugin_host = "allocator"`` runs it (the real
+    allocator service starts it, deciding in its ledger directly); the API emulator
+    and the fake kubelet in processes of their own. Each call's time, and the CPU time
+    of the allocator's process per call."""
+    root = Path(tempfile.mkdtemp(prefix="dra", dir="/tmp"))
+    run = Path(tempfile.mkdtemp(prefix="dra-cdi", dir=run_dir()))
+    kubeconfig = str(root / "kubeconfig")
+    try:
+        async with (
+            served("--serve-emulator", "--kubeconfig", kubeconfig) as (url, _),
+            served(
+                "--serve-allocator",
+                str(root / "allocator"),
+                "--kubeconfig",
+                kubeconfig,
+                "--cdi-dir",
+                str(run / "cdi"),
+            ) as (_, pid),
+        ):
+            cpu = cpu_seconds(pid)
+            registry = root / "allocator" / "registry"
+            timings = await prepare_from_kubelet_process(url, registry, NAMES, calls, None)
+            return timings, (cpu_seconds(pid) - cpu) / calls
     finally:
         shutil.rmtree(root, ignore_errors=True)
         shutil.rmtree(run, ignore_errors=True)
@@ -421,13 +484,22 @@ async def bench_taints(faults: int, rest_s: float) -> tuple[list[float], list[fl
 
 
 async def main_async(args: argparse.Namespace) -> None:
-    prepare, cpu = await bench_prepare(args.calls, args.core, args.claim_cache, args.topology)
     reads = "claims from the watch cache" if args.claim_cache else "a GET per claim"
+    if args.topology == "node" and args.host == "allocator":
+        prepare, cpu = await bench_prepare_hosted(args.calls)
+        where = (
+            f"topology node: {TOPOLOGIES['node']}; the plugin in the allocator's "
+            "process (dra.plugin_host allocator), deciding in its ledger directly"
+        )
+        whose = "CPU of the allocator's process per call"
+    else:
+        prepare, cpu = await bench_prepare(args.calls, args.core, args.claim_cache, args.topology)
+        where = f"topology {args.topology}: {TOPOLOGIES[args.topology]}; {CORES[args.core]}"
+        whose = "CPU of this process per call"
     print(
         table(
             f"DRA Prepare through the fake kubelet ({args.calls} calls, one claim each; "
-            f"topology {args.topology}: {TOPOLOGIES[args.topology]}; "
-            f"{CORES[args.core]}, {reads}, API emulator; load average {load_average()})",
+            f"{where}, {reads}, API emulator; load average {load_average()})",
             ["", "p50 ms", "p99 ms", "max ms", "target"],
             [
                 [
@@ -437,7 +509,7 @@ async def main_async(args: argparse.Namespace) -> None:
                     ms(max(prepare)),
                     "p99 < 10 ms",
                 ],
-                ["CPU of this process per call", ms(cpu), "", "", ""],
+                [whose, ms(cpu), "", "", ""],
             ],
         )
     )
@@ -489,7 +561,16 @@ def main() -> int:
         help="which process runs what (default: as on a node)",
     )
     parser.add_argument(
-        "--core", choices=sorted(CORES), help="default: nats-process (node), nats (in-process)"
+        "--host",
+        choices=["allocator", "device-plugin"],
+        default="allocator",
+        help="node topology: the process that runs the plugin (dra.plugin_host; "
+        "device-plugin: this one, over NATS)",
+    )
+    parser.add_argument(
+        "--core",
+        choices=sorted(CORES),
+        help="--host device-plugin: default nats-process (node), nats (in-process)",
     )
     parser.add_argument("--faults", type=int, default=30)
     parser.add_argument("--rest", type=float, default=60.0)
@@ -500,12 +581,19 @@ def main() -> int:
     parser.add_argument("--prepare-only", action="store_true", help="only the Prepare table")
     parser.add_argument("--serve-allocator", metavar="DIR", help=argparse.SUPPRESS)
     parser.add_argument("--serve-emulator", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--kubeconfig", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--cdi-dir", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_allocator or args.serve_emulator:
         logging.basicConfig(level=logging.WARNING)
-        server = allocator_url(Path(args.serve_allocator)) if args.serve_allocator else None
-        anyio.run(serve_until_sigterm, server or emulator_url())
+        if args.serve_allocator:
+            server = allocator_url(Path(args.serve_allocator), args.kubeconfig, args.cdi_dir)
+        else:
+            server = emulator_url(args.kubeconfig)
+        anyio.run(serve_until_sigterm, server)
         return 0
+    if args.claim_cache and args.topology == "node" and args.host == "allocator":
+        parser.error("--claim-cache needs --host device-plugin or --topology in-process")
     if args.core is None:
         args.core = "nats" if args.topology == "in-process" else "nats-process"
     if args.quick:

@@ -1,14 +1,18 @@
 """The ``[dra]`` section: the driver name, the mode, taints and sharing.
 
 A msgspec Struct like every other settings section; fields only get added, each with
-a default. Read by the reporter (the ResourceSlice publisher) and the device-plugin
-sidecar (the DRA kubelet plugin); docs/dra.md says how to turn it on.
+a default. Read by the reporter (the ResourceSlice publisher) and the allocator (or, with
+``plugin_host = "device-plugin"``, the device-plugin sidecar) for the DRA kubelet
+plugin; docs/dra.md says how to turn it on.
 
 * ``mode``: ``device-plugin`` (DRA off: no slices, no kubelet plugin), ``dra`` (slices
   and the kubelet plugin, no device plugin), ``both`` (a migration: both adapters over
   one ledger; a GPU the device plugin holds is tainted ``NoSchedule`` in the slice).
 * ``unhealthy_effect``: the taint effect of a fault that makes a GPU unhealthy
   (``NoSchedule`` by default; ``NoExecute`` also evicts the pods using it).
+* ``plugin_host``: which service runs the DRA kubelet plugin: ``allocator`` (the
+  default: in the allocator's process, deciding in its ledger directly) or
+  ``device-plugin`` (beside the device plugin, deciding over NATS); docs/dra.md.
 * ``sharing``: offer each GPU for sharing through consumable capacity (cores in percent
   and memory, ``allowMultipleAllocations``).
 """
@@ -27,6 +31,7 @@ DEFAULT_PLUGINS_REGISTRY: Final = "/var/lib/kubelet/plugins_registry"
 DEFAULT_PLUGINS_DIR: Final = "/var/lib/kubelet/plugins"
 
 Mode = Literal["device-plugin", "dra", "both"]
+PluginHost = Literal["allocator", "device-plugin"]
 Effect = Literal["NoSchedule", "NoExecute"]
 
 
@@ -38,6 +43,10 @@ class DraSettings(KubeWriterSettings, kw_only=True, forbid_unknown_fields=True, 
     # and the DRA kubelet plugin, no device plugin) or `both` (a migration: both over one
     # ledger; a GPU the device plugin holds is tainted NoSchedule in the slice).
     mode: Mode = "device-plugin"
+    # Which service runs the DRA kubelet plugin: `allocator` (in the allocator's
+    # process: Prepare decides in the ledger directly, no NATS hop) or `device-plugin`
+    # (beside the device plugin, deciding over NATS). Its mounts go to that container.
+    plugin_host: PluginHost = "allocator"
     # The DRA driver name: a DNS subdomain of at most 63 characters.
     driver: str = DEFAULT_DRIVER
     # The taint effect of a fault that makes a GPU unhealthy (`NoExecute` also evicts
@@ -73,3 +82,7 @@ class DraSettings(KubeWriterSettings, kw_only=True, forbid_unknown_fields=True, 
     @property
     def serves_dra(self) -> bool:
         return self.mode in ("dra", "both")
+
+    def plugin_runs_in(self, service: PluginHost) -> bool:
+        """Whether ``service`` runs the DRA kubelet plugin."""
+        return self.serves_dra and self.plugin_host == service

@@ -78,7 +78,8 @@ from nats.micro.service import Service
 from gpulet_allocator import protocol as p
 from gpulet_allocator.decide.books import Undo
 from gpulet_allocator.decide.core import AllocatorCore
-from gpulet_allocator.service.claims import ClaimEndpoints
+from gpulet_allocator.service.claims import ClaimEndpoints, DraHost, LocalClaimCore
+from gpulet_allocator.service.durable import Durable
 from gpulet_allocator.service.handshake import HandshakeRunner, pod_book
 from gpulet_allocator.service.held import HeldCount
 from gpulet_allocator.service.release import PodResourcesFollower
@@ -88,7 +89,6 @@ from gpulet_allocator.service.sharing import SharingInputs
 from gpulet_allocator.service.status import AllocatorStatus
 from gpulet_allocator.service.withheld import core_feeds, pods_feed
 from gpulet_allocator.state.checkpoint import (
-    CheckpointError,
     CheckpointFile,
     Committer,
     Loaded,
@@ -158,6 +158,15 @@ class AllocatorService(RuntimeService[AllocatorSettings]):
         self._stats_data = replies.stats_data
         self._committer: Committer | None = None
         self._tg: anyio.abc.TaskGroup | None = None
+        #: Answers sent once the checkpoint holds them (:mod:`.durable`).
+        self.durable = Durable(
+            lambda: self.core.version,
+            lambda: self._committer,
+            lambda: self._tg,
+            replies,
+            self._count_held,
+        )
+        self._answer_durably = self.durable.answer
         #: What ``/readyz`` says of the allocator (:mod:`.status`).
         self.status = AllocatorStatus(runtime.status, self.name, self.checkpoint)
         meter = runtime.meter
@@ -187,6 +196,8 @@ class AllocatorService(RuntimeService[AllocatorSettings]):
         self.claims = ClaimEndpoints(
             self.core, replies, self._answer_durably, self._on_record_change
         )
+        #: The DRA kubelet plugin, when this service hosts it (``dra.plugin_host``).
+        self.dra = DraHost(runtime, self.view, LocalClaimCore(self.claims, self.durable))
         #: Evicting the pods of a failed GPU (remediation.mode; docs/health.md).
         self.remediation = RemediationService(
             runtime.settings, self._node, self.core, self.view, meter
@@ -288,6 +299,8 @@ class AllocatorService(RuntimeService[AllocatorSettings]):
                     tg.start_soon(self.handshake.run, self.core.book)
                 tg.start_soon(self.remediation.run)
                 tg.start_soon(self.sharing.run)
+                if self._rt.settings.dra.plugin_runs_in("allocator"):
+                    tg.start_soon(self.dra.run)
                 self._update_status()
                 started()
                 await anyio.sleep_forever()
@@ -347,45 +360,6 @@ class AllocatorService(RuntimeService[AllocatorSettings]):
         self.held_count.changed()
 
     # --- request plumbing ---------------------------------------------------------------
-
-    async def _answer_durably(
-        self,
-        req: Request,
-        endpoint: str,
-        data: bytes,
-        started: float,
-        undo: Undo | None,
-        on_answer: Callable[[], None] = lambda: None,
-    ) -> None:
-        """Answer once the state the answer reflects is on disk (group commit).
-
-        ``on_answer`` runs just before ``data`` is sent (not when a failed write
-        replaces it with a refusal).
-        """
-        committer, version = self._committer, self.core.version
-        assert committer is not None
-        assert self._tg is not None
-        if committer.durable >= version:
-            on_answer()
-            await self._ok(req, endpoint, data, started)
-            return
-
-        async def when_durable() -> None:
-            try:
-                await committer.wait(version)
-            except CheckpointError as exc:
-                if undo is not None:
-                    undo()
-                    self._count_held()
-                    detail = f"{exc}; nothing was allocated"
-                else:
-                    detail = f"{exc}; done in memory only, the next write will retry"
-                await self._reject(req, endpoint, "checkpoint_failed", detail, started)
-                return
-            on_answer()
-            await self._ok(req, endpoint, data, started)
-
-        self._tg.start_soon(when_durable)
 
     # --- endpoints ------------------------------------------------------------------------
 

@@ -17,9 +17,12 @@ Flow
    (:class:`~.nats_backend.NatsAllocationBackend`): it serves one
    socket per resource, registers with kubelet and re-registers after kubelet
    restarts. The status says whether kubelet accepted the registration.
-5. With ``dra.mode`` ``dra`` or ``both``, run the DRA kubelet plugin beside it
+5. With ``dra.mode`` ``dra`` or ``both`` and ``dra.plugin_host = "device-plugin"``, run
+   the DRA kubelet plugin beside it
    (:class:`~gpulet_allocator.kubelet.dra.service.DraPluginRunner`), over the same
-   NATS connection and read model; with ``dra`` the device plugin itself stays off.
+   NATS connection (:class:`~gpulet_allocator.kubelet.dra.nats_core.NatsDecisionCore`)
+   and read model (by default the allocator service runs it); with ``dra`` the device
+   plugin itself stays off.
 6. MIG (:mod:`gpulet_allocator.mig`, ``allocator.mig_strategy``): a MIG-enabled GPU
    is not listed (said once per change in the log); the strategy's MIG devices are.
    Under ``mixed`` each profile is a resource of its own: when the set of profiles on
@@ -110,7 +113,7 @@ class DevicePluginService(RuntimeService[AllocatorSettings]):
         )
         async with anyio.create_task_group() as tg:
             await tg.start(self.view.run)
-            if self._rt.settings.dra.serves_dra:
+            if self._rt.settings.dra.plugin_runs_in("device-plugin"):
                 await tg.start(self._run_dra)
             if self._rt.settings.dra.mode == "dra":
                 self._rt.status.set(self.name, "ready", "off: dra.mode is dra")
@@ -156,9 +159,13 @@ class DevicePluginService(RuntimeService[AllocatorSettings]):
     async def _run_dra(
         self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
     ) -> None:
+        from gpulet_allocator.kubelet.dra.nats_core import NatsDecisionCore
         from gpulet_allocator.kubelet.dra.service import DraPluginRunner  # its extras
 
-        self.dra = DraPluginRunner(self._rt, self.view)
+        rt = self._rt
+        timeout_s = rt.settings.allocator.plugin.backend_timeout_s
+        core = NatsDecisionCore(rt.bus, rt.node, timeout_s=timeout_s)
+        self.dra = DraPluginRunner(rt, self.view, core)
         await self.dra.run(task_status=task_status)
 
     def _cannot_serve(self, manager: DevicePluginManager, exc: Exception) -> str:

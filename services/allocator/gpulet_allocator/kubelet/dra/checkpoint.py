@@ -15,8 +15,9 @@ median, bench/dra.py), for a file whose loss after a power cut costs nothing but
 re-read of the claims. For the same reason Prepare and Unprepare change the claims in
 memory, on the event loop (:meth:`CheckpointFile.remember`,
 :meth:`CheckpointFile.forget`; the writer's thread only reads them), and the
-plugin's writer task writes the file after they answered (:meth:`CheckpointFile.flush`,
-one write for every change since the last, and once more when the plugin stops): even
+plugin's writer task writes the file after they answered, at the next lull in the calls
+and at most a second later (:meth:`CheckpointFile.flush`, one write for every change
+since the last, and once more when the plugin stops): even
 unsynced, replacing the file cost 1-2 ms of each answer on ext4, whose rename over an
 existing file flushes the new file's data (``auto_da_alloc``). What a Prepare answered
 OK stands on is durable before it answers: the ledger's reservation (the allocator's

@@ -20,7 +20,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from gpulet_allocator import protocol as p
-from gpulet_allocator.kubelet.dra.contract import ClaimDevice, Reservation, ReservedDevice
+from gpulet_allocator.kubelet.dra.contract import ClaimDevice, Reservation
+from gpulet_allocator.kubelet.dra.terms import claim_requests, reservation
 from gpulet_common import subjects
 from gpulet_common.bus import Bus
 from gpulet_common.refusal import Refused
@@ -33,13 +34,7 @@ class NatsDecisionCore:
         self._timeout_s = timeout_s
 
     async def reserve_claim(self, claim_uid: str, devices: Sequence[ClaimDevice]) -> Reservation:
-        request = p.ReserveClaimRequest(
-            claim_uid=claim_uid,
-            devices=[
-                p.ClaimDeviceRequest(device=d.device, cores=d.cores, memory_bytes=d.memory_bytes)
-                for d in devices
-            ],
-        )
+        request = p.ReserveClaimRequest(claim_uid=claim_uid, devices=claim_requests(devices))
         reply = await self._bus.request(
             subjects.allocator_endpoint(self._node, p.ENDPOINT_RESERVE_CLAIM),
             request,
@@ -55,14 +50,7 @@ class NatsDecisionCore:
                 f"reserve-claim answered for {reply.claim_uid[:64]!r} with devices "
                 f"{sorted(got)[:8]}, not for claim {claim_uid}",
             )
-        return Reservation(
-            claim_uid=claim_uid,
-            allocation=reply.allocation,
-            devices=tuple(
-                ReservedDevice(d.device, d.uuid, d.minor, d.cores, d.memory_mib)
-                for d in reply.devices
-            ),
-        )
+        return reservation(claim_uid, reply.allocation, reply.devices)
 
     async def release_claim(self, claim_uid: str) -> bool:
         reply = await self._bus.request(

@@ -1,12 +1,15 @@
-"""The DRA kubelet plugin, started by the device-plugin service when ``dra.mode`` is
-``dra`` or ``both``.
+"""The DRA kubelet plugin, started when ``dra.mode`` is ``dra`` or ``both`` by the
+service ``dra.plugin_host`` names.
 
-It is built from the agent's settings (``[dra]``) and runs inside the device-plugin
-service's task group (the same sidecar, the same NATS connection, the same node read
-model):
+It is built from the agent's settings (``[dra]``) and runs inside that service's task
+group (its process, its node read model), with the decision core the service gives it:
 
-* decisions: :class:`~.nats_core.NatsDecisionCore`, the allocator service's
-  ``reserve-claim`` / ``release-claim``, so claims land in the one ledger;
+* decisions, in the one ledger either way: by default the allocator service hosts the
+  plugin and decides in its ledger directly
+  (:class:`~gpulet_allocator.service.claims.LocalClaimCore`: no NATS hop in Prepare);
+  with ``plugin_host = "device-plugin"`` the device-plugin service hosts it and
+  decides over NATS (:class:`~.nats_core.NatsDecisionCore`, the allocator's
+  ``reserve-claim`` / ``release-claim``);
 * claims: :class:`~.claims.KubeClaimReader` with the cluster configuration of
   :mod:`gpulet_common.kube` (``dra.kubeconfig``, else in-cluster, else
   ``$KUBECONFIG`` / ``~/.kube/config``). Without one the plugin waits, degraded on the
@@ -32,9 +35,8 @@ import anyio.abc
 
 from gpulet_allocator.kubelet.dra.claim_cache import WatchedClaimReader
 from gpulet_allocator.kubelet.dra.claims import KubeClaimReader
-from gpulet_allocator.kubelet.dra.contract import ClaimReader
+from gpulet_allocator.kubelet.dra.contract import ClaimReader, DecisionCore
 from gpulet_allocator.kubelet.dra.health import NodeViewHealth
-from gpulet_allocator.kubelet.dra.nats_core import NatsDecisionCore
 from gpulet_allocator.kubelet.dra.plugin import DraPlugin, PluginSettings
 from gpulet_allocator.kubelet.dra.server import DraKubeletPlugin, Sockets
 from gpulet_common.kube import KubeConfig, KubeConfigError, lookup
@@ -65,9 +67,10 @@ async def kube_configuration(settings: DraSettings) -> KubeConfig:
 
 
 class DraPluginRunner:
-    def __init__(self, runtime: Runtime, view: NodeView) -> None:
+    def __init__(self, runtime: Runtime, view: NodeView, core: DecisionCore) -> None:
         self._rt = runtime
         self._view = view
+        self._core = core
         #: The running kubelet plugin (for tests).
         self.server: DraKubeletPlugin | None = None
 
@@ -90,9 +93,7 @@ class DraPluginRunner:
         rt.status.set(STATUS_NAME, "degraded", "starting the DRA kubelet plugin")
         task_status.started()
         configuration = await self._configuration()
-        core = NatsDecisionCore(
-            rt.bus, rt.node, timeout_s=rt.settings.allocator.plugin.backend_timeout_s
-        )
+        core = self._core
         settings = PluginSettings(
             driver=dra.driver,
             pool=rt.node,
@@ -115,7 +116,7 @@ class DraPluginRunner:
     async def _serve(
         self,
         configuration: KubeConfig,
-        core: NatsDecisionCore,
+        core: DecisionCore,
         settings: PluginSettings,
         sockets: Sockets,
     ) -> None:
