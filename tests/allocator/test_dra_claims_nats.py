@@ -1,15 +1,19 @@
 """DRA claims in the one ledger, through the real path: a real nats-server, the real
-allocator service, the real device plugin and the DRA kubelet plugin's NATS-backed
-decision core (:class:`~gpulet_allocator.kubelet.dra.nats_core.NatsDecisionCore`).
+allocator service, the real device plugin and each of the DRA kubelet plugin's
+decision cores: the allocator's own, in process
+(:class:`~gpulet_allocator.service.claims.LocalClaimCore`, ``dra.plugin_host``
+``allocator``, the default), and the NATS-backed one
+(:class:`~gpulet_allocator.kubelet.dra.nats_core.NatsDecisionCore`, ``device-plugin``).
 
-The guarantee under test: whichever adapter asks first, a GPU never has two owners.
+The guarantee under test: whichever adapter asks first, a GPU never has two owners;
+and both cores give the same answers.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 import anyio
@@ -17,7 +21,7 @@ import grpc
 import pytest
 
 from gpulet_allocator import protocol as p
-from gpulet_allocator.kubelet.dra.contract import ClaimDevice
+from gpulet_allocator.kubelet.dra.contract import ClaimDevice, DecisionCore, Reservation
 from gpulet_allocator.kubelet.dra.nats_core import NatsDecisionCore
 from gpulet_allocator.state.checkpoint import read_state
 from gpulet_common import subjects
@@ -62,15 +66,39 @@ def core_of(stack: Stack) -> NatsDecisionCore:
     return NatsDecisionCore(stack.bus, NODE, timeout_s=2.0)
 
 
+class InProcess:
+    """The running allocator's :class:`LocalClaimCore`, looked up at each call (a
+    restarted allocator is a new service)."""
+
+    def __init__(self, stack: Stack) -> None:
+        self._stack = stack
+
+    def _core(self) -> DecisionCore:
+        assert self._stack.allocator is not None
+        return self._stack.allocator.claim_core
+
+    async def reserve_claim(self, claim_uid: str, devices: Sequence[ClaimDevice]) -> Reservation:
+        return await self._core().reserve_claim(claim_uid, devices)
+
+    async def release_claim(self, claim_uid: str) -> bool:
+        return await self._core().release_claim(claim_uid)
+
+
+@pytest.fixture(params=["in-process", "nats"])
+def which_core(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
 @contextlib.asynccontextmanager
 async def claims_stack(
-    settings: Settings,
-) -> AsyncIterator[tuple[Stack, NatsDecisionCore, dict[str, str], Inventory]]:
-    """The real allocator and device plugin on the mock's 8 GPUs, the NATS-backed
-    decision core, and the GPUs' DRA names by UUID."""
+    settings: Settings, which: str
+) -> AsyncIterator[tuple[Stack, DecisionCore, dict[str, str], Inventory]]:
+    """The real allocator and device plugin on the mock's 8 GPUs, the decision core
+    ``which`` names, and the GPUs' DRA names by UUID."""
     inventory = mock_inventory()
     async with allocator_stack(settings, inventory=inventory) as stack:
-        yield stack, core_of(stack), names(inventory), inventory
+        core: DecisionCore = InProcess(stack) if which == "in-process" else core_of(stack)
+        yield stack, core, names(inventory), inventory
 
 
 async def refused(call: object) -> Refused:
@@ -80,9 +108,9 @@ async def refused(call: object) -> Refused:
 
 
 async def test_a_gpu_held_by_the_device_plugin_is_refused_to_a_claim_and_back(
-    settings: Settings,
+    settings: Settings, which_core: str
 ) -> None:
-    async with claims_stack(settings) as (stack, core, dra, _inventory):
+    async with claims_stack(settings, which_core) as (stack, core, dra, _inventory):
         gpus = ids(stack, GPU)
         # The device plugin first: a claim for the same GPU is refused.
         await stack.kubelet.allocate(GPU, [[gpus[0]]])
@@ -117,8 +145,10 @@ async def test_a_gpu_held_by_the_device_plugin_is_refused_to_a_claim_and_back(
         assert UID_A in error.message
 
 
-async def test_reserve_is_idempotent_and_release_frees_the_gpu(settings: Settings) -> None:
-    async with claims_stack(settings) as (stack, core, dra, _inventory):
+async def test_reserve_is_idempotent_and_release_frees_the_gpu(
+    settings: Settings, which_core: str
+) -> None:
+    async with claims_stack(settings, which_core) as (stack, core, dra, _inventory):
         gpus = ids(stack, GPU)
         want = [whole(dra[gpus[2]]), whole(dra[gpus[3]])]
         first = await core.reserve_claim(UID_A, want)
@@ -146,9 +176,9 @@ async def test_reserve_is_idempotent_and_release_frees_the_gpu(settings: Setting
 
 
 async def test_claim_shares_add_up_and_keep_the_card_from_going_whole(
-    settings: Settings,
+    settings: Settings, which_core: str
 ) -> None:
-    async with claims_stack(settings) as (stack, core, dra, inventory):
+    async with claims_stack(settings, which_core) as (stack, core, dra, inventory):
         card_gib = inventory.gpus[0].memory_total_bytes // GIB
         gpu = ids(stack, GPU)[5]
         a = await core.reserve_claim(UID_A, [share(dra[gpu], 30, 8)])
@@ -164,8 +194,10 @@ async def test_claim_shares_add_up_and_keep_the_card_from_going_whole(
         assert "insufficient_capacity" in (error_rpc.details() or "")
 
 
-async def test_a_card_never_holds_shares_of_both_adapters(settings: Settings) -> None:
-    async with claims_stack(settings) as (stack, core, dra, _inventory):
+async def test_a_card_never_holds_shares_of_both_adapters(
+    settings: Settings, which_core: str
+) -> None:
+    async with claims_stack(settings, which_core) as (stack, core, dra, _inventory):
         await stack.kubelet.allocate(CORE, [ids(stack, CORE)[:40]])
         [plugin_share] = [a for a in (await stack.state()).allocations if a.kind == "share"]
         [card] = plugin_share.gpus
@@ -178,9 +210,9 @@ async def test_a_card_never_holds_shares_of_both_adapters(settings: Settings) ->
 
 
 async def test_a_device_plugin_share_never_lands_beside_a_claims_share(
-    settings: Settings,
+    settings: Settings, which_core: str
 ) -> None:
-    async with claims_stack(settings) as (stack, core, dra, _inventory):
+    async with claims_stack(settings, which_core) as (stack, core, dra, _inventory):
         card = ids(stack, GPU)[3]
         await core.reserve_claim(UID_A, [share(dra[card], 20, 4)])
 
@@ -204,8 +236,10 @@ async def test_a_device_plugin_share_never_lands_beside_a_claims_share(
         assert await plugin_share_card(40, 70) not in (card, first)
 
 
-async def test_unknown_and_unhealthy_devices_are_refused(settings: Settings) -> None:
-    async with claims_stack(settings) as (stack, core, dra, inventory):
+async def test_unknown_and_unhealthy_devices_are_refused(
+    settings: Settings, which_core: str
+) -> None:
+    async with claims_stack(settings, which_core) as (stack, core, dra, inventory):
         error = await refused(core.reserve_claim(UID_A, [whole("gpu-99")]))
         assert error.code == "unknown_device"
         sick = inventory.gpus[6].uuid
@@ -220,8 +254,8 @@ async def test_unknown_and_unhealthy_devices_are_refused(settings: Settings) -> 
         assert error.code == "unhealthy_device"
 
 
-async def test_claims_survive_an_allocator_restart(settings: Settings) -> None:
-    async with claims_stack(settings) as (stack, core, dra, _inventory):
+async def test_claims_survive_an_allocator_restart(settings: Settings, which_core: str) -> None:
+    async with claims_stack(settings, which_core) as (stack, core, dra, _inventory):
         gpus = ids(stack, GPU)
         whole_claim = await core.reserve_claim(UID_A, [whole(dra[gpus[0]])])
         share_claim = await core.reserve_claim(UID_B, [share(dra[gpus[1]], 40, 8)])
@@ -269,3 +303,27 @@ async def test_a_reply_for_another_claim_is_malformed(settings: Settings) -> Non
             error = await refused(core_of(stack).reserve_claim(UID_A, [whole("gpu-0")]))
             assert error.code == "malformed_reply"
             tg.cancel_scope.cancel()
+
+
+async def test_a_reservation_the_checkpoint_cannot_hold_is_undone_and_refused(
+    settings: Settings, which_core: str
+) -> None:
+    async with claims_stack(settings, which_core) as (stack, core, dra, _inventory):
+        gpus = ids(stack, GPU)
+        # The checkpoint's directory replaced by a file (as root, a mode would not
+        # stop the writes): every write fails.
+        directory = Path(settings.state_dir) / "allocator"
+        aside = directory.with_name("allocator.aside")
+        directory.rename(aside)
+        directory.write_text("not a directory")
+        error = await refused(core.reserve_claim(UID_A, [whole(dra[gpus[0]])]))
+        assert error.code == "checkpoint_failed"
+        assert "nothing was allocated" in error.message
+        assert not [a for a in (await stack.state()).allocations if a.id == UID_A]
+
+        directory.unlink()
+        aside.rename(directory)
+        reservation = await core.reserve_claim(UID_A, [whole(dra[gpus[0]])])
+        assert [d.uuid for d in reservation.devices] == [gpus[0]]
+        on_disk, _ = read_state(Path((await stack.state()).checkpoint))
+        assert [c.uid for c in on_disk.claims] == [UID_A]

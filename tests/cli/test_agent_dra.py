@@ -2,14 +2,16 @@
 
 The agent runs on the mock NVML against the API emulator (resource.k8s.io/v1 from
 support.kube_emulator_dra): the reporter publishes the node's ResourceSlices, the
-device-plugin service runs the DRA kubelet plugin, which the fake DRA kubelet
-registers and calls. A claim the emulator holds allocated (as kube-scheduler leaves
+allocator service runs the DRA kubelet plugin (``dra.plugin_host``, the default;
+``device-plugin`` puts it in the device-plugin service, deciding over NATS), which the
+fake DRA kubelet registers and calls. A claim the emulator holds allocated (as kube-scheduler leaves
 it) is prepared with CDI IDs, its GPU reserved in the allocator's one ledger, so the
 device plugin's Allocate of that GPU is refused.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 import tempfile
 from collections.abc import AsyncIterator, Iterator
@@ -71,8 +73,16 @@ def devices(emu: KubeEmulator) -> dict[str, dict[str, Any]]:
     return {d["name"]: d for s in slices(emu) for d in s["spec"].get("devices", [])}
 
 
+async def reserve_claim_requests(bus: Bus) -> int:
+    """How many ``reserve-claim`` requests the allocator's NATS endpoint answered."""
+    msg = await bus.client.request(f"$SRV.STATS.{p.SERVICE_NAME}", b"", timeout=5)
+    endpoints = json.loads(msg.data)["endpoints"]
+    return sum(e["num_requests"] for e in endpoints if e["name"] == p.ENDPOINT_RESERVE_CLAIM)
+
+
+@pytest.mark.parametrize("host", ["allocator", "device-plugin"])
 async def test_gpulet_run_in_dra_mode_serves_claims_from_the_one_ledger(
-    emu: KubeEmulator, short_dir: Path, tmp_path: Path
+    emu: KubeEmulator, short_dir: Path, tmp_path: Path, host: str
 ) -> None:
     kubeconfig = emu.write_kubeconfig(tmp_path / "kubeconfig")
     agent = Agent(
@@ -81,6 +91,8 @@ async def test_gpulet_run_in_dra_mode_serves_claims_from_the_one_ledger(
         "mock:nvlink-pairs-8gpu",
         "--set",
         "dra.mode=dra",
+        "--set",
+        f"dra.plugin_host={host}",
         "--set",
         f"dra.kubeconfig={kubeconfig}",
         "--set",
@@ -151,6 +163,8 @@ async def test_gpulet_run_in_dra_mode_serves_claims_from_the_one_ledger(
                     )
                 assert refused.value.code == "insufficient_capacity"
                 assert uid in refused.value.message
+                # Over NATS only where the device-plugin service hosts the plugin.
+                assert await reserve_claim_requests(bus) == (host == "device-plugin")
             # Unprepare gives it back.
             undone = await kubelet.unprepare(("default", uid, "one-gpu"))
             assert undone.claims[uid].error == ""

@@ -2,7 +2,8 @@
 
 Claims live in the API emulator (resource.k8s.io/v1 from support.kube_emulator_dra)
 and are read with the real client; the decision core is the in-memory one of
-support.dra_core until the lead binds the plugin to the allocator's core.
+support.dra_core (the allocator's own cores, in process and over NATS, are tested in
+tests/allocator/test_dra_claims_nats.py).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 import anyio
 import pytest
 
+from gpulet_allocator.kubelet.dra import plugin as plugin_module
 from gpulet_allocator.kubelet.dra.claims import KubeClaimReader
 from gpulet_allocator.kubelet.dra.plugin import DraPlugin, PluginSettings
 from gpulet_allocator.kubelet.dra.server import DraKubeletPlugin, Sockets
@@ -305,6 +307,45 @@ async def test_the_checkpoint_is_written_after_the_answer_and_a_failed_write_aga
         await wait_until(lambda: checkpointed(short_dir) == {uid}, timeout_s=10)
         assert (await r.kubelet.unprepare(("default", uid, "c"))).claims[uid].error == ""
         await wait_until(lambda: checkpointed(short_dir) == set(), timeout_s=10)
+
+
+def count_writes(r: Rig) -> list[set[str]]:
+    """The claims of each checkpoint write from now on."""
+    checkpoint = r.server.plugin.checkpoint
+    flush, writes = checkpoint.flush, []
+
+    def counted() -> bool:
+        writes.append(set(checkpoint.claims))
+        return flush()
+
+    checkpoint.flush = counted  # type: ignore[method-assign]
+    return writes
+
+
+async def test_a_burst_of_prepares_is_checkpointed_in_one_write_after_it(
+    emu: KubeEmulator, short_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(plugin_module, "WRITE_QUIET_S", 2.0)
+    monkeypatch.setattr(plugin_module, "WRITE_MAX_DELAY_S", 3600.0)
+    async with rig(emu, short_dir) as r:
+        writes = count_writes(r)
+        uids = [claim(emu, f"c{i}", result(f"gpu-{i}")) for i in range(4)]
+        for i, uid in enumerate(uids):
+            assert (await r.kubelet.prepare(("default", uid, f"c{i}"))).claims[uid].error == ""
+        await wait_until(lambda: checkpointed(short_dir) == set(uids), timeout_s=10)
+        assert writes == [set(uids)]
+
+
+async def test_changes_that_never_pause_are_checkpointed_within_the_longest_delay(
+    emu: KubeEmulator, short_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A quiet window that never ends: only the longest delay lets the write through.
+    monkeypatch.setattr(plugin_module, "WRITE_QUIET_S", 3600.0)
+    monkeypatch.setattr(plugin_module, "WRITE_MAX_DELAY_S", 0.1)
+    async with rig(emu, short_dir) as r:
+        uid = claim(emu, "c", result("gpu-0"))
+        assert (await r.kubelet.prepare(("default", uid, "c"))).claims[uid].error == ""
+        await wait_until(lambda: checkpointed(short_dir) == {uid}, timeout_s=10)
 
 
 async def test_a_corrupt_checkpoint_is_kept_aside_and_the_plugin_starts(

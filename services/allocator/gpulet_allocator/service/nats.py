@@ -196,8 +196,10 @@ class AllocatorService(RuntimeService[AllocatorSettings]):
         self.claims = ClaimEndpoints(
             self.core, replies, self._answer_durably, self._on_record_change
         )
-        #: The DRA kubelet plugin, when this service hosts it (``dra.plugin_host``).
-        self.dra = DraHost(runtime, self.view, LocalClaimCore(self.claims, self.durable))
+        #: The DRA kubelet plugin, when this service hosts it (``dra.plugin_host``), and
+        #: its decision core (the same decisions as ``reserve-claim``, in process).
+        self.claim_core = LocalClaimCore(self.claims, self.durable)
+        self.dra = DraHost(runtime, self.view, self.claim_core)
         #: Evicting the pods of a failed GPU (remediation.mode; docs/health.md).
         self.remediation = RemediationService(
             runtime.settings, self._node, self.core, self.view, meter
