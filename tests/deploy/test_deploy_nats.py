@@ -500,6 +500,10 @@ REQUESTS: dict[str, list[str]] = {
     "device-plugin": [
         subjects.allocator_endpoint(NODE, "allocate"),
         subjects.allocator_endpoint(NODE, "preferred"),
+        # The DRA kubelet plugin's, when the device-plugin service hosts it
+        # (dra.plugin_host = "device-plugin").
+        subjects.allocator_endpoint(NODE, "reserve-claim"),
+        subjects.allocator_endpoint(NODE, "release-claim"),
         subjects.inventory_request(NODE),
         subjects.health_state(NODE),
     ],

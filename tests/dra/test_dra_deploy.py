@@ -1,4 +1,5 @@
-"""The dra kustomize component: DeviceClasses, RBAC, the kubelet plugin's mounts.
+"""The dra kustomize component: DeviceClasses, RBAC, the kubelet plugin's mounts (on
+the allocator container, the default ``dra.plugin_host``).
 
 Built on top of the production overlay in a copy of deploy/ (the base and the overlay
 stay as shipped), every object validated against the 1.37 OpenAPI schemas. Applying
@@ -84,30 +85,53 @@ def test_rbac_is_what_the_publisher_and_prepare_use(docs: list[dict[str, Any]]) 
     ]
 
 
-def test_the_plugin_container_gets_kubelets_dirs_and_cdi(docs: list[dict[str, Any]]) -> None:
+TOKEN = "/var/run/secrets/kubernetes.io/serviceaccount"
+DRA_VOLUMES = {"plugins-registry", "dra-plugin", "cdi"}
+
+
+def test_the_allocator_container_hosts_the_plugin(docs: list[dict[str, Any]]) -> None:
+    """The default dra.plugin_host: kubelet's dirs, the CDI dir and the /dev/nvidia*
+    files go to the allocator container, which reads claims with the token it has."""
+    assert DraSettings(mode="both").plugin_runs_in("allocator")
     (daemonset,) = [d for d in docs if d["kind"] == "DaemonSet"]
     spec = daemonset["spec"]["template"]["spec"]
     volumes = {v["name"]: v for v in spec["volumes"]}
     containers = {c["name"]: c for c in spec["containers"]}
-    mounts = {m["mountPath"]: m["name"] for m in containers["device-plugin"]["volumeMounts"]}
+    allocator = containers["allocator"]
+    mounts = {m["mountPath"]: m["name"] for m in allocator["volumeMounts"]}
     settings = DraSettings()
     assert mounts[settings.plugins_registry] == "plugins-registry"
     assert mounts[f"{DEFAULT_PLUGINS_DIR}/{DEFAULT_DRIVER}"] == "dra-plugin"
     assert mounts[settings.cdi_dir] == "cdi"
-    assert mounts["/var/run/secrets/kubernetes.io/serviceaccount"] == "dra-token"
     for name, path in (
         ("plugins-registry", settings.plugins_registry),
         ("dra-plugin", f"{DEFAULT_PLUGINS_DIR}/{DEFAULT_DRIVER}"),
         ("cdi", settings.cdi_dir),
     ):
         assert volumes[name]["hostPath"]["path"] == path
-    # The device plugin keeps what it had.
-    assert mounts["/var/lib/kubelet/device-plugins"] == "device-plugins"
-    # Nobody else gains anything.
+        mount = next(m for m in allocator["volumeMounts"] if m["name"] == name)
+        assert not mount.get("readOnly"), name  # sockets, specs, its checkpoint
+    # One token per mount path: the allocator's own, of ServiceAccount gpulet, which
+    # the ClusterRole gpulet-dra is bound to (test_rbac_... checks the binding).
+    paths = [m["mountPath"] for m in allocator["volumeMounts"]]
+    assert len(paths) == len(set(paths))
+    assert mounts[TOKEN] == "allocator-token"
+    assert spec["serviceAccountName"] == "gpulet"
+    assert "dra-token" not in volumes
+    # The /dev/nvidia* control files for the CDI specs, as the device plugin gets them.
+    env = {e["name"]: e.get("value") for e in allocator["env"]}
+    assert env["NVIDIA_VISIBLE_DEVICES"] == "all"
+    assert env["NVIDIA_DRIVER_CAPABILITIES"] == "utility"
+    # The allocator keeps what it had.
+    assert mounts["/var/lib/kubelet/pod-resources"] == "pod-resources"
+    # Nobody else gains anything, the device-plugin container included.
     for other, container in containers.items():
-        if other != "device-plugin":
+        if other != "allocator":
             names = {m["name"] for m in container.get("volumeMounts", [])}
-            assert not names & {"plugins-registry", "dra-plugin", "cdi", "dra-token"}
+            assert not names & DRA_VOLUMES, other
+    plugin = {m["mountPath"]: m["name"] for m in containers["device-plugin"]["volumeMounts"]}
+    assert plugin["/var/lib/kubelet/device-plugins"] == "device-plugins"
+    assert TOKEN not in plugin
 
 
 def test_the_docs_examples_pass_the_schema() -> None:

@@ -31,6 +31,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+import kubernetes_validate
 import pytest
 import yaml
 
@@ -158,7 +159,7 @@ def env_patch(containers: tuple[str, ...], env: dict[str, str]) -> dict[str, Any
 
 # The dra component leaves the mode to the overlay (gpulet.toml or the environment);
 # the chart's dra.mode sets it on the containers that read it.
-DRA_MODE = env_patch(("reporter", "device-plugin"), {"GPULET_DRA__MODE": "both"})
+DRA_MODE = env_patch(("reporter", "allocator", "device-plugin"), {"GPULET_DRA__MODE": "both"})
 
 
 def diff(a: Any, b: Any, path: str = "") -> list[str]:
@@ -227,6 +228,17 @@ def test_values_render_what_the_kustomize_components_do(
     assert_same(render(*values), base)
 
 
+DRA_CONTAINERS = ("reporter", "allocator", "device-plugin")
+DRA_MOUNTS = {"plugins-registry", "dra-plugin", "cdi"}
+TOKEN = "/var/run/secrets/kubernetes.io/serviceaccount"
+
+
+def pod_of(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    daemonset = next(d for d in docs if d["kind"] == "DaemonSet")
+    pod: dict[str, Any] = daemonset["spec"]["template"]["spec"]
+    return pod
+
+
 def test_dra_values_reach_the_settings_mounts_classes_and_rbac() -> None:
     docs = render(
         "dra.mode=dra",
@@ -237,7 +249,7 @@ def test_dra_values_reach_the_settings_mounts_classes_and_rbac() -> None:
         "dra.deviceClasses.extendedResource=",
         "dra.deviceClasses.whole=whole.example.com",
     )
-    pod = next(d for d in docs if d["kind"] == "DaemonSet")["spec"]["template"]["spec"]
+    pod = pod_of(docs)
     containers = {c["name"]: c for c in pod["containers"]}
     want = {
         "GPULET_DRA__MODE": "dra",
@@ -246,17 +258,20 @@ def test_dra_values_reach_the_settings_mounts_classes_and_rbac() -> None:
         "GPULET_DRA__PLUGINS_DIR": "/data/kubelet/plugins",
         "GPULET_DRA__CLAIM_CACHE": "true",
     }
-    for name in ("reporter", "device-plugin"):
+    # Every container that reads [dra] gets the same settings (the allocator hosts the
+    # plugin by default, so it is one of them).
+    for name in DRA_CONTAINERS:
         env = {e["name"]: e.get("value") for e in containers[name]["env"]}
-        assert {k: env.get(k) for k in want} == want
-    assert not any(
-        e["name"].startswith("GPULET_DRA__") for e in containers["allocator"].get("env", [])
-    )
+        assert {k: env.get(k) for k in want} == want, name
+        assert "GPULET_DRA__PLUGIN_HOST" not in env, name  # the default, allocator
+    for name in set(containers) - set(DRA_CONTAINERS):
+        env_names = {e["name"] for e in containers[name].get("env", [])}
+        assert not any(n.startswith("GPULET_DRA__") for n in env_names), name
     volumes = {v["name"]: v.get("hostPath", {}).get("path") for v in pod["volumes"]}
     assert volumes["plugins-registry"] == "/data/kubelet/plugins_registry"
     assert volumes["dra-plugin"] == "/data/kubelet/plugins/gpu.example.com"
     assert volumes["cdi"] == "/etc/cdi"
-    mounts = {m["name"]: m["mountPath"] for m in containers["device-plugin"]["volumeMounts"]}
+    mounts = {m["name"]: m["mountPath"] for m in containers["allocator"]["volumeMounts"]}
     # kubelet dials the socket path the plugin registers: the host's path, inside too.
     assert mounts["plugins-registry"] == "/data/kubelet/plugins_registry"
     assert mounts["dra-plugin"] == "/data/kubelet/plugins/gpu.example.com"
@@ -273,6 +288,39 @@ def test_dra_values_reach_the_settings_mounts_classes_and_rbac() -> None:
     ]
     verbs = {r["resources"][0]: r["verbs"] for r in role["rules"]}
     assert verbs["resourceclaims"] == ["get", "list", "watch"]
+
+
+@pytest.mark.parametrize("host", ["allocator", "device-plugin"])
+def test_the_plugin_host_gets_the_plugins_mounts_and_the_others_none(host: str) -> None:
+    """dra.pluginHost puts the kubelet plugin's mounts, the /dev/nvidia* files and API
+    credentials on the container that runs it, and tells every container which one it
+    is; the allocator reads claims with its own token, the device plugin gets one."""
+    docs = render("dra.mode=both", f"dra.pluginHost={host}", include_crds=False)
+    for doc in docs:
+        kubernetes_validate.validate(doc, kubernetes_validate.latest_version(), strict=True)
+    pod = pod_of(docs)
+    containers = {c["name"]: c for c in pod["containers"]}
+    for name, container in containers.items():
+        mounts = {m["name"]: m["mountPath"] for m in container.get("volumeMounts", [])}
+        paths = [m["mountPath"] for m in container.get("volumeMounts", [])]
+        assert len(paths) == len(set(paths)), name
+        env = {e["name"]: e.get("value") for e in container.get("env", [])}
+        if name == host:
+            assert set(mounts) >= DRA_MOUNTS, name
+            assert env["NVIDIA_VISIBLE_DEVICES"] == "all"
+            assert env["NVIDIA_DRIVER_CAPABILITIES"] == "utility"
+            token = "allocator-token" if host == "allocator" else "dra-token"
+            assert {p: n for n, p in mounts.items()}[TOKEN] == token
+        else:
+            assert not set(mounts) & DRA_MOUNTS, name
+            assert "dra-token" not in mounts, name
+        if name in DRA_CONTAINERS:
+            assert env.get("GPULET_DRA__PLUGIN_HOST") == (None if host == "allocator" else host)
+    volumes = {v["name"] for v in pod["volumes"]}
+    assert ("dra-token" in volumes) == (host == "device-plugin")
+    # The device plugin sees /dev/nvidia* for its Allocate either way.
+    env = {e["name"]: e.get("value") for e in containers["device-plugin"]["env"]}
+    assert env["NVIDIA_VISIBLE_DEVICES"] == "all"
 
 
 def test_dra_off_renders_nothing_of_it() -> None:
@@ -304,6 +352,7 @@ def test_placement_and_image_values() -> None:
     [
         ("kubeletApi=dra", "replaced by dra.mode"),
         ("dra.mode=on", "one of device-plugin, both, dra"),
+        ("dra.pluginHost=reporter", "one of allocator, device-plugin"),
         ("mig.strategy=mixed", "whole GPUs only"),
         ("sharing.strategy=time-slicing", "Koordinator"),
         ("nats.mode=cloud", "one of embedded, existing, fleet"),

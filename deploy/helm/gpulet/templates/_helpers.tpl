@@ -87,6 +87,9 @@ projected:
 {{- if not (has .Values.dra.mode (list "device-plugin" "both" "dra")) -}}
 {{- fail (printf "dra.mode=%s: one of device-plugin, both, dra" .Values.dra.mode) -}}
 {{- end -}}
+{{- if not (has .Values.dra.pluginHost (list "allocator" "device-plugin")) -}}
+{{- fail (printf "dra.pluginHost=%s: one of allocator, device-plugin" .Values.dra.pluginHost) -}}
+{{- end -}}
 {{- if ne .Values.mig.strategy "none" -}}
 {{- fail (printf "mig.strategy=%s: this version of gpulet serves whole GPUs only (mig.strategy=none)" .Values.mig.strategy) -}}
 {{- end -}}
@@ -104,11 +107,37 @@ projected:
 {{- if ne .Values.dra.mode "device-plugin" }}true{{ end -}}
 {{- end -}}
 
-{{/* The [dra] settings the values carry, for the reporter and the device plugin (only
-     what differs from gpulet's defaults besides the mode, so the default render is the
-     kustomize component's with the mode set). */}}
+{{/* Whether .container ("allocator" or "device-plugin") runs the DRA kubelet plugin:
+     DRA on and dra.pluginHost names it. */}}
+{{- define "gpulet.draHost" -}}
+{{- if and (include "gpulet.draOn" .) (eq .Values.dra.pluginHost .container) }}true{{ end -}}
+{{- end -}}
+
+{{/* The /dev/nvidia* files through the NVIDIA container runtime, without NVML's use:
+     the device plugin's Allocate and the DRA plugin's CDI specs look at which exist. */}}
+{{- define "gpulet.nvidiaDevEnv" -}}
+- {name: NVIDIA_VISIBLE_DEVICES, value: all}
+- {name: NVIDIA_DRIVER_CAPABILITIES, value: utility}
+{{- end -}}
+
+{{/* The DRA kubelet plugin's mounts, on the container that runs it: kubelet's plugin
+     registry and the plugin's own dir (dra.sock, checkpoint.json) at the host's paths
+     (kubelet dials the socket path the plugin registers), and the CDI spec dir. */}}
+{{- define "gpulet.draMounts" -}}
+- {name: plugins-registry, mountPath: {{ .Values.dra.kubeletDir }}/plugins_registry}
+- {name: dra-plugin, mountPath: {{ .Values.dra.kubeletDir }}/plugins/{{ .Values.dra.driver }}}
+- {name: cdi, mountPath: /var/run/cdi}
+{{- end -}}
+
+{{/* The [dra] settings the values carry, for every container that reads them (the
+     reporter, the allocator and the device plugin, so they agree on the mode and on
+     which of them hosts the plugin). Only what differs from gpulet's defaults besides
+     the mode, so the default render is the kustomize component's with the mode set. */}}
 {{- define "gpulet.draEnv" -}}
 - {name: GPULET_DRA__MODE, value: {{ .Values.dra.mode }}}
+{{- if ne .Values.dra.pluginHost "allocator" }}
+- {name: GPULET_DRA__PLUGIN_HOST, value: {{ .Values.dra.pluginHost }}}
+{{- end }}
 {{- if ne .Values.dra.driver "gpu.gpulet.io" }}
 - {name: GPULET_DRA__DRIVER, value: {{ .Values.dra.driver }}}
 {{- end }}
