@@ -2,38 +2,44 @@
 
 Method
 ------
-* **Prepare**: the DRA kubelet plugin (``gpulet_allocator/kubelet/dra``) serves its
-  real sockets in a temporary dir in the bench's main process, the process under test;
-  a fake DRA kubelet (:mod:`support.fake_dra_kubelet`) registers it and calls
+* **Prepare**: a fake DRA kubelet (:mod:`support.fake_dra_kubelet`) registers the DRA
+  kubelet plugin (``gpulet_allocator/kubelet/dra``) over its real sockets and calls
   ``NodePrepareResources`` with one claim per call, each claim allocated one whole GPU
   in the API emulator, then ``NodeUnprepareResources`` (not timed). The clock starts
   right before the call and stops at its answer. Each call reads the claim over HTTP
   (``--claim-cache``: from a watch of the node's claims, ``dra.claim_cache``; the
   bench waits until the watch has the claim, as it has by the time kubelet prepares a
-  pod's claim), reserves it, writes and fsyncs the CDI spec (on tmpfs, as
+  pod's claim), reserves it in the allocator's ledger (answered once the ledger's
+  checkpoint is on disk), writes and fsyncs the CDI spec (on tmpfs, as
   ``/var/run/cdi`` is on a node); the plugin's checkpoint (on disk) is written after
-  the answer. The decision core is, as ``gpulet run`` has it, the real allocator
-  service over a real nats-server
-  (:class:`~gpulet_allocator.kubelet.dra.nats_core.NatsDecisionCore`: ``reserve-claim``
-  answered once the ledger's checkpoint is on disk); ``--core memory`` takes the tests'
-  in-memory core instead (support.dra_core), which leaves the NATS round trip and the
-  ledger's checkpoint out. The claims live in the API emulator on 127.0.0.1, not a
-  real API server. Which process does what (``--topology``; every table says which):
+  the answer. The claims live in the API emulator on 127.0.0.1, not a real API
+  server. Which process does what (``--topology``; every table says which):
 
   - ``node`` (the default), as on a node, where kubelet and the API server are other
     processes: the fake kubelet in a process of its own (bench/dra_kubelet.py), which
     also plays the scheduler: it creates each claim over HTTP and writes its
     allocation through ``resourceclaims/<name>/status``, then deletes it after the
     Unprepare; with ``--claim-cache`` it waits at a line on a pipe until the bench's
-    watch has the claim. The API emulator in its own (``--serve-emulator``), the
-    allocator and its nats-server in theirs (``--serve-allocator``; ``--core nats``
-    puts them back in the bench's process).
+    watch has the claim. The API emulator in its own (``--serve-emulator``). The
+    plugin where ``dra.plugin_host`` puts it (``--host``):
+
+    - ``allocator`` (the default): the real allocator service with ``dra.mode = "dra"``
+      in a process of its own (``--serve-allocator --kubeconfig``), which starts the
+      plugin and decides each claim in its ledger directly
+      (:class:`~gpulet_allocator.service.claims.LocalClaimCore`); the table gives that
+      process's CPU per call;
+    - ``device-plugin``: the plugin alone in the bench's process, asking the allocator
+      (and its nats-server, in a process of their own: ``--serve-allocator``) over NATS
+      (:class:`~gpulet_allocator.kubelet.dra.nats_core.NatsDecisionCore`; ``--core
+      nats`` puts the allocator in the bench's process, ``--core memory`` takes the
+      tests' in-memory core instead, support.dra_core, which leaves the ledger out).
   - ``in-process``, the bench before: the fake kubelet, the API emulator (each claim
     put straight into its store) and the allocator (``--core nats``; ``nats-process``
     is taken if named) on the plugin's event loop, so each call also pays for the
     fake kubelet's Python gRPC client and the emulator's request handling under the
     same GIL, which a node never does.
 
+  The allocator runs with production PodResources intervals.
   Target p99 < 10 ms. ``--prepare-only`` prints only this table; every table says the
   load average.
 * **Fault → taint**: a real nats-server, the node read model (NodeView), the slice
