@@ -26,7 +26,7 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
-import anyio.abc
+import anyio
 from nats.micro.request import Request
 
 from gpulet_allocator import protocol as p
@@ -45,6 +45,9 @@ if TYPE_CHECKING:
     from gpulet_allocator.kubelet.dra.service import DraPluginRunner
 
 log = logging.getLogger("gpulet.allocator")
+
+# How long after a failure the DRA kubelet plugin is started again (DraHost).
+RESTART_S = 5.0
 
 
 class AnswerDurably(Protocol):
@@ -148,7 +151,13 @@ class LocalClaimCore:
 
 class DraHost:
     """Runs the DRA kubelet plugin in the allocator service (``dra.plugin_host``
-    ``allocator``) over :class:`LocalClaimCore`; grpc is imported only then."""
+    ``allocator``) over :class:`LocalClaimCore`; grpc is imported only then.
+
+    The plugin shares the allocator's process but not its fate: a failure of the
+    plugin that escapes it (a bug of ours; a bad claim is already that claim's
+    ``error``) is logged, said on the status board and the plugin started again
+    :data:`RESTART_S` later, while the ledger goes on serving the device plugin.
+    """
 
     def __init__(self, runtime: Runtime, view: NodeView, core: LocalClaimCore) -> None:
         self._rt = runtime
@@ -156,11 +165,23 @@ class DraHost:
         self._core = core
         #: The running plugin (for tests).
         self.runner: DraPluginRunner | None = None
+        #: How many times the plugin failed and was started again.
+        self.restarts = 0
 
-    async def run(
-        self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
-    ) -> None:
-        from gpulet_allocator.kubelet.dra.service import DraPluginRunner  # grpc
+    async def run(self) -> None:
+        from gpulet_allocator.kubelet.dra.service import STATUS_NAME, DraPluginRunner
 
-        self.runner = DraPluginRunner(self._rt, self._view, self._core)
-        await self.runner.run(task_status=task_status)
+        while True:
+            self.runner = DraPluginRunner(self._rt, self._view, self._core)
+            try:
+                await self.runner.run()
+            except Exception as exc:
+                log.exception("the DRA kubelet plugin failed; starting it again in %g s", RESTART_S)
+                self._rt.status.set(
+                    STATUS_NAME,
+                    "degraded",
+                    f"the DRA kubelet plugin failed ({type(exc).__name__}); "
+                    f"starting it again in {RESTART_S:g} s",
+                )
+            self.restarts += 1
+            await anyio.sleep(RESTART_S)
