@@ -1,7 +1,8 @@
 """The allocator service hosts the DRA kubelet plugin (``dra.plugin_host``, the default).
 
-The real allocator service with ``dra.mode = "both"`` (the device plugin too), on a real nats-server, the API
-emulator for the claims and the fake DRA kubelet over the plugin's real sockets:
+The real allocator service with ``dra.mode = "both"`` (the device plugin too), on a
+real nats-server, the API emulator for the claims and the fake DRA kubelet over the
+plugin's real sockets:
 
 * a claim is prepared by the plugin in the allocator's own process, decided in its
   ledger (the device plugin's Allocate of that GPU is then refused);
