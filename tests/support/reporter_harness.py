@@ -171,7 +171,9 @@ class HeldClock:
     burst is one burst however slowly a loaded machine delivers it."""
 
     def __init__(self) -> None:
-        self.now = time.monotonic()
+        # A whole number of seconds: steps that are binary fractions (0.25, 0.125) then
+        # add up exactly, so "the clock is at the due time" is exact, not one ulp short.
+        self.now = float(int(time.monotonic()))
 
     def __call__(self) -> float:
         return self.now
