@@ -12,8 +12,11 @@ Method
   pod's claim), reserves it in the allocator's ledger (answered once the ledger's
   checkpoint is on disk), writes and fsyncs the CDI spec (on tmpfs, as
   ``/var/run/cdi`` is on a node); the plugin's checkpoint (on disk) is written after
-  the answer. The claims live in the API emulator on 127.0.0.1, not a real API
-  server. Which process does what (``--topology``; every table says which):
+  the answer. The claims live in the API emulator on 127.0.0.1, or with ``--api
+  real`` (``--topology node``) in a real kube-apiserver and etcd
+  (tests/support/control_plane.py; the binaries ``make test`` builds), read and
+  written with an admin kubeconfig. Which process does what (``--topology``; every
+  table says which):
 
   - ``node`` (the default), as on a node, where kubelet and the API server are other
     processes: the fake kubelet in a process of its own (bench/dra_kubelet.py), which
@@ -90,7 +93,7 @@ from gpulet_common import codec, subjects
 from gpulet_common.bus import Bus, Delivery
 from gpulet_common.dra.devices import device_name
 from gpulet_common.embedded_nats import EmbeddedNats
-from gpulet_common.kube import KubeConfig
+from gpulet_common.kube import KubeConfig, read_kubeconfig
 from gpulet_common.kubeapi import KubeClient
 from gpulet_common.messages import Inventory, InventoryRequest
 from gpulet_common.nodeview import NodeView
@@ -98,6 +101,7 @@ from gpulet_common.settings.dra import DraSettings
 from gpulet_common.settings.nats import NatsSettings
 from gpulet_reporter.slices.publisher import SlicePublisher
 from support.allocator_stack import allocator_stack, dev_root_with, make_settings
+from support.control_plane import ControlPlane
 from support.dra_core import InMemoryCore, InMemoryHealth
 from support.fake_dra_kubelet import registered
 from support.health_kv import gpu_health, health_bucket, put_health
@@ -119,6 +123,10 @@ CORES = {
     "memory": "the tests' in-memory core",
 }
 DRIVER = "gpu.gpulet.io"
+APIS = {
+    "emulator": "API emulator",
+    "real": "a real kube-apiserver and etcd",
+}
 TOPOLOGIES = {
     "node": "the fake kubelet and the API emulator each in a process of their own",
     "in-process": "the fake kubelet and the API emulator in the plugin's process",
@@ -296,13 +304,18 @@ async def prepare_in_process(
 
 
 async def prepare_from_kubelet_process(
-    url: str, registry: Path, names: list[str], calls: int, watched: WatchedClaimReader | None
+    kubeconfig: str,
+    registry: Path,
+    names: list[str],
+    calls: int,
+    watched: WatchedClaimReader | None,
 ) -> list[float]:
     """``--topology node``: the fake kubelet (and the scheduler's claim writes) in a
     process of its own, bench/dra_kubelet.py; with the claim cache, it waits at each
     ``wait`` / ``gone`` until this process's watch has the claim / has dropped it."""
     argv = [sys.executable, str(Path(__file__).with_name("dra_kubelet.py"))]
-    argv += ["--registry", str(registry), "--api", url, "--driver", DRIVER, "--pool", NODE]
+    argv += ["--registry", str(registry), "--kubeconfig", kubeconfig]
+    argv += ["--driver", DRIVER, "--pool", NODE]
     argv += ["--names", ",".join(names), "--calls", str(calls)]
     if watched is not None:
         argv.append("--handshake")
@@ -325,19 +338,34 @@ async def prepare_from_kubelet_process(
 
 
 @contextlib.asynccontextmanager
-async def api_server(topology: str) -> AsyncIterator[tuple[str, KubeEmulator | None]]:
-    """The API emulator: in this process (``in-process``) or in its own."""
-    if topology == "in-process":
+async def api_server(
+    kind: str, root: Path, topology: str = "node"
+) -> AsyncIterator[tuple[str, KubeEmulator | None]]:
+    """The API server the claims live in, and a kubeconfig for it: the API emulator in
+    this process (``in-process``) or in its own, or (``--api real``) etcd and a real
+    kube-apiserver (tests/support/control_plane.py, the binaries ``make test`` builds),
+    with an admin kubeconfig."""
+    kubeconfig = root / "kubeconfig"
+    if kind == "real":
+        plane = ControlPlane(root / "control-plane")
+        await anyio.to_thread.run_sync(plane.start)
+        try:
+            plane.write_kubeconfig(kubeconfig)
+            yield str(kubeconfig), None
+        finally:
+            await anyio.to_thread.run_sync(plane.stop)
+    elif topology == "in-process":
         async with KubeEmulator.running() as emu:
             enable_dra(emu)
-            yield emu.url, emu
+            emu.write_kubeconfig(kubeconfig)
+            yield str(kubeconfig), emu
     else:
-        async with served("--serve-emulator") as (url, _pid):
-            yield url, None
+        async with served("--serve-emulator", "--kubeconfig", str(kubeconfig)):
+            yield str(kubeconfig), None
 
 
 async def bench_prepare(
-    calls: int, which: str, claim_cache: bool = False, topology: str = "node"
+    calls: int, which: str, claim_cache: bool = False, topology: str = "node", api: str = ""
 ) -> tuple[list[float], float]:
     """Each call's time, and the CPU time of this process per call (Prepare, Unprepare
     and, ``in-process``, the rest: the fake kubelet, the emulator, maybe the allocator)."""
@@ -348,7 +376,10 @@ async def bench_prepare(
         which, memory_core
     )
     try:
-        async with api_server(topology) as (url, emu), make_core(root) as (core, names):
+        async with (
+            api_server(api, root, topology) as (kubeconfig, emu),
+            make_core(root) as (core, names),
+        ):
             settings = PluginSettings(
                 driver=DRIVER,
                 pool=NODE,
@@ -358,13 +389,13 @@ async def bench_prepare(
             )
             sockets = Sockets.for_driver(DRIVER, root / "registry", root / "plugins")
             async with (
-                KubeClient(KubeConfig(url)) as api,
+                KubeClient(read_kubeconfig(kubeconfig)) as client,
                 anyio.create_task_group() as tg,
             ):
-                reader: ClaimReader = KubeClaimReader(api)
+                reader: ClaimReader = KubeClaimReader(client)
                 watched: WatchedClaimReader | None = None
                 if claim_cache:
-                    reader = watched = WatchedClaimReader(api, reader, driver=DRIVER, pool=NODE)
+                    reader = watched = WatchedClaimReader(client, reader, driver=DRIVER, pool=NODE)
                     await tg.start(watched.run)
                 plugin = DraPlugin(core, reader, settings)
                 server = DraKubeletPlugin(plugin, InMemoryHealth(NODE, []), sockets, DRIVER)
@@ -376,7 +407,7 @@ async def bench_prepare(
                     )
                 else:
                     timings = await prepare_from_kubelet_process(
-                        url, root / "registry", names, calls, watched
+                        kubeconfig, root / "registry", names, calls, watched
                     )
                 cpu = (time.process_time() - cpu) / calls
                 tg.cancel_scope.cancel()
@@ -386,7 +417,7 @@ async def bench_prepare(
         shutil.rmtree(run, ignore_errors=True)
 
 
-async def bench_prepare_hosted(calls: int) -> tuple[list[float], float]:
+async def bench_prepare_hosted(calls: int, api: str) -> tuple[list[float], float]:
     """``--topology node --host allocator`` (the default): the DRA kubelet plugin in the
     allocator's process, as ``dra.plugin_host = "allocator"`` runs it (the real
     allocator service starts it, deciding in its ledger directly); the API emulator
@@ -394,10 +425,9 @@ async def bench_prepare_hosted(calls: int) -> tuple[list[float], float]:
     of the allocator's process per call."""
     root = Path(tempfile.mkdtemp(prefix="dra", dir="/tmp"))
     run = Path(tempfile.mkdtemp(prefix="dra-cdi", dir=run_dir()))
-    kubeconfig = str(root / "kubeconfig")
     try:
         async with (
-            served("--serve-emulator", "--kubeconfig", kubeconfig) as (url, _),
+            api_server(api, root) as (kubeconfig, _),
             served(
                 "--serve-allocator",
                 str(root / "allocator"),
@@ -409,7 +439,7 @@ async def bench_prepare_hosted(calls: int) -> tuple[list[float], float]:
         ):
             cpu = cpu_seconds(pid)
             registry = root / "allocator" / "registry"
-            timings = await prepare_from_kubelet_process(url, registry, NAMES, calls, None)
+            timings = await prepare_from_kubelet_process(kubeconfig, registry, NAMES, calls, None)
             return timings, (cpu_seconds(pid) - cpu) / calls
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -492,20 +522,22 @@ async def bench_taints(faults: int, rest_s: float) -> tuple[list[float], list[fl
 async def main_async(args: argparse.Namespace) -> None:
     reads = "claims from the watch cache" if args.claim_cache else "a GET per claim"
     if args.topology == "node" and args.host == "allocator":
-        prepare, cpu = await bench_prepare_hosted(args.calls)
+        prepare, cpu = await bench_prepare_hosted(args.calls, args.api)
         where = (
             f"topology node: {TOPOLOGIES['node']}; the plugin in the allocator's "
             "process (dra.plugin_host allocator), deciding in its ledger directly"
         )
         whose = "CPU of the allocator's process per call"
     else:
-        prepare, cpu = await bench_prepare(args.calls, args.core, args.claim_cache, args.topology)
+        prepare, cpu = await bench_prepare(
+            args.calls, args.core, args.claim_cache, args.topology, args.api
+        )
         where = f"topology {args.topology}: {TOPOLOGIES[args.topology]}; {CORES[args.core]}"
         whose = "CPU of this process per call"
     print(
         table(
             f"DRA Prepare through the fake kubelet ({args.calls} calls, one claim each; "
-            f"{where}, {reads}, API emulator; load average {load_average()})",
+            f"{where}, {reads}, {APIS[args.api]}; load average {load_average()})",
             ["", "p50 ms", "p99 ms", "max ms", "target"],
             [
                 [
@@ -567,6 +599,13 @@ def main() -> int:
         help="which process runs what (default: as on a node)",
     )
     parser.add_argument(
+        "--api",
+        choices=sorted(APIS),
+        default="emulator",
+        help="where the claims live: the API emulator, or (real) etcd and kube-apiserver "
+        "built by scripts/k8s-bins.sh (as make test does)",
+    )
+    parser.add_argument(
         "--host",
         choices=["allocator", "device-plugin"],
         default="allocator",
@@ -598,6 +637,8 @@ def main() -> int:
             server = emulator_url(args.kubeconfig)
         anyio.run(serve_until_sigterm, server)
         return 0
+    if args.api == "real" and args.topology != "node":
+        parser.error("--api real needs --topology node")
     if args.claim_cache and args.topology == "node" and args.host == "allocator":
         parser.error("--claim-cache needs --host device-plugin or --topology in-process")
     if args.core is None:

@@ -3,8 +3,9 @@
 Run by ``bench/dra.py`` (the default ``--topology node``), not by hand. It registers
 the DRA plugin over its real sockets (:func:`support.fake_dra_kubelet.registered`),
 then for each call does what the scheduler and kubelet would: creates a
-ResourceClaim in the API (a POST), writes its allocation (a PUT of the claim's
-``status`` subresource, one whole GPU), times ``NodePrepareResources`` (the clock
+ResourceClaim in the API server its kubeconfig names (a POST, with gpulet's own
+client), writes its allocation (a PUT of the claim's ``status`` subresource, one whole
+GPU), times ``NodePrepareResources`` (the clock
 started right before the call and stopped at its answer), then unprepares the claim
 and deletes it. With ``--handshake`` (the plugin reads claims from its watch cache)
 it writes ``wait`` after the allocation and ``gone`` after the delete on stdout and
@@ -20,33 +21,26 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
-import aiohttp
 import anyio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
+from gpulet_common.kube import read_kubeconfig
+from gpulet_common.kubeapi import KubeClient
 from support.fake_dra_kubelet import FakeDraKubelet, registered
 
 CLAIMS = "/apis/resource.k8s.io/v1/namespaces/default/resourceclaims"
+TIMEOUT_S = 10.0
 SPEC = {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpu"}}]}}
 
 
-async def checked(response: aiohttp.ClientResponse) -> Any:
-    if response.status >= 300:
-        raise SystemExit(f"{response.method} {response.url}: {response.status}")
-    return await response.json()
-
-
-async def allocate(http: aiohttp.ClientSession, name: str, result: dict[str, str]) -> str:
+async def allocate(api: KubeClient, name: str, result: dict[str, str]) -> str:
     """The claim created, then allocated through ``/status``: its UID."""
     body = {"metadata": {"name": name}, "spec": SPEC}
-    async with http.post(CLAIMS, json=body) as response:
-        claim = await checked(response)
+    claim = await api.create(CLAIMS, body, timeout_s=TIMEOUT_S)
     claim["status"] = {"allocation": {"devices": {"results": [result]}}}
-    async with http.put(f"{CLAIMS}/{name}/status", json=claim) as response:
-        await checked(response)
+    await api.replace(f"{CLAIMS}/{name}/status", claim, timeout_s=TIMEOUT_S)
     return str(claim["metadata"]["uid"])
 
 
@@ -74,7 +68,7 @@ async def run(args: argparse.Namespace) -> None:
     stdin = anyio.wrap_file(sys.stdin)
     timings: list[float] = []
     async with (
-        aiohttp.ClientSession(args.api) as http,
+        KubeClient(read_kubeconfig(args.kubeconfig)) as api,
         registered(Path(args.registry), args.driver) as kubelet,
     ):
         for i in range(args.calls):
@@ -85,12 +79,11 @@ async def run(args: argparse.Namespace) -> None:
                 "pool": args.pool,
                 "device": names[i % len(names)],
             }
-            uid = await allocate(http, name, result)
+            uid = await allocate(api, name, result)
             if args.handshake:
                 await handshake(stdin, "wait")
             timings.append(await prepare_once(kubelet, uid, name))
-            async with http.delete(f"{CLAIMS}/{name}") as response:
-                await checked(response)
+            await api.delete(f"{CLAIMS}/{name}", timeout_s=TIMEOUT_S)
             if args.handshake:
                 await handshake(stdin, "gone")
     print(json.dumps({"timings": timings}), flush=True)
@@ -99,7 +92,7 @@ async def run(args: argparse.Namespace) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--registry", required=True, help="kubelet's plugins_registry dir")
-    parser.add_argument("--api", required=True, help="the API server's URL")
+    parser.add_argument("--kubeconfig", required=True, help="the API server's kubeconfig")
     parser.add_argument("--driver", required=True)
     parser.add_argument("--pool", required=True)
     parser.add_argument("--names", required=True, help="device names, comma-separated")
