@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 import tempfile
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -168,6 +170,14 @@ async def test_gpulet_run_in_dra_mode_serves_claims_from_the_one_ledger(
             # Unprepare gives it back.
             undone = await kubelet.unprepare(("default", uid, "one-gpu"))
             assert undone.claims[uid].error == ""
+            # SIGTERM with kubelet still connected to the plugin: a clean stop within 2 s.
+            started = time.monotonic()
+            agent.proc.send_signal(signal.SIGTERM)
+            code = await anyio.to_thread.run_sync(agent.proc.wait, 5)
+            elapsed = time.monotonic() - started
+            assert code == 0, agent.output()
+            assert elapsed < 2.0, f"shutdown took {elapsed:.2f}s"
+            assert "Traceback" not in agent.output()
     finally:
         await anyio.to_thread.run_sync(agent.stop)
 
