@@ -1,4 +1,5 @@
-"""Shared fixtures: the asyncio backend for anyio and a real nats-server per test.
+"""Shared fixtures: the asyncio backend for anyio, a real nats-server per test, and a
+short temporary directory for unix sockets.
 
 Timeouts: every test has one (pytest-timeout; the default in pyproject.toml). A test
 marked ``slow`` gets :data:`SLOW_TIMEOUT_S` unless it names its own with
@@ -8,7 +9,9 @@ marked ``slow`` gets :data:`SLOW_TIMEOUT_S` unless it names its own with
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+import shutil
+import tempfile
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -79,3 +82,12 @@ async def nats_server(tmp_path: Path) -> AsyncIterator[EmbeddedNats]:
     """A real nats-server with JetStream on a free 127.0.0.1 port."""
     async with EmbeddedNats(state_dir=tmp_path / "nats", port=0) as server:
         yield server
+
+
+@pytest.fixture
+def short_dir() -> Iterator[Path]:
+    """A fresh directory under /tmp, for unix sockets: a socket path holds 107 bytes,
+    and pytest's tmp_path can be longer."""
+    path = Path(tempfile.mkdtemp(prefix="gpulet", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)

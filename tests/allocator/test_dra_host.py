@@ -12,9 +12,7 @@ plugin's real sockets:
 
 from __future__ import annotations
 
-import shutil
-import tempfile
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -36,14 +34,6 @@ from support.kube_emulator_dra import add_claim, enable_dra
 pytestmark = pytest.mark.anyio
 
 DRIVER = "gpu.gpulet.io"
-
-
-@pytest.fixture
-def short_dir() -> Iterator[Path]:
-    # Unix socket paths are limited to 107 bytes; pytest's tmp_path can be longer.
-    path = Path(tempfile.mkdtemp(prefix="drahost", dir="/tmp"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture

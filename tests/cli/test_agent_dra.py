@@ -12,11 +12,9 @@ device plugin's Allocate of that GPU is refused.
 from __future__ import annotations
 
 import json
-import shutil
 import signal
-import tempfile
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -39,14 +37,6 @@ pytestmark = pytest.mark.anyio
 
 NODE = "test.node"
 DRIVER = "gpu.gpulet.io"
-
-
-@pytest.fixture
-def short_dir() -> Iterator[Path]:
-    # Unix socket paths are limited to 107 bytes; pytest's tmp_path can be longer.
-    path = Path(tempfile.mkdtemp(prefix="dra", dir="/tmp"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture

@@ -9,10 +9,8 @@ tests/allocator/test_dra_claims_nats.py).
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,14 +42,6 @@ pytestmark = pytest.mark.anyio
 
 DRIVER = "gpu.gpulet.io"
 NODE = "node-a"
-
-
-@pytest.fixture
-def short_dir() -> Iterator[Path]:
-    # Unix socket paths are limited to 107 bytes; pytest's tmp_path can be longer.
-    path = Path(tempfile.mkdtemp(prefix="dra", dir="/tmp"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture
