@@ -77,8 +77,15 @@ class InProcess:
         assert self._stack.allocator is not None
         return self._stack.allocator.claim_core
 
-    async def reserve_claim(self, claim_uid: str, devices: Sequence[ClaimDevice]) -> Reservation:
-        return await self._core().reserve_claim(claim_uid, devices)
+    async def reserve_claim(
+        self,
+        claim_uid: str,
+        devices: Sequence[ClaimDevice],
+        *,
+        namespace: str = "",
+        name: str = "",
+    ) -> Reservation:
+        return await self._core().reserve_claim(claim_uid, devices, namespace=namespace, name=name)
 
     async def release_claim(self, claim_uid: str) -> bool:
         return await self._core().release_claim(claim_uid)
@@ -327,3 +334,17 @@ async def test_a_reservation_the_checkpoint_cannot_hold_is_undone_and_refused(
         assert [d.uuid for d in reservation.devices] == [gpus[0]]
         on_disk, _ = read_state(Path((await stack.state()).checkpoint))
         assert [c.uid for c in on_disk.claims] == [UID_A]
+
+
+async def test_the_ledger_records_which_claim_holds_a_gpu(
+    settings: Settings, which_core: str
+) -> None:
+    async with claims_stack(settings, which_core) as (stack, core, dra, _inventory):
+        gpu = ids(stack, GPU)[2]
+        await core.reserve_claim(UID_A, [whole(dra[gpu])], namespace="team-a", name="train")
+        on_disk, _ = read_state(Path((await stack.state()).checkpoint))
+        [record] = on_disk.claims
+        assert (record.uid, record.namespace, record.name) == (UID_A, "team-a", "train")
+        # ... and the device plugin's refusal names it.
+        error_rpc = await rpc_error(stack.kubelet.allocate(GPU, [[gpu]]))
+        assert f"team-a/train ({UID_A})" in (error_rpc.details() or "")

@@ -21,6 +21,7 @@ import pytest
 
 from gpulet_allocator.kubelet.dra import service as dra_service
 from gpulet_allocator.service import claims as claims_module
+from gpulet_allocator.state.checkpoint import read_state
 from gpulet_common.dra import cdi
 from gpulet_common.dra.devices import device_name
 from gpulet_common.settings import Settings
@@ -107,6 +108,9 @@ async def test_a_failed_plugin_is_started_again_and_the_allocator_goes_on(
             assert gpus[0] in answer.claims[taken].error
         error = await rpc_error(stack.kubelet.allocate(GPU, [[gpus[1]]]))
         assert uid in (error.details() or "")
+        # The ledger's record names the claim kubelet prepared.
+        on_disk, _ = read_state(Path((await stack.state()).checkpoint))
+        assert [(c.uid, c.namespace, c.name) for c in on_disk.claims] == [(uid, "default", "one")]
         status = stack.status.get(dra_service.STATUS_NAME)
         assert status is not None
         assert status.state in ("ready", "degraded")

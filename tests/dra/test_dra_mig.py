@@ -249,7 +249,14 @@ class CoreAdapter:
     def __init__(self, core: AllocatorCore) -> None:
         self.core = core
 
-    async def reserve_claim(self, claim_uid: str, devices: Sequence[ClaimDevice]) -> Reservation:
+    async def reserve_claim(
+        self,
+        claim_uid: str,
+        devices: Sequence[ClaimDevice],
+        *,
+        namespace: str = "",
+        name: str = "",
+    ) -> Reservation:
         record, _undo = self.core.claims.reserve(
             claim_uid,
             [

@@ -54,7 +54,14 @@ class InMemoryCore:
             if d.device == device
         ]
 
-    async def reserve_claim(self, claim_uid: str, devices: Sequence[ClaimDevice]) -> Reservation:
+    async def reserve_claim(
+        self,
+        claim_uid: str,
+        devices: Sequence[ClaimDevice],
+        *,
+        namespace: str = "",
+        name: str = "",
+    ) -> Reservation:
         self.reserve_calls += 1
         held = self.claims.get(claim_uid)
         if held is not None:

@@ -138,8 +138,17 @@ class LocalClaimCore:
         self._endpoints = endpoints
         self._durable = durable
 
-    async def reserve_claim(self, claim_uid: str, devices: Sequence[ClaimDevice]) -> Reservation:
-        record, undo = self._endpoints.reserve(claim_uid, claim_requests(devices))
+    async def reserve_claim(
+        self,
+        claim_uid: str,
+        devices: Sequence[ClaimDevice],
+        *,
+        namespace: str = "",
+        name: str = "",
+    ) -> Reservation:
+        record, undo = self._endpoints.reserve(
+            claim_uid, claim_requests(devices), namespace=namespace, name=name
+        )
         await self._durable.settle(undo)
         return reservation(record.uid, record.uid, record.devices)
 

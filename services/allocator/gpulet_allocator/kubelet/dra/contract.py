@@ -74,8 +74,16 @@ class Reservation:
 
 
 class DecisionCore(Protocol):
-    async def reserve_claim(self, claim_uid: str, devices: Sequence[ClaimDevice]) -> Reservation:
-        """Reserve ``devices`` for the claim (idempotent); raises Refused."""
+    async def reserve_claim(
+        self,
+        claim_uid: str,
+        devices: Sequence[ClaimDevice],
+        *,
+        namespace: str = "",
+        name: str = "",
+    ) -> Reservation:
+        """Reserve ``devices`` for the claim (idempotent); raises Refused. The claim's
+        ``namespace`` and ``name`` go into the ledger's record (who holds a GPU)."""
         ...
 
     async def release_claim(self, claim_uid: str) -> bool:

@@ -33,8 +33,20 @@ class NatsDecisionCore:
         self._node = node
         self._timeout_s = timeout_s
 
-    async def reserve_claim(self, claim_uid: str, devices: Sequence[ClaimDevice]) -> Reservation:
-        request = p.ReserveClaimRequest(claim_uid=claim_uid, devices=claim_requests(devices))
+    async def reserve_claim(
+        self,
+        claim_uid: str,
+        devices: Sequence[ClaimDevice],
+        *,
+        namespace: str = "",
+        name: str = "",
+    ) -> Reservation:
+        request = p.ReserveClaimRequest(
+            claim_uid=claim_uid,
+            devices=claim_requests(devices),
+            namespace=namespace,
+            name=name,
+        )
         reply = await self._bus.request(
             subjects.allocator_endpoint(self._node, p.ENDPOINT_RESERVE_CLAIM),
             request,

@@ -195,7 +195,9 @@ class DraPlugin:
             # Nothing of ours in this claim: nothing to reserve, nothing to inject.
             return PrepareResult()
         try:
-            reservation = await self._core.reserve_claim(claim.uid, wanted)
+            reservation = await self._core.reserve_claim(
+                claim.uid, wanted, namespace=claim.namespace, name=claim.name
+            )
         except BusError as exc:
             return PrepareResult(error=bounded(f"claim {where}: {exc.message}"))
         missing = {w.device for w in wanted} - {d.device for d in reservation.devices}
