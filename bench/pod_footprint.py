@@ -10,7 +10,9 @@ mock NVML (scenario dgx-h100, 8 GPUs) for the services that read GPUs. A fake ku
 (tests/support/fake_kubelet.py, in this process, not counted) takes the device
 plugin's registration and answers the allocator's PodResources calls (the collector asks
 the allocator which pods hold which GPU). The reporter runs offline (no API
-server here), which changes what it does, not what it imports.
+server here), which changes what it does, not what it imports. ``--dra`` sets
+``dra.mode = "both"``: the allocator then runs the DRA kubelet plugin (its gRPC
+sockets, its claim reader against an API emulator in this process, not counted).
 
 After ``--settle`` seconds (the issue's figure: 25 s), each process's RSS is read from
 /proc (VmRSS), then its CPU time over ``--idle`` seconds of doing nothing but its
@@ -41,6 +43,8 @@ from _util import rss_mb, table
 from gpulet_common.embedded_nats import EmbeddedNats, free_port
 from support.deploy import NATS_USERS, inbox_prefix, node_config, password_variable
 from support.fake_kubelet import running_fake_kubelet
+from support.kube_emulator import KubeEmulator
+from support.kube_emulator_dra import enable_dra
 
 NODE = "bench-node"
 # service -> extra arguments, as the DaemonSet's containers (with the mock overlay) run them.
@@ -97,7 +101,7 @@ def sidecars(nvml: str) -> dict[str, list[str]]:
 
 
 async def measure(
-    settle_s: float, idle_s: float, nvml: str = "mock"
+    settle_s: float, idle_s: float, nvml: str = "mock", dra: bool = False
 ) -> list[tuple[str, float, float, int]]:
     for user in NATS_USERS:  # nats-server reads them from its environment
         os.environ[password_variable(user)] = _password(user)
@@ -117,7 +121,19 @@ async def measure(
         async with (
             EmbeddedNats(state_dir=root / "nats", config_file=config) as server,
             running_fake_kubelet(plugin_dir, pod_resources_socket=root / "pod-resources.sock"),
+            KubeEmulator.running() as emu,
         ):
+            if dra:
+                # dra.mode both, the DRA kubelet plugin in the allocator (the default
+                # plugin_host) serving its sockets and reading claims from the emulator.
+                enable_dra(emu)
+                socket_env |= {
+                    "GPULET_DRA__MODE": "both",
+                    "GPULET_DRA__KUBECONFIG": str(emu.write_kubeconfig(root / "kubeconfig")),
+                    "GPULET_DRA__CDI_DIR": str(root / "cdi"),
+                    "GPULET_DRA__PLUGINS_REGISTRY": str(root / "registry"),
+                    "GPULET_DRA__PLUGINS_DIR": str(root / "plugins"),
+                }
             try:
                 for name, extra in sidecars(nvml).items():
                     command = [
@@ -180,20 +196,26 @@ def main() -> int:
     parser.add_argument("--settle", type=float, default=25.0, help="seconds before measuring")
     parser.add_argument("--idle", type=float, default=10.0, help="seconds of CPU measured")
     parser.add_argument(
+        "--dra",
+        action="store_true",
+        help="dra.mode both: the DRA kubelet plugin in the allocator, claims in the API emulator",
+    )
+    parser.add_argument(
         "--nvml",
         default="mock",
         choices=["mock", "real"],
         help="'real': the collector and the health service on the real driver",
     )
     args = parser.parse_args()
-    rows = anyio.run(measure, args.settle, args.idle, args.nvml)
+    rows = anyio.run(measure, args.settle, args.idle, args.nvml, args.dra)
     nvml_words = "mock NVML (dgx-h100)" if args.nvml == "mock" else "the real NVML driver"
     total_rss = sum(r for _, r, _, _ in rows)
     total_cpu = sum(c for _, _, c, _ in rows)
     load = os.getloadavg()[0]
     print(
         table(
-            f"One node's pod in sidecar mode, {nvml_words}, after {args.settle:g} s "
+            f"One node's pod in sidecar mode, {nvml_words}"
+            f"{', dra.mode both' if args.dra else ''}, after {args.settle:g} s "
             f"(load average {load:.1f} on {os.cpu_count()} cores)",
             ["process", "RSS MB", "idle CPU % of a core", "threads"],
             [(n, f"{r:.1f}", f"{c:.1f}", str(t)) for n, r, c, t in rows]
