@@ -347,4 +347,4 @@ async def test_the_ledger_records_which_claim_holds_a_gpu(
         assert (record.uid, record.namespace, record.name) == (UID_A, "team-a", "train")
         # ... and the device plugin's refusal names it.
         error_rpc = await rpc_error(stack.kubelet.allocate(GPU, [[gpu]]))
-        assert f"team-a/train ({UID_A})" in (error_rpc.details() or "")
+        assert f"is allocated whole to claim team-a/train ({UID_A})" in (error_rpc.details() or "")

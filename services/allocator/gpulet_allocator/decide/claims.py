@@ -146,6 +146,7 @@ class Claims:
                     Owner(allocation_id=uid, namespace=namespace, name=name),
                     devices=[gpus[d.device].uuid for d in whole],
                 )
+                books.ledger.mark_claim(uid)  # as a restore marks it
             for d in shares:
                 target = gpus[d.device]
                 units = memory_units(target.gpu.memory_total_bytes)

@@ -233,8 +233,9 @@ class CardBook:
         return len(self._gpus)
 
     def mark_claim(self, allocation_id: str) -> None:
-        """Say that ``allocation_id`` is a DRA claim's (a restored claim; a new one is
-        marked by :meth:`~.ledger.Ledger.allocate_share`'s ``claim``)."""
+        """Say that ``allocation_id`` is a DRA claim's (a restored claim, a claim's whole
+        GPUs; a claim's share is marked by :meth:`~.ledger.Ledger.allocate_share`'s
+        ``claim``)."""
         self._claim_ids.add(allocation_id)
 
     def is_claim(self, allocation_id: str) -> bool:
@@ -279,7 +280,8 @@ class CardBook:
             why = why or f"it is time-sliced ({g.replicas} replicas): given as replicas only"
             return Refused("time_sliced", f"{uuid} is not given whole nor shared: {why}")
         if g.whole is not None:
-            holder = self._allocs[g.whole].owner.describe()
+            owner = self._allocs[g.whole].owner
+            holder = owner.describe(claim=self.is_claim(owner.allocation_id))
             return Refused("insufficient_capacity", f"{uuid} is allocated whole to {holder}")
         if whole and g.shares:
             return Refused(

@@ -33,12 +33,16 @@ class Owner(msgspec.Struct, frozen=True, kw_only=True):
     def key(self) -> RequestKey:
         return (self.allocation_id, self.container)
 
-    def describe(self) -> str:
+    def describe(self, *, claim: bool = False) -> str:
+        """The holder in words; ``claim``: a DRA ResourceClaim holds it, not a pod's
+        container (the ledger knows which: :meth:`~.cards.Cards.is_claim`)."""
         who = (
             f"{self.namespace}/{self.name} ({self.allocation_id})"
             if self.name
             else self.allocation_id
         )
+        if claim:
+            return f"claim {who}"
         return f"pod {who} container {self.container!r}"
 
 
