@@ -30,7 +30,7 @@ from support import reference
 from support.allocator_stack import GPU, NODE, allocator_stack, ids, rpc_error
 from support.fake_dra_kubelet import registered, wait_for_socket
 from support.kube_emulator import KubeEmulator
-from support.kube_emulator_dra import add_claim, enable_dra
+from support.kube_emulator_dra import add_claim, dra_emulator
 
 pytestmark = pytest.mark.anyio
 
@@ -39,9 +39,7 @@ DRIVER = "gpu.gpulet.io"
 
 @pytest.fixture
 async def emu() -> AsyncIterator[KubeEmulator]:
-    async with KubeEmulator.running() as emulator:
-        enable_dra(emulator)
-        emulator.add_node(NODE)
+    async with dra_emulator(NODE) as emulator:
         yield emulator
 
 

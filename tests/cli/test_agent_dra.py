@@ -30,7 +30,7 @@ from gpulet_common.settings.nats import NatsSettings
 from support.agent_process import Agent
 from support.fake_dra_kubelet import registered
 from support.kube_emulator import KubeEmulator
-from support.kube_emulator_dra import add_claim, enable_dra, slices
+from support.kube_emulator_dra import add_claim, dra_emulator, slices
 from support.waiting import wait_until
 
 pytestmark = pytest.mark.anyio
@@ -41,9 +41,7 @@ DRIVER = "gpu.gpulet.io"
 
 @pytest.fixture
 async def emu() -> AsyncIterator[KubeEmulator]:
-    async with KubeEmulator.running() as emulator:
-        enable_dra(emulator)
-        emulator.add_node(NODE)
+    async with dra_emulator(NODE) as emulator:
         yield emulator
 
 

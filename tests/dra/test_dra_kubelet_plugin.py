@@ -35,7 +35,7 @@ from gpulet_common.kubelet_api.dra_health.v1beta1 import api_pb2_grpc as h1b1_gr
 from support.dra_core import InMemoryCore, InMemoryHealth
 from support.fake_dra_kubelet import FakeDraKubelet, registered
 from support.kube_emulator import KubeEmulator
-from support.kube_emulator_dra import add_claim, enable_dra
+from support.kube_emulator_dra import add_claim, dra_emulator
 from support.waiting import wait_until
 
 pytestmark = pytest.mark.anyio
@@ -46,9 +46,7 @@ NODE = "node-a"
 
 @pytest.fixture
 async def emu() -> AsyncIterator[KubeEmulator]:
-    async with KubeEmulator.running() as emulator:
-        enable_dra(emulator)
-        emulator.add_node(NODE)
+    async with dra_emulator(NODE) as emulator:
         yield emulator
 
 

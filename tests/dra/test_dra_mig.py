@@ -32,9 +32,10 @@ from gpulet_allocator.kubelet.deviceplugin.resources import (
     build_devices,
     plugin_gpus_from_inventory,
 )
-from gpulet_allocator.kubelet.dra.contract import ClaimDevice, Reservation, ReservedDevice
+from gpulet_allocator.kubelet.dra.contract import ClaimDevice, Reservation
 from gpulet_allocator.kubelet.dra.health import NodeViewHealth
 from gpulet_allocator.kubelet.dra.plugin import ClaimRef, DraPlugin, PluginSettings
+from gpulet_allocator.kubelet.dra.terms import claim_requests, reservation
 from gpulet_allocator.protocol import ClaimDeviceRequest, ResourceKind
 from gpulet_common.bus import Bus
 from gpulet_common.dra import cdi, pool
@@ -258,20 +259,9 @@ class CoreAdapter:
         name: str = "",
     ) -> Reservation:
         record, _undo = self.core.claims.reserve(
-            claim_uid,
-            [
-                ClaimDeviceRequest(device=d.device, cores=d.cores, memory_bytes=d.memory_bytes)
-                for d in devices
-            ],
+            claim_uid, claim_requests(devices), namespace=namespace, name=name
         )
-        return Reservation(
-            claim_uid=claim_uid,
-            allocation=claim_uid,
-            devices=tuple(
-                ReservedDevice(d.device, d.uuid, d.minor, d.cores, d.memory_mib)
-                for d in record.devices
-            ),
-        )
+        return reservation(claim_uid, claim_uid, record.devices)
 
     async def release_claim(self, claim_uid: str) -> bool:
         return self.core.claims.release(claim_uid)

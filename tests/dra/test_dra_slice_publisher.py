@@ -22,7 +22,7 @@ from gpulet_common.settings.dra import DraSettings
 from gpulet_reporter.slices.publisher import SlicePublisher
 from gpulet_reporter.slices.writer import SliceInput
 from support.kube_emulator import KubeEmulator
-from support.kube_emulator_dra import RESOURCE_SLICES, enable_dra, slices
+from support.kube_emulator_dra import RESOURCE_SLICES, dra_emulator, slices
 from support.reporter_harness import make_inventory
 from support.waiting import wait_until
 
@@ -46,9 +46,7 @@ def fault(uuid: str, xid: int = 79) -> GpuHealth:
 
 @pytest.fixture
 async def emu() -> AsyncIterator[KubeEmulator]:
-    async with KubeEmulator.running() as emulator:
-        enable_dra(emulator)
-        emulator.add_node(NODE)
+    async with dra_emulator(NODE) as emulator:
         yield emulator
 
 

@@ -23,7 +23,7 @@ from gpulet_common.settings.nats import NatsSettings
 from gpulet_reporter.slices.publisher import SlicePublisher
 from support.health_kv import gpu_health, health_bucket, put_health
 from support.kube_emulator import KubeEmulator
-from support.kube_emulator_dra import enable_dra, slices
+from support.kube_emulator_dra import dra_emulator, slices
 from support.reporter_harness import make_inventory
 from support.waiting import wait_until
 
@@ -43,9 +43,7 @@ def taints(emu: KubeEmulator) -> dict[str, list[tuple[str, str, str]]]:
 
 @pytest.fixture
 async def emu() -> AsyncIterator[KubeEmulator]:
-    async with KubeEmulator.running() as emulator:
-        enable_dra(emulator)
-        emulator.add_node(NODE)
+    async with dra_emulator(NODE) as emulator:
         yield emulator
 
 

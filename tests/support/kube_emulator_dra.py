@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import functools
 import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any, Final
 
 import jsonschema
@@ -171,6 +173,16 @@ def enable_dra(emu: ke.KubeEmulator, *, validate: bool = True) -> ke.KubeEmulato
     # The real server's field selectors for slices (the store's list is module-wide).
     ke._FIELDS = ke._FIELDS | {"spec.driver"}  # type: ignore[misc]
     return emu
+
+
+@asynccontextmanager
+async def dra_emulator(node: str) -> AsyncIterator[ke.KubeEmulator]:
+    """A running API emulator with resource.k8s.io/v1 (:func:`enable_dra`) and Node
+    ``node``: what every DRA test's ``emu`` fixture starts from."""
+    async with ke.KubeEmulator.running() as emu:
+        enable_dra(emu)
+        emu.add_node(node)
+        yield emu
 
 
 def slices(emu: ke.KubeEmulator) -> list[ke.JsonObj]:
