@@ -206,7 +206,14 @@ class Codec(Generic[T]):
         except msgspec.ValidationError as exc:
             raise InvalidValue(SCHEMA, str(exc) or "invalid value") from None
         except msgspec.DecodeError as exc:
-            raise MalformedMessage(INVALID_JSON, str(exc) or "invalid JSON") from None
+            # msgspec 0.23 and later report invalid UTF-8 as a DecodeError (earlier
+            # ones let a UnicodeDecodeError escape, above): the same family either way.
+            detail = str(exc) or "invalid JSON"
+            if "utf-8" in detail.lower():
+                raise MalformedMessage(
+                    INVALID_UTF8, f"invalid UTF-8 in a string: {detail}"
+                ) from None
+            raise MalformedMessage(INVALID_JSON, detail) from None
         except Exception as exc:
             # RecursionError, MemoryError, or a bug in a check: never the caller's end.
             raise MalformedMessage(ERROR, f"{type(exc).__name__}: {exc}"[:300]) from None

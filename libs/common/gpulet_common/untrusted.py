@@ -1,0 +1,159 @@
+"""Decode totally: the one door for every untrusted document that is not a bus message.
+
+Bus messages have their typed codecs (:mod:`gpulet_common.codec`). Everything else that
+gpulet reads from outside -- an API server's answer or watch line, a settings or
+time-slicing file, a kubeconfig, a state file, a NATS reply of another tool -- is
+parsed here, so that one rule holds at every seam:
+
+* **Size** is bounded before parsing (``max_bytes``).
+* **Depth** is bounded before parsing, for JSON at C speed
+  (:func:`gpulet_common.codec.nesting_problem`): ``json``, msgspec, ``tomllib`` and
+  PyYAML all recurse per nesting level and raise ``RecursionError`` -- a
+  ``RuntimeError``, which no ``except ValueError`` catches -- on a document a few
+  thousand levels deep. For TOML and YAML the parser's own failure is mapped.
+* **YAML aliases** are refused (:func:`yaml_document`): an alias bomb's few kilobytes
+  expand into gigabytes in whoever walks the result, and no document gpulet reads
+  needs an alias.
+* **Every failure** -- ``RecursionError`` and ``MemoryError`` included -- leaves as
+  :class:`UntrustedDocumentError` (a ``ValueError``), with a short ``reason`` for the
+  metrics and a ``detail`` an operator reads. Nothing else escapes.
+
+For example::
+
+    try:
+        doc = json_document(raw, what="ResourceClaim watch line")
+    except UntrustedDocumentError as exc:
+        log.warning("dropped: %s", exc)
+"""
+
+from __future__ import annotations
+
+import tomllib
+from typing import Any, Final
+
+import msgspec
+
+from gpulet_common.codec import TOO_DEEP, nesting_problem
+
+# JSON from an API server nests far less than this (a ResourceClaim's opaque
+# parameters are the user's, so they are the deepest part); kube-apiserver itself
+# accepts up to 10,000 levels, which is why gpulet needs its own bound.
+MAX_DEPTH: Final = 100
+MAX_BYTES: Final = 32 << 20
+
+# Reasons.
+TOO_LARGE: Final = "too_large"
+INVALID: Final = "invalid"
+ALIASES: Final = "aliases"
+ERROR: Final = "error"
+
+_json: Final = msgspec.json.Decoder()
+
+
+class UntrustedDocumentError(ValueError):
+    """An untrusted document that could not be used; ``reason`` is one of this
+    module's reasons (or :data:`gpulet_common.codec.TOO_DEEP`)."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
+        self.detail = detail
+
+
+def _bounded_size(raw: bytes | bytearray | memoryview | str, max_bytes: int, what: str) -> None:
+    size = len(raw)
+    if size > max_bytes:
+        raise UntrustedDocumentError(
+            TOO_LARGE, f"{what}: {size} bytes is over the {max_bytes}-byte limit"
+        )
+
+
+def json_document(
+    raw: bytes | bytearray | memoryview | str,
+    *,
+    max_bytes: int = MAX_BYTES,
+    max_depth: int = MAX_DEPTH,
+    what: str = "document",
+) -> Any:
+    """``raw`` JSON as Python objects, or :class:`UntrustedDocumentError`."""
+    _bounded_size(raw, max_bytes, what)
+    data = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else bytes(raw)
+    try:
+        problem = nesting_problem(data, max_depth)
+        if problem is not None:
+            reason, detail = problem
+            raise UntrustedDocumentError(  # noqa: TRY301 - one except for all paths
+                reason if reason == TOO_DEEP else INVALID, f"{what}: {detail}"
+            )
+        return _json.decode(data)
+    except UntrustedDocumentError:
+        raise
+    except msgspec.DecodeError as exc:
+        raise UntrustedDocumentError(INVALID, f"{what}: not JSON: {exc}"[:300]) from None
+    except Exception as exc:  # RecursionError, MemoryError, UnicodeDecodeError, ...
+        raise UntrustedDocumentError(ERROR, f"{what}: {type(exc).__name__}: {exc}"[:300]) from None
+
+
+def toml_document(
+    raw: bytes | str, *, max_bytes: int = MAX_BYTES, what: str = "document"
+) -> dict[str, Any]:
+    """``raw`` TOML as a dict, or :class:`UntrustedDocumentError`."""
+    _bounded_size(raw, max_bytes, what)
+    try:
+        text = raw.decode("utf-8") if isinstance(raw, bytes) else raw
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise UntrustedDocumentError(INVALID, f"{what}: not TOML: {exc}"[:300]) from None
+    except RecursionError:
+        raise UntrustedDocumentError(TOO_DEEP, f"{what}: nested too deep") from None
+    except Exception as exc:  # UnicodeDecodeError, MemoryError, ...
+        raise UntrustedDocumentError(ERROR, f"{what}: {type(exc).__name__}: {exc}"[:300]) from None
+
+
+def yaml_document(
+    raw: bytes | str,
+    *,
+    max_bytes: int = MAX_BYTES,
+    max_depth: int = MAX_DEPTH,
+    what: str = "document",
+) -> Any:
+    """``raw`` YAML (one document, safe tags only, no aliases, at most ``max_depth``
+    levels) as Python objects, or :class:`UntrustedDocumentError`. Imports PyYAML."""
+    _bounded_size(raw, max_bytes, what)
+    try:
+        return _load_yaml(raw, max_depth)
+    except UntrustedDocumentError as exc:
+        exc.args = (f"{what}: {exc.detail}",)
+        exc.detail = exc.args[0]
+        raise
+    except RecursionError:
+        raise UntrustedDocumentError(TOO_DEEP, f"{what}: nested too deep") from None
+    except Exception as exc:  # yaml.YAMLError, MemoryError, ...
+        raise UntrustedDocumentError(INVALID, f"{what}: not YAML: {exc}"[:300]) from None
+
+
+def _load_yaml(raw: bytes | str, max_depth: int) -> Any:
+    import yaml  # only the readers of YAML pay for it
+
+    # The pure-Python loader: the C one composes nodes in C, past this hook.
+    class _Loader(yaml.SafeLoader):
+        depth = 0
+
+        def compose_node(self, parent: Any, index: Any) -> Any:
+            if self.check_event(yaml.AliasEvent):
+                raise UntrustedDocumentError(ALIASES, "YAML aliases are not accepted")
+            self.depth += 1
+            try:
+                if self.depth > max_depth:
+                    raise UntrustedDocumentError(
+                        TOO_DEEP, f"nesting deeper than {max_depth} levels"
+                    )
+                return super().compose_node(parent, index)
+            finally:
+                self.depth -= 1
+
+    loader = _Loader(raw)
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
