@@ -93,7 +93,7 @@ from gpulet_common import codec, subjects
 from gpulet_common.bus import Bus, Delivery
 from gpulet_common.dra.devices import device_name
 from gpulet_common.embedded_nats import EmbeddedNats
-from gpulet_common.kube import KubeConfig, read_kubeconfig
+from gpulet_common.kube import KubeConfig, from_kubeconfig
 from gpulet_common.kubeapi import KubeClient
 from gpulet_common.messages import Inventory, InventoryRequest
 from gpulet_common.nodeview import NodeView
@@ -389,7 +389,7 @@ async def bench_prepare(
             )
             sockets = Sockets.for_driver(DRIVER, root / "registry", root / "plugins")
             async with (
-                KubeClient(read_kubeconfig(kubeconfig)) as client,
+                KubeClient(await from_kubeconfig(kubeconfig)) as client,
                 anyio.create_task_group() as tg,
             ):
                 reader: ClaimReader = KubeClaimReader(client)

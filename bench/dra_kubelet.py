@@ -26,7 +26,7 @@ import anyio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from gpulet_common.kube import read_kubeconfig
+from gpulet_common.kube import from_kubeconfig
 from gpulet_common.kubeapi import KubeClient
 from support.fake_dra_kubelet import FakeDraKubelet, registered
 
@@ -68,7 +68,7 @@ async def run(args: argparse.Namespace) -> None:
     stdin = anyio.wrap_file(sys.stdin)
     timings: list[float] = []
     async with (
-        KubeClient(read_kubeconfig(args.kubeconfig)) as api,
+        KubeClient(await from_kubeconfig(args.kubeconfig)) as api,
         registered(Path(args.registry), args.driver) as kubelet,
     ):
         for i in range(args.calls):

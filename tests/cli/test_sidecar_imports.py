@@ -1,8 +1,10 @@
 """Each sidecar imports only what its service uses.
 
 The DaemonSet runs one ``gpulet serve <service>`` process per service, and every module
-a process imports is resident for its whole life: kubernetes-asyncio alone was ~40 MB,
-aiohttp ~11 MB, grpc ~8 MB, NVML's bindings and the mock ~3 MB. The collector's pod
+a process imports is resident for its whole life: kubernetes-asyncio alone is ~40 MB,
+aiohttp ~25 MB, grpc ~8 MB, NVML's bindings and the mock ~3 MB. The reporter and the
+allocator talk to the API server and carry the Kubernetes client; the collector, the
+health service and the device plugin never do. The collector's pod
 labels once took grpc into it (it asked kubelet's PodResources itself); it now asks the
 allocator, the node's one reader of PodResources. Each case runs the real
 CLI dispatch (``gpulet.cli.main``) in a fresh interpreter, with the arguments the
@@ -20,9 +22,7 @@ from pathlib import Path
 
 import pytest
 
-# Never in any sidecar: the other commands' code, the fleet's hub side, optional extras,
-# and the libraries gpulet's own Kubernetes client replaced (gpulet_common.kubeapi over
-# gpulet_common.http1; PyYAML only reads a kubeconfig, never in a pod).
+# Never in any sidecar: the other commands' code, the fleet's hub side, optional extras.
 EVERY = {
     "gpulet.tools",
     "gpulet.fleet",
@@ -30,12 +30,17 @@ EVERY = {
     "gpulet_alerting",
     "opentelemetry.exporter.otlp",
     "nkeys",
+    "jsonschema",
+}
+# The Kubernetes client (kubernetes-asyncio, with aiohttp and PyYAML under it): only in
+# the processes that talk to the API server.
+KUBERNETES = {
+    "gpulet_common.kube",
+    "gpulet_common.kubeapi",
     "kubernetes_asyncio",
     "aiohttp",
     "yaml",
-    "jsonschema",
 }
-KUBERNETES = {"gpulet_common.kube", "gpulet_common.kubeapi", "gpulet_common.http1"}
 GRPC = {"grpc", "google.protobuf"}
 NVML = {"pynvml", "gpulet_common.nvml.adapter", "gpulet_common.mock_nvml"}
 SERVICES = {"gpulet_collector", "gpulet_health", "gpulet_reporter", "gpulet_allocator"}
@@ -53,8 +58,8 @@ FORBIDDEN: dict[str, set[str]] = {
 REQUIRED: dict[str, set[str]] = {
     "collector": {"pynvml"},
     "health": {"pynvml"},
-    "reporter": {"gpulet_common.kubeapi"},
-    "allocator": {"gpulet_common.kubeapi", "grpc"},
+    "reporter": {"gpulet_common.kubeapi", "kubernetes_asyncio"},
+    "allocator": {"gpulet_common.kubeapi", "kubernetes_asyncio", "grpc"},
     "device-plugin": {"grpc"},
 }
 READS_GPUS = {"collector", "health"}

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import base64
 import os
 from pathlib import Path
 
+import anyio
 import pytest
 
 from gpulet_common.kube import (
@@ -129,29 +131,35 @@ contexts:
 current-context: d
 """
     )
+    # Files named relative to the kubeconfig that names them.
+    (tmp_path / "ca.crt").write_text("-----BEGIN CERTIFICATE-----\n")
+    (tmp_path / "tok").write_text("from-a-file")
     paths = os.pathsep.join([str(first), str(second)])
     config = await from_kubeconfig(paths)
+    settings = config.configuration
     assert config.host == "https://10.0.0.1:6443"
-    assert config.ca_file == str(tmp_path / "ca.crt")
-    assert config.token_file == str(tmp_path / "tok")
-    assert (config.cert_data, config.key_data) == (b"cert", b"key")
-    assert config.tls_server_name == "api.local"
-    assert not config.insecure
+    assert settings.ssl_ca_cert == str(tmp_path / "ca.crt")
+    assert config.token == "from-a-file"
+    assert await anyio.Path(str(settings.cert_file)).read_bytes() == b"cert"
+    assert await anyio.Path(str(settings.key_file)).read_bytes() == b"key"
+    assert settings.tls_server_name == "api.local"
+    assert settings.verify_ssl
     other = await from_kubeconfig(paths, "d")
-    assert (other.host, other.insecure, other.username, other.password) == (
-        "https://10.0.0.2:6443",
-        True,
-        "me",
-        "pw",
+    assert (other.host, other.configuration.verify_ssl) == ("https://10.0.0.2:6443", False)
+    assert (
+        other.configuration.api_key["BearerToken"] == "Basic " + base64.b64encode(b"me:pw").decode()
     )
 
 
 @pytest.mark.parametrize(
     ("user", "reason"),
     [
-        ("{exec: {command: aws}}", "exec plugin"),
-        ("{auth-provider: {name: gcp}}", "auth-provider plugin"),
-        ("{client-key-data: '!!not base64'}", "unusable"),
+        (
+            "{exec: {command: /nonexistent/plugin, apiVersion: client.authentication.k8s.io/v1}}",
+            "unusable",
+        ),
+        ("{client-key-data: '!!not base64', client-certificate-data: Y2VydA==}", "unusable"),
+        ("{tokenFile: /nonexistent/token}", "unusable"),
     ],
 )
 async def test_what_gpulet_cannot_use_is_refused_with_the_reason(
@@ -172,3 +180,45 @@ def test_in_cluster_ipv6_and_an_empty_token(tmp_path: Path) -> None:
     (tmp_path / "token").write_text("tok\n")
     config = in_cluster(env, tmp_path)
     assert (config.host, config.token) == ("https://[fd00::1]:443", "tok")
+    assert config.configuration.api_key["BearerToken"] == "Bearer tok"  # no line break
+
+
+async def test_an_exec_user_runs_its_plugin_and_again_when_the_credential_expires(
+    tmp_path: Path,
+) -> None:
+    # The plugin prints a token that has already expired, then counts its runs.
+    plugin = tmp_path / "plugin"
+    runs = tmp_path / "runs"
+    plugin.write_text(
+        "#!/bin/sh\n"
+        f"echo x >> {runs}\n"
+        "n=$(wc -l < " + str(runs) + ")\n"
+        'printf \'{"apiVersion":"client.authentication.k8s.io/v1","kind":"ExecCredential",'
+        '"status":{"token":"t%s","expirationTimestamp":"2000-01-01T00:00:00Z"}}\' "$n"\n'
+    )
+    plugin.chmod(0o755)
+    path = tmp_path / "config"
+    user = f"{{exec: {{command: {plugin}, apiVersion: client.authentication.k8s.io/v1}}}}"
+    path.write_text(KUBECONFIG.replace("user: {token: t}", f"user: {user}"))
+    config = await from_kubeconfig(str(path))
+    assert config.token == "t1"
+    # Each request asks the configuration for its key: an expired credential runs the
+    # plugin again.
+    assert await config.configuration.get_api_key_with_prefix("BearerToken") == "Bearer t2"
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        "a: &a [x, x]\nb: &b [*a, *a]\nclusters: [*b, *b]\n",  # an alias bomb's seed
+        "clusters: " + "[" * 10_000 + "]" * 10_000 + "\n",
+        "x" * (5 << 20),
+    ],
+)
+async def test_a_hostile_kubeconfig_is_refused_without_expanding_it(
+    tmp_path: Path, content: str
+) -> None:
+    path = tmp_path / "config"
+    path.write_text(content)
+    with pytest.raises(KubeConfigError, match="unusable"):
+        await from_kubeconfig(str(path))

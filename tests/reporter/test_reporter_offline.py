@@ -114,7 +114,8 @@ async def test_in_cluster_config_comes_first(tmp_path: Path) -> None:
     assert target.source == "in-cluster"
     assert target.server == "https://10.0.0.1:443"
     configuration: Any = target.configuration
-    assert (configuration.token, configuration.token_file) == ("sa-token", str(sa / "token"))
+    assert configuration.token == "sa-token"
+    assert configuration.configuration.ssl_ca_cert == str(sa / "ca.crt")
     # Without the service account token it is not "in a cluster".
     (sa / "token").unlink()
     fallback = await load_target(ReporterSettings(), env=env, sa_dir=sa)

@@ -196,8 +196,9 @@ def preflight(
 
 
 def skip_unused_aiohttp(settings: Settings, names: Sequence[str]) -> bool:
-    """Keep aiohttp (~11 MB of RSS) out of a process whose services do not use it (none
-    of gpulet's does now; ``ws://`` NATS URLs still need it).
+    """Keep aiohttp (~25 MB of RSS) out of a process whose services do not use it (the
+    collector, the health service and the device plugin; ``ws://`` NATS URLs still
+    need it).
 
     nats-py imports aiohttp for its WebSocket transport only, and carries on without it
     when the import fails; so when no service here uses it (see
@@ -220,6 +221,9 @@ def _run_services(args: argparse.Namespace, names: list[str], *, sidecar: bool) 
         settings.nats.url = DEFAULT_SIDECAR_NATS
         embedded = False
     skip_unused_aiohttp(settings, names)
+    # kubernetes-asyncio's dynamic client imports kubernetes-validate (and jsonschema
+    # under it, ~10 MB) whenever it is installed; gpulet validates nothing with it.
+    sys.modules.setdefault("kubernetes_validate", None)  # type: ignore[arg-type]
 
     from gpulet.agent import run_agent
     from gpulet_common.telemetry import Telemetry

@@ -31,10 +31,10 @@ REGISTRY: dict[str, str] = {
 # in the DaemonSet they run as root without capabilities and the directory is uid 65532's.
 WRITES_STATE_DIR: frozenset[str] = frozenset({"health", "reporter"})
 
-# The services that use aiohttp: none since the Kubernetes client speaks HTTP/1.1 itself
-# (gpulet_common.http1). So no sidecar loads it: nats-py imports it only for its
+# The services that use aiohttp: the ones that talk to the API server, through
+# kubernetes-asyncio. The others never load it: nats-py imports it only for its
 # WebSocket transport (see gpulet.cli.skip_unused_aiohttp).
-USES_AIOHTTP: frozenset[str] = frozenset()
+USES_AIOHTTP: frozenset[str] = frozenset({"reporter", "allocator"})
 
 # `gpulet run` starts these, in this order (producers before consumers).
 RUN_ORDER: tuple[str, ...] = ("collector", "health", "reporter", "allocator", "device-plugin")

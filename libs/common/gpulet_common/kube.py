@@ -1,95 +1,130 @@
 """Where the Kubernetes API server is: the pod's service account, or a kubeconfig.
 
 One lookup for every service that talks to the API server (the reporter writes the
-Device CR, node labels and condition; the allocator watches its node's pods under the
-Koordinator profile). Each service decides what an absent cluster means to it and in
-which order it tries the sources; this module only finds a source or says why not:
+Device CR, node labels and condition; the allocator watches its node's pods, reads
+claims, evicts). Each service decides what an absent cluster means to it and in which
+order it tries the sources; this module only finds a source or says why not. The
+reading itself is kubernetes-asyncio's: its ``Configuration``, its in-cluster loader
+and its kubeconfig loader, so TLS, client certificates, tokens, ``exec`` credential
+plugins, OIDC and proxies work as they do for every other client of that library.
 
-* **In-cluster**: ``$KUBERNETES_SERVICE_HOST``/``PORT`` plus the service-account
-  token, the DaemonSet case. The token file is re-read as it rotates (every minute,
-  by :class:`~gpulet_common.kubeapi.KubeClient`), so bound service-account tokens keep
-  working.
+* **In-cluster**: ``$KUBERNETES_SERVICE_HOST``/``PORT`` plus the service-account token,
+  the DaemonSet case. The library re-reads the token file every minute
+  (``refresh_api_key_hook``), so bound service-account tokens keep working as the
+  kubelet rotates them. gpulet wraps that hook (:func:`_steady_token`): a read that
+  fails mid-rotation keeps the token read last instead of failing the request, and
+  the token is stripped of the line break a file may end with.
 * **A kubeconfig**: the path a setting names, else ``$KUBECONFIG`` (a path list; the
   files that exist are merged as kubectl merges them: the first file that names a
-  cluster, user or context wins, and the first ``current-context`` set), else
-  ``~/.kube/config``. A context picks one cluster. Understood: a server with a CA
-  file or CA data, ``insecure-skip-tls-verify`` and ``tls-server-name``; a user with a
-  token, a token file, client certificate and key (files or data) or a username and
-  password. A user that needs an ``exec`` credential plugin or an ``auth-provider`` is
-  refused with that reason (gpulet runs no plugins). Relative paths are relative to the
-  kubeconfig that holds them. The file is never written.
+  cluster, user or context wins), else ``~/.kube/config``. A context picks one
+  cluster. Relative paths are relative to the kubeconfig that holds them. A user with
+  an ``exec`` plugin runs it, and again when the credential it gave expires. The file
+  is never written.
+
+A kubeconfig is untrusted input like any other file: it is read through
+:func:`gpulet_common.untrusted.yaml_document` (at most :data:`MAX_KUBECONFIG` bytes,
+no YAML aliases, bounded depth) before the library sees it as a dict.
 
 Either way the result is a :class:`KubeConfig`, which
-:class:`~gpulet_common.kubeapi.KubeClient` connects with. PyYAML is imported only to
-read a kubeconfig, so an in-cluster process never loads it.
-
-Every failure, whatever the reading raised, is a :class:`KubeConfigError` whose text is
-the reason an operator reads.
+:class:`~gpulet_common.kubeapi.KubeClient` connects with. Every failure, whatever the
+reading raised, is a :class:`KubeConfigError` whose text is the reason an operator
+reads. Only the processes that talk to the API server (reporter, allocator, CLI) import
+this module, and with it kubernetes-asyncio.
 """
 
 from __future__ import annotations
 
-import base64
+import datetime
+import logging
 import os
-import ssl
-import tempfile
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, cast
 
 import anyio
+from kubernetes_asyncio.client import Configuration
+from kubernetes_asyncio.config import kube_config
+from kubernetes_asyncio.config.incluster_config import InClusterConfigLoader
+
+from gpulet_common.untrusted import UntrustedDocumentError, yaml_document
 
 SERVICE_ACCOUNT_DIR: Final = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 MAX_KUBECONFIG: Final = 4 << 20
+
+log = logging.getLogger("gpulet.kube")
+
+RefreshHook = Callable[[Configuration], Awaitable[None] | None]
 
 
 class KubeConfigError(Exception):
     """No usable cluster configuration; the message says why."""
 
 
-@dataclass(frozen=True, slots=True)
 class KubeConfig:
-    """Where the API server is and how to prove who we are (see the module docstring)."""
+    """A kubernetes-asyncio ``Configuration`` and where it came from.
 
-    host: str
-    ca_file: str = ""
-    ca_data: bytes = b""
-    cert_file: str = ""
-    key_file: str = ""
-    cert_data: bytes = b""
-    key_data: bytes = b""
-    token: str = ""
-    token_file: str = ""
-    username: str = ""
-    password: str = ""
-    insecure: bool = False
-    tls_server_name: str = ""
+    ``KubeConfig(host, token=...)`` makes a plain one (tests, benches, the emulator);
+    :func:`in_cluster` and :func:`from_kubeconfig` make the real ones.
+    """
 
-    def ssl_context(self) -> ssl.SSLContext:
-        """The TLS context to reach ``host`` with (blocking file reads; raises OSError
-        or ssl.SSLError on a bad CA or key)."""
-        context = ssl.create_default_context(
-            cafile=self.ca_file or None, cadata=self.ca_data.decode() if self.ca_data else None
-        )
-        if self.insecure:
-            context.check_hostname = False
-            context.verify_mode = ssl.CERT_NONE
-        if self.cert_file or self.cert_data:
-            _load_client_cert(context, self)
-        return context
+    __slots__ = ("configuration", "source")
+
+    def __init__(
+        self,
+        host: str = "",
+        *,
+        token: str = "",
+        configuration: Configuration | None = None,
+        source: str = "",
+    ) -> None:
+        if configuration is None:
+            configuration = Configuration(host=host.rstrip("/"))
+            if token:
+                configuration.api_key["BearerToken"] = f"Bearer {token}"
+        self.configuration: Configuration = configuration
+        self.source = source or "explicit"
+
+    @property
+    def host(self) -> str:
+        return str(self.configuration.host)
+
+    @property
+    def token(self) -> str:
+        """The bearer token in force now ("" for none)."""
+        value = str(self.configuration.api_key.get("BearerToken") or "")
+        return value.removeprefix("Bearer ").strip()
+
+    def __repr__(self) -> str:
+        return f"KubeConfig({self.host!r}, source={self.source!r})"
 
 
-def _load_client_cert(context: ssl.SSLContext, config: KubeConfig) -> None:
-    if not config.cert_data and not config.key_data:
-        context.load_cert_chain(config.cert_file, config.key_file or None)
-        return
-    # ssl reads certificates from files only: data goes through a private directory.
-    with tempfile.TemporaryDirectory(prefix="gpulet-kube-") as tmp:
-        cert, key = Path(tmp) / "cert.pem", Path(tmp) / "key.pem"
-        cert.write_bytes(config.cert_data or Path(config.cert_file).read_bytes())
-        key.write_bytes(config.key_data or Path(config.key_file).read_bytes())
-        context.load_cert_chain(str(cert), str(key))
+def _steady_token(hook: RefreshHook | None) -> RefreshHook:
+    """``hook`` (the library's token refresh), made safe for a long-lived service: a
+    failed refresh keeps the token in force (logged once per failure streak), and the
+    token never carries surrounding whitespace into a header."""
+    failing = False
+
+    async def refresh(configuration: Configuration) -> None:
+        nonlocal failing
+        before = configuration.api_key.get("BearerToken")
+        try:
+            if hook is not None:
+                result = hook(configuration)
+                if isinstance(result, Awaitable):
+                    await result
+        except Exception as exc:  # the library's ConfigException, OSError, ...
+            if before:
+                configuration.api_key["BearerToken"] = before
+            if not failing:
+                log.warning("token refresh failed, keeping the token in force: %s", exc)
+            failing = True
+        else:
+            failing = False
+        value = configuration.api_key.get("BearerToken")
+        if isinstance(value, str) and value != value.strip():
+            configuration.api_key["BearerToken"] = value.strip()
+
+    return refresh
 
 
 def in_cluster_available(env: Mapping[str, str], sa_dir: Path = SERVICE_ACCOUNT_DIR) -> bool:
@@ -103,27 +138,22 @@ def in_cluster_available(env: Mapping[str, str], sa_dir: Path = SERVICE_ACCOUNT_
 
 def in_cluster(env: Mapping[str, str], sa_dir: Path = SERVICE_ACCOUNT_DIR) -> KubeConfig:
     """The in-cluster configuration (blocking file reads: call off the loop)."""
-    try:
-        return _in_cluster(env, sa_dir)
-    except (OSError, ValueError) as exc:
-        raise KubeConfigError(f"in-cluster config unusable: {exc}") from exc
-
-
-def _in_cluster(env: Mapping[str, str], sa_dir: Path) -> KubeConfig:
-    host, port = env.get("KUBERNETES_SERVICE_HOST", ""), env.get("KUBERNETES_SERVICE_PORT", "")
-    token_file, ca_file = sa_dir / "token", sa_dir / "ca.crt"
-    if not host or not port:
-        raise ValueError("KUBERNETES_SERVICE_HOST or _PORT is not set")
-    token = token_file.read_text(encoding="utf-8", errors="replace")[: 1 << 16].strip()
-    if not token:
-        raise ValueError(f"{token_file} is empty")
-    if not ca_file.is_file():
-        raise ValueError(f"{ca_file} does not exist")
-    if ":" in host:
-        host = f"[{host}]"  # an IPv6 address
-    return KubeConfig(
-        f"https://{host}:{port}", ca_file=str(ca_file), token=token, token_file=str(token_file)
+    configuration = Configuration()
+    loader = InClusterConfigLoader(
+        token_filename=str(sa_dir / "token"),
+        cert_filename=str(sa_dir / "ca.crt"),
+        environ=dict(env),
     )
+    try:
+        loader.load_and_set(configuration)
+        if not configuration.api_key.get("BearerToken", "").removeprefix("Bearer ").strip():
+            raise ValueError(f"{sa_dir / 'token'} is empty")  # noqa: TRY301
+    except Exception as exc:  # the library's ConfigException, OSError, ValueError
+        raise KubeConfigError(f"in-cluster config unusable: {exc}") from exc
+    library_hook = cast("RefreshHook | None", configuration.refresh_api_key_hook)
+    configuration.refresh_api_key_hook = _steady_token(library_hook)
+    configuration.api_key["BearerToken"] = configuration.api_key["BearerToken"].strip()
+    return KubeConfig(configuration=configuration, source="in-cluster")
 
 
 def kubeconfig_path(explicit: str, env: Mapping[str, str]) -> str | None:
@@ -139,18 +169,73 @@ def kubeconfig_path(explicit: str, env: Mapping[str, str]) -> str | None:
     return str(default) if default.exists() else None
 
 
-def _any_file(paths: str) -> bool:
-    return any(Path(p).expanduser().is_file() for p in paths.split(os.pathsep) if p)
+class _BoundedMerger(kube_config.KubeConfigMerger):
+    """The library's merge of a kubeconfig path list, reading each file through the
+    bounded YAML reader instead of an unbounded ``yaml.safe_load``."""
+
+    def load_config(self, path: str) -> None:
+        with open(path, "rb") as file:
+            raw = file.read(MAX_KUBECONFIG + 1)
+        config = yaml_document(raw, max_bytes=MAX_KUBECONFIG, what=f"kubeconfig {path}")
+        if config is None:
+            config = {}
+        if not isinstance(config, dict):
+            raise TypeError(f"{path} is not a kubeconfig mapping")
+        if self.config_merged is None:
+            merged = {**config, "clusters": [], "contexts": [], "users": []}
+            self.config_merged = kube_config.ConfigNode(path, merged, path)
+        for item in ("clusters", "contexts", "users"):
+            entries = config.get(item) or []
+            if not isinstance(entries, list):
+                raise TypeError(f"{item} of {path} is not a list")
+            self._merge(item, [e for e in entries if isinstance(e, dict) and "name" in e], path)
+        if "current-context" in config and not self.config_merged.value.get("current-context"):
+            # kubectl: the first file that sets current-context wins.
+            self.config_merged.value["current-context"] = config["current-context"]
+        self.config_files[path] = config
+
+
+def _exec_refresh(loader: Any) -> RefreshHook:
+    """Run the ``exec`` plugin again once the credential it gave has expired (a
+    credential without an expiry is kept for the process's life, as kubectl does)."""
+
+    async def refresh(configuration: Configuration) -> None:
+        expiry = getattr(loader, "exec_plugin_expiry", None)
+        if not isinstance(expiry, datetime.datetime) or not kube_config._is_expired(expiry):
+            return
+        await loader.load_from_exec_plugin()
+        if getattr(loader, "token", None):
+            configuration.api_key["BearerToken"] = loader.token
+
+    return refresh
 
 
 async def from_kubeconfig(path: str, context: str = "") -> KubeConfig:
     """The configuration of ``path`` (a file or a path list) and ``context``."""
-    if not await anyio.to_thread.run_sync(_any_file, path):
+    files = [p for p in path.split(os.pathsep) if p]
+    if not await anyio.to_thread.run_sync(
+        lambda: any(Path(p).expanduser().is_file() for p in files)
+    ):
         raise KubeConfigError(f"kubeconfig {path} not found")
+    configuration = Configuration()
     try:
-        return await anyio.to_thread.run_sync(read_kubeconfig, path, context)
-    except Exception as exc:  # YAML, shapes, base64, files: one error with the reason
+        merger = await anyio.to_thread.run_sync(_BoundedMerger, path)
+        if merger.config is None:
+            raise ValueError("no kubeconfig file could be read")  # noqa: TRY301
+        loader = kube_config.KubeConfigLoader(
+            config_dict=merger.config, config_base_path=None, active_context=context or None
+        )
+        await loader.load_and_set(configuration)
+    except UntrustedDocumentError as exc:
+        raise KubeConfigError(f"kubeconfig {path} unusable: {exc}") from exc
+    except Exception as exc:  # the library's ConfigException, shapes, base64, files, exec
         raise KubeConfigError(f"kubeconfig {path} unusable: {type(exc).__name__}: {exc}") from exc
+    if not str(configuration.host).startswith(("https://", "http://")):
+        raise KubeConfigError(f"kubeconfig {path} unusable: no http(s) server")
+    hook = _exec_refresh(loader) if "exec" in (loader._user or {}) else None
+    configuration.refresh_api_key_hook = _steady_token(hook)
+    where = f"kubeconfig {path}" + (f" (context {context})" if context else "")
+    return KubeConfig(configuration=configuration, source=where)
 
 
 async def lookup(
@@ -169,75 +254,3 @@ async def lookup(
     if path is None:
         raise KubeConfigError("not in a cluster and no kubeconfig found")
     return await from_kubeconfig(path, context)
-
-
-def read_kubeconfig(path: str, context: str = "") -> KubeConfig:
-    """Merge the files of ``path`` and resolve ``context`` (blocking; raises
-    ValueError or whatever reading raised: :func:`from_kubeconfig` maps it)."""
-    import yaml  # only here: an in-cluster process never needs it
-
-    named: dict[str, dict[str, tuple[dict[str, Any], Path]]] = {
-        "clusters": {},
-        "users": {},
-        "contexts": {},
-    }
-    current = ""
-    for file in (Path(p).expanduser() for p in path.split(os.pathsep) if p):
-        if not file.is_file():
-            continue
-        with file.open("rb") as raw:
-            doc = yaml.safe_load(raw.read(MAX_KUBECONFIG))
-        if doc is None:
-            continue
-        if not isinstance(doc, dict):
-            raise TypeError(f"{file} is not a kubeconfig mapping")
-        current = current or str(doc.get("current-context") or "")
-        for section, items in named.items():
-            for entry in doc.get(section) or []:
-                if isinstance(entry, dict) and isinstance(entry.get("name"), str):
-                    body = entry.get(section[:-1]) or {}
-                    if not isinstance(body, dict):
-                        raise TypeError(f"{section} entry {entry['name']!r} is not a mapping")
-                    items.setdefault(entry["name"], (body, file.parent))
-    name = context or current
-    if not name or name not in named["contexts"]:
-        raise ValueError(f"context {name!r} not found" if name else "no current-context")
-    ctx, _ = named["contexts"][name]
-    cluster_name, user_name = str(ctx.get("cluster") or ""), str(ctx.get("user") or "")
-    if cluster_name not in named["clusters"]:
-        raise ValueError(f"cluster {cluster_name!r} of context {name!r} not found")
-    cluster, cluster_dir = named["clusters"][cluster_name]
-    user, user_dir = named["users"].get(user_name, ({}, cluster_dir))
-    for unsupported in ("exec", "auth-provider"):
-        if user.get(unsupported):
-            raise ValueError(f"user {user_name!r} needs an {unsupported} plugin (unsupported)")
-    server = str(cluster.get("server") or "")
-    if not server.startswith(("https://", "http://")):
-        raise ValueError(f"cluster {cluster_name!r} has no http(s) server")
-    return KubeConfig(
-        server,
-        ca_file=_file(cluster, "certificate-authority", cluster_dir),
-        ca_data=_data(cluster, "certificate-authority-data"),
-        cert_file=_file(user, "client-certificate", user_dir),
-        key_file=_file(user, "client-key", user_dir),
-        cert_data=_data(user, "client-certificate-data"),
-        key_data=_data(user, "client-key-data"),
-        token=str(user.get("token") or ""),
-        token_file=_file(user, "tokenFile", user_dir),
-        username=str(user.get("username") or ""),
-        password=str(user.get("password") or ""),
-        insecure=cluster.get("insecure-skip-tls-verify") is True,
-        tls_server_name=str(cluster.get("tls-server-name") or ""),
-    )
-
-
-def _file(section: Mapping[str, Any], key: str, base: Path) -> str:
-    value = section.get(key)
-    if not value:
-        return ""
-    return str(base / Path(str(value)).expanduser())  # an absolute path stays itself
-
-
-def _data(section: Mapping[str, Any], key: str) -> bytes:
-    value = section.get(key)
-    return base64.b64decode(str(value), validate=True) if value else b""

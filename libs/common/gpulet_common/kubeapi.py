@@ -1,12 +1,12 @@
-"""A small Kubernetes REST client: what gpulet's services ask of an API server.
+"""gpulet's thin typed layer over kubernetes-asyncio: what its services ask of an API server.
 
-Why our own
------------
-kubernetes-asyncio's package loads every generated model on import (~40 MB of RSS, and
-aiohttp's ~11 MB under it) and a sidecar keeps all of it for its whole life, to send a
-handful of JSON requests. gpulet only ever reads and writes raw JSON objects, so this
-module is the few verbs it uses, on paths built by :func:`api_path`, over the HTTP/1.1
-connections of :mod:`gpulet_common.http1`:
+gpulet reads and writes raw JSON objects (Device CRs, ResourceSlices, claims, pods,
+events, evictions), so it uses kubernetes-asyncio's ``ApiClient`` -- its aiohttp
+session, TLS, proxies and authentication (:mod:`gpulet_common.kube` loads the
+``Configuration``) -- and not its generated models. This module is the few verbs gpulet
+uses, on paths built by :func:`api_path`, the way kopf keeps a thin layer over its
+HTTP library: one error type, bounded bodies, and watches whose lines come out one by
+one:
 
 * :meth:`KubeClient.get` / :meth:`~KubeClient.list` / :meth:`~KubeClient.create` /
   :meth:`~KubeClient.replace` / :meth:`~KubeClient.patch` (merge, JSON, strategic,
@@ -14,59 +14,55 @@ connections of :mod:`gpulet_common.http1`:
 * :meth:`KubeClient.watch`: a streaming watch (``watch=1``, ``resourceVersion``,
   ``allowWatchBookmarks``, ``timeoutSeconds``) whose lines come out one by one,
   decoded by :func:`watch_event`; the caller decides what a 410 or an ERROR event
-  means (re-list).
+  means (re-list; :mod:`gpulet_common.kube_watch` keeps one open).
 
 For example (``timeout_s`` bounds each request, connecting included)::
 
     async with KubeClient(await lookup(kubeconfig)) as api:
         pods = await api.list(api_path("", "v1", "pods"), field_selector=f"spec.nodeName={node}",
                               timeout_s=5)
-        await api.create(api_path("", "v1", "pods", namespace=ns, name=pod,
-                                  subresource="eviction"),
-                         {"apiVersion": "policy/v1", "kind": "Eviction",
-                          "metadata": {"name": pod, "namespace": ns}}, timeout_s=5)
         await api.create(api_path("events.k8s.io", "v1", "events", namespace=ns), event,
                          timeout_s=5)
 
-The connection and credentials come from a :class:`~gpulet_common.kube.KubeConfig`
-(in-cluster or a kubeconfig): TLS with the cluster's CA (or none when the kubeconfig
-says ``insecure-skip-tls-verify``), client certificates, a bearer token (a token file
-is read again every minute, so rotated service-account tokens keep working) or basic
-auth.
+Every request goes through ``ApiClient.call_api`` with ``_preload_content=False``: the
+library builds the URL, the query and the headers and refreshes the credentials (a
+rotated service-account token, an expired ``exec`` credential); gpulet reads the body
+itself, so that no answer is read or decoded without a bound.
 
 Every answer is hostile until decoded
 -------------------------------------
 * A non-2xx answer is a :class:`KubeApiError` carrying the HTTP status, the reason,
   the headers (``Retry-After``), the first :data:`ERROR_BODY_MAX` bytes of the body and,
   when it is one, the decoded ``Status`` object. This is the only type the client
-  raises for what the server *said*; what the network did is an ``OSError`` (a
-  connection refused or reset, TLS, an answer that is not HTTP:
-  :class:`~gpulet_common.http1.HttpProtocolError`) or, past a request's
+  raises for what the server *said*. What the network did is a
+  :class:`KubeConnectionError` (an ``OSError``: refused, reset, TLS, an answer that is
+  not HTTP -- every aiohttp failure is mapped to it here, once) or, past a request's
   ``timeout_s``, a ``TimeoutError``.
-* A body over ``max_body`` bytes (32 MiB by default), or a 2xx body that is not JSON,
-  is a :class:`KubeApiError` with status 0 ("no usable answer"), never a crash or an
-  unbounded read. A watch line over ``max_line`` bytes ends the watch the same way.
+* A body over ``max_body`` bytes (32 MiB by default), or a 2xx body that is not JSON or
+  nests deeper than :data:`gpulet_common.untrusted.MAX_DEPTH`, is a
+  :class:`KubeApiError` with status 0 ("no usable answer"), never a ``RecursionError``
+  or an unbounded read. A watch line over ``max_line`` bytes ends the watch the same
+  way; a watch line that does not decode is None from :func:`watch_event`.
 """
 
 from __future__ import annotations
 
-import base64
-import time
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, Any, Final, Literal
-from urllib.parse import quote, urlencode
+from typing import Any, Final, Literal
+from urllib.parse import quote
 
+import aiohttp
 import anyio
-import msgspec
+from kubernetes_asyncio.client import ApiClient
+from multidict import CIMultiDict
 
-from gpulet_common.http1 import BodyTooLarge, Http1Pool, Response
-
-if TYPE_CHECKING:
-    from gpulet_common.kube import KubeConfig
+from gpulet_common.kube import KubeConfig
+from gpulet_common.untrusted import MAX_DEPTH, UntrustedDocumentError, json_document
 
 JsonObj = dict[str, Any]
 PatchType = Literal["merge", "json", "strategic", "apply"]
+Query = list[tuple[str, str]]
 
 PATCH_CONTENT_TYPES: Final[Mapping[str, str]] = {
     "merge": "application/merge-patch+json",
@@ -77,15 +73,12 @@ PATCH_CONTENT_TYPES: Final[Mapping[str, str]] = {
 MAX_BODY: Final = 32 << 20
 MAX_LINE: Final = 16 << 20
 ERROR_BODY_MAX: Final = 64 << 10
-TOKEN_REREAD_S: Final = 60.0
-
-_decoder: Final = msgspec.json.Decoder()
-_encoder: Final = msgspec.json.Encoder()
+USER_AGENT: Final = "gpulet"
 
 
 class KubeApiError(Exception):
     """The API server refused a request (``status`` its HTTP status), or gave no usable
-    answer (``status`` 0: a body too large or not JSON)."""
+    answer (``status`` 0: a body too large, not JSON, or too deep)."""
 
     def __init__(
         self,
@@ -110,30 +103,35 @@ class KubeApiError(Exception):
         return self.body[:500].decode(errors="replace")
 
 
+class KubeConnectionError(OSError):
+    """The network failed the request: refused, reset, TLS, or an answer that is not
+    HTTP (aiohttp's errors, mapped once here)."""
+
+
 def _status_object(body: bytes) -> JsonObj | None:
     if not body.lstrip().startswith(b"{"):
         return None
     try:
-        doc = _decoder.decode(body)
-    except msgspec.DecodeError:
+        doc = json_document(body, what="status")
+    except UntrustedDocumentError:
         return None
     return doc if isinstance(doc, dict) and doc.get("kind") == "Status" else None
 
 
-def decode(raw: bytes) -> Any:
+def decode(raw: bytes, *, max_depth: int = MAX_DEPTH) -> Any:
     """JSON ``raw`` as Python objects; an unusable document is a status-0 KubeApiError."""
     try:
-        return _decoder.decode(raw)
-    except msgspec.DecodeError as exc:
-        raise KubeApiError(0, f"undecodable answer: {exc}") from exc
+        return json_document(raw, max_bytes=len(raw), max_depth=max_depth, what="answer")
+    except UntrustedDocumentError as exc:
+        raise KubeApiError(0, f"undecodable answer: {exc}") from None
 
 
-def watch_event(line: bytes) -> tuple[str, JsonObj] | None:
+def watch_event(line: bytes, *, max_depth: int = MAX_DEPTH) -> tuple[str, JsonObj] | None:
     """One watch line as ``(type, object)``, or None for anything that is not an event
     with an object (the caller counts it and goes on)."""
     try:
-        event = _decoder.decode(line)
-    except msgspec.DecodeError:
+        event = json_document(line, max_bytes=len(line), max_depth=max_depth)
+    except UntrustedDocumentError:
         return None
     if not isinstance(event, dict):
         return None
@@ -165,29 +163,27 @@ def api_path(
     return "/".join(parts)
 
 
-def _query(**params: str | int | bool | None) -> dict[str, str]:
-    out: dict[str, str] = {}
+def _query(**params: str | int | bool | None) -> Query:
+    out: Query = []
     for key, value in params.items():
         if value is None or value == "":
             continue
-        out[key] = ("true" if value else "false") if isinstance(value, bool) else str(value)
+        out.append((key, ("true" if value else "false") if isinstance(value, bool) else str(value)))
     return out
 
 
 class KubeClient:
-    """One API server and its connections (opened on first use; :meth:`close` it, or
-    use ``async with``)."""
+    """One API server, through one kubernetes-asyncio ``ApiClient`` (its connection
+    pool, opened on first use: :meth:`close` it, or use ``async with``)."""
 
     def __init__(
         self, config: KubeConfig, *, max_body: int = MAX_BODY, max_line: int = MAX_LINE
     ) -> None:
         self.config = config
-        self.host = config.host.rstrip("/")
+        self.host = config.host
         self._max_body = max_body
         self._max_line = max_line
-        self._pool: Http1Pool | None = None
-        self._token = config.token or ""
-        self._token_read = -float("inf")
+        self._api: ApiClient | None = None
 
     async def __aenter__(self) -> KubeClient:
         return self
@@ -196,9 +192,10 @@ class KubeClient:
         await self.close()
 
     async def close(self) -> None:
-        pool, self._pool = self._pool, None
-        if pool is not None:
-            await pool.aclose()
+        api, self._api = self._api, None
+        if api is not None:
+            with anyio.move_on_after(1, shield=True):
+                await api.close()
 
     # -- verbs ---------------------------------------------------------------------
 
@@ -258,13 +255,12 @@ class KubeClient:
         *,
         timeout_s: float,
         body: Any = None,
-        query: Mapping[str, str] | None = None,
+        query: Query | None = None,
         content_type: str = "application/json",
     ) -> Any:
         """One request; the decoded JSON answer (raises :class:`KubeApiError`)."""
-        data = None if body is None else _encoder.encode(body)
         with anyio.fail_after(timeout_s):
-            async with self._open(method, path, query, data, content_type) as response:
+            async with self._open(method, path, query, body, content_type) as response:
                 if response.status >= 300:
                     raise await self._error(response)
                 raw = await self._read(response, self._max_body)
@@ -295,75 +291,74 @@ class KubeClient:
             labelSelector=label_selector,
         )
         with anyio.fail_after(timeout_s):
-            async with self._open("GET", path, query, None, "") as response:
+            async with self._open("GET", path, query, None, "application/json") as response:
                 if response.status >= 300:
                     raise await self._error(response)
                 yield self._lines(response)
 
     # -- plumbing ------------------------------------------------------------------
 
+    def _client(self) -> ApiClient:
+        if self._api is None:
+            self._api = ApiClient(self.config.configuration)
+            self._api.user_agent = USER_AGENT
+        return self._api
+
     @asynccontextmanager
     async def _open(
         self,
         method: str,
         path: str,
-        query: Mapping[str, str] | None,
-        data: bytes | None,
+        query: Query | None,
+        body: Any,
         content_type: str,
-    ) -> AsyncIterator[Response]:
-        headers = {"Accept": "application/json", "User-Agent": "gpulet", **self._auth()}
-        if data is not None:
-            headers["Content-Type"] = content_type
-        target = path + ("?" + urlencode(query) if query else "")
-        async with self._pool_now().request(method, target, headers, data) as response:
-            yield response
-
-    def _pool_now(self) -> Http1Pool:
-        if self._pool is None:
-            tls = self.host.startswith("https:")
-            self._pool = Http1Pool(
-                self.host,
-                ssl_context=self.config.ssl_context() if tls else None,
-                server_hostname=self.config.tls_server_name,
+    ) -> AsyncIterator[aiohttp.ClientResponse]:
+        headers = {"Accept": "application/json", "Content-Type": content_type}
+        try:
+            response: aiohttp.ClientResponse = await self._client().call_api(
+                path,
+                method,
+                query_params=query or [],
+                header_params=headers,
+                body=body,
+                auth_settings=["BearerToken"],
+                _preload_content=False,
             )
-        return self._pool
-
-    def _auth(self) -> dict[str, str]:
-        config = self.config
-        if config.token_file and time.monotonic() - self._token_read >= TOKEN_REREAD_S:
-            try:
-                with open(config.token_file, encoding="utf-8", errors="replace") as token:
-                    fresh = token.read(1 << 16).strip()
-            except OSError:
-                fresh = ""
-            if fresh:  # else the token read last keeps working until it expires
-                self._token = fresh
-                self._token_read = time.monotonic()
-        if self._token:
-            return {"Authorization": f"Bearer {self._token}"}
-        if config.username:
-            pair = f"{config.username}:{config.password}".encode()
-            return {"Authorization": "Basic " + base64.b64encode(pair).decode()}
-        return {}
+        except aiohttp.ClientError as exc:
+            raise KubeConnectionError(f"{method} {path}: {type(exc).__name__}: {exc}") from exc
+        try:
+            yield response
+        except aiohttp.ClientError as exc:
+            raise KubeConnectionError(f"{method} {path}: {type(exc).__name__}: {exc}") from exc
+        finally:
+            response.close()
 
     @staticmethod
-    async def _read(response: Response, limit: int) -> bytes:
-        try:
-            return await response.read(limit)
-        except BodyTooLarge as exc:
-            raise KubeApiError(0, str(exc)) from exc
+    async def _read(response: aiohttp.ClientResponse, limit: int) -> bytes:
+        parts: list[bytes] = []
+        size = 0
+        while True:
+            chunk = await response.content.read(1 << 16)
+            if not chunk:
+                return b"".join(parts)
+            size += len(chunk)
+            if size > limit:
+                raise KubeApiError(0, f"answer over {limit} bytes")
+            parts.append(chunk)
 
-    async def _error(self, response: Response) -> KubeApiError:
+    async def _error(self, response: aiohttp.ClientResponse) -> KubeApiError:
         try:
-            body = await response.read(ERROR_BODY_MAX)
-        except BodyTooLarge:
+            body = await self._read(response, ERROR_BODY_MAX)
+        except KubeApiError:
             body = b""  # too long to keep: the status says enough
-        return KubeApiError(response.status, response.reason, body=body, headers=response.headers)
+        # A case-insensitive copy: Retry-After and retry-after are one header.
+        headers = CIMultiDict(response.headers)
+        return KubeApiError(response.status, response.reason or "", body=body, headers=headers)
 
-    async def _lines(self, response: Response) -> AsyncIterator[bytes]:
+    async def _lines(self, response: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
         parts: list[bytes] = []  # the line being read, in pieces (no quadratic joins)
         size = 0
-        async for chunk in response.chunks():
+        async for chunk in response.content.iter_any():
             start = 0
             while True:
                 cut = chunk.find(b"\n", start)
