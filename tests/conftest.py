@@ -23,9 +23,10 @@ from opentelemetry.sdk.trace import TracerProvider
 from gpulet_common.embedded_nats import EmbeddedNats
 
 # The real control plane's fixtures (kube_api, kube_cluster, kube_namespace): started
-# only by the tests that ask for them; and a hang's stacks and asyncio tasks written to a
-# file before pytest-timeout ends the worker (xdist swallows its own dump).
-pytest_plugins = ["support.control_plane_fixtures", "support.hang_dump"]
+# only by the tests that ask for them; a hang's stacks and asyncio tasks written to a
+# file before pytest-timeout ends the worker (xdist swallows its own dump); and the
+# test files in a shuffled order (support.file_order).
+pytest_plugins = ["support.control_plane_fixtures", "support.hang_dump", "support.file_order"]
 
 # A recording tracer provider, so that trace context really travels in NATS headers.
 trace.set_tracer_provider(TracerProvider())
