@@ -104,7 +104,9 @@ def test_production_with_components_is_accepted(
     gpulet_access: ControlPlane, components: list[str], tmp_path: Path
 ) -> None:
     docs = _with_components(tmp_path, components)
-    results = apply_manifests(gpulet_access, docs, manager="with-" + "-".join(components))
+    results = apply_manifests(
+        gpulet_access, docs, manager="with-" + "-".join(components), dry_run=True
+    )
     refused = {
         f"{obj['kind']}/{obj['metadata']['name']}": resp.raw[:500]
         for obj, resp in results
@@ -115,7 +117,7 @@ def test_production_with_components_is_accepted(
 
 def test_fleet_hub_is_accepted(gpulet_access: ControlPlane) -> None:
     docs = kustomize(DEPLOY / "fleet")
-    results = apply_manifests(gpulet_access, docs, manager="fleet")
+    results = apply_manifests(gpulet_access, docs, manager="fleet", dry_run=True)
     refused = {
         f"{obj['kind']}/{obj['metadata']['name']}": resp.raw[:500]
         for obj, resp in results

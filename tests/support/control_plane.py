@@ -564,16 +564,25 @@ class ControlPlane:
         return resp.body
 
     def apply(
-        self, obj: Mapping[str, Any], *, manager: str = "gpulet-tests", token: str | None = None
+        self,
+        obj: Mapping[str, Any],
+        *,
+        manager: str = "gpulet-tests",
+        token: str | None = None,
+        dry_run: bool = False,
     ) -> Response:
-        """Server-side apply of one object (force: tests own what they apply)."""
+        """Server-side apply of one object (force: tests own what they apply); with
+        ``dry_run`` the server validates and admits it but stores nothing."""
+        query = {"fieldManager": manager, "force": "true"}
+        if dry_run:
+            query["dryRun"] = "All"
         return self.request(
             "PATCH",
             object_path(obj),
             obj,
             token=token,
             content_type="application/apply-patch+yaml",
-            query={"fieldManager": manager, "force": "true"},
+            query=query,
         )
 
     def token_for(

@@ -66,8 +66,14 @@ def apply_manifests(
     *,
     manager: str = "gpulet-tests",
     token: str | None = None,
+    dry_run: bool = False,
 ) -> list[tuple[Mapping[str, Any], Response]]:
-    """Server-side apply of every object, Namespaces and CRDs first."""
+    """Server-side apply of every object, Namespaces and CRDs first.
+
+    ``dry_run``: the server validates and admits every object but stores only the
+    Namespaces and CRDs (the others' home and schema). A test that only asks "does the
+    server accept this?" uses it, so that what it applies -- RBAC above all -- never
+    reaches the tests after it on the shared control plane."""
     ordered = sorted(docs, key=_order)
     results = []
     established = False
@@ -77,7 +83,8 @@ def apply_manifests(
                 if crd["kind"] == "CustomResourceDefinition":
                     wait_established(plane, crd["metadata"]["name"])
             established = True
-        results.append((obj, plane.apply(obj, manager=manager, token=token)))
+        dry = dry_run and obj.get("kind") not in _FIRST
+        results.append((obj, plane.apply(obj, manager=manager, token=token, dry_run=dry)))
     return results
 
 
