@@ -41,6 +41,9 @@ KUBERNETES = {
     "aiohttp",
     "yaml",
 }
+# kubernetes-asyncio's generated models and API classes (~36 MB), which gpulet never
+# uses: kept out of the processes that do import the client (gpulet_common.kube_lazy).
+K8S_MODELS = {"kubernetes_asyncio.client.models.v1_pod", "kubernetes_asyncio.client.api"}
 GRPC = {"grpc", "google.protobuf"}
 NVML = {"pynvml", "gpulet_common.nvml.adapter", "gpulet_common.mock_nvml"}
 SERVICES = {"gpulet_collector", "gpulet_health", "gpulet_reporter", "gpulet_allocator"}
@@ -50,8 +53,8 @@ FORBIDDEN: dict[str, set[str]] = {
     # The collector's pod labels come from the allocator's `pods` endpoint: no gRPC.
     "collector": EVERY | KUBERNETES | GRPC | (SERVICES - {"gpulet_collector"}),
     "health": EVERY | KUBERNETES | GRPC | (SERVICES - {"gpulet_health"}),
-    "reporter": EVERY | GRPC | NVML | (SERVICES - {"gpulet_reporter"}),
-    "allocator": EVERY | NVML | (SERVICES - {"gpulet_allocator"}),
+    "reporter": EVERY | GRPC | NVML | K8S_MODELS | (SERVICES - {"gpulet_reporter"}),
+    "allocator": EVERY | NVML | K8S_MODELS | (SERVICES - {"gpulet_allocator"}),
     "device-plugin": EVERY | KUBERNETES | NVML | (SERVICES - {"gpulet_allocator"}),
 }
 # What must be there (the probe sees imports, and the service really uses these).

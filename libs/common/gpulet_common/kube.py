@@ -29,7 +29,8 @@ Either way the result is a :class:`KubeConfig`, which
 :class:`~gpulet_common.kubeapi.KubeClient` connects with. Every failure, whatever the
 reading raised, is a :class:`KubeConfigError` whose text is the reason an operator
 reads. Only the processes that talk to the API server (reporter, allocator, CLI) import
-this module, and with it kubernetes-asyncio.
+this module, and with it kubernetes-asyncio -- without the library's generated models,
+which gpulet never uses (:mod:`gpulet_common.kube_lazy`).
 """
 
 from __future__ import annotations
@@ -42,11 +43,16 @@ from pathlib import Path
 from typing import Any, Final, cast
 
 import anyio
-from kubernetes_asyncio.client import Configuration
-from kubernetes_asyncio.config import kube_config
-from kubernetes_asyncio.config.incluster_config import InClusterConfigLoader
 
+from gpulet_common import kube_lazy
 from gpulet_common.untrusted import UntrustedDocumentError, yaml_document
+
+kube_lazy.prepare()  # before the library's first import: no generated models (~36 MB)
+
+from kubernetes_asyncio.client.api_client import ApiClient as ApiClient  # noqa: E402
+from kubernetes_asyncio.client.configuration import Configuration  # noqa: E402
+from kubernetes_asyncio.config import kube_config  # noqa: E402
+from kubernetes_asyncio.config.incluster_config import InClusterConfigLoader  # noqa: E402
 
 SERVICE_ACCOUNT_DIR: Final = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 MAX_KUBECONFIG: Final = 4 << 20

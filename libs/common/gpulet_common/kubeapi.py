@@ -54,10 +54,10 @@ from urllib.parse import quote
 
 import aiohttp
 import anyio
-from kubernetes_asyncio.client import ApiClient
 from multidict import CIMultiDict
 
-from gpulet_common.kube import KubeConfig
+# ApiClient through kube.py, which prepares kubernetes-asyncio's import (kube_lazy).
+from gpulet_common.kube import ApiClient, KubeConfig
 from gpulet_common.untrusted import MAX_DEPTH, UntrustedDocumentError, json_document
 
 JsonObj = dict[str, Any]
