@@ -196,8 +196,12 @@ def test_dockerfile_is_multi_stage_non_root_with_gpulet_entrypoint() -> None:
     assert "USER 65532:65532" in final
     assert 'ENTRYPOINT ["gpulet"]' in final
     assert any(ln.startswith("COPY --from=builder /opt/gpulet") for ln in final)
-    install = next(ln for ln in lines if "pip install" in ln and "[all]" in ln)
-    assert "gpulet-*.whl" in install
+    # What gpulet runs with comes from the lock's export, every file's hash checked;
+    # then gpulet's own wheel, without dependencies.
+    locked = next(ln for ln in lines if "pip install" in ln and "requirements/all.txt" in ln)
+    assert "--require-hashes" in locked
+    install = next(ln for ln in lines if "pip install" in ln and "gpulet-*.whl" in ln)
+    assert "--no-deps" in install
 
 
 def _build_context(tmp_path: Path) -> Path:
