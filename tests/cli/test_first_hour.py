@@ -20,7 +20,7 @@ from gpulet import services
 from gpulet.agent import SIDECAR_NATS_HINT
 from gpulet_common.cli_support import NOT_RUNNING_HINT, is_local
 from gpulet_common.embedded_nats import free_port
-from support.agent_process import GPULET
+from support.agent_process import GPULET, Agent
 from support.waiting import wait_until
 
 
@@ -138,3 +138,42 @@ def test_serve_help_lists_every_service_with_what_it_does() -> None:
     for name in services.REGISTRY:
         assert f"  {name} " in result.stdout, name
         assert services.SUMMARIES[name] in " ".join(result.stdout.split()), name
+
+
+def test_a_first_run_is_quiet(tmp_path: Path) -> None:
+    """``gpulet run`` on the mock: the reporter's Device as one line, not 240, and the
+    allocator's inventory line once, not at every republish (every 30 s; here 0.1 s)."""
+    agent = Agent(
+        tmp_path,
+        "--set",
+        "collector.inventory_republish_s=0.1",
+        # Not this host's kubelet directory, whatever happens to be there.
+        "--set",
+        f"allocator.plugin.plugin_dir={tmp_path / 'no-kubelet'}/",
+    )
+    try:
+        agent.wait_ready()
+        seen = _gpulet(
+            "watch",
+            f"gpu.inventory.{agent.node.replace('.', '_')}",
+            "--count",
+            "8",
+            "--timeout",
+            "20",
+            "--nats",
+            agent.nats_url,
+        )
+        assert len(seen.stdout.splitlines()) == 8, seen
+        # Eight inventories went by: the allocator heard the same ones.
+        done = agent.wait_readyz(
+            lambda _, body: "8 GPUs" in str(body.get("components", {}).get("allocator")),
+            what="the allocator to hold the inventory",
+        )
+        assert done
+        log = agent.output()
+    finally:
+        agent.stop()
+    assert log.count("gpulet.allocator: inventory generation 1: 8 GPUs") == 1, log
+    assert log.count("the Device this node would apply (8 GPUs, 0 unhealthy)") == 1, log
+    assert '"kind": "Device"' not in log
+    assert len(log.splitlines()) < 60, log
