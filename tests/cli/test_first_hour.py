@@ -177,3 +177,63 @@ def test_a_first_run_is_quiet(tmp_path: Path) -> None:
     assert log.count("the Device this node would apply (8 GPUs, 0 unhealthy)") == 1, log
     assert '"kind": "Device"' not in log
     assert len(log.splitlines()) < 60, log
+
+
+def test_another_mock_scenario_on_the_same_state_dir_starts_clean(tmp_path: Path) -> None:
+    """The README's MIG example, then ``make run``: no phantom A100s in the H100 node."""
+    no_kubelet = f"allocator.plugin.plugin_dir={tmp_path / 'no-kubelet'}/"
+    first = Agent(tmp_path, "--nvml", "mock:a100-mig-mixed", "--set", no_kubelet)
+    try:
+        first.wait_readyz(
+            lambda _, body: "4 GPUs watched" in str(body.get("components", {}).get("health")),
+            what="the health service to watch the 4 A100s",
+        )
+        expected = first.state_dir / "health" / "gpus.json"
+        first.wait_readyz(lambda *_: expected.exists(), what="the expected GPUs on disk")
+    finally:
+        first.stop()
+
+    second = Agent(tmp_path, "--set", no_kubelet)  # the default: dgx-h100
+    try:
+        _, _, body = second.wait_readyz(
+            lambda _, body: "watched" in str(body.get("components", {}).get("health")),
+            what="the health service to start",
+        )
+        health = _gpulet("health", "--nats", second.nats_url, "--node", second.node)
+        log = second.output()
+    finally:
+        second.stop()
+    assert "8 GPUs watched, 0 unhealthy" in str(body["components"]["health"]), body
+    assert health.returncode == 0, health
+    assert "not present" not in health.stdout
+    assert health.stdout.count(": healthy") == 8, health.stdout
+    aside = second.state_dir / "previous-mock-a100-mig-mixed"
+    assert (
+        f"held the GPUs of mock scenario 'a100-mig-mixed', this run is mock scenario "
+        f"'dgx-h100': forgetting those GPUs (their health, NATS store and allocations are "
+        f"kept in {aside}); starting clean"
+    ) in log
+    assert (aside / "health" / "gpus.json").exists()
+    assert (second.state_dir / "nvml-source").read_text() == "mock:dgx-h100\n"
+
+
+def test_the_same_scenario_keeps_its_state(tmp_path: Path) -> None:
+    from gpulet.gpu_source import switch_source
+    from gpulet_common.config import load
+
+    state = tmp_path / "state"
+    (state / "health").mkdir(parents=True)
+    (state / "health" / "gpus.json").write_text("{}")
+
+    def run(nvml: dict[str, str]) -> str | None:
+        return switch_source(load(None, overrides={"state_dir": str(state), "nvml": nvml}))
+
+    assert run({"backend": "mock"}) is None  # first run: recorded, nothing moved
+    assert run({"backend": "mock", "scenario": "dgx-h100"}) is None
+    assert (state / "health" / "gpus.json").exists()
+    assert run({"backend": "auto"}) is None  # decided at run time: not checked
+    said = run({"backend": "nvml"})
+    assert said is not None
+    assert "the real NVML" in said
+    assert not (state / "health").exists()
+    assert (state / "previous-mock-dgx-h100" / "health" / "gpus.json").exists()

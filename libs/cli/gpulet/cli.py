@@ -52,6 +52,7 @@ from typing import Any, NoReturn
 import anyio
 
 from gpulet import services
+from gpulet.gpu_source import switch_source
 from gpulet.version import VersionAction
 from gpulet_common import config
 from gpulet_common.cli_support import LOCAL_NATS_URL
@@ -249,12 +250,17 @@ def _run_services(args: argparse.Namespace, names: list[str], *, sidecar: bool) 
     for name in names:  # now, so that a missing extra (grpcio...) stops it at once
         services.factory(name)
     created = preflight(settings, embedded_nats=embedded, names=names)
+    # `gpulet run` with its own server: the state dir is this run's alone.
+    switched = switch_source(settings) if embedded else None
     setup_logging(settings.telemetry.log_level, settings.telemetry.log_format)
+    log = logging.getLogger("gpulet")
     if created:
-        logging.getLogger("gpulet").warning(
+        log.warning(
             "created the state directory %s (it did not exist; --state-dir chooses another)",
             settings.state_dir,
         )
+    if switched:
+        log.warning("%s", switched)
     telemetry = Telemetry.install(settings.telemetry, "gpulet-" + "-".join(names))
     try:
         anyio.run(lambda: run_agent(settings, names, embedded_nats=embedded))
