@@ -34,6 +34,7 @@ from gpulet_common import config
 from support.deploy import (
     DEPLOY,
     KUSTOMIZE,
+    MIN_KUBERNETES,
     NATS_DIR,
     NATS_USERS,
     PROMETHEUS_DIR,
@@ -42,9 +43,8 @@ from support.deploy import (
     password_variable,
 )
 
-# The oldest Kubernetes we support (ValidatingAdmissionPolicy GA, sidecar-era kubelet)
-# and the newest kubernetes-validate knows.
-K8S_VERSIONS = ("1.30.0", kubernetes_validate.latest_version())
+# The oldest Kubernetes gpulet supports and the newest kubernetes-validate knows.
+K8S_VERSIONS = (MIN_KUBERNETES, kubernetes_validate.latest_version())
 NO_SCHEMA_KINDS = {"PodMonitor", "PrometheusRule"}
 GPULET_CONTAINERS = ("collector", "health", "reporter", "allocator", "device-plugin")
 ROOT_CONTAINERS = {"allocator", "device-plugin"}
