@@ -255,7 +255,7 @@ def _run_services(args: argparse.Namespace, names: list[str], *, sidecar: bool) 
     setup_logging(settings.telemetry.log_level, settings.telemetry.log_format)
     log = logging.getLogger("gpulet")
     if created:
-        log.warning(
+        log.info(
             "created the state directory %s (it did not exist; --state-dir chooses another)",
             settings.state_dir,
         )
