@@ -87,8 +87,12 @@ def test_run_watch_inject_and_metrics(agent: Agent) -> None:
         "--node",
         "test.node",
     )
+    # A GPU the mock does not have: one line on stderr, as for a UUID it does not know.
     assert bad.returncode == 1
-    assert "42" in bad.stdout + bad.stderr
+    assert bad.stdout == ""
+    assert bad.stderr.splitlines() == [
+        "gpulet mock inject: not applied: GPU 42 does not exist (GPUs: 0-7)"
+    ], bad.stderr
 
     status, body = _get(f"http://127.0.0.1:{agent.http_port}/metrics")
     assert status == 200

@@ -67,6 +67,9 @@ def test_busy_embedded_nats_port(tmp_path: Path, busy_port: int) -> None:
     line = _fails_in_one_line(_run(tmp_path, "--set", f"nats.embedded_port={busy_port}"))
     assert "nats.embedded_port" in line
     assert f"127.0.0.1:{busy_port} is already in use" in line
+    # The likely cause (a second `make run`) and the way round it.
+    assert "another `gpulet run` or `make run`, still running?" in line
+    assert "--set nats.embedded_port=PORT" in line
 
 
 def test_busy_metrics_port(tmp_path: Path, busy_port: int) -> None:
@@ -75,6 +78,7 @@ def test_busy_metrics_port(tmp_path: Path, busy_port: int) -> None:
     )
     assert "telemetry.http_port" in line
     assert "already in use" in line
+    assert "--metrics-port PORT" in line
 
 
 def test_metrics_port_is_the_nats_port(tmp_path: Path) -> None:

@@ -20,9 +20,16 @@ import yaml
 
 from gpulet_common.embedded_nats import nats_server_binary
 from gpulet_common.fleet.identity import IdentityStore
-from support.deploy import DEPLOY, KUSTOMIZE, NATS_DIR, kustomize, set_passwords
+from support.deploy import (
+    DEPLOY,
+    KUSTOMIZE,
+    MIN_KUBERNETES,
+    NATS_DIR,
+    kustomize,
+    set_passwords,
+)
 
-K8S_VERSIONS = ("1.30.0", kubernetes_validate.latest_version())
+K8S_VERSIONS = (MIN_KUBERNETES, kubernetes_validate.latest_version())
 FLEET_DIR = DEPLOY / "fleet"
 
 

@@ -34,6 +34,7 @@ from gpulet_common import config
 from support.deploy import (
     DEPLOY,
     KUSTOMIZE,
+    MIN_KUBERNETES,
     NATS_DIR,
     NATS_USERS,
     PROMETHEUS_DIR,
@@ -42,9 +43,8 @@ from support.deploy import (
     password_variable,
 )
 
-# The oldest Kubernetes we support (ValidatingAdmissionPolicy GA, sidecar-era kubelet)
-# and the newest kubernetes-validate knows.
-K8S_VERSIONS = ("1.30.0", kubernetes_validate.latest_version())
+# The oldest Kubernetes gpulet supports and the newest kubernetes-validate knows.
+K8S_VERSIONS = (MIN_KUBERNETES, kubernetes_validate.latest_version())
 NO_SCHEMA_KINDS = {"PodMonitor", "PrometheusRule"}
 GPULET_CONTAINERS = ("collector", "health", "reporter", "allocator", "device-plugin")
 ROOT_CONTAINERS = {"allocator", "device-plugin"}
@@ -532,3 +532,16 @@ def test_scrape_job_keeps_every_metrics_port() -> None:
     ]
     assert len(names) == 5
     assert all(re.fullmatch(keep["regex"], n) for n in names)
+
+
+def test_the_overlay_names_the_image_of_every_gpulet_container(
+    build: tuple[str, list[dict[str, Any]]],
+) -> None:
+    """No public image exists: the mock overlay names what `make image` builds, the
+    production overlay a placeholder that fails plainly (InvalidImageName) until set;
+    either way one name reaches every gpulet container, the components' too."""
+    name, docs = build
+    pod = _one(docs, "DaemonSet", "gpulet")["spec"]["template"]["spec"]
+    containers = [*pod.get("initContainers", []), *pod["containers"]]
+    images = {c["image"] for c in containers if c["name"] != "nats"}
+    assert images == {"localhost/gpulet:dev" if name == "mock" else "REGISTRY/gpulet:0.1.0"}

@@ -42,7 +42,7 @@ from gpulet_common.mock_nvml import SCENARIO_DIR, MockNvml
 from gpulet_common.settings.health import HealthSettings
 from gpulet_common.settings.reporter import ReporterSettings
 from gpulet_health.known import KnownGpus
-from gpulet_health.rules import RuleEngine
+from gpulet_health.rules import NotPresent, RuleEngine
 from gpulet_reporter.core import ReporterCore
 from support.agent import agent_settings, mock_adapter, runtime_for
 from support.faults import DEVICES, GpuOnDevice, device_view
@@ -404,3 +404,19 @@ def test_clearing_a_gpu_that_is_not_present_forgets_it() -> None:
     _, events = engine.clear("GPU-0", "xid:79", T0 + 3)
     assert [(e.kind, e.condition) for e in events] == [("cleared", "xid:79")]
     assert "GPU-0" in engine.gpus
+
+
+def test_clearing_the_sticky_conditions_of_a_gpu_that_is_not_present_is_refused() -> None:
+    """``gpulet health clear --gpu X`` on a missing GPU would change nothing: refused,
+    naming the condition whose clearing forgets it."""
+    engine = RuleEngine("n1", HealthSettings())
+    engine.expect([info(0), info(1)])
+    engine.observe_inventory([info(0)], T0)
+    with pytest.raises(NotPresent) as refused:
+        engine.clear("GPU-1", None, T0 + 1)
+    assert refused.value.args == ("missing",)
+    assert "GPU-1" in engine.gpus  # nothing changed
+    # A present GPU's sticky conditions are cleared as before.
+    engine.observe_xid("GPU-0", 79, T0 + 2)
+    _, events = engine.clear("GPU-0", None, T0 + 3)
+    assert [(e.kind, e.condition) for e in events] == [("cleared", "xid:79")]

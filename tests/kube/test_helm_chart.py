@@ -50,11 +50,16 @@ def helm(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+# The image the kustomize base names (`gpulet`, which the overlays rewrite): the chart
+# has no default, since no public image is published.
+BASE_IMAGE = ("image.repository=gpulet", "image.tag=")
+
+
 def render(*values: str, include_crds: bool = True) -> list[dict[str, Any]]:
     args = ["template", "gpulet", str(CHART), "--namespace", NAMESPACE]
     if include_crds:
         args.append("--include-crds")
-    for value in values:
+    for value in (*BASE_IMAGE, *values):
         args += ["--set", value]
     result = helm(*args)
     assert result.returncode == 0, result.stderr
@@ -128,8 +133,8 @@ def base_with(
         "kind": "Kustomization",
         "resources": [os.path.relpath(KUSTOMIZE / "base", tmp_path)],
         "components": [os.path.relpath(KUSTOMIZE / "components" / c, tmp_path) for c in components],
-        # A component's containers get the image names an overlay sets, as
-        # the overlays do (the base's own rewrite ran before the component).
+        # A component's containers get the image names the base sets (nats), as the
+        # overlays do (the base's own rewrite ran before the component).
         "images": yaml.safe_load((KUSTOMIZE / "base" / "kustomization.yaml").read_text())["images"],
     }
     if patches:
@@ -188,9 +193,17 @@ def assert_same(chart: list[dict[str, Any]], base: list[dict[str, Any]]) -> None
 
 
 def test_helm_lint_is_clean() -> None:
-    result = helm("lint", "--strict", str(CHART), "--namespace", NAMESPACE)
+    result = helm("lint", "--strict", str(CHART), "--namespace", NAMESPACE, "--set", BASE_IMAGE[0])
     assert result.returncode == 0, result.stdout + result.stderr
     assert "1 chart(s) linted, 0 chart(s) failed" in result.stdout
+
+
+def test_without_an_image_the_render_fails_saying_how_to_get_one() -> None:
+    """No public image exists: the chart names none, and says what to do."""
+    result = helm("template", "gpulet", str(CHART), "--namespace", NAMESPACE)
+    assert result.returncode != 0
+    assert "image.repository is not set: no public gpulet image is published" in result.stderr
+    assert "make image IMAGE=" in result.stderr
 
 
 def test_the_default_render_is_the_kustomize_base(tmp_path: Path) -> None:
@@ -359,7 +372,7 @@ def test_placement_and_image_values() -> None:
     ],
 )
 def test_values_this_version_cannot_serve_fail_the_render(value: str, says: str) -> None:
-    result = helm("template", "gpulet", str(CHART), "--set", value)
+    result = helm("template", "gpulet", str(CHART), "--set", BASE_IMAGE[0], "--set", value)
     assert result.returncode != 0
     assert says in result.stderr
 
@@ -367,7 +380,9 @@ def test_values_this_version_cannot_serve_fail_the_render(value: str, says: str)
 def test_a_renamed_release_namespace_keeps_the_node_restriction_on_its_agent() -> None:
     """The policy's match condition names the release's ServiceAccount (the kustomize
     base has to be patched by hand for that)."""
-    result = helm("template", "gpulet", str(CHART), "--namespace", "gpu-agents")
+    result = helm(
+        "template", "gpulet", str(CHART), "--namespace", "gpu-agents", "--set", BASE_IMAGE[0]
+    )
     assert result.returncode == 0, result.stderr
     policy = next(
         d

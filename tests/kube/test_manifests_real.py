@@ -140,3 +140,50 @@ def test_a_broken_manifest_is_refused(gpulet_access: ControlPlane) -> None:
     resp = gpulet_access.apply(daemonset, manager="broken")
     assert resp.status == 422
     assert "image" in resp.body["message"]
+
+
+def test_the_documented_image_steps_give_a_daemonset_of_that_image(
+    gpulet_access: ControlPlane, tmp_path: Path
+) -> None:
+    """README and docs/deploy.md: no public image, so the reader names the one they
+    pushed in the production overlay (newName/newTag), then `kubectl apply -k`. The
+    server takes it (a dry run), and every gpulet container runs that image."""
+    shutil.copytree(DEPLOY, tmp_path / "deploy")
+    production = tmp_path / "deploy" / "kustomize" / "overlays" / "production"
+    text = (production / "kustomization.yaml").read_text()
+    assert "newName: REGISTRY/gpulet" in text  # the placeholder the docs tell to replace
+    text = text.replace("newName: REGISTRY/gpulet", "newName: registry.example.com/gpulet")
+    (production / "kustomization.yaml").write_text(text)
+    kubeconfig = gpulet_access.write_kubeconfig(tmp_path / "admin.kubeconfig")
+    result = subprocess.run(
+        [
+            kubectl(),
+            f"--kubeconfig={kubeconfig}",
+            "apply",
+            "--dry-run=server",
+            "--server-side",
+            "--force-conflicts",
+            "--field-manager=documented-image",
+            "-o",
+            "yaml",
+            "-k",
+            str(production),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    items = yaml.safe_load(result.stdout)["items"]
+    ds = next(i for i in items if i["kind"] == "DaemonSet")["spec"]["template"]["spec"]
+    images = {c["name"]: c["image"] for c in [*ds.get("initContainers", []), *ds["containers"]]}
+    # The overlay's containers: under server-side apply, a container another test
+    # applied to the same DaemonSet (a component's) stays, owned by its manager.
+    rendered = next(d for d in kustomize(production) if d["kind"] == "DaemonSet")
+    pod = rendered["spec"]["template"]["spec"]
+    names = {c["name"] for c in [*pod.get("initContainers", []), *pod["containers"]]}
+    assert names <= set(images), (names, images)
+    assert images["nats"].startswith("nats:")
+    ours = {images[n] for n in names - {"nats"}}
+    assert ours == {"registry.example.com/gpulet:0.1.0"}, images

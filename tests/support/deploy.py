@@ -16,6 +16,10 @@ NATS_DIR = DEPLOY / "nats"
 KUSTOMIZE = DEPLOY / "kustomize"
 PROMETHEUS_DIR = DEPLOY / "prometheus"
 COMPOSE_FILE = ROOT / "docker-compose.yml"
+# The oldest Kubernetes gpulet supports (docs/deploy.md, "Prerequisites": a pod's
+# ServiceAccount token carries its node's name, which the node restriction policy
+# checks); the manifests are validated against its schemas and the newest known.
+MIN_KUBERNETES = "1.32.0"
 
 # Every user of deploy/nats/auth.conf, with the service it belongs to.
 NATS_USERS = ("collector", "health", "reporter", "allocator", "device-plugin", "alerts", "operator")

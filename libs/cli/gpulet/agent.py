@@ -37,6 +37,13 @@ log = logging.getLogger("gpulet")
 NVML_CLOSE_S = 1.0
 
 
+# Logged with the first failed connection of a process that starts no nats-server.
+SIDECAR_NATS_HINT = (
+    "this process starts no NATS server and waits for the one it is given (in the "
+    "DaemonSet, the pod's NATS sidecar); `gpulet run` without --nats starts its own"
+)
+
+
 async def run_agent(
     settings: Settings,
     service_names: list[str],
@@ -75,6 +82,7 @@ async def run_agent(
                         settings.nats,
                         name=f"gpulet-{settings.node_name}",
                         limits=settings.limits,
+                        unreachable_hint=None if server is not None else SIDECAR_NATS_HINT,
                     )
                 )
                 await tg.start(report_connection, bus, status)

@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import errno
 import json
+import logging
 import os
 import socket
 import sys
@@ -51,6 +52,7 @@ from typing import Any, NoReturn
 import anyio
 
 from gpulet import services
+from gpulet.gpu_source import switch_source
 from gpulet.version import VersionAction
 from gpulet_common import config
 from gpulet_common.cli_support import LOCAL_NATS_URL
@@ -135,16 +137,33 @@ def load_settings(args: argparse.Namespace) -> Settings:
     return config.load(getattr(args, "config", None), overrides=_flag_overrides(args))
 
 
-def _check_state_dir(state_dir: str, *, writable: bool) -> None:
+def _check_state_dir(state_dir: str, *, writable: bool) -> bool:
+    """Raise unless ``state_dir`` is a usable directory; create it when missing (True:
+    it was created, which the caller says once logging is set up)."""
     path = Path(state_dir)
     if path.exists() and not path.is_dir():
         raise ConfigError("state_dir", f"{path} is not a directory")
+    created = not path.exists()
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise ConfigError("state_dir", f"cannot create {path}: {exc.strerror or exc}") from None
     if not os.access(path, (os.W_OK | os.X_OK) if writable else os.X_OK):
         raise ConfigError("state_dir", f"{path} is not {'writable' if writable else 'usable'}")
+    return created
+
+
+# The likely cause of a taken port, and the way round it, per setting.
+BUSY_PORT_GUESS = {
+    "nats.embedded_port": (
+        "another `gpulet run` or `make run`, still running? stop it, or give this one "
+        "another port: --set nats.embedded_port=PORT"
+    ),
+    "telemetry.http_port": (
+        "another gpulet process, still running? stop it, or give this one another "
+        "port: --metrics-port PORT"
+    ),
+}
 
 
 def _check_listen(host_setting: str, port_setting: str, host: str, port: int) -> None:
@@ -162,7 +181,9 @@ def _check_listen(host_setting: str, port_setting: str, host: str, port: int) ->
         except OSError as exc:
             if exc.errno == errno.EADDRINUSE:
                 raise ConfigError(
-                    port_setting, f"{host}:{port} is already in use by another process"
+                    port_setting,
+                    f"{host}:{port} is already in use by another process"
+                    f" ({BUSY_PORT_GUESS[port_setting]})",
                 ) from None
             raise ConfigError(
                 host_setting, f"cannot listen on {host}:{port}: {exc.strerror or exc}"
@@ -171,10 +192,11 @@ def _check_listen(host_setting: str, port_setting: str, host: str, port: int) ->
 
 def preflight(
     settings: Settings, *, embedded_nats: bool, names: Sequence[str] = services.RUN_ORDER
-) -> None:
-    """Raise a :class:`UsageError` for what would stop the services ``names`` starting."""
+) -> bool:
+    """Raise a :class:`UsageError` for what would stop the services ``names`` starting.
+    True when it created the state directory."""
     writes = embedded_nats or bool(services.WRITES_STATE_DIR.intersection(names))
-    _check_state_dir(settings.state_dir, writable=writes)
+    created = _check_state_dir(settings.state_dir, writable=writes)
     if settings.nvml.backend == "mock":
         from gpulet_common.mock_nvml.scenario import load_scenario
 
@@ -193,6 +215,7 @@ def preflight(
         _check_listen(
             "telemetry.http_host", "telemetry.http_port", telemetry.http_host, telemetry.http_port
         )
+    return created
 
 
 def skip_unused_aiohttp(settings: Settings, names: Sequence[str]) -> bool:
@@ -230,8 +253,18 @@ def _run_services(args: argparse.Namespace, names: list[str], *, sidecar: bool) 
 
     for name in names:  # now, so that a missing extra (grpcio...) stops it at once
         services.factory(name)
-    preflight(settings, embedded_nats=embedded, names=names)
+    created = preflight(settings, embedded_nats=embedded, names=names)
+    # `gpulet run` with its own server: the state dir is this run's alone.
+    switched = switch_source(settings) if embedded else None
     setup_logging(settings.telemetry.log_level, settings.telemetry.log_format)
+    log = logging.getLogger("gpulet")
+    if created:
+        log.info(
+            "created the state directory %s (it did not exist; --state-dir chooses another)",
+            settings.state_dir,
+        )
+    if switched:
+        log.warning("%s", switched)
     telemetry = Telemetry.install(settings.telemetry, "gpulet-" + "-".join(names))
     try:
         anyio.run(lambda: run_agent(settings, names, embedded_nats=embedded))
@@ -340,11 +373,19 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         "serve",
         help="run one service alone, as each sidecar container of the DaemonSet does",
         description=(
-            "Run one service in this process. It connects to the pod's NATS "
+            "Run one service in this process. It connects to the pod's NATS\n"
             f"(--nats, default {LOCAL_NATS_URL}) instead of starting a server."
         ),
+        epilog="services:\n"
+        + "\n".join(f"  {name:<14} {line}" for name, line in services.SUMMARIES.items()),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    serve.add_argument("service", choices=list(services.REGISTRY), metavar="SERVICE")
+    serve.add_argument(
+        "service",
+        choices=list(services.REGISTRY),
+        metavar="SERVICE",
+        help="one of: " + ", ".join(services.REGISTRY),
+    )
     _server_flags(serve)
     serve.set_defaults(func=_cmd_service)
 

@@ -24,6 +24,15 @@ REGISTRY: dict[str, str] = {
     "device-plugin": "gpulet_allocator.kubelet.deviceplugin.service:DevicePluginService",
 }
 
+# One line on what each does, for `gpulet serve --help`.
+SUMMARIES: dict[str, str] = {
+    "collector": "NVML inventory and samples (gpu.inventory.<node>, gpu.samples.<node>)",
+    "health": "NVML events and samples into health state (KV gpu_health, gpu.health.<node>)",
+    "reporter": "the node's Device object, labels, condition and taint (a file off-cluster)",
+    "allocator": "the allocation decisions (micro service gpulet.allocator.<node>.*)",
+    "device-plugin": "kubelet's device-plugin gRPC API, asking the allocator",
+}
+
 # The services that write into the state directory itself (the health service's buffer,
 # GPU list and kmsg cursor; the reporter's offline output). The allocator writes only
 # into its own subdirectory (a separate mount in the DaemonSet) and the collector and

@@ -137,8 +137,13 @@ async def inject(
         except Refused as exc:
             print(f"gpulet mock inject: rejected: {exc}", file=sys.stderr)
             return 1
+    if not reply.applied:
+        # What the mock refused (no GPU 9, a fault it does not know) is one line on
+        # stderr, like a GPU the inventory does not list (above).
+        print(f"gpulet mock inject: not applied: {reply.detail}", file=sys.stderr)
+        return 1
     print(json.dumps(msgspec.to_builtins(reply)))
-    return 0 if reply.applied else 1
+    return 0
 
 
 def _cmd_mock_inject(args: argparse.Namespace, load: LoadSettings) -> int:

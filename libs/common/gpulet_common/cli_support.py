@@ -16,14 +16,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable
-from contextlib import AbstractAsyncContextManager
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Protocol, TypeVar
+from urllib.parse import urlsplit
 
 import anyio
 import msgspec
 
-from gpulet_common.refusal import BusError, Refused, RequestTimeout
+from gpulet_common.refusal import BusError, NatsUnreachable, Refused, RequestTimeout
 from gpulet_common.settings import Settings
 from gpulet_common.settings.nats import NatsSettings
 
@@ -76,14 +77,44 @@ def tool_nats(settings: Settings) -> NatsSettings:
     return msgspec.structs.replace(settings.nats, url=LOCAL_NATS_URL)
 
 
-def tool_bus(settings: Settings, name: str) -> AbstractAsyncContextManager[Bus]:
-    """A tool's connection to the node's NATS (:func:`tool_nats`): three tries, then
-    :class:`BusError`. ``name`` is the client name the server lists."""
+# What a tool adds when the node-local NATS (no URL configured) does not answer.
+NOT_RUNNING_HINT = "is gpulet running? `make run` starts it"
+
+
+@asynccontextmanager
+async def tool_bus(settings: Settings, name: str) -> AsyncIterator[Bus]:
+    """A tool's connection to the node's NATS (:func:`tool_nats`): three quiet tries,
+    then one :class:`NatsUnreachable` (with :data:`NOT_RUNNING_HINT` when the server is
+    on this host). ``name`` is the client name the server lists."""
     from gpulet_common.bus import Bus  # nats-py: only once a tool talks to the agent
 
-    return Bus.connect(
-        tool_nats(settings), name=name, max_initial_attempts=3, limits=settings.limits
-    )
+    try:
+        async with Bus.connect(
+            tool_nats(settings),
+            name=name,
+            max_initial_attempts=3,
+            limits=settings.limits,
+            quiet_connect=True,
+        ) as bus:
+            yield bus
+    except NatsUnreachable as exc:
+        if not is_local(tool_nats(settings).url):
+            raise
+        raise NatsUnreachable(f"{exc.message}: {NOT_RUNNING_HINT}") from None
+
+
+LOCAL_HOSTS = frozenset({"127.0.0.1", "localhost", "::1", "[::1]"})
+
+
+def is_local(url: str) -> bool:
+    """Whether every server of the NATS ``url`` (comma-separated) is on this host: the
+    one a local agent (`gpulet run`, `make run`) would serve."""
+    hosts = [
+        urlsplit(u.strip() if "://" in u else f"nats://{u.strip()}").hostname
+        for u in url.split(",")
+        if u.strip()
+    ]
+    return bool(hosts) and all(h in LOCAL_HOSTS for h in hosts)
 
 
 def ask_agent(

@@ -49,6 +49,10 @@ class BusError(Exception):
         self.message = message
 
 
+class NatsUnreachable(BusError):
+    """No NATS server answered the first connection within its attempts."""
+
+
 class Refused(BusError):
     """The responder refused the request: ``code`` for programs, ``message`` for people."""
 

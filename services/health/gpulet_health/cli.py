@@ -139,7 +139,10 @@ def add_commands(sub: Any, add_flags: AddFlags, load: LoadSettings) -> None:
     clear.add_argument(
         "--condition",
         default=None,
-        help="clear only this condition (e.g. xid:79, ecc_uncorrectable, thermal)",
+        help=(
+            "clear only this condition (e.g. xid:79, ecc_uncorrectable, thermal); on a GPU "
+            "that is not present, missing/removed/lost forgets the GPU"
+        ),
     )
     clear.add_argument("--by", default="operator", help="who clears it (recorded in the event)")
     clear.add_argument(

@@ -22,7 +22,7 @@ import anyio.abc
 from gpulet_common import codec, subjects
 from gpulet_common.bus import Delivery, Refused
 from gpulet_common.messages import HealthClearRequest, HealthState, HealthStateRequest
-from gpulet_health.rules import UnknownCondition, UnknownGpu
+from gpulet_health.rules import NotPresent, UnknownCondition, UnknownGpu
 from gpulet_health.stages import HealthStages
 
 log = logging.getLogger("gpulet.health")
@@ -72,6 +72,13 @@ class HealthEndpoints:
             gpu, events = self._s.engine.clear(value.gpu, value.condition, now, value.requested_by)
         except UnknownGpu:
             raise Refused("unknown_gpu", self._unknown_gpu(value.gpu)) from None
+        except NotPresent as gone:
+            raise Refused(
+                "not_present",
+                f"GPU {value.gpu} is not present ({gone.args[0]}); clearing its sticky "
+                f"conditions would leave it expected here. To forget it: gpulet health clear "
+                f"--gpu {value.gpu} --condition {gone.args[0]}",
+            ) from None
         except UnknownCondition:
             gpu = self._s.engine.find(value.gpu)
             active = ", ".join(sorted(gpu.conditions)) or "none"

@@ -6,7 +6,8 @@ result where a person can see it:
 
 * ``<dir>/device-<node>.json``: the Device object, ready for ``kubectl apply -f``;
 * ``<dir>/node-labels-<node>.json``: the node labels it would set;
-* the log, at INFO, once per change.
+* the log: one line at INFO per change (how many GPUs, how many unhealthy, where the
+  files are), the whole Device and labels at debug level.
 
 ``<dir>`` is ``reporter.offline_output_dir``, by default ``<state_dir>/reporter``.
 Files are replaced atomically (write to a temporary file, then rename), so a reader
@@ -104,12 +105,21 @@ class OfflineSink:
             raise WriteError("file", f"cannot write {self.device_path}: {exc}") from exc
         self.device = rendered
         self.labels = labels
+        # One line; the whole Device (~240 lines for 8 GPUs) only at debug level.
+        devices = rendered.get("spec", {}).get("devices", [])
+        unhealthy = sum(1 for d in devices if isinstance(d, dict) and d.get("health") is False)
         log.info(
-            "no cluster: the Device this node would apply (also in %s):\n%s"
-            "node labels it would set (also in %s):\n%s",
+            "no cluster: the Device this node would apply (%d GPUs, %d unhealthy) is in %s, "
+            "its %d node labels in %s (--log-level debug logs both)",
+            len(devices),
+            unhealthy,
             self.device_path,
-            device_text,
+            len(labels),
             self.labels_path,
+        )
+        log.debug(
+            "the Device this node would apply:\n%snode labels it would set:\n%s",
+            device_text,
             labels_text,
         )
         return True

@@ -13,7 +13,7 @@ app.kubernetes.io/name: gpulet
 {{- end -}}
 
 {{- define "gpulet.image" -}}
-{{ .Values.image.repository }}:{{ .Values.image.tag }}
+{{ required "image.repository is not set: no public gpulet image is published; build it with `make image IMAGE=<registry>/gpulet:<tag>`, push it, and pass --set image.repository=<registry>/gpulet --set image.tag=<tag> (docs/deploy.md)" .Values.image.repository }}{{ with .Values.image.tag }}:{{ . }}{{ end }}
 {{- end -}}
 
 {{/* The environment every gpulet container starts with: its node and NATS user. */}}

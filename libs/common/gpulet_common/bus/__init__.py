@@ -34,12 +34,13 @@ from gpulet_common.bus.client import Bus
 from gpulet_common.bus.connection import backoff_delay, describe_servers
 from gpulet_common.bus.decoding import Delivery
 from gpulet_common.bus.jetstream import fetch_ready, kv_keys
-from gpulet_common.refusal import BusError, NoResponders, Refused, RequestTimeout
+from gpulet_common.refusal import BusError, NatsUnreachable, NoResponders, Refused, RequestTimeout
 
 __all__ = [
     "Bus",
     "BusError",
     "Delivery",
+    "NatsUnreachable",
     "NoResponders",
     "Refused",
     "RequestTimeout",

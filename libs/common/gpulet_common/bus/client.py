@@ -58,19 +58,24 @@ class Bus(RequestReply, JetStreamHelpers):
         max_initial_attempts: int | None = None,
         drain_timeout_s: float = 1.0,
         limits: LimitsSettings | None = None,
+        quiet_connect: bool = False,
+        unreachable_hint: str | None = None,
     ) -> AsyncIterator[Bus]:
         """Connect, retrying with back-off; drain and close on exit.
 
         ``max_initial_attempts=None`` keeps trying until cancelled: a sidecar may
-        start before its NATS sidecar is listening.
+        start before its NATS sidecar is listening (``unreachable_hint`` is logged with
+        the first failed attempt). ``quiet_connect``: failed attempts are not logged,
+        only the :class:`~gpulet_common.refusal.NatsUnreachable` they end in.
         """
-        watch = ConnectionWatch(settings.url)
+        watch = ConnectionWatch(settings.url, quiet=quiet_connect)
         nc = await open_client(
             settings,
             watch,
             name=name,
             max_initial_attempts=max_initial_attempts,
             drain_timeout_s=drain_timeout_s,
+            hint=unreachable_hint,
         )
         bus = cls(nc, settings, meter or metrics.get_meter("gpulet.bus"), limits, watch=watch)
         log.info(

@@ -2,8 +2,11 @@
 
 * :func:`open_client` connects, retrying with exponential, jittered back-off
   (:func:`backoff_delay`) until it succeeds, is cancelled, or has tried
-  ``max_initial_attempts`` times; user/password, token, NKey seed, creds file and TLS
-  (:func:`tls_context`) come from ``[nats]``, and so does the reply inbox prefix
+  ``max_initial_attempts`` times (then :class:`NatsUnreachable`); a one-shot tool
+  connects quietly (its failed attempts are not logged, only the one error it ends
+  with), and a service that waits for its pod's NATS logs a ``hint`` (where the server
+  should come from) with the first failed attempt. User/password, token, NKey seed,
+  creds file and TLS (:func:`tls_context`) come from ``[nats]``, and so does the reply inbox prefix
   (``nats.inbox_prefix``), so that a server can confine each user to its own replies.
   Once connected, nats-py reconnects without limit, with the same back-off.
 * :class:`ConnectionWatch` takes what nats-py reports about the connection: errors are
@@ -30,7 +33,7 @@ import nats.errors
 from nats.aio.client import Client as NatsClient
 
 from gpulet_common.logutil import RateLimitedLog
-from gpulet_common.refusal import BusError
+from gpulet_common.refusal import BusError, NatsUnreachable
 from gpulet_common.settings.nats import NatsSettings
 
 if TYPE_CHECKING:
@@ -112,8 +115,11 @@ class ConnectionWatch:
     found by tests/faults/test_nats_outage.py.
     """
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, *, quiet: bool = False) -> None:
         self._url = url
+        # Until the first connection: errors are not logged (a tool says why it could
+        # not connect once, with its own words).
+        self.quiet = quiet
         # Set once the bus exists; errors before that (failed first attempts) are
         # logged only.
         self.metrics: BusMetrics | None = None
@@ -129,6 +135,9 @@ class ConnectionWatch:
         kind = type(exc).__name__
         if self.metrics is not None:
             self.metrics.errors.add(1, {"error": kind})
+        if self.quiet:
+            log.debug("nats: %s: %s", kind, exc)
+            return
         limiter = self._error_logs.get(kind)
         if limiter is None:
             limiter = self._error_logs[kind] = RateLimitedLog(log, per_interval=1, interval_s=10.0)
@@ -163,9 +172,12 @@ async def open_client(
     name: str | None,
     max_initial_attempts: int | None,
     drain_timeout_s: float,
+    hint: str | None = None,
 ) -> NatsClient:
     """A connected client, retrying with back-off (``max_initial_attempts=None``:
-    until cancelled); raises :class:`BusError` when the attempts are spent."""
+    until cancelled); raises :class:`NatsUnreachable` when the attempts are spent.
+    ``watch.quiet``: failed attempts are logged at debug level only. ``hint`` ends the
+    first failed attempt's warning."""
 
     def choose_server(servers: list[Any], _info: dict[str, Any]) -> tuple[Any, float]:
         return reconnect_choice(servers, settings)
@@ -201,19 +213,22 @@ async def open_client(
             )
             nc.options["allow_reconnect"] = True
             nc.options["max_reconnect_attempts"] = -1
+            watch.quiet = False
             return nc
         except (OSError, nats.errors.Error, TimeoutError) as exc:
             attempt += 1
             if max_initial_attempts is not None and attempt >= max_initial_attempts:
-                raise BusError(
-                    f"cannot connect to NATS at {describe_servers(settings.url)}: {exc}"
+                raise NatsUnreachable(
+                    f"cannot connect to NATS at {describe_servers(settings.url)} "
+                    f"({exc or type(exc).__name__})"
                 ) from exc
             delay = backoff_delay(attempt, settings.reconnect_wait_s, settings.reconnect_max_wait_s)
-            log.warning(
-                "nats: cannot connect to %s (%s); retrying in %.2fs",
+            (log.debug if watch.quiet else log.warning)(
+                "nats: cannot connect to %s (%s); retrying in %.2fs%s",
                 describe_servers(settings.url),
                 exc or type(exc).__name__,
                 delay,
+                f": {hint}" if hint and attempt == 1 else "",
             )
             await anyio.sleep(delay)
 

@@ -133,6 +133,7 @@ class AllocatorService(RuntimeService[AllocatorSettings]):
             runtime.bus, self._node, retry_s=self._settings.request_retry_s, who="allocator"
         )
         self.view.listen(self._on_view)
+        self._inventory_logged: tuple[int, int] | None = None
         self.handshake = HandshakeRunner(self._node, self._settings, self._update_status)
         self.core = AllocatorCore(
             node=self._node,
@@ -344,10 +345,11 @@ class AllocatorService(RuntimeService[AllocatorSettings]):
         inventory = self.view.inventory
         if change.inventory and inventory is not None:
             # Takes each GPU's health from the view as it goes.
-            if self.core.update_inventory(inventory):
-                log.info(
-                    "inventory generation %d: %d GPUs", inventory.generation, len(inventory.gpus)
-                )
+            seen = (inventory.generation, len(inventory.gpus))
+            # Logged when it changes, not at each republish (every 30 s) or re-read.
+            if self.core.update_inventory(inventory) and seen != self._inventory_logged:
+                self._inventory_logged = seen
+                log.info("inventory generation %d: %d GPUs", *seen)
             self._update_status()
         for uuid in change.gpus:
             for device in (uuid, *self.core.mig_devices_of(uuid)):

@@ -87,6 +87,12 @@ class UnknownGpu(LookupError):
     pass
 
 
+class NotPresent(LookupError):
+    """Clearing a GPU's sticky conditions while it is not present: what keeps it listed
+    is its ``missing``/``removed``/``lost`` condition (``args[0]``), which only clearing
+    by name does (it forgets the GPU)."""
+
+
 class UnknownCondition(LookupError):
     pass
 
@@ -326,6 +332,9 @@ class RuleEngine(Kit):
         gpu = self.find(ref)
         if condition is not None and condition not in gpu.conditions:
             raise UnknownCondition(condition)
+        gone = sorted(GONE_CONDITIONS.intersection(gpu.conditions))
+        if condition is None and not gpu.present and gone:
+            raise NotPresent(gone[0])
         out: list[Emit] = []
         if condition in GONE_CONDITIONS and not gpu.present:
             # Taken out of the node on purpose: not expected here any more.
