@@ -52,6 +52,9 @@ class Fault(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     # The catalogue entry (gpulet_common.xid_table): NVIDIA's mnemonic and immediate bucket.
     mnemonic: str = ""
     bucket: str = ""
+    # When the condition was raised (the health service's clock, this node's): a
+    # remediation by reset starts again only for a condition newer than its last start.
+    since: float = 0.0
 
     @property
     def entry(self) -> str:

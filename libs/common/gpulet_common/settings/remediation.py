@@ -18,10 +18,38 @@ Fraction = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
 GpuAction = Literal["reset_gpu", "reboot", "hardware_inspection", "operator_check"]
 
 
+class RetireRule(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    # A GPU with this many fatal faults within window_s is retired (an RMA candidate):
+    # out of service until `gpulet health clear --retired`. 0: never for faults.
+    faults: Annotated[int, msgspec.Meta(ge=0, le=1000)] = 3
+    # The window of the fatal faults counted against faults.
+    window_s: PositiveSeconds = 86400.0
+    # ... or with this many failed resets (or failed verifies) in its history. 0: never.
+    failed_resets: Annotated[int, msgspec.Meta(ge=0, le=1000)] = 2
+
+
+class ResetSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    # How a GPU is reset: "nvidia-smi" runs `nvidia-smi --gpu-reset -i <bus id>`;
+    # "mock" resets the mock NVML's GPU (with --nvml mock only).
+    executor: Literal["nvidia-smi", "mock"] = "nvidia-smi"
+    # The nvidia-smi to run (a name on PATH or a path).
+    nvidia_smi: str = "nvidia-smi"
+    # How long the reset may take before it counts as failed (hung).
+    timeout_s: PositiveSeconds = 120.0
+    # How long to wait for NVML to show no compute or graphics process on the GPU once
+    # its pods are evicted; then the GPU escalates, naming the PIDs that hold it.
+    idle_timeout_s: PositiveSeconds = 300.0
+    # After a reset, no new XID may come within this window for the verify to pass.
+    settle_s: PositiveSeconds = 30.0
+    retire: RetireRule = msgspec.field(default_factory=RetireRule)
+
+
 class RemediationSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # "off": nothing; "report": log and post an Event saying what would be done;
-    # "evict": evict the pods holding a GPU that failed with a fatal, GPU-scoped fault.
-    mode: Literal["off", "report", "evict"] = "off"
+    # "evict": evict the pods holding a GPU that failed with a fatal, GPU-scoped fault;
+    # "reset": evict them, then reset the GPU and return it to service once verified
+    # (docs/health.md, "Remediation by reset").
+    mode: Literal["off", "report", "evict", "reset"] = "off"
     # The least severity of a fault that remediates.
     min_severity: Literal["critical", "fatal"] = "critical"
     # The actions that say a fault is the GPU's (a lost or removed GPU always is).
@@ -41,3 +69,5 @@ class RemediationSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tr
     retry_max_s: PositiveSeconds = 60.0
     # Namespace of the Events posted on the Node (cluster-scoped), as kubelet does.
     node_event_namespace: str = "default"
+    # Remediation by reset (mode "reset").
+    reset: ResetSettings = msgspec.field(default_factory=ResetSettings)
