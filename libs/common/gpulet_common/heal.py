@@ -35,6 +35,7 @@ import msgspec
 
 from gpulet_common import subjects
 from gpulet_common.codec import Codec
+from gpulet_common.messages import Action, ActiveCondition, GpuHealth
 
 HEAL_KV_BUCKET: Final = "gpulet_heal"
 HISTORY_LIMIT: Final = 32
@@ -151,6 +152,58 @@ def heal_key(node: str, gpu_uuid: str) -> str:
 
 def history_key(node: str, gpu_uuid: str) -> str:
     return f"{subjects.token(node)}.history.{subjects.token(gpu_uuid)}"
+
+
+def machine_prefix(node: str) -> str:
+    return f"{subjects.token(node)}.machine."
+
+
+# --- what the node sees: the quarantine as a condition ----------------------------------
+
+QUARANTINE_KIND: Final = "remediation"
+_OVERLAY: Final[dict[str, tuple[str, Action]]] = {
+    "escalated": ("needs_reboot", "reboot"),
+    "retired": ("retired", "hardware_inspection"),
+}
+
+
+def quarantine_condition(record: HealRecord) -> ActiveCondition | None:
+    """The condition that holds the GPU out of service while its machine says so
+    (``remediation:quarantined``, ``remediation:needs_reboot``,
+    ``remediation:retired``); None once it is back in service."""
+    if record.state not in OUT_OF_SERVICE:
+        return None
+    name, action = _OVERLAY.get(record.state, ("quarantined", "reset_gpu"))
+    detail = record.detail if record.state in ("escalated", "retired") else record.cause
+    return ActiveCondition(
+        condition=f"{QUARANTINE_KIND}:{name}",
+        kind="remediation",
+        severity="critical",
+        reason=f"gpulet remediation: {record.state}",
+        message=(detail or record.cause)[:500],
+        action=action,
+        sticky=True,
+        since=record.started_at,
+    )
+
+
+def overlay(health: GpuHealth | None, record: HealRecord) -> GpuHealth | None:
+    """``health`` as the node's consumers must see it while ``record`` holds the GPU:
+    unhealthy, with the quarantine's condition (the device plugin says Unhealthy, the
+    DRA slice taints it ``NoSchedule``, the node condition names it)."""
+    condition = quarantine_condition(record)
+    if condition is None:
+        return health
+    if health is None:
+        return GpuHealth(
+            gpu_uuid=record.gpu_uuid,
+            gpu_index=record.gpu_index,
+            healthy=False,
+            conditions=[condition],
+        )
+    return msgspec.structs.replace(
+        health, healthy=False, conditions=[*health.conditions, condition]
+    )
 
 
 HEAL_RECORD = Codec(HealRecord)
