@@ -46,6 +46,7 @@ from gpulet_allocator.service.remediate.nvml_port import Topology
 from gpulet_allocator.service.remediate.reset_exec import ResetExecutor, alone_problem
 from gpulet_common.heal import (
     ACTIVE,
+    QUARANTINE_KIND,
     FaultHistory,
     GpuIdentity,
     HealRecord,
@@ -149,6 +150,10 @@ class Healer:
         """Start machines for new faults, advance every active one; the next time to
         look (None: nothing waits)."""
         for fault in faults:
+            # A MIG device's fault is not a reset's; the quarantine's own condition
+            # (the node view's overlay) is this machine, not a new fault.
+            if fault.kind == QUARANTINE_KIND:
+                continue
             if fault.device == fault.gpu_uuid or not fault.device:
                 try:
                     await self.start(fault)

@@ -38,6 +38,7 @@ from opentelemetry.metrics import Counter, Meter, UpDownCounter
 
 from gpulet_allocator.protocol import AllocationView
 from gpulet_allocator.service.remediate.breaker import Breaker
+from gpulet_allocator.service.remediate.heal import Healer
 from gpulet_allocator.service.remediate.kube import EventTarget, KubeActions, KubeError
 from gpulet_allocator.service.remediate.policy import (
     Holder,
@@ -118,6 +119,8 @@ class Remediator:
         self.evictions_requested = 0
         #: Passes of :meth:`step` (tests wait on it).
         self.passes = 0
+        #: Remediation by reset (mode "reset"; set by the service once it has NVML).
+        self.healer: Healer | None = None
         self._evictions: Counter | None = None
         self._trips: Counter | None = None
         self._breaker_open: UpDownCounter | None = None
@@ -242,8 +245,9 @@ class Remediator:
         self._tracks = {k: t for k, t in self._tracks.items() if k[0] in devices}
         if self.breaker.settle({f.gpu_uuid for f in faults}) is False:
             await self._breaker_closed()
+        heal_at = await self.healer.run_pass(faults) if self.healer is not None else None
         if not faults:
-            return None
+            return heal_at
         problems: list[str] = []
         records = await self._records(problems)
         for problem in problems:
@@ -272,7 +276,18 @@ class Remediator:
                 if track.state in ("blocked_by_pdb", "failed"):
                     pending.append(track.next_at)
         # While a fault stands, look again now and then: a holder may show up late.
+        if heal_at is not None:
+            pending.append(heal_at)
         return min(pending) if pending else now + self.settings.retry_max_s
+
+    async def holders_left(self, gpu_uuid: str) -> int:
+        """How many pods still hold the GPU or one of its MIG devices, terminating ones
+        included (remediation by reset waits for none: :class:`~.heal.Evictions`)."""
+        records = await self._records([])
+        scope = devices_in_scope(
+            Fault(gpu_uuid=gpu_uuid, device=gpu_uuid), self._sources.mig_devices
+        )
+        return len(holders_of(scope, records))
 
     def _evicted_for_another(self, device: str, pod: str) -> bool:
         return any(

@@ -22,15 +22,28 @@ from nats.micro.request import Request
 from gpulet_allocator import protocol as p
 from gpulet_allocator.decide.core import AllocatorCore
 from gpulet_allocator.service.pod_watch import kube_configuration
+from gpulet_allocator.service.remediate.heal import Healer
+from gpulet_allocator.service.remediate.heal_events import NodeEvents
+from gpulet_allocator.service.remediate.heal_store import KvHealStore
 from gpulet_allocator.service.remediate.kube import KubeClient
+from gpulet_allocator.service.remediate.nvml_port import NvmlGpu
+from gpulet_allocator.service.remediate.reset_exec import (
+    MockExecutor,
+    NvidiaSmiExecutor,
+    ResetExecutor,
+)
 from gpulet_allocator.service.remediate.runner import Remediator, Sources
 from gpulet_allocator.service.replies import Replies
 from gpulet_common import kubeapi
+from gpulet_common.heal import HEAL_KV_BUCKET, QUARANTINE_KIND, GpuIdentity
 from gpulet_common.kube import KubeConfigError
 from gpulet_common.kubelet_api.podresources.v1 import api_pb2 as pr
+from gpulet_common.messages import UNHEALTHY_SEVERITIES
+from gpulet_common.mock_nvml import MockNvml
 from gpulet_common.nodeview import NodeView
 from gpulet_common.podresources import list_pod_resources
 from gpulet_common.remediation import REMEDIATION_PLAN, REMEDIATION_REQUEST
+from gpulet_common.runtime import Runtime
 from gpulet_common.settings import Settings
 
 log = logging.getLogger("gpulet.allocator.remediation")
@@ -41,10 +54,18 @@ RETRY_MAX_S = 30.0
 
 class RemediationService:
     def __init__(
-        self, settings: Settings, node: str, core: AllocatorCore, view: NodeView, meter: Any
+        self,
+        settings: Settings,
+        node: str,
+        core: AllocatorCore,
+        view: NodeView,
+        meter: Any,
+        runtime: Runtime | None = None,
     ) -> None:
         self._allocator = settings.allocator
         self._node = node
+        self._runtime = runtime
+        self._view = view
         socket = Path(self._allocator.pod_resources_socket)
         timeout = self._allocator.pod_resources_timeout_s
 
@@ -91,7 +112,65 @@ class RemediationService:
             self.remediator.kube = KubeClient(
                 api, self._node, settings.node_event_namespace, handshake.api_timeout_s
             )
+            if settings.mode == "reset":
+                self.remediator.healer = await self._healer()
             await self.remediator.run()
+
+    async def _healer(self) -> Healer | None:
+        """Remediation by reset's machine on this process's NVML and the node's KV; None
+        (evictions only, said) where either is missing."""
+        runtime = self._runtime
+        if runtime is None:
+            log.error("remediation mode reset: no runtime (NVML, NATS); evicting only")
+            return None
+        handle = await runtime.nvml.get()
+        module = handle.adapter.module if handle.adapter is not None else None
+        if module is None:
+            log.error("remediation mode reset needs NVML (%s); evicting only", handle.reason)
+            return None
+        reset = self.remediator.settings.reset
+        executor: ResetExecutor
+        if reset.executor == "mock":
+            if not isinstance(module, MockNvml):
+                log.error("remediation.reset.executor = mock needs --nvml mock; evicting only")
+                return None
+            executor = MockExecutor(module, reset.timeout_s)
+        else:
+            executor = NvidiaSmiExecutor(reset.nvidia_smi, reset.timeout_s)
+        kv = await runtime.bus.key_value(HEAL_KV_BUCKET)
+        return Healer(
+            reset,
+            KvHealStore(kv, runtime.bus.jetstream, self._node),
+            NvmlGpu(module),
+            executor,
+            self.remediator,
+            NodeEvents(self._node, self.remediator.kube),
+            known=self._known,
+            faults_since=self._faults_since,
+        )
+
+    def _known(self, uuid: str) -> GpuIdentity | None:
+        """What the node last knew of a GPU NVML cannot find now (one off the bus)."""
+        inventory = self._view.inventory
+        for gpu in inventory.gpus if inventory is not None else ():
+            if gpu.uuid == uuid:
+                return GpuIdentity(
+                    uuid=uuid,
+                    bus_id=gpu.pci_bus_id,
+                    name=gpu.name,
+                    memory_total=gpu.memory_total_bytes,
+                )
+        return None
+
+    def _faults_since(self, uuid: str, since: float) -> list[str]:
+        """The GPU's fault conditions raised after ``since`` (the health service's
+        record, this node's clock), the quarantine's own aside."""
+        health = self._view.healths().get(uuid)
+        return [
+            c.condition
+            for c in (health.conditions if health is not None else ())
+            if c.kind != QUARANTINE_KIND and c.since > since and c.severity in UNHEALTHY_SEVERITIES
+        ]
 
     async def on_request(self, req: Request, replies: Replies) -> None:
         endpoint = p.ENDPOINT_REMEDIATION

@@ -1,0 +1,61 @@
+"""What the cluster is told as a GPU's remediation by reset moves: Events on the Node.
+
+The quarantine itself is the machine's record in the ``gpulet_heal`` KV: every node
+view overlays it (:func:`gpulet_common.heal.overlay`), so the device plugin, the DRA
+slice and the node condition take the GPU out of service from the one record, written
+before this is called. :class:`NodeEvents` is the :class:`~.heal.Quarantine` port on the
+remediation loop's :class:`~.kube.KubeActions`: an Event on the Node for each step that
+matters (reasons below), and a log line; with no API server, the log line alone.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Final
+
+from gpulet_allocator.service.remediate.kube import EventTarget, KubeActions
+from gpulet_common.heal import FaultHistory
+
+log = logging.getLogger("gpulet.allocator.remediation.heal")
+
+REASON_QUARANTINED: Final = "GpuletGpuQuarantined"
+REASON_RETURNED: Final = "GpuletGpuReturnedToService"
+REASON_NEEDS_REBOOT: Final = "GpuletGpuNeedsReboot"
+REASON_RETIRED: Final = "GpuletGpuRetired"
+
+
+class NodeEvents:
+    def __init__(self, node: str, kube: KubeActions | None) -> None:
+        self.node = node
+        self.kube = kube
+
+    async def _event(self, reason: str, message: str, *, warning: bool = True) -> None:
+        if self.kube is None:
+            return
+        # Kubelet's own Node Events carry the node's name as the UID.
+        target = EventTarget("Node", self.node, uid=self.node)
+        await self.kube.post_event(target, reason, message[:1000], warning=warning)
+
+    async def hold(self, gpu_uuid: str, reason: str) -> None:
+        await self._event(REASON_QUARANTINED, f"GPU {gpu_uuid} quarantined for a reset: {reason}")
+
+    async def release(self, gpu_uuid: str, last_reset: str) -> None:
+        await self._event(
+            REASON_RETURNED,
+            f"GPU {gpu_uuid} reset, verified and back in service (last reset {last_reset})",
+            warning=False,
+        )
+
+    async def escalate(self, gpu_uuid: str, reason: str) -> None:
+        await self._event(
+            REASON_NEEDS_REBOOT,
+            f"GPU {gpu_uuid} stays quarantined and needs the node rebooted or inspected "
+            f"(gpulet never reboots a node): {reason}",
+        )
+
+    async def retire(self, gpu_uuid: str, reason: str, history: FaultHistory) -> None:
+        await self._event(
+            REASON_RETIRED,
+            f"GPU {gpu_uuid} retired, {reason}: {history.summary()}; out of service until "
+            "`gpulet health clear --retired`",
+        )
