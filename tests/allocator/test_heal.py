@@ -395,3 +395,17 @@ async def test_gpu_with_direct_nvlink_peers_escalates(nats_server: EmbeddedNats)
     assert record.state == "escalated"
     assert "NVLink peers" in record.detail
     assert mock.resets_of(0) == 0
+
+
+async def test_dry_run_step_of_each_fault(rig: Rig) -> None:
+    healer = await rig.healer()
+    assert await healer.step_of(rig.fault(3)) == (
+        "would quarantine",
+        "then evict, wait idle, reset, verify",
+    )
+    inspect = rig.fault(3, xid=48, action="hardware_inspection")
+    assert (await healer.step_of(inspect))[0] == "would quarantine and escalate"
+    rig.inject("process", 3, value=99)
+    await healer.run_pass([rig.fault(3)])
+    assert (await healer.step_of(rig.fault(3)))[0] == "waiting_idle"
+    assert rig.mock.resets_of(3) == 0  # the dry run changed nothing

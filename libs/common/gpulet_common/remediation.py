@@ -70,6 +70,10 @@ class PlannedGpu(Fault, frozen=True, kw_only=True, omit_defaults=True):
     # False: the circuit breaker holds this GPU back.
     admitted: bool = True
     pods: list[PlannedPod] = []
+    # Mode reset: where the GPU's state machine stands ("quarantined" ... "returned",
+    # "escalated", "retired"; "would quarantine" before it starts) and why.
+    step: str = ""
+    step_detail: str = ""
 
 
 class BreakerView(msgspec.Struct, frozen=True, kw_only=True):
@@ -125,6 +129,10 @@ def format_plan(plan: RemediationPlan) -> str:
             f"{where}: {gpu.condition} ({gpu.kind}, {gpu.severity}, {gpu.action}) {entry}".rstrip()
         )
         lines.append(f"  why: {gpu.reason}")
+        if gpu.step:
+            lines.append(
+                f"  reset: {gpu.step}" + (f": {gpu.step_detail}" if gpu.step_detail else "")
+            )
         if not gpu.admitted:
             lines.append("  held back by the circuit breaker: no pod is evicted")
         if not gpu.pods:

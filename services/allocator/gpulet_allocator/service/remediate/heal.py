@@ -201,6 +201,17 @@ class Healer:
         # Otherwise the pass advances it at once: quarantined holds the GPU.
         return fresh
 
+    async def step_of(self, fault: Fault) -> tuple[str, str]:
+        """Where the fault's GPU stands, for the dry run: (step, why)."""
+        record, _ = await self.store.get(fault.gpu_uuid)
+        if record is None or (record.state == "returned" and fault.since > record.started_at):
+            if fault.kind == QUARANTINE_KIND:
+                return "", ""
+            if not resettable(fault):
+                return "would quarantine and escalate", "no GPU reset cures it"
+            return "would quarantine", "then evict, wait idle, reset, verify"
+        return record.state, record.detail
+
     async def advance(self, gpu_uuid: str) -> float | None:
         """Advance one machine as far as it goes now; when to look again."""
         record, revision = await self.store.get(gpu_uuid)

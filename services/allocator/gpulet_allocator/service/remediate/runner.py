@@ -195,7 +195,8 @@ class Remediator:
                 fits -= 1
                 window.add(fault.gpu_uuid)
             pods = [self._planned(fault, h, admitted) for h in holders]
-            gpus.append(_planned_gpu(fault, admitted, pods))
+            step = await self.healer.step_of(fault) if self.healer is not None else ("", "")
+            gpus.append(_planned_gpu(fault, admitted, pods, step))
         return RemediationPlan(
             node=self.node,
             mode=self.settings.mode,
@@ -400,6 +401,14 @@ def _why(fault: Fault) -> str:
     )
 
 
-def _planned_gpu(fault: Fault, admitted: bool, pods: list[PlannedPod]) -> PlannedGpu:
-    # A PlannedGpu is a Fault with the breaker's verdict and the pods.
-    return PlannedGpu(**msgspec.structs.asdict(fault), admitted=admitted, pods=pods)
+def _planned_gpu(
+    fault: Fault, admitted: bool, pods: list[PlannedPod], step: tuple[str, str]
+) -> PlannedGpu:
+    # A PlannedGpu is a Fault with the breaker's verdict, the pods and the reset's step.
+    return PlannedGpu(
+        **msgspec.structs.asdict(fault),
+        admitted=admitted,
+        pods=pods,
+        step=step[0],
+        step_detail=step[1],
+    )
