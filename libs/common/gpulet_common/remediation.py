@@ -86,6 +86,11 @@ class BreakerView(msgspec.Struct, frozen=True, kw_only=True):
     in_window: list[str] = []
     trips: int = 0
     detail: str = ""
+    # Pods evicted within the window, and the most allowed (0: no limit); the most
+    # fault episodes of one GPU within the window (0: no limit).
+    evictions: int = 0
+    max_evictions: int = 0
+    max_faults_per_gpu: int = 0
 
 
 class RemediationRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -115,6 +120,8 @@ def format_plan(plan: RemediationPlan) -> str:
         f"{b.limit} GPU(s) of {b.node_gpus} remediated in the last {b.window_s:g} s "
         f"(max_fraction {b.max_fraction:g}, tripped {b.trips} time(s))"
         + (f": {b.detail}" if b.detail else ""),
+        f"evictions: {b.evictions} in the window (at most {b.max_evictions or 'unlimited'}); "
+        f"at most {b.max_faults_per_gpu or 'unlimited'} fault(s) of one GPU per window",
     ]
     if plan.mode == "off":
         lines.append("remediation is off: below is what mode evict would do")

@@ -61,6 +61,11 @@ class RemediationSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tr
     max_fraction: Fraction = 0.5
     # The circuit breaker's window: a GPU remediated counts against the share this long.
     window_s: PositiveSeconds = 600.0
+    # ... nor more than this many fault episodes of one GPU within window_s (a GPU that
+    # flaps: each time it fails again after recovering); 0: no limit.
+    max_faults_per_gpu: Annotated[int, msgspec.Meta(ge=0, le=1000)] = 2
+    # ... nor more than this many pods evicted on the node within window_s; 0: no limit.
+    max_evictions: Annotated[int, msgspec.Meta(ge=0, le=100000)] = 16
     # An eviction a PodDisruptionBudget blocks (429) or that fails is retried with
     # exponential backoff, first after this long, for as long as the fault stands.
     retry_initial_s: PositiveSeconds = 1.0

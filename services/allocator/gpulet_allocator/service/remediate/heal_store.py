@@ -20,6 +20,7 @@ import nats.js.errors
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
+from gpulet_allocator.service.remediate.breaker import BREAKER_STATE, BreakerState
 from gpulet_allocator.service.remediate.heal import Conflict
 from gpulet_common import subjects
 from gpulet_common.bus.jetstream import kv_keys
@@ -120,3 +121,32 @@ class KvHealStore:
         return await self._put(
             history_key(self._node, history.gpu_uuid), FAULT_HISTORY.encode(history), revision
         )
+
+
+class KvBreakerStore:
+    """The node breaker's window (:class:`~.breaker.BreakerState`) under
+    ``<node>.breaker`` in the same bucket; one writer (this node's allocator), so a
+    plain put. A state that does not decode fails closed: it reads as a window already
+    full of evictions (nothing is evicted until the window has passed), said once."""
+
+    def __init__(self, kv: KeyValue, node: str) -> None:
+        self._kv = kv
+        self._key = f"{subjects.token(node)}.breaker"
+
+    async def load(self) -> BreakerState | None:
+        try:
+            entry = await self._kv.get(self._key)
+        except nats.js.errors.KeyNotFoundError:
+            return None
+        if entry.value is None:
+            return None
+        try:
+            return BREAKER_STATE.decode(entry.value)
+        except (MalformedMessage, RejectedMessage) as exc:
+            _bad_log.error(
+                "remediation breaker state unreadable (%s): evicting nothing for a window", exc
+            )
+            return BreakerState(full=True)
+
+    async def save(self, state: BreakerState) -> None:
+        await self._kv.put(self._key, BREAKER_STATE.encode(state))

@@ -30,14 +30,14 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Final, Protocol
 
 import anyio
 import msgspec
 from opentelemetry.metrics import Counter, Meter, UpDownCounter
 
 from gpulet_allocator.protocol import AllocationView
-from gpulet_allocator.service.remediate.breaker import Breaker
+from gpulet_allocator.service.remediate.breaker import Breaker, BreakerState
 from gpulet_allocator.service.remediate.heal import Healer
 from gpulet_allocator.service.remediate.kube import EventTarget, KubeActions, KubeError
 from gpulet_allocator.service.remediate.policy import (
@@ -70,6 +70,11 @@ REASON_WOULD_EVICT: Final = "GpuletWouldEvictForGpuFault"
 REASON_BLOCKED: Final = "GpuletEvictionBlockedByPDB"
 REASON_BREAKER: Final = "GpuletRemediationBreakerOpen"
 REASON_BREAKER_CLOSED: Final = "GpuletRemediationBreakerClosed"
+
+
+class BreakerStore(Protocol):
+    async def load(self) -> BreakerState | None: ...
+    async def save(self, state: BreakerState) -> None: ...
 
 
 @dataclass(slots=True)
@@ -106,13 +111,24 @@ class Remediator:
         *,
         meter: Meter | None = None,
         clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+        breaker_store: BreakerStore | None = None,
     ) -> None:
         self.settings = settings
         self.node = node
         self._sources = sources
         self.kube = kube
         self._clock = clock
-        self.breaker = Breaker(settings.max_fraction, settings.window_s, clock)
+        # On the wall clock: its window is kept across restarts (breaker_store).
+        self.breaker = Breaker(
+            settings.max_fraction,
+            settings.window_s,
+            wall,
+            max_faults_per_gpu=settings.max_faults_per_gpu,
+            max_evictions=settings.max_evictions,
+        )
+        self.breaker_store = breaker_store
+        self._saved: BreakerState | None = None
         self._tracks: dict[tuple[str, str], Track] = {}
         self._wake = anyio.Event()
         self._log = RateLimitedLog(log, per_minute=6)
@@ -145,16 +161,40 @@ class Remediator:
         if self.settings.mode == "off":
             return
         log.info("remediation on node %s: mode %s", self.node, self.settings.mode)
+        await self.restore_breaker()
         while True:
             self._wake = anyio.Event()
             try:
                 next_at = await self.step()
+                await self.save_breaker()
             except Exception:  # a bug here must not end the allocator: say it, go on
                 self._log.exception("remediation pass failed")
                 next_at = self._clock() + self.settings.retry_max_s
             delay = None if next_at is None else max(0.0, next_at - self._clock())
             with anyio.move_on_after(delay if delay is not None else 3600.0):
                 await self._wake.wait()
+
+    async def restore_breaker(self) -> None:
+        """The breaker's window as the previous run left it (none: a fresh one)."""
+        if self.breaker_store is None:
+            return
+        state = await self.breaker_store.load()
+        if state is not None:
+            self.breaker.restore(state)
+            self._saved = self.breaker.state()
+            log.info(
+                "remediation breaker restored: %d GPU(s), %d eviction(s) in the window",
+                len(self._saved.admitted),
+                len(self._saved.evictions),
+            )
+
+    async def save_breaker(self) -> None:
+        if self.breaker_store is None:
+            return
+        state = self.breaker.state()
+        if state != self._saved:
+            await self.breaker_store.save(state)
+            self._saved = state
 
     # --- one pass ----------------------------------------------------------------------
 
@@ -235,6 +275,9 @@ class Remediator:
             in_window=b.in_window(),
             trips=b.trips,
             detail=f"holding back {', '.join(held)}" if held else "",
+            evictions=b.evictions_in_window(),
+            max_evictions=b.max_evictions,
+            max_faults_per_gpu=b.max_faults_per_gpu,
         )
 
     async def step(self) -> float | None:
@@ -310,6 +353,17 @@ class Remediator:
             return
         if self.kube is None:
             return
+        if not self.breaker.may_evict():
+            track.state = "held_by_breaker"
+            track.detail = (
+                f"{self.breaker.max_evictions} pods evicted within {self.breaker.window_s:g} s"
+            )
+            if "evictions" not in track.reported:
+                track.reported.add("evictions")
+                await self._events(
+                    fault, holder, REASON_BREAKER, f"not evicting pod {holder.key}: " + track.detail
+                )
+            return
         track.attempts += 1
         self.evictions_requested += 1
         outcome = await self.kube.evict(holder.namespace, holder.name, holder.uid)
@@ -317,6 +371,7 @@ class Remediator:
             self._evictions.add(1, {"result": outcome.result})
         track.state, track.detail = outcome.result, outcome.detail
         if outcome.result == "evicted":
+            self.breaker.evicted()
             log.warning("remediation: evicted pod %s: %s", holder.key, why)
             await self._events(fault, holder, REASON_EVICTED, f"evicted pod {holder.key}: {why}")
             return

@@ -24,7 +24,7 @@ from gpulet_allocator.decide.core import AllocatorCore
 from gpulet_allocator.service.pod_watch import kube_configuration
 from gpulet_allocator.service.remediate.heal import Healer
 from gpulet_allocator.service.remediate.heal_events import NodeEvents
-from gpulet_allocator.service.remediate.heal_store import KvHealStore
+from gpulet_allocator.service.remediate.heal_store import KvBreakerStore, KvHealStore
 from gpulet_allocator.service.remediate.kube import KubeClient
 from gpulet_allocator.service.remediate.nvml_port import NvmlGpu
 from gpulet_allocator.service.remediate.reset_exec import (
@@ -112,6 +112,9 @@ class RemediationService:
             self.remediator.kube = KubeClient(
                 api, self._node, settings.node_event_namespace, handshake.api_timeout_s
             )
+            if self._runtime is not None:
+                kv = await self._runtime.bus.key_value(HEAL_KV_BUCKET)
+                self.remediator.breaker_store = KvBreakerStore(kv, self._node)
             if settings.mode == "reset":
                 self.remediator.healer = await self._healer()
             await self.remediator.run()
