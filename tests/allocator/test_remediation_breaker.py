@@ -206,3 +206,32 @@ def test_restore_clamps_times_from_the_future() -> None:
     clock.now += 600
     assert breaker.may_evict()
     assert breaker.in_window() == []
+
+
+async def test_a_machine_wake_up_is_translated_to_the_loop_clock() -> None:
+    """The machines keep wall-clock deadlines (the settle window's end); the loop sleeps
+    on its monotonic clock: the next look comes when the machine asked, not an hour on."""
+    wall, mono, kube, node = Clock(), Clock(), FakeKube(), Node()
+    mono.now = 1000.0
+    settings = RemediationSettings(mode="reset")
+    sources = Sources(
+        healths=lambda: node.healths,
+        node_gpus=lambda: 4,
+        mig_devices=lambda _: [],
+        ledger=lambda: ([], []),
+        pod_resources=lambda: no_podresources(),
+    )
+    r = Remediator(settings, "node-a", sources, kube, clock=mono, wall=wall)
+
+    class Settling:
+        async def run_pass(self, _faults: object) -> float:
+            return wall.now + 5.0  # the settle window ends in 5 s
+
+    r.healer = Settling()  # type: ignore[assignment]
+    assert await r.step() == 1005.0
+    node.healths["GPU-0"] = health(0, True)
+    assert await r.step() == 1005.0
+
+
+async def no_podresources() -> pr.ListPodResourcesResponse:
+    raise PodResourcesUnavailable("no kubelet here")

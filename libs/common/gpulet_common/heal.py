@@ -70,11 +70,13 @@ class GpuIdentity(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
     link_width: int | None = None
 
     def differences(self, after: GpuIdentity) -> list[str]:
-        """How ``after`` differs from this one ("name A -> B"), empty when it does not."""
+        """How ``after`` differs from this one ("name A -> B"), empty when it does not;
+        a field this one does not know (a baseline from the inventory, of a GPU NVML
+        could not read) is not compared."""
         found = []
         for field in ("uuid", "name", "memory_total", "link_gen", "link_width"):
             was, now = getattr(self, field), getattr(after, field)
-            if was != now:
+            if was not in (None, "", 0) and was != now:
                 found.append(f"{field} {was} -> {now}")
         return found
 

@@ -104,12 +104,13 @@ class Quarantine(Protocol):
 
 def resettable(fault: Fault) -> bool:
     """Whether a reset may cure the fault: NVIDIA's RESET_GPU (the action ``reset_gpu``,
-    from the catalogue or field 230), or a GPU lost or fallen off the bus (XID 79 is
-    NVIDIA's RESTART_BM, but such a GPU often returns on a reset; one is tried, and
-    field 230 reading NODE_REBOOT or a failed reset escalates)."""
+    from the catalogue or field 230), or a GPU lost, gone from NVML's list or fallen
+    off the bus (XID 79 is NVIDIA's RESTART_BM, but such a GPU often returns on a
+    reset; one is tried, and field 230 reading NODE_REBOOT or a failed reset
+    escalates)."""
     return (
         fault.action == "reset_gpu"
-        or fault.kind in ("gpu_lost", "gpu_missing")
+        or fault.kind in ("gpu_lost", "gpu_missing", "gpu_removed")
         or fault.xid == _FELL_OFF_BUS
     )
 

@@ -128,6 +128,7 @@ class Remediator:
             max_evictions=settings.max_evictions,
         )
         self.breaker_store = breaker_store
+        self._wall = wall
         self._saved: BreakerState | None = None
         self._tracks: dict[tuple[str, str], Track] = {}
         self._wake = anyio.Event()
@@ -289,7 +290,7 @@ class Remediator:
         self._tracks = {k: t for k, t in self._tracks.items() if k[0] in devices}
         if self.breaker.settle({f.gpu_uuid for f in faults}) is False:
             await self._breaker_closed()
-        heal_at = await self.healer.run_pass(faults) if self.healer is not None else None
+        heal_at = await self._heal(faults)
         if not faults:
             return heal_at
         problems: list[str] = []
@@ -323,6 +324,16 @@ class Remediator:
         if heal_at is not None:
             pending.append(heal_at)
         return min(pending) if pending else now + self.settings.retry_max_s
+
+    async def _heal(self, faults: list[Fault]) -> float | None:
+        """Remediation by reset's pass; when it next needs to look, on this loop's clock
+        (the machines keep wall-clock times, which survive a restart)."""
+        if self.healer is None:
+            return None
+        wake = await self.healer.run_pass(faults)
+        if wake is None:
+            return None
+        return self._clock() + max(0.0, wake - self._wall())
 
     async def holders_left(self, gpu_uuid: str) -> int:
         """How many pods still hold the GPU or one of its MIG devices, terminating ones

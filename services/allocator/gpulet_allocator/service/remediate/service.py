@@ -12,19 +12,17 @@ it cannot), and answers ``gpulet.allocator.<node>.remediation`` with the plan. W
 from __future__ import annotations
 
 import logging
-import time
 from pathlib import Path
 from typing import Any
 
 import anyio
-from nats.micro.request import Request
 
-from gpulet_allocator import protocol as p
 from gpulet_allocator.decide.core import AllocatorCore
 from gpulet_allocator.service.pod_watch import kube_configuration
 from gpulet_allocator.service.remediate.heal import Healer
 from gpulet_allocator.service.remediate.heal_events import NodeEvents
 from gpulet_allocator.service.remediate.heal_store import KvBreakerStore, KvHealStore
+from gpulet_allocator.service.remediate.heal_view import faults_since, known_identity
 from gpulet_allocator.service.remediate.kube import KubeClient
 from gpulet_allocator.service.remediate.nvml_port import NvmlGpu
 from gpulet_allocator.service.remediate.reset_exec import (
@@ -33,16 +31,13 @@ from gpulet_allocator.service.remediate.reset_exec import (
     ResetExecutor,
 )
 from gpulet_allocator.service.remediate.runner import Remediator, Sources
-from gpulet_allocator.service.replies import Replies
 from gpulet_common import kubeapi
-from gpulet_common.heal import HEAL_KV_BUCKET, QUARANTINE_KIND, GpuIdentity
+from gpulet_common.heal import HEAL_KV_BUCKET
 from gpulet_common.kube import KubeConfigError
 from gpulet_common.kubelet_api.podresources.v1 import api_pb2 as pr
-from gpulet_common.messages import UNHEALTHY_SEVERITIES
 from gpulet_common.mock_nvml import MockNvml
 from gpulet_common.nodeview import NodeView
 from gpulet_common.podresources import list_pod_resources
-from gpulet_common.remediation import REMEDIATION_PLAN, REMEDIATION_REQUEST
 from gpulet_common.runtime import Runtime
 from gpulet_common.settings import Settings
 
@@ -148,37 +143,6 @@ class RemediationService:
             executor,
             self.remediator,
             NodeEvents(self._node, self.remediator.kube),
-            known=self._known,
-            faults_since=self._faults_since,
+            known=known_identity(self._view),
+            faults_since=faults_since(self._view),
         )
-
-    def _known(self, uuid: str) -> GpuIdentity | None:
-        """What the node last knew of a GPU NVML cannot find now (one off the bus)."""
-        inventory = self._view.inventory
-        for gpu in inventory.gpus if inventory is not None else ():
-            if gpu.uuid == uuid:
-                return GpuIdentity(
-                    uuid=uuid,
-                    bus_id=gpu.pci_bus_id,
-                    name=gpu.name,
-                    memory_total=gpu.memory_total_bytes,
-                )
-        return None
-
-    def _faults_since(self, uuid: str, since: float) -> list[str]:
-        """The GPU's fault conditions raised after ``since`` (the health service's
-        record, this node's clock), the quarantine's own aside."""
-        health = self._view.healths().get(uuid)
-        return [
-            c.condition
-            for c in (health.conditions if health is not None else ())
-            if c.kind != QUARANTINE_KIND and c.since > since and c.severity in UNHEALTHY_SEVERITIES
-        ]
-
-    async def on_request(self, req: Request, replies: Replies) -> None:
-        endpoint = p.ENDPOINT_REMEDIATION
-        started = time.perf_counter()
-        if await replies.decode(req, endpoint, REMEDIATION_REQUEST, started) is None:
-            return
-        plan = await self.remediator.plan()
-        await replies.ok(req, endpoint, REMEDIATION_PLAN.encode(plan), started)
