@@ -12,11 +12,14 @@ it cannot), and answers ``gpulet.allocator.<node>.remediation`` with the plan. W
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
 import anyio
+from nats.micro.request import Request
 
+from gpulet_allocator import protocol as p
 from gpulet_allocator.decide.core import AllocatorCore
 from gpulet_allocator.service.pod_watch import kube_configuration
 from gpulet_allocator.service.remediate.heal import Healer
@@ -31,6 +34,7 @@ from gpulet_allocator.service.remediate.reset_exec import (
     ResetExecutor,
 )
 from gpulet_allocator.service.remediate.runner import Remediator, Sources
+from gpulet_allocator.service.replies import Replies
 from gpulet_common import kubeapi
 from gpulet_common.heal import HEAL_KV_BUCKET
 from gpulet_common.kube import KubeConfigError
@@ -38,6 +42,7 @@ from gpulet_common.kubelet_api.podresources.v1 import api_pb2 as pr
 from gpulet_common.mock_nvml import MockNvml
 from gpulet_common.nodeview import NodeView
 from gpulet_common.podresources import list_pod_resources
+from gpulet_common.remediation import REMEDIATION_PLAN, REMEDIATION_REQUEST
 from gpulet_common.runtime import Runtime
 from gpulet_common.settings import Settings
 
@@ -146,3 +151,11 @@ class RemediationService:
             known=known_identity(self._view),
             faults_since=faults_since(self._view),
         )
+
+    async def on_request(self, req: Request, replies: Replies) -> None:
+        endpoint = p.ENDPOINT_REMEDIATION
+        started = time.perf_counter()
+        if await replies.decode(req, endpoint, REMEDIATION_REQUEST, started) is None:
+            return
+        plan = await self.remediator.plan()
+        await replies.ok(req, endpoint, REMEDIATION_PLAN.encode(plan), started)
