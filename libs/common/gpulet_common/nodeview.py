@@ -298,19 +298,18 @@ class NodeView:
     # --- remediation machines ----------------------------------------------------------------
 
     async def _watch_heal(self) -> None:
-        """Like :meth:`_watch_health`, on ``gpulet_heal`` (absent unless mode reset:
-        looked for again with back-off, as the health bucket is)."""
-        delay = self._retry_s
+        """Like :meth:`_watch_health`, on ``gpulet_heal`` (absent until remediation by
+        reset first runs on the node). Looked for again every ``retry_s``, without
+        back-off: once the bucket exists a quarantine must show within that, not after
+        a back-off grown while nobody used it (one bucket lookup per ``retry_s``)."""
         while True:
             try:
                 with anyio.fail_after(WATCH_OPEN_TIMEOUT_S):
                     kv = await self._bus.jetstream.key_value(HEAL_KV_BUCKET)
                     watcher = await kv.watch(f"{self._heal_prefix}>")
             except (nats.errors.Error, OSError, TimeoutError):
-                await anyio.sleep(delay)
-                delay = min(delay * 2, ASK_MAX_DELAY_S)
+                await anyio.sleep(self._retry_s)
                 continue
-            delay = self._retry_s
             try:
                 await self._follow_heal(watcher)
             finally:
