@@ -91,6 +91,8 @@ class BreakerView(msgspec.Struct, frozen=True, kw_only=True):
     evictions: int = 0
     max_evictions: int = 0
     max_faults_per_gpu: int = 0
+    # The fleet breaker (a hub's slots): what it holds back, or "" (off, or nothing).
+    fleet: str = ""
 
 
 class RemediationRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -123,6 +125,8 @@ def format_plan(plan: RemediationPlan) -> str:
         f"evictions: {b.evictions} in the window (at most {b.max_evictions or 'unlimited'}); "
         f"at most {b.max_faults_per_gpu or 'unlimited'} fault(s) of one GPU per window",
     ]
+    if b.fleet:
+        lines.append(f"fleet breaker: {b.fleet}")
     if plan.mode == "off":
         lines.append("remediation is off: below is what mode evict would do")
     if not plan.gpus:

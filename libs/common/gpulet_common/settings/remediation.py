@@ -44,6 +44,25 @@ class ResetSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     retire: RetireRule = msgspec.field(default_factory=RetireRule)
 
 
+class FleetBreakerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    # Take a slot in the hub's KV (compare-and-set) before evicting or resetting a GPU,
+    # give it back after: at most max_gpus, or max_percent of the fleet's GPUs, in
+    # remediation at once across the fleet. Off: this node's breaker alone.
+    enabled: bool = False
+    # The NATS the slots live on, as this node reaches it ("": this node's own
+    # connection). Its account must let the node use the bucket.
+    nats_url: str = ""
+    # The KV bucket of the slots (created if missing).
+    bucket: str = "gpulet_remediation_slots"
+    # At most this many GPUs of the fleet in remediation at once.
+    max_gpus: Annotated[int, msgspec.Meta(ge=1, le=100000)] = 8
+    # Percent of the fleet's GPUs (the sum of the nodes' statuses in gpulet_fleet);
+    # where that is not known, max_gpus alone.
+    max_percent: Annotated[float, msgspec.Meta(gt=0.0, le=100.0)] = 5.0
+    # A slot older than this is dropped (its node died holding it).
+    slot_ttl_s: PositiveSeconds = 3600.0
+
+
 class RemediationSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # "off": nothing; "report": log and post an Event saying what would be done;
     # "evict": evict the pods holding a GPU that failed with a fatal, GPU-scoped fault;
@@ -76,3 +95,5 @@ class RemediationSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tr
     node_event_namespace: str = "default"
     # Remediation by reset (mode "reset").
     reset: ResetSettings = msgspec.field(default_factory=ResetSettings)
+    # The fleet breaker (a hub's NATS).
+    fleet: FleetBreakerSettings = msgspec.field(default_factory=FleetBreakerSettings)

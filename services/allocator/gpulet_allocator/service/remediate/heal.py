@@ -202,6 +202,11 @@ class Healer:
         # Otherwise the pass advances it at once: quarantined holds the GPU.
         return fresh
 
+    async def active(self, gpu_uuid: str) -> bool:
+        """Whether the GPU's machine is under way (quarantined ... verifying)."""
+        record, _ = await self.store.get(gpu_uuid)
+        return record is not None and record.state in ACTIVE
+
     async def step_of(self, fault: Fault) -> tuple[str, str]:
         """Where the fault's GPU stands, for the dry run: (step, why)."""
         record, _ = await self.store.get(fault.gpu_uuid)

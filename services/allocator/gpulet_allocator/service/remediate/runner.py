@@ -38,6 +38,7 @@ from opentelemetry.metrics import Counter, Meter, UpDownCounter
 
 from gpulet_allocator.protocol import AllocationView
 from gpulet_allocator.service.remediate.breaker import Breaker, BreakerState
+from gpulet_allocator.service.remediate.fleet import FleetGate
 from gpulet_allocator.service.remediate.heal import Healer
 from gpulet_allocator.service.remediate.kube import EventTarget, KubeActions, KubeError
 from gpulet_allocator.service.remediate.policy import (
@@ -138,6 +139,8 @@ class Remediator:
         self.passes = 0
         #: Remediation by reset (mode "reset"; set by the service once it has NVML).
         self.healer: Healer | None = None
+        #: The fleet breaker (its slots_kv set by the service with a hub).
+        self.fleet = FleetGate(self._needs_slot)
         self._evictions: Counter | None = None
         self._trips: Counter | None = None
         self._breaker_open: UpDownCounter | None = None
@@ -279,6 +282,7 @@ class Remediator:
             evictions=b.evictions_in_window(),
             max_evictions=b.max_evictions,
             max_faults_per_gpu=b.max_faults_per_gpu,
+            fleet="; ".join(f"{gpu}: {why}" for gpu, why in sorted(self.fleet.held.items())),
         )
 
     async def step(self) -> float | None:
@@ -291,6 +295,7 @@ class Remediator:
         if self.breaker.settle({f.gpu_uuid for f in faults}) is False:
             await self._breaker_closed()
         heal_at = await self._heal(faults)
+        await self.fleet.give({f.gpu_uuid for f in faults})
         if not faults:
             return heal_at
         problems: list[str] = []
@@ -301,14 +306,15 @@ class Remediator:
         for fault in faults:
             holders = holders_of(devices_in_scope(fault, self._sources.mig_devices), records)
             holders = [h for h in holders if not h.terminating]
-            if not holders:
+            # Mode reset: a GPU no pod holds is still admitted before it is reset.
+            if not holders and self.healer is None:
                 continue
             verdict = self.breaker.admit(fault.gpu_uuid, self._sources.node_gpus())
             if verdict.changed is True:
                 await self._breaker_tripped(fault)
             elif verdict.changed is False:
                 await self._breaker_closed()
-            if not verdict.admitted:
+            if not verdict.admitted or not await self._take_slot(fault):
                 continue
             for holder in holders:
                 track = self._tracks.setdefault((fault.device, holder.key), Track(holder))
@@ -337,12 +343,33 @@ class Remediator:
 
     async def holders_left(self, gpu_uuid: str) -> int:
         """How many pods still hold the GPU or one of its MIG devices, terminating ones
-        included (remediation by reset waits for none: :class:`~.heal.Evictions`)."""
+        included, and at least 1 while a breaker holds the GPU back (remediation by
+        reset waits for none: :class:`~.heal.Evictions`)."""
         records = await self._records([])
         scope = devices_in_scope(
             Fault(gpu_uuid=gpu_uuid, device=gpu_uuid), self._sources.mig_devices
         )
-        return len(holders_of(scope, records))
+        held = gpu_uuid in self.breaker.held or gpu_uuid in self.fleet.held
+        return max(len(holders_of(scope, records)), 1 if held else 0)
+
+    async def _needs_slot(self, gpu_uuid: str) -> bool:
+        """A fleet slot is held while the GPU is remediated: in mode evict while its
+        fault stands, in mode reset while its machine runs."""
+        return self.healer is None or await self.healer.active(gpu_uuid)
+
+    async def _take_slot(self, fault: Fault) -> bool:
+        gpu, was_held = fault.gpu_uuid, fault.gpu_uuid in self.fleet.held
+        why = await self.fleet.take(gpu)
+        if why is None:
+            return True
+        if not was_held:
+            self._log.warning("remediation of GPU %s held back: %s", gpu, why)
+            if self.kube is not None:
+                await self.kube.post_event(
+                    self._node_target(), REASON_BREAKER, f"GPU {gpu} held back: {why}"
+                )
+        self.fleet.held[gpu] = why
+        return False
 
     def _evicted_for_another(self, device: str, pod: str) -> bool:
         return any(

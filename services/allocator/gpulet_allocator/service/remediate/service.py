@@ -22,6 +22,7 @@ from nats.micro.request import Request
 from gpulet_allocator import protocol as p
 from gpulet_allocator.decide.core import AllocatorCore
 from gpulet_allocator.service.pod_watch import kube_configuration
+from gpulet_allocator.service.remediate.fleet import fleet_bus, fleet_slots
 from gpulet_allocator.service.remediate.heal import Healer
 from gpulet_allocator.service.remediate.heal_events import NodeEvents
 from gpulet_allocator.service.remediate.heal_store import KvBreakerStore, KvHealStore
@@ -117,7 +118,12 @@ class RemediationService:
                 self.remediator.breaker_store = KvBreakerStore(kv, self._node)
             if settings.mode == "reset":
                 self.remediator.healer = await self._healer()
-            await self.remediator.run()
+            async with fleet_bus(settings.fleet, self._runtime) as hub:
+                if hub is not None:
+                    self.remediator.fleet.slots_kv = await fleet_slots(
+                        hub, settings.fleet, self._node
+                    )
+                await self.remediator.run()
 
     async def _healer(self) -> Healer | None:
         """Remediation by reset's machine on this process's NVML and the node's KV; None
