@@ -216,6 +216,8 @@ async def test_xid_79_quarantine_evict_idle_reset_verify_return(rig: Rig) -> Non
     ]
     assert rig.node.kinds() == ["hold", "release"]
     assert "xid:79" in rig.node.calls[-1][2]  # gpulet.io/last-reset: time and cause
+    assert record.last_reset == rig.node.calls[-1][2]
+    assert record.last_reset.startswith("2027-")  # EPOCH + mock time, RFC 3339
     assert rig.mock.nvmlDeviceGetTotalEccErrors(rig.mock.nvmlDeviceGetHandleByIndex(3), 1, 0) == 0
     # The same (lingering) condition does not start a second machine.
     await healer.run_pass([fault])
@@ -336,6 +338,7 @@ async def test_repeat_offender_is_retired_until_cleared(rig: Rig) -> None:
     record = await rig.drive(healer, [rig.fault(3)], ended, 3)
     assert record.state == "retired"
     assert "RMA candidate: 3 fatal faults" in record.detail
+    assert "xid:79" in record.last_reset  # the last reset, kept by the next machine
     assert rig.mock.resets_of(3) == 2
     assert rig.node.kinds()[-2:] == ["hold", "retire"]
     assert "2 reset(s)" in rig.node.calls[-1][2]

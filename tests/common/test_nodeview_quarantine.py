@@ -69,11 +69,13 @@ async def test_a_machine_holds_its_gpu_out_of_service_until_returned(
         await kv.put(heal_key(NODE, B), HEAL_RECORD.encode(HealRecord(gpu_uuid=B, state="retired")))
         await wait_until(lambda: not view.healthy(B))
         assert view.healths()[B].conditions[0].action == "hardware_inspection"
-        # Returned: in service again.
-        record.state = "returned"
+        # Returned: in service again, its last reset known.
+        record.state, record.last_reset = "returned", "2026-12-06T03:10:42Z xid:79"
         await kv.update(heal_key(NODE, A), HEAL_RECORD.encode(record), last=revision)
         await wait_until(lambda: view.healthy(A), what="A back")
         assert A not in view.unhealthy()
+        assert view.last_reset(A) == "2026-12-06T03:10:42Z xid:79"
+        assert view.last_reset(B) == ""
 
 
 async def test_an_unreadable_machine_record_fails_closed(nats_server: EmbeddedNats) -> None:

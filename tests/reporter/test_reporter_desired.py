@@ -531,3 +531,20 @@ def test_machine_type_is_read_like_gfd(tmp_path: Path) -> None:
     assert read_machine_type(product) == "unknown"
     product.write_text("  \n")
     assert read_machine_type(product) == "unknown"
+
+
+def test_last_reset_is_an_entry_label_until_there_is_none() -> None:
+    """Remediation by reset's last verified reset (time and cause) is the GPU entry's
+    ``gpulet.io/last-reset``; the reporter owns the label, so it goes when the view
+    has none (an entry's other labels are kept)."""
+    text = "2026-12-06T03:10:42Z xid:79 (XID 79 GPU_HAS_FALLEN_OFF_THE_BUS [RESTART_BM])"
+    reset = d.build_desired(make_inventory(NODE, 2), {}, last_resets={gpu_uuid(NODE, 1): text})
+    device = d.render_device(reset, None, node_uid="uid-1", now=NOW)
+    first, second = device["spec"]["devices"]
+    assert "labels" not in first
+    assert second["labels"] == {"gpulet.io/last-reset": text}
+    assert CrdSchema.from_file(DEFAULT_CRD_PATH).validate(device) == []
+    second["labels"]["team"] = "ml"
+    plain = d.build_desired(make_inventory(NODE, 2), {})
+    again = d.render_device(plain, device, node_uid="uid-1", now=NOW)
+    assert again["spec"]["devices"][1]["labels"] == {"team": "ml"}

@@ -105,6 +105,9 @@ class HealRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
     detail: str = ""
     # Each transition, "state@time: detail", the newest last (bounded).
     steps: list[str] = []
+    # The GPU's last reset that passed its verify: "<RFC 3339 time> <cause>" (kept by
+    # the next machine too); the Device CR entry's gpulet.io/last-reset.
+    last_reset: str = ""
 
 
 class HistoryEntry(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):

@@ -139,6 +139,11 @@ class NodeView:
         record = self._heal.get(uuid)
         return health if record is None else overlay(health, record)
 
+    def last_reset(self, uuid: str) -> str:
+        """The GPU's last verified reset by remediation ("<time> <cause>"), or ""."""
+        record = self._heal.get(uuid)
+        return record.last_reset if record is not None else ""
+
     def healths(self) -> Mapping[str, GpuHealth]:
         out = {u: self._seen(u, h) or h for u, h in self._health.items()}
         for uuid, record in self._heal.items():

@@ -190,6 +190,7 @@ class Healer:
             since=now,
         )
         fresh.steps = [f"quarantined@{now:.3f}: {fresh.cause}"]
+        fresh.last_reset = record.last_reset if record is not None else ""
         revision = await self.store.put(fresh, revision)
         history = await self._record_history(fault.gpu_uuid, "fault", fresh.cause)
         why = self._retire_reason(history)
@@ -348,8 +349,10 @@ class Healer:
 
     async def _return(self, record: HealRecord, revision: int, detail: str) -> None:
         now = self._clock()
-        await self._move(record, revision, "returned", detail)
         last_reset = f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime(now))} {record.cause}"
+        if record.resets:
+            record.last_reset = last_reset
+        await self._move(record, revision, "returned", detail)
         await self.quarantine.release(record.gpu_uuid, last_reset)
         if record.resets:
             await self._record_history(record.gpu_uuid, "reset", record.cause)
