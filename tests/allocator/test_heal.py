@@ -14,6 +14,7 @@ import msgspec
 import pytest
 
 from gpulet_allocator.service.remediate.heal import Healer, resettable
+from gpulet_allocator.service.remediate.heal_events import register_gauge
 from gpulet_allocator.service.remediate.heal_store import KvHealStore
 from gpulet_allocator.service.remediate.nvml_port import NvmlGpu
 from gpulet_allocator.service.remediate.reset_exec import MockExecutor
@@ -26,6 +27,7 @@ from gpulet_common.mock_nvml.scenario import Scenario, load_scenario
 from gpulet_common.remediation import Fault
 from gpulet_common.settings import NatsSettings
 from gpulet_common.settings.remediation import ResetSettings, RetireRule
+from support.metrics import MetricsProbe
 
 pytestmark = pytest.mark.anyio
 
@@ -412,3 +414,19 @@ async def test_dry_run_step_of_each_fault(rig: Rig) -> None:
     await healer.run_pass([rig.fault(3)])
     assert (await healer.step_of(rig.fault(3)))[0] == "waiting_idle"
     assert rig.mock.resets_of(3) == 0  # the dry run changed nothing
+
+
+async def test_escalated_and_retired_gpus_are_on_the_gauge(rig: Rig) -> None:
+    probe = MetricsProbe()
+    healer = await rig.healer()
+    register_gauge(probe.meter, NODE, lambda: healer.out_of_service)
+    rig.inject("reset_fail", 3)
+    await rig.drive(healer, [rig.fault(3)], ended, 3)
+    escalated = probe.value(
+        "gpulet.allocator.remediation.gpu_state", UUID=rig.uuid(3), state="escalated"
+    )
+    assert escalated == 1
+    # A GPU back in service leaves the gauge.
+    await rig.drive(healer, [rig.fault(1)], ended, 1)
+    assert rig.uuid(1) not in healer.out_of_service
+    assert rig.uuid(3) in healer.out_of_service

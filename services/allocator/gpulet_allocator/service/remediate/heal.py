@@ -46,6 +46,7 @@ from gpulet_allocator.service.remediate.nvml_port import Topology
 from gpulet_allocator.service.remediate.reset_exec import ResetExecutor, alone_problem
 from gpulet_common.heal import (
     ACTIVE,
+    OUT_OF_SERVICE,
     QUARANTINE_KIND,
     FaultHistory,
     GpuIdentity,
@@ -144,6 +145,9 @@ class Healer:
         self._clock = clock
         #: Resets started by this Healer (tests check none ran twice).
         self.resets_started = 0
+        #: The machines that hold their GPU out of service, as of the last pass (the
+        #: gpu_state gauge: escalated and retired GPUs alert).
+        self.out_of_service: dict[str, HealRecord] = {}
 
     # --- one pass ----------------------------------------------------------------------
 
@@ -162,6 +166,7 @@ class Healer:
                     continue
         wake: list[float] = []
         for record in await self.store.records():
+            self._note(record)
             if record.state not in ACTIVE and record.state != "retired":
                 continue
             try:
@@ -171,6 +176,12 @@ class Healer:
             if at is not None:
                 wake.append(at)
         return min(wake) if wake else None
+
+    def _note(self, record: HealRecord) -> None:
+        if record.state in OUT_OF_SERVICE:
+            self.out_of_service[record.gpu_uuid] = record
+        else:
+            self.out_of_service.pop(record.gpu_uuid, None)
 
     async def start(self, fault: Fault) -> HealRecord | None:
         """Begin a machine for the fault's GPU unless one is under way or the GPU is
@@ -405,7 +416,9 @@ class Healer:
         record.steps = [*record.steps, f"{state}@{now:.3f}: {detail[:200]}"][-STEPS_KEPT:]
         if state not in ("escalated", "retired"):
             record.detail = detail[:300]
-        return await self.store.put(record, revision)
+        revision = await self.store.put(record, revision)
+        self._note(record)
+        return revision
 
     async def _record_history(self, gpu_uuid: str, kind: HistoryKind, detail: str) -> FaultHistory:
         history, revision = await self.store.history(gpu_uuid)

@@ -11,10 +11,13 @@ matters (reasons below), and a log line; with no API server, the log line alone.
 from __future__ import annotations
 
 import logging
-from typing import Final
+from collections.abc import Iterable
+from typing import Any, Final
+
+from opentelemetry.metrics import CallbackOptions, Observation
 
 from gpulet_allocator.service.remediate.kube import EventTarget, KubeActions
-from gpulet_common.heal import FaultHistory
+from gpulet_common.heal import FaultHistory, HealRecord
 
 log = logging.getLogger("gpulet.allocator.remediation.heal")
 
@@ -22,6 +25,34 @@ REASON_QUARANTINED: Final = "GpuletGpuQuarantined"
 REASON_RETURNED: Final = "GpuletGpuReturnedToService"
 REASON_NEEDS_REBOOT: Final = "GpuletGpuNeedsReboot"
 REASON_RETIRED: Final = "GpuletGpuRetired"
+
+
+GAUGE: Final = "gpulet.allocator.remediation.gpu_state"
+
+
+def register_gauge(meter: Any, node: str, records: Any) -> None:
+    """``gpulet_allocator_remediation_gpu_state``: 1 for each GPU a machine holds out
+    of service, labelled with its state (quarantined ... retired) and, escalated or
+    retired, why (the alerts GpuletGpuNeedsReboot and GpuletGpuRetired read it).
+    ``records()`` gives the machines as of the last pass."""
+
+    def observe(_options: CallbackOptions) -> Iterable[Observation]:
+        out: list[HealRecord] = list(records().values())
+        for record in out:
+            attributes = {
+                "gpu": str(record.gpu_index) if record.gpu_index is not None else "",
+                "UUID": record.gpu_uuid,
+                "Hostname": node,
+                "state": record.state,
+                "reason": record.detail[:200] if record.state in ("escalated", "retired") else "",
+            }
+            yield Observation(1, attributes)
+
+    meter.create_observable_gauge(
+        GAUGE,
+        [observe],
+        description="1 for each GPU remediation by reset holds out of service, by state",
+    )
 
 
 class NodeEvents:

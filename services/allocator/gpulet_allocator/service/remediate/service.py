@@ -24,7 +24,7 @@ from gpulet_allocator.decide.core import AllocatorCore
 from gpulet_allocator.service.pod_watch import kube_configuration
 from gpulet_allocator.service.remediate.fleet import fleet_bus, fleet_slots
 from gpulet_allocator.service.remediate.heal import Healer
-from gpulet_allocator.service.remediate.heal_events import NodeEvents
+from gpulet_allocator.service.remediate.heal_events import NodeEvents, register_gauge
 from gpulet_allocator.service.remediate.heal_store import KvBreakerStore, KvHealStore
 from gpulet_allocator.service.remediate.heal_view import faults_since, known_identity
 from gpulet_allocator.service.remediate.kube import KubeClient
@@ -67,6 +67,7 @@ class RemediationService:
         self._node = node
         self._runtime = runtime
         self._view = view
+        self._meter = meter
         socket = Path(self._allocator.pod_resources_socket)
         timeout = self._allocator.pod_resources_timeout_s
 
@@ -147,7 +148,7 @@ class RemediationService:
         else:
             executor = NvidiaSmiExecutor(reset.nvidia_smi, reset.timeout_s)
         kv = await runtime.bus.key_value(HEAL_KV_BUCKET)
-        return Healer(
+        healer = Healer(
             reset,
             KvHealStore(kv, runtime.bus.jetstream, self._node),
             NvmlGpu(module),
@@ -157,6 +158,9 @@ class RemediationService:
             known=known_identity(self._view),
             faults_since=faults_since(self._view),
         )
+        if self._meter is not None:
+            register_gauge(self._meter, self._node, lambda: healer.out_of_service)
+        return healer
 
     async def on_request(self, req: Request, replies: Replies) -> None:
         endpoint = p.ENDPOINT_REMEDIATION
