@@ -430,3 +430,26 @@ async def test_escalated_and_retired_gpus_are_on_the_gauge(rig: Rig) -> None:
     await rig.drive(healer, [rig.fault(1)], ended, 1)
     assert rig.uuid(1) not in healer.out_of_service
     assert rig.uuid(3) in healer.out_of_service
+
+
+async def test_an_escalated_gpu_waits_for_the_reboot_it_asked_for(rig: Rig) -> None:
+    boot = ["boot-1"]
+    healer = await rig.healer()
+    healer._boot_id = lambda: boot[0]
+    rig.inject("reset_fail", 3)
+    record = await rig.drive(healer, [rig.fault(3)], ended, 3)
+    assert (record.state, record.boot_id) == ("escalated", "boot-1")
+    # Restarts of the agent within the same boot keep it out.
+    again = await rig.healer()
+    again._boot_id = lambda: boot[0]
+    await again.run_pass([rig.fault(3)])
+    assert (await rig.record(3)).state == "escalated"
+    # The node rebooted: the GPU is back (no reset recorded: none passed).
+    boot[0] = "boot-2"
+    await again.run_pass([])
+    record = await rig.record(3)
+    assert record.state == "returned"
+    assert "the node rebooted" in record.detail
+    assert record.last_reset == ""
+    history, _ = await (await rig.store()).history(rig.uuid(3))
+    assert [e.kind for e in history.entries] == ["fault", "reset_failed"]

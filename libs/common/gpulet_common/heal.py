@@ -108,6 +108,9 @@ class HealRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
     # The GPU's last reset that passed its verify: "<RFC 3339 time> <cause>" (kept by
     # the next machine too); the Device CR entry's gpulet.io/last-reset.
     last_reset: str = ""
+    # The node's boot id when the record was last written: an escalated GPU waits for
+    # a reboot, and a record from an earlier boot says it came.
+    boot_id: str = ""
 
 
 class HistoryEntry(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):

@@ -44,6 +44,7 @@ from typing import Final, Protocol
 
 from gpulet_allocator.service.remediate.nvml_port import Topology
 from gpulet_allocator.service.remediate.reset_exec import ResetExecutor, alone_problem
+from gpulet_common.bootid import read_boot_id
 from gpulet_common.heal import (
     ACTIVE,
     OUT_OF_SERVICE,
@@ -133,8 +134,10 @@ class Healer:
         known: Callable[[str], GpuIdentity | None] = lambda _uuid: None,
         faults_since: Callable[[str, float], list[str]] = lambda _uuid, _t: [],
         clock: Callable[[], float] = time.time,
+        boot_id: Callable[[], str] = read_boot_id,
     ) -> None:
         self.settings = settings
+        self._boot_id = boot_id
         self.store = store
         self.gpu = gpu
         self.executor = executor
@@ -167,7 +170,7 @@ class Healer:
         wake: list[float] = []
         for record in await self.store.records():
             self._note(record)
-            if record.state not in ACTIVE and record.state != "retired":
+            if record.state not in ACTIVE and record.state not in ("escalated", "retired"):
                 continue
             try:
                 at = await self.advance(record.gpu_uuid)
@@ -254,6 +257,9 @@ class Healer:
             history, _ = await self.store.history(gpu_uuid)
             if not history.retired:
                 await self._return(record, revision, "retirement cleared by an operator")
+        if state == "escalated" and record.boot_id and record.boot_id != self._boot_id():
+            # The reboot it asked for came: the GPU is the health service's again.
+            await self._return(record, revision, f"the node rebooted (was boot {record.boot_id})")
         return None
 
     # --- the states --------------------------------------------------------------------
@@ -359,13 +365,16 @@ class Healer:
     # --- ends --------------------------------------------------------------------------
 
     async def _return(self, record: HealRecord, revision: int, detail: str) -> None:
+        """Back in service: after its verify (a reset to record), or once an operator
+        cleared a retirement or the reboot an escalation asked for came."""
+        verified = record.state == "verifying"
         now = self._clock()
-        last_reset = f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime(now))} {record.cause}"
-        if record.resets:
-            record.last_reset = last_reset
+        if verified:
+            stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now))
+            record.last_reset = f"{stamp} {record.cause}"
         await self._move(record, revision, "returned", detail)
-        await self.quarantine.release(record.gpu_uuid, last_reset)
-        if record.resets:
+        await self.quarantine.release(record.gpu_uuid, record.last_reset or detail)
+        if verified:
             await self._record_history(record.gpu_uuid, "reset", record.cause)
         log.warning("GPU %s back in service: %s", record.gpu_uuid, detail)
 
@@ -413,6 +422,7 @@ class Healer:
     ) -> int:
         now = self._clock()
         record.state, record.since, record.deadline = state, now, deadline
+        record.boot_id = self._boot_id()
         record.steps = [*record.steps, f"{state}@{now:.3f}: {detail[:200]}"][-STEPS_KEPT:]
         if state not in ("escalated", "retired"):
             record.detail = detail[:300]

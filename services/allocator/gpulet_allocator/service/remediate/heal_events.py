@@ -73,7 +73,7 @@ class NodeEvents:
     async def release(self, gpu_uuid: str, last_reset: str) -> None:
         await self._event(
             REASON_RETURNED,
-            f"GPU {gpu_uuid} reset, verified and back in service (last reset {last_reset})",
+            f"GPU {gpu_uuid} back in service (last reset {last_reset})",
             warning=False,
         )
 
