@@ -52,12 +52,14 @@ class Node:
     """The Quarantine port, recorded."""
 
     calls: list[tuple[str, str, str]] = field(default_factory=list)
+    verified: list[bool] = field(default_factory=list)
 
     async def hold(self, gpu_uuid: str, reason: str) -> None:
         self.calls.append(("hold", gpu_uuid, reason))
 
-    async def release(self, gpu_uuid: str, last_reset: str) -> None:
+    async def release(self, gpu_uuid: str, last_reset: str, *, verified: bool = False) -> None:
         self.calls.append(("release", gpu_uuid, last_reset))
+        self.verified.append(verified)
 
     async def escalate(self, gpu_uuid: str, reason: str) -> None:
         self.calls.append(("escalate", gpu_uuid, reason))
@@ -217,6 +219,7 @@ async def test_xid_79_quarantine_evict_idle_reset_verify_return(rig: Rig) -> Non
         "returned",
     ]
     assert rig.node.kinds() == ["hold", "release"]
+    assert rig.node.verified == [True]  # the health service is told: its clear
     assert "xid:79" in rig.node.calls[-1][2]  # gpulet.io/last-reset: time and cause
     assert record.last_reset == rig.node.calls[-1][2]
     assert record.last_reset.startswith("2027-")  # EPOCH + mock time, RFC 3339
@@ -451,5 +454,6 @@ async def test_an_escalated_gpu_waits_for_the_reboot_it_asked_for(rig: Rig) -> N
     assert record.state == "returned"
     assert "the node rebooted" in record.detail
     assert record.last_reset == ""
+    assert rig.node.verified == [False]  # no reset to tell the health service of
     history, _ = await (await rig.store()).history(rig.uuid(3))
     assert [e.kind for e in history.entries] == ["fault", "reset_failed"]

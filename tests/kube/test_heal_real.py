@@ -167,7 +167,7 @@ async def run_the_fault(
         NvmlGpu(h.mock),
         executor,
         remediator,
-        NodeEvents(node, kube),
+        NodeEvents(node, kube, h.runtime.bus, nats_node=h.node),
         known=known_identity(view),
         faults_since=faults_since(view),
     )

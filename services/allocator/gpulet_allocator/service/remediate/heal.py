@@ -99,7 +99,10 @@ class Evictions(Protocol):
 
 class Quarantine(Protocol):
     async def hold(self, gpu_uuid: str, reason: str) -> None: ...
-    async def release(self, gpu_uuid: str, last_reset: str) -> None: ...
+    async def release(self, gpu_uuid: str, last_reset: str, *, verified: bool = False) -> None:
+        """Back in service; ``verified``: after a reset that passed its verify."""
+        ...
+
     async def escalate(self, gpu_uuid: str, reason: str) -> None: ...
     async def retire(self, gpu_uuid: str, reason: str, history: FaultHistory) -> None: ...
 
@@ -373,7 +376,9 @@ class Healer:
             stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now))
             record.last_reset = f"{stamp} {record.cause}"
         await self._move(record, revision, "returned", detail)
-        await self.quarantine.release(record.gpu_uuid, record.last_reset or detail)
+        await self.quarantine.release(
+            record.gpu_uuid, record.last_reset or detail, verified=verified
+        )
         if verified:
             await self._record_history(record.gpu_uuid, "reset", record.cause)
         log.warning("GPU %s back in service: %s", record.gpu_uuid, detail)

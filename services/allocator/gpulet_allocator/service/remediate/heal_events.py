@@ -1,4 +1,5 @@
-"""What the cluster is told as a GPU's remediation by reset moves: Events on the Node.
+"""What the cluster and the health service are told as a GPU's remediation by reset
+moves: Events on the Node, and after a verified reset the health service's clear.
 
 The quarantine itself is the machine's record in the ``gpulet_heal`` KV: every node
 view overlays it (:func:`gpulet_common.heal.overlay`), so the device plugin, the DRA
@@ -6,6 +7,13 @@ slice and the node condition take the GPU out of service from the one record, wr
 before this is called. :class:`NodeEvents` is the :class:`~.heal.Quarantine` port on the
 remediation loop's :class:`~.kube.KubeActions`: an Event on the Node for each step that
 matters (reasons below), and a log line; with no API server, the log line alone.
+
+A reset that passed its verify is the evidence the fault's own sticky condition waits
+for, but the health service sees a reset only where a counter went back or a lost GPU
+came back; an XID alone (a GSP timeout, say) would keep the GPU unhealthy after its
+reset. So the verified reset is said to the health service too: its clear request
+(``gpulet.health.clear.<node>``, what ``gpulet health clear`` sends), by
+``gpulet-remediation``, which ends the GPU's sticky conditions with an event naming it.
 """
 
 from __future__ import annotations
@@ -17,7 +25,10 @@ from typing import Any, Final
 from opentelemetry.metrics import CallbackOptions, Observation
 
 from gpulet_allocator.service.remediate.kube import EventTarget, KubeActions
+from gpulet_common import codec, subjects
+from gpulet_common.bus import Bus, BusError
 from gpulet_common.heal import FaultHistory, HealRecord
+from gpulet_common.messages import HealthClearRequest
 
 log = logging.getLogger("gpulet.allocator.remediation.heal")
 
@@ -25,6 +36,7 @@ REASON_QUARANTINED: Final = "GpuletGpuQuarantined"
 REASON_RETURNED: Final = "GpuletGpuReturnedToService"
 REASON_NEEDS_REBOOT: Final = "GpuletGpuNeedsReboot"
 REASON_RETIRED: Final = "GpuletGpuRetired"
+CLEAR_TIMEOUT_S: Final = 5.0
 
 
 GAUGE: Final = "gpulet.allocator.remediation.gpu_state"
@@ -56,9 +68,14 @@ def register_gauge(meter: Any, node: str, records: Any) -> None:
 
 
 class NodeEvents:
-    def __init__(self, node: str, kube: KubeActions | None) -> None:
+    def __init__(
+        self, node: str, kube: KubeActions | None, bus: Bus | None = None, *, nats_node: str = ""
+    ) -> None:
         self.node = node
         self.kube = kube
+        self._bus = bus
+        # The node's name on NATS, where it differs from the Node's (tests).
+        self._nats_node = nats_node or node
 
     async def _event(self, reason: str, message: str, *, warning: bool = True) -> None:
         if self.kube is None:
@@ -70,7 +87,21 @@ class NodeEvents:
     async def hold(self, gpu_uuid: str, reason: str) -> None:
         await self._event(REASON_QUARANTINED, f"GPU {gpu_uuid} quarantined for a reset: {reason}")
 
-    async def release(self, gpu_uuid: str, last_reset: str) -> None:
+    async def release(self, gpu_uuid: str, last_reset: str, *, verified: bool = False) -> None:
+        if verified and self._bus is not None:
+            request = HealthClearRequest(
+                gpu=gpu_uuid, requested_by=f"gpulet-remediation (verified reset: {last_reset})"
+            )
+            try:
+                await self._bus.request(
+                    subjects.health_clear(self._nats_node),
+                    request,
+                    codec.HEALTH_CLEAR_REQUEST,
+                    codec.HEALTH_STATE,
+                    timeout_s=CLEAR_TIMEOUT_S,
+                )
+            except BusError as exc:  # no health service: its own evidence, later
+                log.warning("GPU %s: the health service's clear failed: %s", gpu_uuid, exc)
         await self._event(
             REASON_RETURNED,
             f"GPU {gpu_uuid} back in service (last reset {last_reset})",

@@ -154,7 +154,7 @@ class RemediationService:
             NvmlGpu(module),
             executor,
             self.remediator,
-            NodeEvents(self._node, self.remediator.kube),
+            NodeEvents(self._node, self.remediator.kube, runtime.bus),
             known=known_identity(self._view),
             faults_since=faults_since(self._view),
         )
