@@ -11,6 +11,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from gpulet_common.heal import HealRecord, overlay
 from gpulet_common.messages import ActiveCondition, GpuHealth
 from gpulet_reporter import desired as d
 from gpulet_reporter import labels as lb
@@ -548,3 +549,28 @@ def test_last_reset_is_an_entry_label_until_there_is_none() -> None:
     plain = d.build_desired(make_inventory(NODE, 2), {})
     again = d.render_device(plain, device, node_uid="uid-1", now=NOW)
     assert again["spec"]["devices"][1]["labels"] == {"team": "ml"}
+
+
+def test_a_gpu_remediation_holds_shows_the_hold_in_the_device() -> None:
+    """A retired GPU's entry says so (an RMA candidate, with its history), however
+    fatal the fault that started it."""
+    xid = ActiveCondition(
+        condition="xid:79", kind="xid", severity="fatal", reason="off the bus", since=NOW - 60
+    )
+    sick = GpuHealth(gpu_uuid=gpu_uuid(NODE, 1), healthy=False, conditions=[xid], updated_at=NOW)
+    record = HealRecord(
+        gpu_uuid=gpu_uuid(NODE, 1),
+        state="retired",
+        started_at=NOW,
+        detail="RMA candidate: 3 fatal faults within 86400 s (3 fatal fault(s), 2 reset(s))",
+    )
+    view = HealthView()
+    view.apply(gpu_uuid(NODE, 1), overlay(sick, record))
+    condition = view.get(gpu_uuid(NODE, 1))
+    assert condition is not None
+    assert (condition.healthy, condition.reason) == (False, "RemediationRetired")
+    assert condition.message.startswith("RMA candidate: 3 fatal faults")
+    view.apply(gpu_uuid(NODE, 1), sick)  # back to the fault alone
+    condition = view.get(gpu_uuid(NODE, 1))
+    assert condition is not None
+    assert condition.reason == "Xid79"
