@@ -331,6 +331,9 @@ def test_live_injection_of_every_fault_kind(open_mock: MockFactory, fault: str) 
         "nvlink_up": {"value": 5},
         "nvml_vanish": {"value": 12},
         "recovery_action": {"value": 1},
+        "process": {"value": 4242},
+        "reset_degrade": {"value": 8},
+        "reset_hang": {"duration_s": 0.05},
     }
     args = per_fault.get(fault, {})
     gpu = None if fault in ("hot_add", "nvml_vanish", "nvml_return") else 2
@@ -411,8 +414,27 @@ def test_live_injection_of_every_fault_kind(open_mock: MockFactory, fault: str) 
         assert mock.recovery.field(2) == 1
         assert inject(mock, "reset", 2)[0]
         assert mock.recovery.field(2) == 0
+    elif fault == "process":
+        assert [p.pid for p in mock.nvmlDeviceGetComputeRunningProcesses(h2(mock))] == [4242]
+        with pytest.raises(pynvml.NVMLError_InUse):
+            mock.gpu_reset(mock.scenario.gpus[2].bus_id)
+    elif fault in ("reset_fail", "reset_hang"):
+        error = pynvml.NVMLError_Unknown if fault == "reset_fail" else pynvml.NVMLError_Timeout
+        with pytest.raises(error):
+            mock.gpu_reset(mock.scenario.gpus[2].bus_id)
+        assert mock.resets_of(2) == 0
+        mock.gpu_reset(mock.scenario.gpus[2].bus_id)
+        assert mock.resets_of(2) == 1
+    elif fault == "reset_degrade":
+        assert mock.nvmlDeviceGetCurrPcieLinkWidth(h2(mock)) == 16
+        mock.gpu_reset(mock.scenario.gpus[2].bus_id)
+        assert mock.nvmlDeviceGetCurrPcieLinkWidth(h2(mock)) == 8
     else:  # pragma: no cover - every kind has a branch
         pytest.fail(f"no check for {fault}")
+
+
+def h2(mock: MockNvml) -> Any:
+    return mock.nvmlDeviceGetHandleByIndex(2)
 
 
 @pytest.mark.parametrize(

@@ -11,6 +11,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from gpulet_common.heal import HealRecord, overlay
 from gpulet_common.messages import ActiveCondition, GpuHealth
 from gpulet_reporter import desired as d
 from gpulet_reporter import labels as lb
@@ -531,3 +532,45 @@ def test_machine_type_is_read_like_gfd(tmp_path: Path) -> None:
     assert read_machine_type(product) == "unknown"
     product.write_text("  \n")
     assert read_machine_type(product) == "unknown"
+
+
+def test_last_reset_is_an_entry_label_until_there_is_none() -> None:
+    """Remediation by reset's last verified reset (time and cause) is the GPU entry's
+    ``gpulet.io/last-reset``; the reporter owns the label, so it goes when the view
+    has none (an entry's other labels are kept)."""
+    text = "2026-12-06T03:10:42Z xid:79 (XID 79 GPU_HAS_FALLEN_OFF_THE_BUS [RESTART_BM])"
+    reset = d.build_desired(make_inventory(NODE, 2), {}, last_resets={gpu_uuid(NODE, 1): text})
+    device = d.render_device(reset, None, node_uid="uid-1", now=NOW)
+    first, second = device["spec"]["devices"]
+    assert "labels" not in first
+    assert second["labels"] == {"gpulet.io/last-reset": text}
+    assert CrdSchema.from_file(DEFAULT_CRD_PATH).validate(device) == []
+    second["labels"]["team"] = "ml"
+    plain = d.build_desired(make_inventory(NODE, 2), {})
+    again = d.render_device(plain, device, node_uid="uid-1", now=NOW)
+    assert again["spec"]["devices"][1]["labels"] == {"team": "ml"}
+
+
+def test_a_gpu_remediation_holds_shows_the_hold_in_the_device() -> None:
+    """A retired GPU's entry says so (an RMA candidate, with its history), however
+    fatal the fault that started it."""
+    xid = ActiveCondition(
+        condition="xid:79", kind="xid", severity="fatal", reason="off the bus", since=NOW - 60
+    )
+    sick = GpuHealth(gpu_uuid=gpu_uuid(NODE, 1), healthy=False, conditions=[xid], updated_at=NOW)
+    record = HealRecord(
+        gpu_uuid=gpu_uuid(NODE, 1),
+        state="retired",
+        started_at=NOW,
+        detail="RMA candidate: 3 fatal faults within 86400 s (3 fatal fault(s), 2 reset(s))",
+    )
+    view = HealthView()
+    view.apply(gpu_uuid(NODE, 1), overlay(sick, record))
+    condition = view.get(gpu_uuid(NODE, 1))
+    assert condition is not None
+    assert (condition.healthy, condition.reason) == (False, "RemediationRetired")
+    assert condition.message.startswith("RMA candidate: 3 fatal faults")
+    view.apply(gpu_uuid(NODE, 1), sick)  # back to the fault alone
+    condition = view.get(gpu_uuid(NODE, 1))
+    assert condition is not None
+    assert condition.reason == "Xid79"

@@ -316,6 +316,10 @@ HealthKind = Literal[
     # An NVLink that was up went down (a warning; ``recovered`` when it is up again).
     # Added after schema version 1, like gpu_missing.
     "nvlink_down",
+    # Remediation by reset holds the GPU out of service (quarantined, escalated,
+    # retired): never written by the health service, overlaid by the node view from
+    # the gpulet_heal KV (gpulet_common.heal). Added after schema version 1.
+    "remediation",
 ]
 
 

@@ -39,6 +39,17 @@ after each change, with what changed; they read the view for the values.
 
 A GPU the health service has not spoken of counts as healthy: without the health
 service (disabled, not started yet), GPUs are still usable, as before.
+
+Quarantine
+----------
+Remediation by reset (``remediation.mode = "reset"``) keeps each GPU's state machine
+in the ``gpulet_heal`` KV bucket (:mod:`gpulet_common.heal`), keys
+``<node>.machine.<gpu-uuid>``. The view watches them too (same sessions, same revision
+rule) and, while a machine holds its GPU out of service, shows the GPU unhealthy with
+the quarantine's condition (:func:`gpulet_common.heal.overlay`) in every read: the
+device plugin says Unhealthy, the DRA slice taints it ``NoSchedule``, the node
+condition names it, from the one record, at once. A machine record that does not
+decode fails closed: the GPU reads quarantined ("not trusted").
 """
 
 from __future__ import annotations
@@ -55,6 +66,7 @@ from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 
 from gpulet_common import codec, subjects
 from gpulet_common.bus import Bus, BusError, Delivery
+from gpulet_common.heal import HEAL_KV_BUCKET, HEAL_RECORD, HealRecord, machine_prefix, overlay
 from gpulet_common.logutil import RateLimitedLog
 from gpulet_common.messages import GpuHealth, Inventory, InventoryRequest
 from gpulet_common.ordering import SenderOrder
@@ -100,6 +112,10 @@ class NodeView:
         self._order = SenderOrder()
         self._health: dict[str, GpuHealth] = {}
         self._revision: dict[str, int] = {}
+        # Remediation machines (gpulet_heal), by GPU, and their KV revisions.
+        self._heal: dict[str, HealRecord] = {}
+        self._heal_revision: dict[str, int] = {}
+        self._heal_prefix = machine_prefix(node)
         self._arrived = anyio.Event()
         self._bad = RateLimitedLog(log, per_minute=10)
         self._listener_log = RateLimitedLog(log, per_minute=10)
@@ -117,25 +133,42 @@ class NodeView:
         self._listeners.append(listener)
 
     def health(self, uuid: str) -> GpuHealth | None:
-        return self._health.get(uuid)
+        return self._seen(uuid, self._health.get(uuid))
+
+    def _seen(self, uuid: str, health: GpuHealth | None) -> GpuHealth | None:
+        record = self._heal.get(uuid)
+        return health if record is None else overlay(health, record)
+
+    def last_reset(self, uuid: str) -> str:
+        """The GPU's last verified reset by remediation ("<time> <cause>"), or ""."""
+        record = self._heal.get(uuid)
+        return record.last_reset if record is not None else ""
 
     def healths(self) -> Mapping[str, GpuHealth]:
-        return dict(self._health)
+        out = {u: self._seen(u, h) or h for u, h in self._health.items()}
+        for uuid, record in self._heal.items():
+            if uuid not in out:
+                held = overlay(None, record)
+                if held is not None:
+                    out[uuid] = held
+        return out
 
     def healthy(self, uuid: str) -> bool:
-        """Healthy and present; a GPU the health service never named counts as healthy.
+        """Healthy and present; a GPU the health service never named counts as healthy
+        (unless a remediation machine holds it).
 
         A MIG device's UUID is unhealthy while its GPU lists it among its
         ``unhealthy_mig_devices`` (its GPU's own health is its GPU's)."""
-        health = self._health.get(uuid)
+        health = self.health(uuid)
         if health is None:
             return not any(uuid in h.unhealthy_mig_devices for h in self._health.values())
         return health.healthy and health.present
 
     def unhealthy(self) -> set[str]:
         """The unhealthy or absent GPUs, and the MIG devices marked on their own."""
-        out = {u for u, h in self._health.items() if not (h.healthy and h.present)}
-        for h in self._health.values():
+        healths = self.healths()
+        out = {u for u, h in healths.items() if not (h.healthy and h.present)}
+        for h in healths.values():
             out.update(h.unhealthy_mig_devices)
         return out
 
@@ -161,6 +194,7 @@ class NodeView:
             async with anyio.create_task_group() as session:
                 session.start_soon(self._ask_inventory)
                 session.start_soon(self._watch_health)
+                session.start_soon(self._watch_heal)
                 # Core NATS delivered nothing while we were cut off: start afresh.
                 with anyio.move_on_after(self._resync_s):
                     await self._bus.wait_reconnected()
@@ -265,6 +299,82 @@ class NodeView:
                 snapshot.pop(uuid, None)
             else:
                 snapshot[uuid] = (revision, health)
+
+    # --- remediation machines ----------------------------------------------------------------
+
+    async def _watch_heal(self) -> None:
+        """Like :meth:`_watch_health`, on ``gpulet_heal`` (absent until remediation by
+        reset first runs on the node). Looked for again every ``retry_s``, without
+        back-off: once the bucket exists a quarantine must show within that, not after
+        a back-off grown while nobody used it (one bucket lookup per ``retry_s``)."""
+        while True:
+            try:
+                with anyio.fail_after(WATCH_OPEN_TIMEOUT_S):
+                    kv = await self._bus.jetstream.key_value(HEAL_KV_BUCKET)
+                    watcher = await kv.watch(f"{self._heal_prefix}>")
+            except (nats.errors.Error, OSError, TimeoutError):
+                await anyio.sleep(self._retry_s)
+                continue
+            try:
+                await self._follow_heal(watcher)
+            finally:
+                with (
+                    anyio.CancelScope(shield=True),
+                    anyio.move_on_after(1.0),
+                    suppress(nats.errors.Error, OSError),
+                ):
+                    await watcher.stop()  # type: ignore[no-untyped-call]
+
+    async def _follow_heal(self, watcher: KeyValue.KeyWatcher) -> None:
+        snapshot: dict[str, tuple[int, HealRecord]] | None = {}
+        async for entry in watcher:
+            if entry is None:
+                if snapshot is not None:
+                    old = self._heal
+                    self._heal = {u: r for u, (_, r) in snapshot.items()}
+                    self._heal_revision = {u: rev for u, (rev, _) in snapshot.items()}
+                    changed = {
+                        u for u in old.keys() | self._heal.keys() if old.get(u) != self._heal.get(u)
+                    }
+                    snapshot = None
+                    if changed:
+                        self._notify(NodeChange(gpus=frozenset(changed)))
+                continue
+            key = entry.key
+            if not key.startswith(self._heal_prefix):
+                continue
+            try:
+                uuid = subjects.untoken(key[len(self._heal_prefix) :])
+            except (ValueError, UnicodeDecodeError):
+                continue
+            record = None
+            if entry.operation not in (KV_DEL, KV_PURGE):
+                record = self._decode_heal(key, uuid, entry.value or b"")
+            revision = entry.revision or 0
+            if snapshot is not None:
+                if record is None:
+                    snapshot.pop(uuid, None)
+                else:
+                    snapshot[uuid] = (revision, record)
+            elif revision > self._heal_revision.get(uuid, 0):
+                self._heal_revision[uuid] = revision
+                if self._heal.get(uuid) != record:
+                    if record is None:
+                        self._heal.pop(uuid, None)
+                    else:
+                        self._heal[uuid] = record
+                    self._notify(NodeChange(gpus=frozenset({uuid})))
+
+    def _decode_heal(self, key: str, uuid: str, data: bytes) -> HealRecord:
+        try:
+            record = HEAL_RECORD.decode(data)
+        except Exception as exc:  # total: fail closed, the GPU stays out
+            self._bad.warning("%s: malformed remediation record %s: %s", self._who, key, exc)
+            return HealRecord(gpu_uuid=uuid, state="escalated", detail="record not trusted")
+        if record.gpu_uuid != uuid:
+            self._bad.warning("%s: remediation record %s names another GPU", self._who, key)
+            return HealRecord(gpu_uuid=uuid, state="escalated", detail="record not trusted")
+        return record
 
     def _uuid_of(self, key: str) -> str | None:
         if not key.startswith(self._prefix):

@@ -52,6 +52,9 @@ class Fault(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     # The catalogue entry (gpulet_common.xid_table): NVIDIA's mnemonic and immediate bucket.
     mnemonic: str = ""
     bucket: str = ""
+    # When the condition was raised (the health service's clock, this node's): a
+    # remediation by reset starts again only for a condition newer than its last start.
+    since: float = 0.0
 
     @property
     def entry(self) -> str:
@@ -67,6 +70,10 @@ class PlannedGpu(Fault, frozen=True, kw_only=True, omit_defaults=True):
     # False: the circuit breaker holds this GPU back.
     admitted: bool = True
     pods: list[PlannedPod] = []
+    # Mode reset: where the GPU's state machine stands ("quarantined" ... "returned",
+    # "escalated", "retired"; "would quarantine" before it starts) and why.
+    step: str = ""
+    step_detail: str = ""
 
 
 class BreakerView(msgspec.Struct, frozen=True, kw_only=True):
@@ -79,6 +86,13 @@ class BreakerView(msgspec.Struct, frozen=True, kw_only=True):
     in_window: list[str] = []
     trips: int = 0
     detail: str = ""
+    # Pods evicted within the window, and the most allowed (0: no limit); the most
+    # fault episodes of one GPU within the window (0: no limit).
+    evictions: int = 0
+    max_evictions: int = 0
+    max_faults_per_gpu: int = 0
+    # The fleet breaker (a hub's slots): what it holds back, or "" (off, or nothing).
+    fleet: str = ""
 
 
 class RemediationRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -108,7 +122,11 @@ def format_plan(plan: RemediationPlan) -> str:
         f"{b.limit} GPU(s) of {b.node_gpus} remediated in the last {b.window_s:g} s "
         f"(max_fraction {b.max_fraction:g}, tripped {b.trips} time(s))"
         + (f": {b.detail}" if b.detail else ""),
+        f"evictions: {b.evictions} in the window (at most {b.max_evictions or 'unlimited'}); "
+        f"at most {b.max_faults_per_gpu or 'unlimited'} fault(s) of one GPU per window",
     ]
+    if b.fleet:
+        lines.append(f"fleet breaker: {b.fleet}")
     if plan.mode == "off":
         lines.append("remediation is off: below is what mode evict would do")
     if not plan.gpus:
@@ -122,6 +140,10 @@ def format_plan(plan: RemediationPlan) -> str:
             f"{where}: {gpu.condition} ({gpu.kind}, {gpu.severity}, {gpu.action}) {entry}".rstrip()
         )
         lines.append(f"  why: {gpu.reason}")
+        if gpu.step:
+            lines.append(
+                f"  reset: {gpu.step}" + (f": {gpu.step_detail}" if gpu.step_detail else "")
+            )
         if not gpu.admitted:
             lines.append("  held back by the circuit breaker: no pod is evicted")
         if not gpu.pods:

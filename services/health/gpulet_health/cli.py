@@ -25,6 +25,7 @@ from gpulet_common.cli_support import (
 )
 from gpulet_common.messages import HealthClearRequest, HealthState, HealthStateRequest
 from gpulet_common.settings import Settings
+from gpulet_health.heal_cli import add_remediation_command, cmd_clear_retired
 from gpulet_health.remediate_cli import add_remediate_command
 from gpulet_health.xid_cli import add_xid_command
 
@@ -95,6 +96,8 @@ def _cmd_state(args: argparse.Namespace, load: LoadSettings) -> int:
 
 
 def _cmd_clear(args: argparse.Namespace, load: LoadSettings) -> int:
+    if args.retired:
+        return cmd_clear_retired(args, load)
     request = HealthClearRequest(gpu=args.gpu, condition=args.condition, requested_by=args.by)
     return _run_request(
         args,
@@ -116,7 +119,9 @@ def add_commands(sub: Any, add_flags: AddFlags, load: LoadSettings) -> None:
     )
     health.default_action = "state"
     health_sub = health.add_subparsers(
-        dest="health_command", required=True, metavar="{state,clear,xid,remediate}"
+        dest="health_command",
+        required=True,
+        metavar="{state,clear,xid,remediate,remediation}",
     )
 
     state = health_sub.add_parser(
@@ -146,6 +151,12 @@ def add_commands(sub: Any, add_flags: AddFlags, load: LoadSettings) -> None:
     )
     clear.add_argument("--by", default="operator", help="who clears it (recorded in the event)")
     clear.add_argument(
+        "--retired",
+        action="store_true",
+        default=False,
+        help="take a GPU remediation retired (an RMA candidate) back into service",
+    )
+    clear.add_argument(
         "--json", action="store_true", default=False, help="print the new HealthState as JSON"
     )
     clear.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the agent")
@@ -153,3 +164,4 @@ def add_commands(sub: Any, add_flags: AddFlags, load: LoadSettings) -> None:
     clear.set_defaults(func=bind(_cmd_clear, load))
     add_xid_command(health_sub, add_flags, load)
     add_remediate_command(health_sub, add_flags, load)
+    add_remediation_command(health_sub, add_flags, load)

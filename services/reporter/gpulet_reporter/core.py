@@ -66,6 +66,8 @@ class ReporterCore:
         self._identity: dict[str, GpuInfo] = {}
         # GPUs the health service says are not present (kept in the Device).
         self._absent: set[str] = set()
+        # Each GPU's last verified reset by remediation (the entry's gpulet.io/last-reset).
+        self._last_reset: dict[str, str] = {}
 
     def on_inventory(self, inventory: Inventory) -> None:
         if inventory.node != self.node:
@@ -101,6 +103,14 @@ class ReporterCore:
         if self.health.apply(uuid, health) or changed:
             self._rebuild()
 
+    def on_last_reset(self, uuid: str, text: str) -> None:
+        if self._last_reset.get(uuid, "") != text:
+            if text:
+                self._last_reset[uuid] = text
+            else:
+                self._last_reset.pop(uuid, None)
+            self._rebuild()
+
     def on_replicas(self, replicas: dict[str, int]) -> None:
         """The allocator's time-slicing replicas of each GPU (GFD's sharing labels)."""
         if replicas != self._facts.replicas:
@@ -127,6 +137,7 @@ class ReporterCore:
                 pcie_root=self._pcie_root,
                 absent=self.absent_gpus(),
                 facts=self._facts,
+                last_resets=self._last_reset,
             )
         except (ValueError, TypeError, OverflowError) as exc:
             # A malformed inventory that passed the decoder's checks: keep the last

@@ -86,7 +86,15 @@ CONDITION_HEALTHY: Final = "Healthy"
 ENTRY_LABEL_MIG_MODE: Final = "gpulet.io/mig-mode"
 ENTRY_LABEL_MIG_DEVICES: Final = "gpulet.io/mig-devices"
 ENTRY_LABEL_MIG_UNHEALTHY: Final = "gpulet.io/mig-unhealthy"
-_ENTRY_LABELS: Final = (ENTRY_LABEL_MIG_MODE, ENTRY_LABEL_MIG_DEVICES, ENTRY_LABEL_MIG_UNHEALTHY)
+# The GPU's last reset by remediation that passed its verify: "<time> <cause>".
+ENTRY_LABEL_LAST_RESET: Final = "gpulet.io/last-reset"
+_ENTRY_LABELS: Final = (
+    ENTRY_LABEL_MIG_MODE,
+    ENTRY_LABEL_MIG_DEVICES,
+    ENTRY_LABEL_MIG_UNHEALTHY,
+    ENTRY_LABEL_LAST_RESET,
+)
+LAST_RESET_MAX: Final = 256
 REASON_HEALTHY: Final = "Healthy"
 REASON_UNHEALTHY: Final = "Unhealthy"
 
@@ -207,6 +215,7 @@ def build_desired(
     pcie_root: Callable[[str], str] = fallback_pcie_root,
     absent: Sequence[GpuInfo] = (),
     facts: NodeFacts | None = None,
+    last_resets: Mapping[str, str] | None = None,
 ) -> DesiredState:
     """The intent for the inventory's node given what we know about each GPU's health.
 
@@ -237,7 +246,8 @@ def build_desired(
                 condition=_mig_condition(
                     gpu, health.get(gpu.uuid) if gpu.uuid in listed else _absent(health, gpu)
                 ),
-                labels=_mig_labels(gpu, health.get(gpu.uuid)),
+                labels=_mig_labels(gpu, health.get(gpu.uuid))
+                | _last_reset((last_resets or {}).get(gpu.uuid, "")),
             )
         )
     gpus.sort(key=lambda g: (g.minor, g.uuid))
@@ -257,6 +267,10 @@ def _mig_condition(gpu: GpuInfo, known: GpuCondition | None) -> GpuCondition | N
         return known
     reason = "MIGPending" if block[0] == MIG_PENDING else "MIGEnabled"
     return GpuCondition(healthy=False, reason=reason, message=block[1])
+
+
+def _last_reset(text: str) -> dict[str, str]:
+    return {ENTRY_LABEL_LAST_RESET: text[:LAST_RESET_MAX]} if text else {}
 
 
 def _mig_labels(gpu: GpuInfo, known: GpuCondition | None) -> dict[str, str]:

@@ -16,6 +16,10 @@ when the scheduler or an operator should care:
 * A healthy GPU reads ``Healthy``, a placeholder that leaves the Device's own wording
   alone (``from_event`` False); when this reporter saw it recover, ``Recovered`` is
   shown until the next change.
+* A GPU remediation by reset holds out of service (the node view's overlay) shows
+  that hold instead: ``RemediationQuarantined``, ``RemediationNeedsReboot``,
+  ``RemediationRetired`` with its message ("RMA candidate: ..." and the history's
+  counts).
 * A warning that leaves the GPU healthy (thermal slowdown, a corrected-ECC rate)
   changes nothing on the Device: it is the alerting system's business, and a flapping
   warning must not become a stream of writes.
@@ -34,6 +38,7 @@ from gpulet_common.messages import SEVERITY_RANK, UNHEALTHY_SEVERITIES, ActiveCo
 from gpulet_reporter.desired import GpuCondition, condition_reason
 
 _XID_CONDITION = re.compile(r"^xid:(\d+)$")
+REMEDIATION = "remediation"
 
 
 def reason_for(*, xid: int | None, condition: str, kind: str, text: str, healthy: bool) -> str:
@@ -109,10 +114,21 @@ def _condition(gpu: _GpuView, health: GpuHealth) -> GpuCondition:
             healthy=True, reason="Healthy", since=gpu.since, from_event=False, unhealthy_mig=migs
         )
     candidates = _unhealthy(health.conditions)
+    # Remediation's hold (quarantined, needs a reboot, retired: an RMA candidate) says
+    # what is being done about the fault, so it is what the Device shows.
+    held = [c for c in candidates if c.kind == REMEDIATION]
     if candidates:
-        worst = min(candidates, key=lambda c: (-SEVERITY_RANK[c.severity], c.since, c.condition))
+        worst = (
+            held[0]
+            if held
+            else min(candidates, key=lambda c: (-SEVERITY_RANK[c.severity], c.since, c.condition))
+        )
         reason = reason_for(
-            xid=None, condition=worst.condition, kind=worst.kind, text=worst.reason, healthy=False
+            xid=None,
+            condition=worst.condition,
+            kind=worst.condition if held else worst.kind,
+            text=worst.reason,
+            healthy=False,
         )
         message = worst.message or worst.reason
     elif not health.present:

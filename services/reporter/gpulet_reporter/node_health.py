@@ -43,6 +43,18 @@ node), ``all-gpus-unhealthy`` (only a node whose every GPU is unhealthy). The ta
 ``gpulet.io/gpu-unhealthy:NoSchedule`` and nothing else is ever touched: other taints,
 and a ``gpulet.io/gpu-unhealthy`` taint with another effect, are left as found.
 
+GPUs that need a reboot
+-----------------------
+Remediation by reset (docs/health.md, "Remediation by reset") escalates a GPU a reset
+cannot cure (a failed reset or verify, NODE_REBOOT, peers that would need resetting):
+the node view shows it with the condition ``remediation:needs_reboot``. The reporter
+then sets a second condition, ``GpuletNeedsReboot`` = True (reason ``GPUNeedsReboot``,
+the message naming each GPU and why), and the taint ``gpulet.io/needs-reboot:NoSchedule``
+whatever ``reporter.taint_policy`` says: the node needs its operator's tooling
+(NVSentinel, a reboot controller) and gpulet never reboots it. Once no GPU needs it,
+the condition turns False (``NoGPUNeedsReboot``; never written on a node that never had
+it) and the taint goes. An Unknown state leaves both as they are.
+
 Shape
 -----
 * :func:`evaluate` -- pure: the inventory, the health states and what is known of the
@@ -89,6 +101,12 @@ log = logging.getLogger("gpulet.reporter")
 CONDITION_TYPE: Final = "GpuletGPUHealthy"
 TAINT_KEY: Final = "gpulet.io/gpu-unhealthy"
 TAINT_EFFECT: Final = "NoSchedule"
+REBOOT_CONDITION: Final = "GpuletNeedsReboot"
+REBOOT_TAINT: Final = "gpulet.io/needs-reboot"
+REASON_NEEDS_REBOOT: Final = "GPUNeedsReboot"
+REASON_NO_REBOOT: Final = "NoGPUNeedsReboot"
+NEEDS_REBOOT_CONDITION: Final = "remediation:needs_reboot"
+_DETAIL_MAX: Final = 200
 
 REASON_HEALTHY: Final = "AllGPUsHealthy"
 REASON_UNHEALTHY: Final = "GPUsUnhealthy"
@@ -111,13 +129,23 @@ class NodeHealthIntent(msgspec.Struct, frozen=True, kw_only=True):
     reason: str
     message: str
     taint: bool | None
+    # GPUs remediation escalated: why each needs a reboot; "" none; None: not known
+    # (leave the GpuletNeedsReboot condition and taint as they are).
+    needs_reboot: str | None = None
 
 
 # --- what to say -----------------------------------------------------------------------
 
 
 def _kinds(health: GpuHealth) -> str:
-    kinds = sorted({c.kind for c in health.conditions if c.severity in UNHEALTHY_SEVERITIES})
+    kinds: list[str] = sorted(
+        {c.kind for c in health.conditions if c.severity in UNHEALTHY_SEVERITIES}
+    )
+    held = [c for c in health.conditions if c.kind == "remediation"]
+    if held:
+        # What remediation says of it (e.g. "RMA candidate: 3 fatal faults ...").
+        kinds.append(f"{held[0].condition}: {held[0].message[:_DETAIL_MAX]}")
+        kinds.remove("remediation")
     if kinds:
         return ", ".join(kinds)
     return "not present" if not health.present else "unhealthy"
@@ -141,12 +169,19 @@ def evaluate(
         key=lambda u: (index.get(u) is None, index.get(u) or 0, u),
     )
     total = len(index)
+    reboot = "; ".join(
+        f"GPU {index.get(u) if index.get(u) is not None else '?'} {u}: {c.message[:_DETAIL_MAX]}"
+        for u in unhealthy[:MESSAGE_GPUS_MAX]
+        for c in healths[u].conditions
+        if c.condition == NEEDS_REBOOT_CONDITION
+    )
     if not unhealthy:
         return NodeHealthIntent(
             status="True",
             reason=REASON_HEALTHY,
             message=f"all {total} GPUs healthy",
             taint=False,
+            needs_reboot="",
         )
     listed = [
         f"GPU {index[u] if index.get(u) is not None else '?'} {u} ({_kinds(healths[u])})"
@@ -162,7 +197,9 @@ def evaluate(
         taint = len(unhealthy) >= total
     else:
         taint = False
-    return NodeHealthIntent(status="False", reason=REASON_UNHEALTHY, message=message, taint=taint)
+    return NodeHealthIntent(
+        status="False", reason=REASON_UNHEALTHY, message=message, taint=taint, needs_reboot=reboot
+    )
 
 
 def unknown(reason: str, message: str, *, policy: TaintPolicy) -> NodeHealthIntent:
@@ -292,30 +329,30 @@ def node_taints(node: JsonObj | None) -> list[Any]:
     return taints if isinstance(taints, list) else []
 
 
-def find_condition(node: JsonObj | None) -> JsonObj | None:
+def find_condition(node: JsonObj | None, kind: str = CONDITION_TYPE) -> JsonObj | None:
     conditions = _field(node, "status", "conditions")
     for condition in conditions if isinstance(conditions, list) else []:
-        if isinstance(condition, dict) and condition.get("type") == CONDITION_TYPE:
+        if isinstance(condition, dict) and condition.get("type") == kind:
             return condition
     return None
 
 
-def is_our_taint(taint: Any) -> bool:
+def is_our_taint(taint: Any, key: str = TAINT_KEY) -> bool:
     return (
-        isinstance(taint, dict)
-        and taint.get("key") == TAINT_KEY
-        and taint.get("effect") == TAINT_EFFECT
+        isinstance(taint, dict) and taint.get("key") == key and taint.get("effect") == TAINT_EFFECT
     )
 
 
-def render_condition(intent: NodeHealthIntent, observed: JsonObj | None, *, now: float) -> JsonObj:
+def render_condition(
+    intent: NodeHealthIntent, observed: JsonObj | None, *, now: float, kind: str = CONDITION_TYPE
+) -> JsonObj:
     """The condition entry; ``lastTransitionTime`` kept while the status is unchanged."""
     stamp = rfc3339(now)
     transition = stamp
     if observed is not None and observed.get("status") == intent.status:
         transition = _as_rfc3339(observed.get("lastTransitionTime")) or stamp
     return {
-        "type": CONDITION_TYPE,
+        "type": kind,
         "status": intent.status,
         "reason": intent.reason,
         "message": intent.message,
@@ -348,14 +385,30 @@ def condition_differs(intent: NodeHealthIntent, observed: JsonObj | None) -> boo
     )
 
 
-def taints_for(observed: Iterable[Any], wanted: bool) -> list[Any] | None:
+def taints_for(observed: Iterable[Any], wanted: bool, key: str = TAINT_KEY) -> list[Any] | None:
     """The taint list with only ours set or removed, or None when it needs no change."""
     taints = list(observed)
-    has = any(is_our_taint(t) for t in taints)
+    has = any(is_our_taint(t, key) for t in taints)
     if has == wanted:
         return None
-    kept = [t for t in taints if not is_our_taint(t)]
-    return [*kept, {"key": TAINT_KEY, "effect": TAINT_EFFECT}] if wanted else kept
+    kept = [t for t in taints if not is_our_taint(t, key)]
+    return [*kept, {"key": key, "effect": TAINT_EFFECT}] if wanted else kept
+
+
+def reboot_intent(intent: NodeHealthIntent) -> NodeHealthIntent | None:
+    """The GpuletNeedsReboot condition as an intent of its own (None: leave it)."""
+    if intent.needs_reboot is None:
+        return None
+    if intent.needs_reboot:
+        return NodeHealthIntent(
+            status="True",
+            reason=REASON_NEEDS_REBOOT,
+            message="remediation escalated (gpulet never reboots a node): " + intent.needs_reboot,
+            taint=True,
+        )
+    return NodeHealthIntent(
+        status="False", reason=REASON_NO_REBOOT, message="no GPU needs a reboot", taint=False
+    )
 
 
 class NodeHealthWriter:
@@ -401,16 +454,23 @@ class NodeHealthWriter:
         if not self._kube.node_read:
             await self._kube.read_node()
         wrote = await self._apply_condition(desired)
-        return await self._apply_taint(desired) or wrote
+        wrote = await self._apply_taint(desired) or wrote
+        reboot = reboot_intent(desired)
+        if reboot is None:
+            return wrote
+        observed = find_condition(self.node_object, REBOOT_CONDITION)
+        if observed is not None or reboot.status == "True":
+            wrote = await self._apply_condition(reboot, REBOOT_CONDITION) or wrote
+        return await self._apply_taint(reboot, REBOOT_TAINT) or wrote
 
-    async def _apply_condition(self, intent: NodeHealthIntent) -> bool:
+    async def _apply_condition(self, intent: NodeHealthIntent, kind: str = CONDITION_TYPE) -> bool:
         if self.node_object is None:
             return False
-        observed = find_condition(self.node_object)
+        observed = find_condition(self.node_object, kind)
         changed = condition_differs(intent, observed)
         if not changed and not self._heartbeat_due:
             return False
-        condition = render_condition(intent, observed, now=self._clock())
+        condition = render_condition(intent, observed, now=self._clock(), kind=kind)
         try:
             result = await self._kube.call(
                 "patch node status",
@@ -426,27 +486,28 @@ class NodeHealthWriter:
                 return False
             raise api_error(exc, "patch node status") from exc
         self._kube.node_object = self._kube.as_dict(result)
-        self._heartbeat_due = False
+        if kind == CONDITION_TYPE:
+            self._heartbeat_due = False
         self._last_write = self._monotonic()
         self._metrics.wrote("node_status", "patch")
         if changed:
             log.info(
                 "node %s: condition %s=%s (%s) %s",
                 self._node,
-                CONDITION_TYPE,
+                kind,
                 intent.status,
                 intent.reason,
                 intent.message,
             )
         return True
 
-    async def _apply_taint(self, intent: NodeHealthIntent) -> bool:
+    async def _apply_taint(self, intent: NodeHealthIntent, key: str = TAINT_KEY) -> bool:
         wanted = intent.taint
         if wanted is None:
             return False
 
         def build(node: JsonObj) -> JsonObj | None:
-            taints = taints_for(node_taints(node), wanted)
+            taints = taints_for(node_taints(node), wanted, key)
             if taints is None:
                 return None
             patch: JsonObj = {"spec": {"taints": taints or None}}
@@ -460,7 +521,7 @@ class NodeHealthWriter:
         log.info(
             "node %s: taint %s:%s %s",
             self._node,
-            TAINT_KEY,
+            key,
             TAINT_EFFECT,
             "added" if wanted else "removed",
         )

@@ -175,6 +175,7 @@ class ReporterService(RuntimeService[ReporterSettings]):
             self.core.on_inventory(inventory)
         for uuid in change.gpus:
             self.core.on_health(uuid, self.view.health(uuid))
+            self.core.on_last_reset(uuid, self.view.last_reset(uuid))
         self._update_node_health()
 
     def _update_node_health(self) -> None:

@@ -37,6 +37,11 @@ FAULT_KINDS: Final = (
     "nvml_return",
     "reset",
     "recovery_action",
+    # mock_nvml/gpureset.py: processes on a GPU and how the next reset goes.
+    "process",
+    "reset_fail",
+    "reset_hang",
+    "reset_degrade",
 )
 # Faults that carry a table (``spec``): from the timeline or MockNvml.apply only, as a
 # live injection request (gpulet.mock.inject.<node>) carries none.

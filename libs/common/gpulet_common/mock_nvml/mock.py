@@ -106,7 +106,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from gpulet_common.mock_nvml.device import ManualClock
-from gpulet_common.mock_nvml.faults import MockFaults
+from gpulet_common.mock_nvml.gpureset import MockResets
 from gpulet_common.mock_nvml.latency import LatencyProfile
 from gpulet_common.mock_nvml.mig import MockMig
 from gpulet_common.mock_nvml.scenario import Scenario, load_scenario
@@ -115,7 +115,7 @@ from gpulet_common.mock_nvml.shapes import MockDeviceHandle, MockEventData, Mock
 __all__ = ["ManualClock", "MockDeviceHandle", "MockEventData", "MockEventSet", "MockNvml"]
 
 
-class MockNvml(MockMig, MockFaults):
+class MockNvml(MockMig, MockResets):
     """A module-like fake of ``pynvml`` playing a scenario (see the module docstring)."""
 
     def __init__(

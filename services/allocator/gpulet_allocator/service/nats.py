@@ -203,7 +203,7 @@ class AllocatorService(RuntimeService[AllocatorSettings]):
         self.dra = DraHost(runtime, self.view, self.claim_core)
         #: Evicting the pods of a failed GPU (remediation.mode; docs/health.md).
         self.remediation = RemediationService(
-            runtime.settings, self._node, self.core, self.view, meter
+            runtime.settings, self._node, self.core, self.view, meter, runtime
         )
         self._replies = replies
         #: The running nats.micro service (for tests and the status line).

@@ -106,6 +106,7 @@ def faults_of(gpu: GpuHealth, settings: RemediationSettings) -> list[Fault]:
             xid=xid,
             mnemonic=row.mnemonic if row else "",
             bucket=row.immediate if row else "",
+            since=cond.since,
         )
     return list(found.values())
 

@@ -30,14 +30,16 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Final, Protocol
 
 import anyio
 import msgspec
 from opentelemetry.metrics import Counter, Meter, UpDownCounter
 
 from gpulet_allocator.protocol import AllocationView
-from gpulet_allocator.service.remediate.breaker import Breaker
+from gpulet_allocator.service.remediate.breaker import Breaker, BreakerState
+from gpulet_allocator.service.remediate.fleet import FleetGate
+from gpulet_allocator.service.remediate.heal import Healer
 from gpulet_allocator.service.remediate.kube import EventTarget, KubeActions, KubeError
 from gpulet_allocator.service.remediate.policy import (
     Holder,
@@ -69,6 +71,11 @@ REASON_WOULD_EVICT: Final = "GpuletWouldEvictForGpuFault"
 REASON_BLOCKED: Final = "GpuletEvictionBlockedByPDB"
 REASON_BREAKER: Final = "GpuletRemediationBreakerOpen"
 REASON_BREAKER_CLOSED: Final = "GpuletRemediationBreakerClosed"
+
+
+class BreakerStore(Protocol):
+    async def load(self) -> BreakerState | None: ...
+    async def save(self, state: BreakerState) -> None: ...
 
 
 @dataclass(slots=True)
@@ -105,19 +112,35 @@ class Remediator:
         *,
         meter: Meter | None = None,
         clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+        breaker_store: BreakerStore | None = None,
     ) -> None:
         self.settings = settings
         self.node = node
         self._sources = sources
         self.kube = kube
         self._clock = clock
-        self.breaker = Breaker(settings.max_fraction, settings.window_s, clock)
+        # On the wall clock: its window is kept across restarts (breaker_store).
+        self.breaker = Breaker(
+            settings.max_fraction,
+            settings.window_s,
+            wall,
+            max_faults_per_gpu=settings.max_faults_per_gpu,
+            max_evictions=settings.max_evictions,
+        )
+        self.breaker_store = breaker_store
+        self._wall = wall
+        self._saved: BreakerState | None = None
         self._tracks: dict[tuple[str, str], Track] = {}
         self._wake = anyio.Event()
         self._log = RateLimitedLog(log, per_minute=6)
         self.evictions_requested = 0
         #: Passes of :meth:`step` (tests wait on it).
         self.passes = 0
+        #: Remediation by reset (mode "reset"; set by the service once it has NVML).
+        self.healer: Healer | None = None
+        #: The fleet breaker (its slots_kv set by the service with a hub).
+        self.fleet = FleetGate(self._needs_slot)
         self._evictions: Counter | None = None
         self._trips: Counter | None = None
         self._breaker_open: UpDownCounter | None = None
@@ -142,16 +165,40 @@ class Remediator:
         if self.settings.mode == "off":
             return
         log.info("remediation on node %s: mode %s", self.node, self.settings.mode)
+        await self.restore_breaker()
         while True:
             self._wake = anyio.Event()
             try:
                 next_at = await self.step()
+                await self.save_breaker()
             except Exception:  # a bug here must not end the allocator: say it, go on
                 self._log.exception("remediation pass failed")
                 next_at = self._clock() + self.settings.retry_max_s
             delay = None if next_at is None else max(0.0, next_at - self._clock())
             with anyio.move_on_after(delay if delay is not None else 3600.0):
                 await self._wake.wait()
+
+    async def restore_breaker(self) -> None:
+        """The breaker's window as the previous run left it (none: a fresh one)."""
+        if self.breaker_store is None:
+            return
+        state = await self.breaker_store.load()
+        if state is not None:
+            self.breaker.restore(state)
+            self._saved = self.breaker.state()
+            log.info(
+                "remediation breaker restored: %d GPU(s), %d eviction(s) in the window",
+                len(self._saved.admitted),
+                len(self._saved.evictions),
+            )
+
+    async def save_breaker(self) -> None:
+        if self.breaker_store is None:
+            return
+        state = self.breaker.state()
+        if state != self._saved:
+            await self.breaker_store.save(state)
+            self._saved = state
 
     # --- one pass ----------------------------------------------------------------------
 
@@ -192,7 +239,8 @@ class Remediator:
                 fits -= 1
                 window.add(fault.gpu_uuid)
             pods = [self._planned(fault, h, admitted) for h in holders]
-            gpus.append(_planned_gpu(fault, admitted, pods))
+            step = await self.healer.step_of(fault) if self.healer is not None else ("", "")
+            gpus.append(_planned_gpu(fault, admitted, pods, step))
         return RemediationPlan(
             node=self.node,
             mode=self.settings.mode,
@@ -231,6 +279,10 @@ class Remediator:
             in_window=b.in_window(),
             trips=b.trips,
             detail=f"holding back {', '.join(held)}" if held else "",
+            evictions=b.evictions_in_window(),
+            max_evictions=b.max_evictions,
+            max_faults_per_gpu=b.max_faults_per_gpu,
+            fleet="; ".join(f"{gpu}: {why}" for gpu, why in sorted(self.fleet.held.items())),
         )
 
     async def step(self) -> float | None:
@@ -242,8 +294,10 @@ class Remediator:
         self._tracks = {k: t for k, t in self._tracks.items() if k[0] in devices}
         if self.breaker.settle({f.gpu_uuid for f in faults}) is False:
             await self._breaker_closed()
+        heal_at = await self._heal(faults)
+        await self.fleet.give({f.gpu_uuid for f in faults})
         if not faults:
-            return None
+            return heal_at
         problems: list[str] = []
         records = await self._records(problems)
         for problem in problems:
@@ -252,14 +306,15 @@ class Remediator:
         for fault in faults:
             holders = holders_of(devices_in_scope(fault, self._sources.mig_devices), records)
             holders = [h for h in holders if not h.terminating]
-            if not holders:
+            # Mode reset: a GPU no pod holds is still admitted before it is reset.
+            if not holders and self.healer is None:
                 continue
             verdict = self.breaker.admit(fault.gpu_uuid, self._sources.node_gpus())
             if verdict.changed is True:
                 await self._breaker_tripped(fault)
             elif verdict.changed is False:
                 await self._breaker_closed()
-            if not verdict.admitted:
+            if not verdict.admitted or not await self._take_slot(fault):
                 continue
             for holder in holders:
                 track = self._tracks.setdefault((fault.device, holder.key), Track(holder))
@@ -272,7 +327,49 @@ class Remediator:
                 if track.state in ("blocked_by_pdb", "failed"):
                     pending.append(track.next_at)
         # While a fault stands, look again now and then: a holder may show up late.
+        if heal_at is not None:
+            pending.append(heal_at)
         return min(pending) if pending else now + self.settings.retry_max_s
+
+    async def _heal(self, faults: list[Fault]) -> float | None:
+        """Remediation by reset's pass; when it next needs to look, on this loop's clock
+        (the machines keep wall-clock times, which survive a restart)."""
+        if self.healer is None:
+            return None
+        wake = await self.healer.run_pass(faults)
+        if wake is None:
+            return None
+        return self._clock() + max(0.0, wake - self._wall())
+
+    async def holders_left(self, gpu_uuid: str) -> int:
+        """How many pods still hold the GPU or one of its MIG devices, terminating ones
+        included, and at least 1 while a breaker holds the GPU back (remediation by
+        reset waits for none: :class:`~.heal.Evictions`)."""
+        records = await self._records([])
+        scope = devices_in_scope(
+            Fault(gpu_uuid=gpu_uuid, device=gpu_uuid), self._sources.mig_devices
+        )
+        held = gpu_uuid in self.breaker.held or gpu_uuid in self.fleet.held
+        return max(len(holders_of(scope, records)), 1 if held else 0)
+
+    async def _needs_slot(self, gpu_uuid: str) -> bool:
+        """A fleet slot is held while the GPU is remediated: in mode evict while its
+        fault stands, in mode reset while its machine runs."""
+        return self.healer is None or await self.healer.active(gpu_uuid)
+
+    async def _take_slot(self, fault: Fault) -> bool:
+        gpu, was_held = fault.gpu_uuid, fault.gpu_uuid in self.fleet.held
+        why = await self.fleet.take(gpu)
+        if why is None:
+            return True
+        if not was_held:
+            self._log.warning("remediation of GPU %s held back: %s", gpu, why)
+            if self.kube is not None:
+                await self.kube.post_event(
+                    self._node_target(), REASON_BREAKER, f"GPU {gpu} held back: {why}"
+                )
+        self.fleet.held[gpu] = why
+        return False
 
     def _evicted_for_another(self, device: str, pod: str) -> bool:
         return any(
@@ -294,6 +391,17 @@ class Remediator:
             return
         if self.kube is None:
             return
+        if not self.breaker.may_evict():
+            track.state = "held_by_breaker"
+            track.detail = (
+                f"{self.breaker.max_evictions} pods evicted within {self.breaker.window_s:g} s"
+            )
+            if "evictions" not in track.reported:
+                track.reported.add("evictions")
+                await self._events(
+                    fault, holder, REASON_BREAKER, f"not evicting pod {holder.key}: " + track.detail
+                )
+            return
         track.attempts += 1
         self.evictions_requested += 1
         outcome = await self.kube.evict(holder.namespace, holder.name, holder.uid)
@@ -301,6 +409,7 @@ class Remediator:
             self._evictions.add(1, {"result": outcome.result})
         track.state, track.detail = outcome.result, outcome.detail
         if outcome.result == "evicted":
+            self.breaker.evicted()
             log.warning("remediation: evicted pod %s: %s", holder.key, why)
             await self._events(fault, holder, REASON_EVICTED, f"evicted pod {holder.key}: {why}")
             return
@@ -385,6 +494,14 @@ def _why(fault: Fault) -> str:
     )
 
 
-def _planned_gpu(fault: Fault, admitted: bool, pods: list[PlannedPod]) -> PlannedGpu:
-    # A PlannedGpu is a Fault with the breaker's verdict and the pods.
-    return PlannedGpu(**msgspec.structs.asdict(fault), admitted=admitted, pods=pods)
+def _planned_gpu(
+    fault: Fault, admitted: bool, pods: list[PlannedPod], step: tuple[str, str]
+) -> PlannedGpu:
+    # A PlannedGpu is a Fault with the breaker's verdict, the pods and the reset's step.
+    return PlannedGpu(
+        **msgspec.structs.asdict(fault),
+        admitted=admitted,
+        pods=pods,
+        step=step[0],
+        step_detail=step[1],
+    )
