@@ -20,7 +20,7 @@ GpuAction = Literal["reset_gpu", "reboot", "hardware_inspection", "operator_chec
 
 class RetireRule(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # A GPU with this many fatal faults within window_s is retired (an RMA candidate):
-    # out of service until `gpulet health clear --retired`. 0: never for faults.
+    # out of service until `gpulet health clear --retired --gpu N`. 0: never for faults.
     faults: Annotated[int, msgspec.Meta(ge=0, le=1000)] = 3
     # The window of the fatal faults counted against faults.
     window_s: PositiveSeconds = 86400.0
