@@ -42,6 +42,7 @@ from gpulet_common.codec import HEALTH_EVENT
 from gpulet_common.logutil import RateLimitedLog
 from gpulet_common.messages import HealthEvent
 from gpulet_common.safefile import open_append, open_update, write_atomic
+from gpulet_common.untrusted import json_document
 
 log = logging.getLogger("gpulet.health.buffer")
 
@@ -301,7 +302,7 @@ class DiskBuffer:
     def _read_json(self, name: str) -> dict[str, float] | None:
         path = self.directory / name
         try:
-            data = json.loads(path.read_text())
+            data = json_document(path.read_bytes(), max_bytes=1 << 16, what=str(path))
         except FileNotFoundError:
             return None
         except (OSError, ValueError) as exc:

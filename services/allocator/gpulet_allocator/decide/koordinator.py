@@ -57,6 +57,7 @@ from typing import Any, Final
 import msgspec
 
 from gpulet_common.quantity import SUFFIX
+from gpulet_common.untrusted import UntrustedDocumentError, json_document
 
 ANNOTATION_DEVICE_ALLOCATED: Final = "scheduling.koordinator.sh/device-allocated"
 RES_GPU_CORE: Final = "koordinator.sh/gpu-core"
@@ -191,8 +192,8 @@ def parse_decision(annotation: Any) -> Decision | InvalidDecision | None:
     if len(annotation) > MAX_ANNOTATION_BYTES:
         return _bad(f"{len(annotation)} characters, more than the {MAX_ANNOTATION_BYTES} read")
     try:
-        doc = msgspec.json.decode(annotation)
-    except msgspec.DecodeError as exc:
+        doc = json_document(annotation, max_bytes=MAX_ANNOTATION_BYTES, what="annotation")
+    except UntrustedDocumentError as exc:  # deep, too, is a refusal, not a RecursionError
         return _bad(f"not JSON ({exc})")
     if not isinstance(doc, dict):
         return _bad("not a JSON object keyed by device type")
