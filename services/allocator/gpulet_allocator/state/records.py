@@ -68,3 +68,7 @@ class StoredState(msgspec.Struct, frozen=True, kw_only=True):
     # above was rebuilt since. Kept until PodResources rebuilt it or an operator
     # accepted the loss (see :mod:`gpulet_allocator.decide.record`).
     lost: str = ""
+    # BLAKE2b (128 bits, hex) of this document's encoding with checksum "" (written
+    # by :mod:`gpulet_allocator.state.seal`); "" in a file of an older gpulet. Last, so
+    # that an older file is this encoding without it.
+    checksum: str = ""
