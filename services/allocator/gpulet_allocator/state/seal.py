@@ -28,14 +28,16 @@ Rules
   writes one. (One flipped bit cannot make a sealed document legacy: it would have
   to remove the key, and a flip inside the key leaves every value as written.)
 
-Every refusal is a ``ValueError`` with the reason; nothing else escapes.
+Every refusal is a ``ValueError`` with the reason; nothing else escapes. :func:`seal`
+and :func:`unseal` do the same for any Struct whose last field is
+``checksum: str = ""`` (the DRA plugin's checkpoint is one).
 """
 
 from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, TypeVar
 
 import msgspec
 
@@ -57,16 +59,44 @@ class _Header(msgspec.Struct):
 
 
 _header_decoder = msgspec.json.Decoder(_Header)
+S = TypeVar("S", bound=msgspec.Struct)
 
 
 def checksum(body: bytes) -> str:
     return hashlib.blake2b(body, digest_size=16).hexdigest()
 
 
+def seal(value: S) -> bytes:
+    """``value`` (a Struct whose last field is ``checksum: str = ""``) encoded with
+    its checksum."""
+    body = _encoder.encode(msgspec.structs.replace(value, checksum=""))
+    return _encoder.encode(msgspec.structs.replace(value, checksum=checksum(body)))
+
+
+def unseal(
+    data: bytes, decoder: msgspec.json.Decoder[S], *, what: str, max_depth: int = MAX_DEPTH
+) -> tuple[S, bool]:
+    """The value of a sealed document (its ``checksum`` emptied) and whether it was an
+    unsealed one of an older gpulet (module docstring); ValueError for anything else."""
+    try:
+        value = json_typed(data, decoder, max_bytes=MAX_BYTES, max_depth=max_depth)
+        body = _encoder.encode(msgspec.structs.replace(value, checksum=""))
+    except Exception as exc:  # total: UntrustedDocumentError, an encoder's error
+        raise ValueError(f"invalid {what}: {exc}") from None
+    if not getattr(value, "checksum", ""):
+        if _KEY in data:
+            raise ValueError(f"invalid {what}: an empty checksum")
+        return value, True
+    if _encoder.encode(value) != data:
+        raise ValueError(f"invalid {what}: not as written (a field or value changed)")
+    if checksum(body) != value.checksum:  # type: ignore[attr-defined]
+        raise ValueError(f"invalid {what}: checksum mismatch")
+    return msgspec.structs.replace(value, checksum=""), False
+
+
 def encode(state: StoredState) -> bytes:
     """``state`` sealed (its ``checksum`` field is replaced)."""
-    body = _encoder.encode(msgspec.structs.replace(state, checksum=""))
-    return _encoder.encode(msgspec.structs.replace(state, checksum=checksum(body)))
+    return seal(state)
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,17 +116,5 @@ def decode(data: bytes) -> Decoded:
         raise ValueError(
             f"unsupported checkpoint version {version.version} (this build reads {STATE_VERSION})"
         )
-    try:
-        state = json_typed(data, _decoder, max_bytes=MAX_BYTES, max_depth=MAX_DEPTH)
-        body = _encoder.encode(msgspec.structs.replace(state, checksum=""))
-    except Exception as exc:  # total: UntrustedDocumentError, an encoder's error
-        raise ValueError(f"invalid allocator checkpoint: {exc}") from None
-    if not state.checksum:
-        if _KEY in data:
-            raise ValueError("invalid allocator checkpoint: an empty checksum")
-        return Decoded(state, legacy=True)
-    if _encoder.encode(state) != data:
-        raise ValueError("invalid allocator checkpoint: not as written (a field or value changed)")
-    if checksum(body) != state.checksum:
-        raise ValueError("invalid allocator checkpoint: checksum mismatch")
-    return Decoded(msgspec.structs.replace(state, checksum=""))
+    state, legacy = unseal(data, _decoder, what="allocator checkpoint")
+    return Decoded(state, legacy)
