@@ -115,3 +115,15 @@ def test_a_nats_server_ports_file(tmp_path: Path) -> None:
     assert _read_port(ports) is None
     ports.write_text('{"nats": ["nats://127.0.0.1:4222"]}')
     assert _read_port(ports) == 4222
+
+
+def test_the_health_buffers_files_of_the_wrong_shape(tmp_path: Path) -> None:
+    """Shallow but wrong: values of another type are read as absent, not a TypeError
+    that stops the buffer from opening."""
+    directory = tmp_path / "buffer"
+    directory.mkdir()
+    (directory / "cursor.json").write_text('{"segment": 0, "offset": [], "consumed": "x"}')
+    (directory / "overflow.json").write_text('{"dropped": {}, "first_at": [], "last_at": 1}')
+    buffer = DiskBuffer(directory, max_bytes=1 << 20, max_events=100, segment_bytes=600)
+    buffer.open()
+    assert buffer.pending == 0

@@ -65,6 +65,12 @@ class Overflow:
     last_at: float
 
 
+def _count(value: object) -> int:
+    """A count from a state file: a non-negative int, or 0 for anything else (the
+    files are ours, but a damaged one must not stop the buffer from opening)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
+
+
 class DiskBuffer:
     def __init__(
         self, directory: Path, *, max_bytes: int, max_events: int, segment_bytes: int
@@ -119,13 +125,13 @@ class DiskBuffer:
         cursor = self._read_json("cursor.json")
         self._offset = self._consumed = 0
         if cursor and segments and cursor.get("segment") == segments[0].seq:
-            self._offset = int(cursor.get("offset", 0))
-            self._consumed = int(cursor.get("consumed", 0))
+            self._offset = _count(cursor.get("offset", 0))
+            self._consumed = _count(cursor.get("consumed", 0))
         overflow = self._read_json("overflow.json")
-        if overflow and int(overflow.get("dropped", 0)) > 0:
-            self._overflow = Overflow(
-                int(overflow["dropped"]), float(overflow["first_at"]), float(overflow["last_at"])
-            )
+        if overflow and _count(overflow.get("dropped", 0)) > 0:
+            first, last = overflow.get("first_at"), overflow.get("last_at")
+            if isinstance(first, int | float) and isinstance(last, int | float):
+                self._overflow = Overflow(_count(overflow["dropped"]), float(first), float(last))
         self._opened = True
         if self.pending:
             log.warning(
