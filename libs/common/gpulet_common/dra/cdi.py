@@ -85,7 +85,7 @@ _UID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9-]{0,62}$")
 def check_uid(claim_uid: str) -> str:
     """``claim_uid`` if it is safe in a file name and a CDI device name, else ValueError
     (it comes from kubelet's request: never let it name another path)."""
-    if not _UID.match(claim_uid):
+    if not _UID.fullmatch(claim_uid):
         raise ValueError(f"claim UID {claim_uid[:80]!r} is not a UID")
     return claim_uid
 

@@ -118,7 +118,7 @@ def parse_quantity(value: Any) -> int | None:
         return math.ceil(value) if math.isfinite(value) else None
     if not isinstance(value, str) or len(value) > 64:
         return None
-    match = _QUANTITY.match(value)
+    match = _QUANTITY.fullmatch(value)
     if match is None:
         return None
     number, suffix = match.group(1), match.group(2)
