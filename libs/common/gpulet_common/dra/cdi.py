@@ -48,6 +48,9 @@ CLASS: Final = "gpu"
 ALLOCATION_ENV: Final = "GPULET_ALLOCATION_ID"
 CONTROL_DEVICES: Final = ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools", "nvidia-modeset")
 SPEC_MODE: Final = 0o644
+#: A CDI directory gpulet has to make: the container runtime reads it (exactly this
+#: mode, whatever the umask; one that exists is left as it is).
+DIR_MODE: Final = 0o755
 JsonObj = dict[str, Any]
 
 
@@ -167,7 +170,7 @@ def write_spec(cdi_dir: str | Path, driver: str, claim_uid: str, spec: JsonObj) 
     # As json.dumps(spec, indent=2, sort_keys=True) wrote it (non-ASCII as UTF-8, not
     # \u escapes), 15 times faster: this is on Prepare's path.
     data = msgspec.json.format(msgspec.json.encode(spec, order="sorted"), indent=2) + b"\n"
-    write_atomic(path, data, mode=SPEC_MODE)
+    write_atomic(path, data, mode=SPEC_MODE, dir_mode=DIR_MODE)
     return path
 
 

@@ -48,6 +48,8 @@ log = logging.getLogger("gpulet.dra.checkpoint")
 SCHEMA_VERSION = 1
 MAX_CLAIMS = 4096
 CHECKPOINT_MODE = 0o600
+# plugins/<driver>/ when the checkpoint makes it: as kubelet makes its plugin dirs.
+DIR_MODE = 0o750
 
 
 class PreparedDevice(msgspec.Struct, frozen=True, kw_only=True):
@@ -115,6 +117,7 @@ class CheckpointFile:
             self.path,
             seal(Checkpoint(claims=claims)),
             mode=CHECKPOINT_MODE,
+            dir_mode=DIR_MODE,
             durable=False,
         )
 
