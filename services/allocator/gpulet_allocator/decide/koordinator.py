@@ -372,6 +372,16 @@ class PodBook:
         self.pods = fresh
         self.synced = True
 
+    def uid_of(self, namespace: str, name: str) -> str:
+        """The UID of this node's pod ``namespace/name`` as watched ("" when the book
+        has none, or more than one: a pod re-created under its name, not yet gone)."""
+        found = {
+            p.key.uid
+            for p in self.pods.values()
+            if (p.key.namespace, p.key.name) == (namespace, name)
+        }
+        return found.pop() if len(found) == 1 else ""
+
     def allocation_of(self, claim: Claim, resource: str) -> str | None:
         return self.allocated.get((claim.pod.uid, claim.container_index, resource))
 

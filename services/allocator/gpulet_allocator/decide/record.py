@@ -30,6 +30,8 @@ from gpulet_common.refusal import Refused
 class PodRef:
     pod: str
     container: str
+    # The pod's UID when known (PodResources names pods, the pod watch knows UIDs).
+    uid: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +154,7 @@ class Record:
                 key,
                 pod=item.ref.pod,
                 container=item.ref.container,
+                pod_uid=item.ref.uid,
             )
             adopted += 1
         if adopted:

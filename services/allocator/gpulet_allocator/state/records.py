@@ -38,6 +38,10 @@ class Grant(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     # ledger's memory is in 256 MiB units, the limit is the annotated MiB).
     mps_cores: int = 0
     mps_memory_mib: int = 0
+    # The pod's UID, once known (the pod watch, directly or for a pod PodResources
+    # named): a pod re-created under the same name is another pod, and an eviction
+    # for this grant names this UID as its precondition.
+    pod_uid: str = ""
 
 
 # One device a claim holds: its DRA name, the GPU, and the share (None: whole). The
