@@ -325,11 +325,11 @@ def test_a_checkpoint_written_before_the_rename_loads_and_is_written_alike() -> 
         ("whole-2027a5cf127acb8ec5cc", "whole", (U0,)),
     ]
     # The same calls get the recorded answers, and the file is written as before (with
-    # the DRA claims' list added since, empty).
+    # the DRA claims' and MIG links' lists added since, empty).
     [again], _ = core.allocate(GPU, [[U0]])
     assert again.annotations["gpulet.io/allocation"] == "whole-2027a5cf127acb8ec5cc"
     # (and, since, sealed with a checksum: state/seal.py).
-    written = OLD_CHECKPOINT.replace(b',"lost"', b',"claims":[],"lost"')
+    written = OLD_CHECKPOINT.replace(b',"lost"', b',"claims":[],"mig_links":[],"lost"')
     assert encode(core.snapshot()).startswith(written[:-1] + b',"checksum":"')
 
 

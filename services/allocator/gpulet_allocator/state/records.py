@@ -59,6 +59,16 @@ class ClaimRecord(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
     name: str = ""
 
 
+class MigLink(msgspec.Struct, frozen=True, kw_only=True):
+    """A held MIG device's parent GPU and place on it, kept while it is held: after MIG
+    is disabled under it or the device is re-created, the inventory no longer says."""
+
+    device: str
+    parent: str
+    gpu_instance_id: int
+    compute_instance_id: int
+
+
 class StoredState(msgspec.Struct, frozen=True, kw_only=True):
     """What the checkpoint holds. Add fields with defaults only; bump version otherwise."""
 
@@ -68,6 +78,8 @@ class StoredState(msgspec.Struct, frozen=True, kw_only=True):
     grants: list[Grant] = []
     # DRA claims, each naming the ledger allocations under its UID.
     claims: list[ClaimRecord] = []
+    # Every held MIG device's parent and placement (the ledger's mig_links).
+    mig_links: list[MigLink] = []
     # Not empty: the record of allocations was lost (a corrupt file, why); what is
     # above was rebuilt since. Kept until PodResources rebuilt it or an operator
     # accepted the loss (see :mod:`gpulet_allocator.decide.record`).
