@@ -14,7 +14,10 @@ kubeconfig, against a real nats-server.
 
 from __future__ import annotations
 
+import itertools
 import json
+import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
@@ -229,10 +232,17 @@ async def test_a_gpu_lost_while_running_stays_in_the_device_across_a_restart(
 
 @pytest.mark.anyio
 async def test_a_lost_gpu_does_not_make_the_collector_republish_the_inventory(
-    nats_server: EmbeddedNats, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    nats_server: EmbeddedNats,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
+    """The GPU left out is looked for with a growing wait (not every retry period
+    forever, each a full inventory build) and logged once, not at every look."""
     period, retry = 0.05, 0.3
     monkeypatch.setattr(collector_service, "SKIPPED_RETRY_S", retry)
+    monkeypatch.setattr(collector_service, "SKIPPED_RETRY_MAX_S", 4 * retry)
+    caplog.set_level(logging.DEBUG, logger="gpulet.nvml")
     settings = agent_settings(
         nats_server.url,
         tmp_path,
@@ -241,10 +251,12 @@ async def test_a_lost_gpu_does_not_make_the_collector_republish_the_inventory(
     adapter, mock = mock_adapter("dgx-h100")
     builds = 0
     build = adapter.inventory_report
+    built_at: list[float] = []
 
     def counted(node: str, generation: int) -> tuple[Inventory, dict[int, str]]:
         nonlocal builds
         builds += 1
+        built_at.append(time.monotonic())
         return build(node, generation)
 
     monkeypatch.setattr(adapter, "inventory_report", counted)
@@ -276,9 +288,19 @@ async def test_a_lost_gpu_does_not_make_the_collector_republish_the_inventory(
             await tg.start(collector.run)
             await wait_until(lambda: received == [7])
             # Many periods, and several looks for the left-out GPU (inventory builds).
-            await wait_until(lambda: batches >= 40 and builds >= 4, within=20)
+            await wait_until(lambda: batches >= 40 and builds >= 6, within=30)
             assert collector.inventory_publishes == 1
             assert received == [7]
+            # The waits between looks: at least 0.3, 0.6, 1.2, then the cap (1.2) s.
+            gaps = [b - a for a, b in itertools.pairwise(built_at[:6])]
+            least = [retry, 2 * retry, 4 * retry, 4 * retry, 4 * retry]
+            assert all(g >= 0.9 * m for g, m in zip(gaps, least, strict=True)), gaps
+            left_out = [
+                r for r in caplog.records if "GPU 5 left out of the inventory" in r.getMessage()
+            ]
+            assert [r.levelno for r in left_out][:1] == [logging.WARNING]
+            assert all(r.levelno == logging.DEBUG for r in left_out[1:])
+            assert len(left_out) >= 4  # looked for again and again, logged once
             # It answers again: published once more, with it.
             assert mock.inject(MockInjectRequest(gpu=5, fault="reset")).applied
             await wait_until(lambda: received == [7, 8], within=10)

@@ -15,6 +15,7 @@ for that pair. The skipped GPUs and why are also returned by
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any, Final
 
@@ -46,6 +47,8 @@ class InventoryReader(NvLinkReader):
 
     def __init__(self, nvml_module: Any, backend: Backend = "nvml") -> None:
         super().__init__(nvml_module, backend)
+        # The GPUs the last inventory left out, with why (logged once per change).
+        self._left_out: dict[int, str] = {}
         bind, const = self._bind, self._const
         self._f_name = bind("nvmlDeviceGetName")
         self._f_minor = bind("nvmlDeviceGetMinorNumber")
@@ -143,9 +146,20 @@ class InventoryReader(NvLinkReader):
                 gpu = self._load(index)
                 found.append((gpu, self._gpu_info(gpu)))
             except (GpuLostError, NvmlCallError) as exc:
-                log.warning("GPU %d left out of the inventory: %s", index, exc)
+                # Once per change of state: the collector looks again and again.
+                again = self._left_out.get(index) == str(exc)
+                log.log(
+                    logging.DEBUG if again else logging.WARNING,
+                    "GPU %d left out of the inventory: %s",
+                    index,
+                    exc,
+                )
                 skipped[index] = str(exc)
                 unreadable.append(self.unreadable(index, exc))
+        for index in sorted(set(self._left_out) - set(skipped)):
+            if index < count:
+                log.info("GPU %d is in the inventory again", index)
+        self._left_out = skipped
 
         links: list[LinkScan] = []
         for gpu, _ in found:
