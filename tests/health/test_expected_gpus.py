@@ -404,9 +404,12 @@ def test_the_reporter_keeps_a_gpu_the_health_service_says_is_not_present() -> No
     assert not condition.healthy
     assert condition.reason == "GpuLost"
     assert [g.uuid for g in core.absent_gpus()] == ["GPU-1"]
+    # Kubelet's capacity counts it (the device plugin lists it, unhealthy): so does GFD's.
+    assert core.desired.node_labels["nvidia.com/gpu.count"] == "3"
     # The health service forgets it (its KV entry is deleted): so does the Device.
     core.on_health("GPU-1", None)
     assert sorted(g.uuid for g in core.desired.gpus) == ["GPU-0", "GPU-2"]
+    assert core.desired.node_labels["nvidia.com/gpu.count"] == "2"
 
 
 def test_clearing_a_gpu_that_is_not_present_forgets_it() -> None:
@@ -426,3 +429,56 @@ def test_clearing_a_gpu_that_is_not_present_forgets_it() -> None:
     _, events = engine.clear("GPU-0", "xid:79", T0 + 3)
     assert [(e.kind, e.condition) for e in events] == [("cleared", "xid:79")]
     assert "GPU-0" in engine.gpus
+
+
+@pytest.mark.anyio
+async def test_reporter_preview_shows_what_the_reporter_writes_with_a_gpu_missing(
+    nats_server: EmbeddedNats, emulator: KubeEmulator, tmp_path: Path
+) -> None:
+    """``gpulet reporter-preview`` runs the reporter's code on the reporter's inputs:
+    with GPU 2 missing at start, both have 8 devices (GPU 2 unhealthy), the same node
+    labels (``nvidia.com/gpu.count`` 8, as kubelet's capacity), and the condition's
+    boot ID."""
+    from gpulet_common.bootid import read_boot_id
+    from gpulet_common.settings import Settings
+    from gpulet_common.settings.nats import NatsSettings
+    from gpulet_reporter.cli import preview
+
+    uuids = await first_run(nats_server.url, tmp_path, emulator)
+    emulator.delete_object(DEVICES, NODE)
+    settings = reporter_settings(tmp_path)
+    async with (
+        EmbeddedNats(state_dir=tmp_path / "nats-after", port=0) as fresh,
+        health_node(fresh.url, tmp_path, scenario=DGX, prepare=lose(LOST)),
+        running_reporter(fresh.url, tmp_path / "reporter", NODE, settings),
+    ):
+        await until_device(
+            emulator, lambda seen: set(seen) == set(uuids) and not seen[uuids[LOST]].health
+        )
+        await wait_until(
+            lambda: (
+                (emulator.get_object("nodes", NODE) or {})["metadata"]
+                .get("labels", {})
+                .get("nvidia.com/gpu.count")
+                == "8"
+            )
+        )
+        shown = await preview(
+            Settings(node_name=NODE, nats=NatsSettings(url=fresh.url), reporter=settings),
+            timeout_s=5,
+        )
+        written = emulator.get_object(DEVICES, NODE)
+        assert written is not None
+        assert shown["device"]["spec"] == written["spec"]
+        assert shown["device"]["metadata"]["labels"] == written["metadata"]["labels"]
+        node_labels = (emulator.get_object("nodes", NODE) or {})["metadata"]["labels"]
+        assert shown["nodeLabels"]["nvidia.com/gpu.count"] == "8"
+        assert {k: node_labels.get(k) for k in shown["nodeLabels"]} == shown["nodeLabels"]
+        # The condition the reporter would write (it is off in this harness): with the
+        # node's boot ID at the end of its message, as the reporter writes it.
+        with_condition = msgspec.structs.replace(settings, node_condition=True)
+        shown = await preview(
+            Settings(node_name=NODE, nats=NatsSettings(url=fresh.url), reporter=with_condition),
+            timeout_s=5,
+        )
+        assert shown["nodeCondition"]["message"].endswith(f"; boot ID {read_boot_id()}")
