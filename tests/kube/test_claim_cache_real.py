@@ -13,7 +13,8 @@ import anyio
 import pytest
 
 from gpulet_allocator.kubelet.dra.claim_cache import WatchedClaimReader
-from gpulet_allocator.kubelet.dra.claims import ClaimReadError, KubeClaimReader
+from gpulet_allocator.kubelet.dra.claims import KubeClaimReader
+from gpulet_allocator.kubelet.dra.contract import ClaimReadError
 from gpulet_common.kube import read_kubeconfig
 from gpulet_common.kubeapi import KubeClient
 from support.control_plane import ControlPlane

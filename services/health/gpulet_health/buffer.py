@@ -129,9 +129,9 @@ class DiskBuffer:
             self._consumed = _count(cursor.get("consumed", 0))
         overflow = self._read_json("overflow.json")
         if overflow and _count(overflow.get("dropped", 0)) > 0:
-            first, last = overflow.get("first_at"), overflow.get("last_at")
-            if isinstance(first, int | float) and isinstance(last, int | float):
-                self._overflow = Overflow(_count(overflow["dropped"]), float(first), float(last))
+            first, final = overflow.get("first_at"), overflow.get("last_at")
+            if isinstance(first, int | float) and isinstance(final, int | float):
+                self._overflow = Overflow(_count(overflow["dropped"]), float(first), float(final))
         self._opened = True
         if self.pending:
             log.warning(
