@@ -24,6 +24,7 @@ from gpulet_common.fleet.identity import IdentityError, IdentityStore
 from gpulet_common.mock_nvml.scenario import ScenarioError, load_scenario, scenario_from_toml
 from gpulet_common.settings.reporter import ReporterSettings
 from gpulet_health.buffer import DiskBuffer
+from gpulet_health.known import KnownGpus
 from gpulet_reporter.offline import OfflineSink
 
 DEPTH = 10_000
@@ -127,3 +128,11 @@ def test_the_health_buffers_files_of_the_wrong_shape(tmp_path: Path) -> None:
     buffer = DiskBuffer(directory, max_bytes=1 << 20, max_events=100, segment_bytes=600)
     buffer.open()
     assert buffer.pending == 0
+
+
+def test_the_health_services_file_of_known_gpus(tmp_path: Path) -> None:
+    path = tmp_path / "gpus.json"
+    path.write_text(f'{{"version": 1, "extra": {DEEP}}}')
+    loaded = KnownGpus(path, "n").load()
+    assert loaded.gpus == []
+    assert "nesting deeper" in loaded.detail
