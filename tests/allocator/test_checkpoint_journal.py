@@ -407,3 +407,20 @@ def test_a_journal_of_a_gpulet_before_the_seal_is_read_once_and_rewritten(
     assert store.path.read_bytes() == state(2)
     assert b'"checksum":"' in store.path.read_bytes()
     assert store.load().detail.count("before checksums") == 0
+
+
+def test_an_older_file_with_a_value_named_checksum_is_still_older_not_damaged() -> None:
+    """Only the key makes a document sealed: a container named "checksum" in an
+    unsealed file is a value, and the file loads (to be rewritten sealed)."""
+    from gpulet_allocator.state import seal
+    from gpulet_allocator.state.records import Grant
+
+    grant = Grant(
+        key="k", resource="nvidia.com/gpu", kind="whole", units=1, allocation="a",
+        created_at=1.0, container="checksum",
+    )  # fmt: skip
+    body = msgspec.json.encode(StoredState(grants=[grant]))
+    old = body[: -len(b',"checksum":""}')] + b"}"
+    decoded = seal.decode(old)
+    assert decoded.legacy
+    assert decoded.state.grants[0].container == "checksum"

@@ -51,7 +51,7 @@ MAX_DEPTH: Final = 16
 
 _encoder = msgspec.json.Encoder()
 _decoder = msgspec.json.Decoder(StoredState)
-_KEY: Final = b'"checksum"'
+_KEY: Final = b'"checksum":'  # the key; a value "checksum" is never followed by ':'
 
 
 class _Header(msgspec.Struct):
