@@ -13,6 +13,7 @@ from gpulet_allocator.decide.books import grant_key
 from gpulet_allocator.decide.core import AllocatorCore
 from gpulet_allocator.decide.record import PodRef
 from gpulet_allocator.protocol import PreferredRequest, ReleaseRequest
+from gpulet_allocator.service.podresources import live_grants
 from gpulet_allocator.state.checkpoint import (
     CheckpointError,
     CheckpointFile,
@@ -20,6 +21,7 @@ from gpulet_allocator.state.checkpoint import (
     decode,
     encode,
 )
+from gpulet_common.kubelet_api.podresources.v1 import api_pb2 as pr
 from gpulet_common.messages import Inventory
 from gpulet_common.refusal import Refused
 from gpulet_common.settings.allocator import ResourceNames
@@ -208,6 +210,34 @@ def test_reconcile_releases_after_the_grace_only() -> None:
     assert {g.pod for g in share.grants} == {"ns/a"}
 
 
+def test_reconcile_records_the_pod_uid_and_keeps_it_for_the_same_pod_only() -> None:
+    """A grant learns its pod's UID with the pod (PodResources names it, the pod watch
+    knows its UID); it is checkpointed with the grant, and dropped when the grant is
+    another pod's (a name re-used) without a UID known for it."""
+    core = make_core(Clock())
+    core.allocate(GPU, [[U0]])
+    key = grant_key("whole", GPU, [U0])
+    core.reconcile({key: PodRef("ns/web-0", "c", "uid-1")})
+    [view] = core.allocation_views()
+    assert [(g.pod, g.pod_uid) for g in view.grants] == [("ns/web-0", "uid-1")]
+    stored = decode(encode(core.snapshot()))
+    assert [g.pod_uid for g in stored.grants] == ["uid-1"]
+    core.reconcile({key: PodRef("ns/web-0", "c")})  # the watch does not know it now
+    assert [g.pod_uid for g in core.allocation_views()[0].grants] == ["uid-1"]
+    core.reconcile({key: PodRef("ns/other", "c")})
+    assert [g.pod_uid for g in core.allocation_views()[0].grants] == [""]
+
+
+def test_live_grants_take_the_uid_of_the_pod_watch() -> None:
+    response = pr.ListPodResourcesResponse()
+    pod = response.pod_resources.add(namespace="ns", name="web-0")
+    pod.containers.add(name="c").devices.add(resource_name=GPU, device_ids=[U0])
+    uids = {("ns", "web-0"): "uid-9"}
+    live = live_grants(response, lambda _r: "whole", lambda ns, n: uids.get((ns, n), ""))
+    assert list(live.values()) == [PodRef("ns/web-0", "c", "uid-9")]
+    assert list(live_grants(response, lambda _r: "whole").values()) == [PodRef("ns/web-0", "c")]
+
+
 def test_reconcile_reports_a_share_joined_across_two_containers() -> None:
     core = make_core(Clock())
     core.allocate(CORE, [cores(U0, range(20))])
@@ -295,10 +325,12 @@ def test_a_checkpoint_written_before_the_rename_loads_and_is_written_alike() -> 
         ("whole-2027a5cf127acb8ec5cc", "whole", (U0,)),
     ]
     # The same calls get the recorded answers, and the file is written as before (with
-    # the DRA claims' list added since, empty).
+    # the DRA claims' and MIG links' lists added since, empty).
     [again], _ = core.allocate(GPU, [[U0]])
     assert again.annotations["gpulet.io/allocation"] == "whole-2027a5cf127acb8ec5cc"
-    assert encode(core.snapshot()) == OLD_CHECKPOINT.replace(b',"lost"', b',"claims":[],"lost"')
+    # (and, since, sealed with a checksum: state/seal.py).
+    written = OLD_CHECKPOINT.replace(b',"lost"', b',"claims":[],"mig_links":[],"lost"')
+    assert encode(core.snapshot()).startswith(written[:-1] + b',"checksum":"')
 
 
 def test_checkpoint_file_is_atomic_and_survives_corruption(tmp_path: Path) -> None:

@@ -132,12 +132,13 @@ def test_each_corrupt_checkpoint_is_kept_under_its_own_name(tmp_path: Path) -> N
     assert sorted(kept.values()) == sorted([first, second]), kept
     assert loaded.corrupt_copy.read_bytes() == first  # not overwritten
 
-    # Hostile nesting (msgspec raises RecursionError) is one more corrupt file.
+    # Hostile nesting (refused before msgspec would raise RecursionError) is one more
+    # corrupt file.
     third = b'{"version": 1, "allocations": ' + b"[" * 20000 + b"]" * 20000 + b"}"
     path.write_bytes(third)
     deep = store.load()
     assert deep.status == "corrupt"
-    assert "recursion" in deep.detail
+    assert "nesting deeper" in deep.detail
     assert sorted(copies(path).values()) == sorted([first, second, third])
 
 

@@ -75,6 +75,11 @@ async def test_whole_gpus_follow_the_annotated_minors(
         [allocation] = (await stack.state()).allocations
         assert sorted(allocation.gpus) == sorted(preferred)
         assert allocation.grants[0].pod == "ml/train"
+        # With its UID: an eviction for it names that pod, not a later one of its name.
+        pod = emu.get_object("pods", "ml/train")
+        assert pod is not None
+        pod_uid = pod["metadata"]["uid"]
+        assert allocation.grants[0].pod_uid == pod_uid != ""
 
         # The pod is allocated now: the next pod without a decision is gpulet's to place
         # (as without Koordinator), never the annotated pod's GPUs again.

@@ -21,8 +21,17 @@ from gpulet_allocator.kubelet.deviceplugin.resources import (
     plugin_gpus_from_inventory,
 )
 from gpulet_allocator.mig import MigStrategy, mig_plan
-from gpulet_allocator.protocol import PreferredRequest, core_device_id, resource_specs
-from gpulet_common.messages import Inventory
+from gpulet_allocator.protocol import (
+    ClaimDeviceRequest,
+    PreferredRequest,
+    ReleaseRequest,
+    core_device_id,
+    resource_specs,
+)
+from gpulet_allocator.state.checkpoint import decode, encode
+from gpulet_common.dra.devices import device_name as dra_device_name
+from gpulet_common.dra.mig import device_name as mig_name
+from gpulet_common.messages import GpuInfo, Inventory
 from gpulet_common.nvml.loader import open_mock
 from gpulet_common.refusal import Refused
 from gpulet_common.settings.allocator import ResourceNames
@@ -130,3 +139,84 @@ def test_a_pending_mode_change_is_refused(current: str, pending: str) -> None:
     # Back to a settled, disabled mode: the GPU goes whole again, no restart.
     ledger.update_inventory([plain])
     assert ledger.refusal(plain.uuid, whole=True) is None
+
+
+# --- a held MIG device keeps its parent and its place (issue 36) -----------------------
+
+MIG_1G = "nvidia.com/mig-1g.5gb"
+
+
+def _with_gpu0(inv: Inventory, **changes: object) -> Inventory:
+    gpus = [msgspec.structs.replace(inv.gpus[0], **changes), *inv.gpus[1:]]
+    return msgspec.structs.replace(inv, gpus=gpus)
+
+
+def _restarted(core: AllocatorCore, inv: Inventory) -> AllocatorCore:
+    """A new allocator from ``core``'s checkpoint (encoded and decoded), on ``inv``."""
+    again = core_for("mixed", inv)
+    assert again.restore(decode(encode(core.snapshot()))) == []
+    return again
+
+
+def _whole_refusals(core: AllocatorCore, gpu: GpuInfo) -> list[str]:
+    """How the device plugin and DRA answer a whole-GPU request for ``gpu``."""
+    codes = []
+    with pytest.raises(Refused) as plugin:
+        core.allocate(NAMES.gpu, [[gpu.uuid]])
+    codes.append(plugin.value.code)
+    with pytest.raises(Refused) as dra:
+        core.claims.reserve("claim-whole", [ClaimDeviceRequest(device=dra_device_name(gpu))])
+    codes.append(dra.value.code)
+    return codes
+
+
+@pytest.mark.parametrize("holder", ["device-plugin", "dra"])
+def test_a_held_mig_device_keeps_its_parent_from_going_whole(holder: str) -> None:
+    """MIG disabled on GPU 0 while a container or a claim holds one of its MIG devices:
+    GPU 0 is refused whole (device plugin and DRA), after a restart too, until the
+    holder is released."""
+    gpu0 = A100.gpus[0]
+    mig = next(d for d in gpu0.mig_devices if d.profile == "1g.5gb")
+    core = core_for("mixed")
+    if holder == "device-plugin":
+        [answer], _ = core.allocate(MIG_1G, [[mig.uuid]])
+        held = answer.annotations["gpulet.io/allocation"]
+    else:
+        core.claims.reserve("claim-mig", [ClaimDeviceRequest(device=mig_name(gpu0, mig))])
+        held = "claim-mig"
+    plain = _with_gpu0(A100, mig_mode="disabled", mig_mode_pending="disabled", mig_devices=[])
+    assert core.update_inventory(plain)
+    assert _whole_refusals(core, plain.gpus[0]) == ["insufficient_capacity"] * 2
+    again = _restarted(core, plain)
+    assert _whole_refusals(again, plain.gpus[0]) == ["insufficient_capacity"] * 2
+    with pytest.raises(Refused, match=f"its MIG device {mig.uuid} is held"):
+        again.allocate(NAMES.gpu, [[gpu0.uuid]])
+    if holder == "device-plugin":
+        again.release(ReleaseRequest(allocation_ids=[held]))
+    else:
+        assert again.claims.release(held)
+    again.allocate(NAMES.gpu, [[gpu0.uuid]])
+
+
+def test_a_mig_device_recreated_in_the_same_place_waits_for_the_holder() -> None:
+    """A held 1g.5gb re-created with a new UUID but the same GPU and compute instance
+    (the same DRA name, the same /dev/nvidia-caps nodes) goes to nobody else, after a
+    restart too, until the first holder is released."""
+    gpu0 = A100.gpus[0]
+    mig = next(d for d in gpu0.mig_devices if d.profile == "1g.5gb")
+    core = core_for("mixed")
+    [answer], _ = core.allocate(MIG_1G, [[mig.uuid]])
+    reborn = msgspec.structs.replace(mig, uuid="MIG-reborn-0000")
+    devices = [reborn if d.uuid == mig.uuid else d for d in gpu0.mig_devices]
+    relaid = _with_gpu0(A100, mig_devices=devices)
+    assert core.update_inventory(relaid)
+    for c in (core, _restarted(core, relaid)):
+        with pytest.raises(Refused, match=r"GPU instance .* is still held as") as plugin:
+            c.allocate(MIG_1G, [[reborn.uuid]])
+        assert plugin.value.code == "insufficient_capacity"
+        with pytest.raises(Refused) as dra:
+            c.claims.reserve("claim-2", [ClaimDeviceRequest(device=mig_name(gpu0, reborn))])
+        assert dra.value.code == "insufficient_capacity"
+    again = _restarted(core, relaid)
+    again.release(ReleaseRequest(allocation_ids=[answer.annotations["gpulet.io/allocation"]]))
+    again.allocate(MIG_1G, [[reborn.uuid]])

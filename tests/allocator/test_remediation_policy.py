@@ -5,10 +5,12 @@ The real server: tests/kube/test_remediation_real.py."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
 import anyio
+import msgspec
 import pytest
 
 from gpulet_allocator.protocol import AllocationView, GrantView, core_device_id
@@ -158,6 +160,33 @@ def test_holders_come_from_the_ledger_podresources_and_dra_claims() -> None:
         "ns/ledger",
         "ns/plugin",
     ]
+
+
+def test_a_pod_recreated_under_its_name_is_not_evicted_for_the_old_ones_gpu() -> None:
+    """StatefulSet web-0 was re-created on the node (a new UID) and holds GPU-2; the
+    ledger still has the old web-0 on GPU-1 (not yet released). GPU-1 fails: the new
+    web-0 is not a holder; were the old one still listed, its eviction would name
+    the old UID as its precondition."""
+
+    def ledger(uid: str) -> Records:
+        old = msgspec.structs.replace(grant("ns/web-0"), pod_uid=uid)
+        return Records(
+            allocations=[AllocationView(id="a1", kind="whole", gpus=["GPU-1"], grants=[old])],
+            pod_resources=pod_resources(("ns", "web-0", ["GPU-2"])),
+            pods=[PodInfo("ns", "web-0", "new-uid")],
+        )
+
+    assert holders_of(frozenset({"GPU-1"}), ledger("old-uid")) == []
+    # No UID recorded (no pod watch), but kubelet lists web-0 without GPU-1: stale.
+    assert holders_of(frozenset({"GPU-1"}), ledger("")) == []
+    # Without PodResources or the pod list: the recorded UID is the precondition.
+    alone = dataclasses.replace(ledger("old-uid"), pod_resources=None, pods=None)
+    [holder] = holders_of(frozenset({"GPU-1"}), alone)
+    assert (holder.key, holder.uid) == ("ns/web-0", "old-uid")
+    # The same pod still there: its UID, as recorded.
+    same = dataclasses.replace(ledger("new-uid"), pod_resources=None)
+    [holder] = holders_of(frozenset({"GPU-1"}), same)
+    assert (holder.key, holder.uid) == ("ns/web-0", "new-uid")
 
 
 def test_pod_info_decodes_totally() -> None:

@@ -19,7 +19,9 @@ import pytest
 
 from gpulet_allocator import protocol as p
 from gpulet_allocator.kubelet_api.deviceplugin.v1beta1 import api_pb2 as dp
+from gpulet_allocator.service.sharing import decode_configs
 from gpulet_common import codec
+from gpulet_common.codec import TOO_DEEP
 from gpulet_common.messages import HeldRequest
 from gpulet_common.settings import Settings
 from gpulet_common.settings.allocator import HandshakeSettings
@@ -29,6 +31,7 @@ from gpulet_common.settings.sharing import (
     TimeSlicingConfig,
     TimeSlicingSettings,
 )
+from gpulet_common.untrusted import UntrustedDocumentError
 from support import reference
 from support.allocator_stack import CORE, GPU, NODE, Stack, allocator_stack, ids, rpc_error
 from support.kube_emulator import KubeEmulator, cluster_with_node
@@ -229,9 +232,27 @@ async def test_a_configs_file_change_applies_without_restart_or_loss(
         await stack.wait_for(lambda: allocator.sharing.file_problem != "", "the file refused")
         assert "not used" in allocator.sharing.file_problem
         assert len(ids(stack, GPU)) == 3 * len(uuids)
+        # A 200k-deep array (400 KB, under the size bound): refused the same way, not a
+        # RecursionError that ended the allocator's task group and all of gpulet run.
+        configs.write_text("x = " + "[" * 200_000 + "]" * 200_000 + "\n")
+        await stack.wait_for(
+            lambda: "too deep" in allocator.sharing.file_problem, "the deep file refused"
+        )
+        assert len(ids(stack, GPU)) == 3 * len(uuids)
         write(4, "four")
         await wait_replicas(stack, uuids, 4)
         assert allocator.sharing.file_problem == ""
         held = [a.gpus for a in (await stack.state()).allocations]
         assert held == [[f"{g0}::1"]]
         assert stack.allocator is allocator
+
+
+@pytest.mark.parametrize("suffix", [".toml", ".json"])
+def test_a_deep_configs_file_is_a_refusal_not_a_recursion_error(suffix: str) -> None:
+    deep = "[" * 10_000 + "]" * 10_000
+    text = f'{{"shared": {deep}}}' if suffix == ".json" else f"shared = {deep}\n"
+    with pytest.raises(UntrustedDocumentError) as info:
+        decode_configs(text.encode(), Path("configs" + suffix))
+    assert info.value.reason == TOO_DEEP
+    good = f"[shared]\nresources = [{{ name = '{GPU}', replicas = 2 }}]\n"
+    assert decode_configs(good.encode(), Path("configs.toml"))["shared"].resources[0].replicas == 2

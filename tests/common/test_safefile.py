@@ -19,7 +19,13 @@ import pytest
 
 from gpulet_common.embedded_nats import EmbeddedNats, EmbeddedNatsError
 from gpulet_common.messages import GpuInfo, HealthEvent
-from gpulet_common.safefile import UnsafePathError, open_append, open_update, write_atomic
+from gpulet_common.safefile import (
+    UnsafePathError,
+    ensure_dir,
+    open_append,
+    open_update,
+    write_atomic,
+)
 
 PRECIOUS = b"precious: not gpulet's to write\n"
 
@@ -283,3 +289,21 @@ async def test_the_embedded_nats_log_is_never_followed(tmp_path: Path) -> None:
     with pytest.raises(EmbeddedNatsError, match="symlink"):
         await server.start()
     assert victim.read_bytes() == PRECIOUS
+
+
+def test_ensure_dir_sets_exact_modes_whatever_the_umask(tmp_path: Path) -> None:
+    old = os.umask(0)
+    try:
+        ensure_dir(tmp_path / "a" / "b", 0o750)
+        existing = tmp_path / "kept"
+        existing.mkdir(mode=0o711)
+        ensure_dir(existing / "c", 0o755)
+    finally:
+        os.umask(old)
+    assert (tmp_path / "a").stat().st_mode & 0o777 == 0o750
+    assert (tmp_path / "a" / "b").stat().st_mode & 0o777 == 0o750
+    assert existing.stat().st_mode & 0o777 == 0o711  # not made here: left as it is
+    assert (existing / "c").stat().st_mode & 0o777 == 0o755
+    (tmp_path / "link").symlink_to(tmp_path / "nowhere")
+    with pytest.raises(UnsafePathError):
+        ensure_dir(tmp_path / "link", 0o750)

@@ -7,6 +7,7 @@ request log show whether a claim was read from memory or by a GET.
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -119,3 +120,51 @@ async def test_hostile_lines_are_counted_and_an_error_event_reopens(emu: KubeEmu
         assert (reader.bad_lines, len(reader)) == (4, 0)
         with pytest.raises(ValueError, match="too old"):
             reader.on_line(b'{"type": "ERROR", "object": {"message": "too old resource version"}}')
+
+
+def _deep_claim_line(name: str, depth: int) -> bytes:
+    """An ADDED event of a claim allocated here whose opaque parameters nest ``depth``
+    deep: what any user who can create a ResourceClaim can send (kube-apiserver
+    accepts 2,000 levels)."""
+    head = (
+        b'{"type": "ADDED", "object": {"metadata": {"namespace": "default", "name": "'
+        + name.encode()
+        + b'", "uid": "u-deep"}, "spec": {"devices": {"config": [{"opaque": '
+        b'{"driver": "gpu.gpulet.io", "parameters": {"p": '
+    )
+    allocated = (
+        b'"status": {"allocation": {"devices": {"results": [{"request": "gpu", '
+        b'"driver": "gpu.gpulet.io", "pool": "node-a", "device": "gpu-0"}]}}}'
+    )
+    return head + b"[" * depth + b"]" * depth + b"}}}]}}, " + allocated + b"}}"
+
+
+@pytest.mark.parametrize("depth", [2_000, 10_000])
+async def test_a_claim_nested_deep_is_skipped_and_the_watch_goes_on(
+    emu: KubeEmulator, depth: int
+) -> None:
+    """A deep claim costs only itself: the line is a bad line (not a RecursionError
+    that ends the watch and the plugin), the claims before and after it stay cached,
+    and its own Prepare reads it by a GET."""
+    async with KubeClient(KubeConfig(emu.url)) as api:
+        reader = WatchedClaimReader(
+            api, KubeClaimReader(api, timeout_s=5), driver=DRIVER, pool=NODE
+        )
+        good = {
+            "type": "ADDED",
+            "object": {
+                "metadata": {"namespace": "default", "name": "good", "uid": "u1"},
+                "status": {
+                    "allocation": {"devices": {"results": [{"driver": DRIVER, "pool": NODE}]}}
+                },
+            },
+        }
+        reader.on_line(json.dumps(good).encode())
+        reader.on_line(_deep_claim_line("deep", depth))
+        good["object"]["metadata"]["name"] = "later"  # type: ignore[index]
+        reader.on_line(json.dumps(good).encode())
+        assert (reader.bad_lines, len(reader)) == (1, 2)
+        assert await reader.get_claim("default", "good", "u1") is not None
+        # The deep claim is a miss: a GET (the emulator has no such claim: None).
+        assert await reader.get_claim("default", "deep", "u-deep") is None
+        assert (reader.hits, reader.misses) == (1, 1)

@@ -9,6 +9,7 @@ tests/allocator/test_dra_claims_nats.py).
 from __future__ import annotations
 
 import json
+import os
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -19,10 +20,11 @@ from typing import Any
 import anyio
 import pytest
 
+from gpulet_allocator.kubelet.dra import checkpoint as dra_checkpoint
 from gpulet_allocator.kubelet.dra import plugin as plugin_module
 from gpulet_allocator.kubelet.dra.claims import KubeClaimReader
 from gpulet_allocator.kubelet.dra.plugin import DraPlugin, PluginSettings
-from gpulet_allocator.kubelet.dra.server import DraKubeletPlugin, Sockets
+from gpulet_allocator.kubelet.dra.server import SOCKET_DIR_MODE, DraKubeletPlugin, Sockets
 from gpulet_common.dra import cdi
 from gpulet_common.kube import KubeConfig
 from gpulet_common.kubeapi import KubeClient
@@ -445,3 +447,30 @@ def test_a_write_in_flight_never_drops_a_claim_remembered_meanwhile(
     assert set(json.loads(store.path.read_text())["claims"]) == {"a"}
     assert store.flush()  # the change made meanwhile is still pending
     assert set(json.loads(store.path.read_text())["claims"]) == {"a", "b"}
+
+
+async def test_the_directories_it_makes_have_exact_modes_under_any_umask(
+    emu: KubeEmulator, short_dir: Path
+) -> None:
+    """Under umask 000, mkdir makes 0777 directories: plugins/<driver>/, the registry
+    directory, a missing CDI directory and the checkpoint's are set exactly instead."""
+    old = os.umask(0)
+    try:
+        async with rig(emu, short_dir) as r:
+            uid = claim(emu, "c", result("gpu-0"))
+            assert (await r.kubelet.prepare(("default", uid, "c"))).claims[uid].error == ""
+            await wait_until(lambda: (short_dir / "state").exists(), timeout_s=10)
+    finally:
+        os.umask(old)
+    modes = {
+        name: oct((short_dir / name).stat().st_mode & 0o777)
+        for name in ("registry", "plugins", f"plugins/{DRIVER}", "cdi", "state")
+    }
+    assert modes == {
+        "registry": oct(SOCKET_DIR_MODE),
+        "plugins": oct(SOCKET_DIR_MODE),
+        f"plugins/{DRIVER}": oct(SOCKET_DIR_MODE),
+        "cdi": oct(cdi.DIR_MODE),
+        "state": oct(dra_checkpoint.DIR_MODE),
+    }
+    assert (SOCKET_DIR_MODE, cdi.DIR_MODE, dra_checkpoint.DIR_MODE) == (0o750, 0o755, 0o750)

@@ -263,6 +263,50 @@ def test_a_lost_gpu_is_unhealthy() -> None:
     assert built.devices[0]["taints"][0]["value"] == "gpu-lost"
 
 
+def test_a_lost_gpu_is_one_taint_whatever_conditions_say_so() -> None:
+    """Not present, with the lost, removed and missing conditions: one taint
+    ``unhealthy=gpu-lost``, not one per value."""
+    inventory = make_inventory(NODE, 1)
+    uuid = inventory.gpus[0].uuid
+    gone = health(
+        uuid,
+        ("lost", "gpu_lost", "critical"),
+        ("removed", "gpu_removed", "critical"),
+        ("missing", "gpu_missing", "critical"),
+        present=False,
+    )
+    built = pool.build(inventory, {uuid: gone}, DraSettings())
+    taints_of = [(t["key"], t.get("value")) for t in built.devices[0]["taints"]]
+    assert taints_of == [("gpu.gpulet.io/unhealthy", "gpu-lost")]
+
+
+def test_a_gpu_missing_at_start_stays_in_the_pool_tainted() -> None:
+    """The inventory lacks GPU 3 (lost before the agent started); the health service
+    remembers it (not present, with its identity): the pool keeps its device, under
+    the name it had, tainted ``gpu-lost`` -- 8 devices, as in the Device."""
+    full = make_inventory(NODE, 8)
+    missing = full.gpus[3]
+    inventory = msgspec.structs.replace(full, gpus=[g for g in full.gpus if g is not missing])
+    gone = msgspec.structs.replace(
+        health(missing.uuid, ("missing", "gpu_missing", "critical"), present=False),
+        info=missing,
+    )
+    built = pool.build(inventory, {missing.uuid: gone}, DraSettings())
+    assert [d["name"] for d in built.devices] == [dev.device_name(g) for g in full.gpus]
+    [device] = [d for d in built.devices if d["name"] == dev.device_name(missing)]
+    assert device["attributes"]["uuid"] == {"string": missing.uuid}
+    assert [(t["key"], t.get("value")) for t in device["taints"]] == [
+        ("gpu.gpulet.io/unhealthy", "gpu-lost")
+    ]
+    for body in built.slices:
+        valid(body)
+    # Another GPU answering at its index since: that one has the name, not the memory.
+    moved = msgspec.structs.replace(full.gpus[7], index=3, minor=3, uuid="GPU-other")
+    again = msgspec.structs.replace(inventory, gpus=[*inventory.gpus[:7], moved])
+    names = [d["name"] for d in pool.build(again, {missing.uuid: gone}, DraSettings()).devices]
+    assert names.count(dev.device_name(missing)) == 1
+
+
 def test_slices_split_at_the_limits() -> None:
     big = make_inventory(NODE, 130)
     built = pool.build(big, {}, DraSettings())

@@ -14,7 +14,10 @@ kubeconfig, against a real nats-server.
 
 from __future__ import annotations
 
+import itertools
 import json
+import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
@@ -229,10 +232,17 @@ async def test_a_gpu_lost_while_running_stays_in_the_device_across_a_restart(
 
 @pytest.mark.anyio
 async def test_a_lost_gpu_does_not_make_the_collector_republish_the_inventory(
-    nats_server: EmbeddedNats, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    nats_server: EmbeddedNats,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
+    """The GPU left out is looked for with a growing wait (not every retry period
+    forever, each a full inventory build) and logged once, not at every look."""
     period, retry = 0.05, 0.3
     monkeypatch.setattr(collector_service, "SKIPPED_RETRY_S", retry)
+    monkeypatch.setattr(collector_service, "SKIPPED_RETRY_MAX_S", 4 * retry)
+    caplog.set_level(logging.DEBUG, logger="gpulet.nvml")
     settings = agent_settings(
         nats_server.url,
         tmp_path,
@@ -241,10 +251,12 @@ async def test_a_lost_gpu_does_not_make_the_collector_republish_the_inventory(
     adapter, mock = mock_adapter("dgx-h100")
     builds = 0
     build = adapter.inventory_report
+    built_at: list[float] = []
 
     def counted(node: str, generation: int) -> tuple[Inventory, dict[int, str]]:
         nonlocal builds
         builds += 1
+        built_at.append(time.monotonic())
         return build(node, generation)
 
     monkeypatch.setattr(adapter, "inventory_report", counted)
@@ -276,9 +288,19 @@ async def test_a_lost_gpu_does_not_make_the_collector_republish_the_inventory(
             await tg.start(collector.run)
             await wait_until(lambda: received == [7])
             # Many periods, and several looks for the left-out GPU (inventory builds).
-            await wait_until(lambda: batches >= 40 and builds >= 4, within=20)
+            await wait_until(lambda: batches >= 40 and builds >= 6, within=30)
             assert collector.inventory_publishes == 1
             assert received == [7]
+            # The waits between looks: at least 0.3, 0.6, 1.2, then the cap (1.2) s.
+            gaps = [b - a for a, b in itertools.pairwise(built_at[:6])]
+            least = [retry, 2 * retry, 4 * retry, 4 * retry, 4 * retry]
+            assert all(g >= 0.9 * m for g, m in zip(gaps, least, strict=True)), gaps
+            left_out = [
+                r for r in caplog.records if "GPU 5 left out of the inventory" in r.getMessage()
+            ]
+            assert [r.levelno for r in left_out][:1] == [logging.WARNING]
+            assert all(r.levelno == logging.DEBUG for r in left_out[1:])
+            assert len(left_out) >= 4  # looked for again and again, logged once
             # It answers again: published once more, with it.
             assert mock.inject(MockInjectRequest(gpu=5, fault="reset")).applied
             await wait_until(lambda: received == [7, 8], within=10)
@@ -382,9 +404,12 @@ def test_the_reporter_keeps_a_gpu_the_health_service_says_is_not_present() -> No
     assert not condition.healthy
     assert condition.reason == "GpuLost"
     assert [g.uuid for g in core.absent_gpus()] == ["GPU-1"]
+    # Kubelet's capacity counts it (the device plugin lists it, unhealthy): so does GFD's.
+    assert core.desired.node_labels["nvidia.com/gpu.count"] == "3"
     # The health service forgets it (its KV entry is deleted): so does the Device.
     core.on_health("GPU-1", None)
     assert sorted(g.uuid for g in core.desired.gpus) == ["GPU-0", "GPU-2"]
+    assert core.desired.node_labels["nvidia.com/gpu.count"] == "2"
 
 
 def test_clearing_a_gpu_that_is_not_present_forgets_it() -> None:
@@ -420,3 +445,56 @@ def test_clearing_the_sticky_conditions_of_a_gpu_that_is_not_present_is_refused(
     engine.observe_xid("GPU-0", 79, T0 + 2)
     _, events = engine.clear("GPU-0", None, T0 + 3)
     assert [(e.kind, e.condition) for e in events] == [("cleared", "xid:79")]
+
+
+@pytest.mark.anyio
+async def test_reporter_preview_shows_what_the_reporter_writes_with_a_gpu_missing(
+    nats_server: EmbeddedNats, emulator: KubeEmulator, tmp_path: Path
+) -> None:
+    """``gpulet reporter-preview`` runs the reporter's code on the reporter's inputs:
+    with GPU 2 missing at start, both have 8 devices (GPU 2 unhealthy), the same node
+    labels (``nvidia.com/gpu.count`` 8, as kubelet's capacity), and the condition's
+    boot ID."""
+    from gpulet_common.bootid import read_boot_id
+    from gpulet_common.settings import Settings
+    from gpulet_common.settings.nats import NatsSettings
+    from gpulet_reporter.cli import preview
+
+    uuids = await first_run(nats_server.url, tmp_path, emulator)
+    emulator.delete_object(DEVICES, NODE)
+    settings = reporter_settings(tmp_path)
+    async with (
+        EmbeddedNats(state_dir=tmp_path / "nats-after", port=0) as fresh,
+        health_node(fresh.url, tmp_path, scenario=DGX, prepare=lose(LOST)),
+        running_reporter(fresh.url, tmp_path / "reporter", NODE, settings),
+    ):
+        await until_device(
+            emulator, lambda seen: set(seen) == set(uuids) and not seen[uuids[LOST]].health
+        )
+        await wait_until(
+            lambda: (
+                (emulator.get_object("nodes", NODE) or {})["metadata"]
+                .get("labels", {})
+                .get("nvidia.com/gpu.count")
+                == "8"
+            )
+        )
+        shown = await preview(
+            Settings(node_name=NODE, nats=NatsSettings(url=fresh.url), reporter=settings),
+            timeout_s=5,
+        )
+        written = emulator.get_object(DEVICES, NODE)
+        assert written is not None
+        assert shown["device"]["spec"] == written["spec"]
+        assert shown["device"]["metadata"]["labels"] == written["metadata"]["labels"]
+        node_labels = (emulator.get_object("nodes", NODE) or {})["metadata"]["labels"]
+        assert shown["nodeLabels"]["nvidia.com/gpu.count"] == "8"
+        assert {k: node_labels.get(k) for k in shown["nodeLabels"]} == shown["nodeLabels"]
+        # The condition the reporter would write (it is off in this harness): with the
+        # node's boot ID at the end of its message, as the reporter writes it.
+        with_condition = msgspec.structs.replace(settings, node_condition=True)
+        shown = await preview(
+            Settings(node_name=NODE, nats=NatsSettings(url=fresh.url), reporter=with_condition),
+            timeout_s=5,
+        )
+        assert shown["nodeCondition"]["message"].endswith(f"; boot ID {read_boot_id()}")

@@ -489,3 +489,18 @@ def test_a_condition_goes_to_the_wire_and_back_whole() -> None:
     )  # fmt: skip
     # Marked as read back (a recovery hold says so), which the wire does not carry.
     assert Condition.from_wire(cond.wire()) == dataclasses.replace(cond, xid=79, restored=True)
+
+
+def test_a_report_only_xid_says_what_its_event_says_of_the_health() -> None:
+    """XID 94 (contained, a job restart fixes it) changes nothing: on a healthy GPU its
+    event is healthy and says so; on a GPU already unhealthy (XID 79 before it) its
+    event is unhealthy, and its reason no longer claims "the GPU stays healthy"."""
+    e = engine()
+    [ok] = e.observe_nvml_event(xid(0, 94, T0))
+    assert ok.healthy is True
+    assert "the GPU stays healthy" in ok.reason
+    e.observe_nvml_event(xid(1, 79, T0))
+    [after] = e.observe_nvml_event(xid(1, 94, T0 + 1))
+    assert after.healthy is False
+    assert "stays healthy" not in after.reason
+    assert "unhealthy (xid:79)" in after.reason

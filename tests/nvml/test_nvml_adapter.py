@@ -398,6 +398,27 @@ def test_lost_gpu_raises_gpu_lost_and_is_left_out_of_inventory(open_mock: MockFa
     assert adapter.sample(5).uuid == uuid5
 
 
+def test_a_gpu_lost_after_a_scan_is_reported_by_the_identity_that_scan_read(
+    open_mock: MockFactory,
+) -> None:
+    """NVML no longer answers for it (its handle fails): the unreadable entry names the
+    GPU the first scan read at that index, not a placeholder without a bus ID."""
+    adapter, mock = open_mock("dgx-h100")
+    first, _ = adapter.inventory_report("n", 1)
+    gpu3 = first.gpus[3]
+    inject(mock, "lost", gpu=3)
+    inventory, skipped = adapter.inventory_report("n", 2)
+    assert set(skipped) == {3}
+    [entry] = inventory.unreadable
+    assert (entry.index, entry.uuid, entry.pci_bus_id, entry.name, entry.lost) == (
+        3,
+        gpu3.uuid,
+        gpu3.pci_bus_id,
+        gpu3.name,
+        True,
+    )
+
+
 def test_reset_required_raises(open_mock: MockFactory) -> None:
     _, mock = open_mock("dgx-h100")
     wrapped = Wrapped(mock, nvmlDeviceGetPowerUsage=raising(pynvml.NVML_ERROR_RESET_REQUIRED))

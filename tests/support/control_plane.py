@@ -531,13 +531,17 @@ class ControlPlane:
         content_type: str = "application/json",
         query: Mapping[str, str] | None = None,
         timeout_s: float = 10.0,
+        raw: bytes | None = None,
     ) -> Response:
-        """One HTTPS request as ``token``'s user (admin by default); JSON in and out."""
+        """One HTTPS request as ``token``'s user (admin by default); JSON in and out.
+        ``raw``: the body's bytes as they are (a document ``json`` cannot write)."""
         conn = http.client.HTTPSConnection(
             "127.0.0.1", self.port, context=self._ssl, timeout=timeout_s
         )
         try:
-            payload = None if body is None else json.dumps(body).encode()
+            payload = (
+                raw if raw is not None else None if body is None else json.dumps(body).encode()
+            )
             headers = {
                 "Authorization": f"Bearer {token or self.admin.token}",
                 "Accept": "application/json",
@@ -552,7 +556,7 @@ class ControlPlane:
             conn.close()
         parsed: Any = None
         if raw:
-            with suppress(ValueError):
+            with suppress(ValueError, RecursionError):  # a deep body: kept raw
                 parsed = json.loads(raw)
         return Response(resp.status, parsed, raw)
 

@@ -31,6 +31,7 @@ from gpulet_common.cli_support import AddFlags, LoadSettings, bind, tool_nats
 from gpulet_common.fleet.roles import FLEET_ACCOUNT, ROLES, Role
 from gpulet_common.settings import Settings
 from gpulet_common.settings.nats import NatsSettings
+from gpulet_common.untrusted import json_document
 
 if TYPE_CHECKING:
     from gpulet_common.fleet.identity import IdentityStore
@@ -132,8 +133,8 @@ async def push(settings: NatsSettings, account_jwt: str, *, timeout_s: float = 5
         except Exception as exc:
             raise BusError(f"no answer to the account update: {exc}") from exc
     try:
-        body = json.loads(reply.data)
-    except ValueError as exc:
+        body = json_document(reply.data, max_bytes=1 << 20, what="the hub's answer")
+    except ValueError as exc:  # UntrustedDocumentError
         raise BusError(f"unreadable answer to the account update: {reply.data[:200]!r}") from exc
     if not isinstance(body, dict):
         raise BusError(f"unexpected answer to the account update: {body!r}")

@@ -24,6 +24,7 @@ from gpulet_common.cli_support import (
 from gpulet_common.messages import InventoryRequest, MockInjectRequest
 from gpulet_common.mock_nvml.faultspec import FAULT_KINDS
 from gpulet_common.settings import Settings
+from gpulet_common.untrusted import UntrustedDocumentError, json_document
 
 
 async def watch(
@@ -43,11 +44,14 @@ async def watch(
                 msg_codec = None if raw else catalog.codec_for(msg.subject)
                 if msg_codec is None:
                     body: Any = msg.data.decode(errors="replace")
-                    # Shown parsed when it is JSON of a sane depth (json.loads recurses
-                    # like msgspec), as text otherwise.
-                    if codec.nesting_problem(msg.data, bus.limits.max_depth) is None:
-                        with contextlib.suppress(ValueError, RecursionError):
-                            body = json.loads(body)
+                    # Shown parsed when it is JSON of a sane depth, as text otherwise.
+                    with contextlib.suppress(UntrustedDocumentError):
+                        body = json_document(
+                            msg.data,
+                            max_bytes=bus.limits.max_bytes,
+                            max_depth=bus.limits.max_depth,
+                            what=msg.subject,
+                        )
                 else:
                     delivery = bus.decode(msg, msg_codec)
                     if delivery is None:

@@ -17,11 +17,9 @@ and what is wrong with it.
 from __future__ import annotations
 
 import functools
-import json
 import os
 import re
 import socket
-import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -30,8 +28,11 @@ import msgspec
 
 from gpulet_common.errors import UsageError
 from gpulet_common.settings import Settings
+from gpulet_common.untrusted import UntrustedDocumentError, json_document, toml_document
 
 ENV_PREFIX = "GPULET_"
+# A settings file or value is the operator's, yet read totally (gpulet_common.untrusted).
+_MAX_FILE_BYTES = 4 << 20
 _PATH_IN_ERROR = re.compile(r" - at `\$\.?([^`]*)`$")
 
 
@@ -89,9 +90,9 @@ def _parse_scalar(dotted: str, raw: str) -> Any:
     origin = getattr(hint, "__origin__", None)
     if text and text[0] in "[{":
         try:
-            return json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(dotted, f"not valid JSON: {exc.msg}") from None
+            return json_document(text, max_bytes=_MAX_FILE_BYTES, what="the value")
+        except UntrustedDocumentError as exc:  # deep or huge, too: one ConfigError
+            raise ConfigError(dotted, f"not valid JSON: {exc}") from None
     if origin in (list, tuple, set, frozenset):
         return [item.strip() for item in text.split(",") if item.strip()]
     return raw
@@ -100,12 +101,17 @@ def _parse_scalar(dotted: str, raw: str) -> Any:
 def file_layer(path: str | os.PathLike[str]) -> dict[str, Any]:
     p = Path(path)
     try:
-        data = p.read_bytes()
+        with p.open("rb") as handle:
+            data = handle.read(_MAX_FILE_BYTES + 1)
     except OSError as exc:
         raise ConfigError("config", f"cannot read {p}: {exc.strerror}") from None
     try:
-        loaded = json.loads(data) if p.suffix == ".json" else tomllib.loads(data.decode())
-    except (tomllib.TOMLDecodeError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        loaded = (
+            json_document(data, max_bytes=_MAX_FILE_BYTES, what=str(p))
+            if p.suffix == ".json"
+            else toml_document(data, max_bytes=_MAX_FILE_BYTES, what=str(p))
+        )
+    except UntrustedDocumentError as exc:  # RecursionError of a deep file included
         raise ConfigError("config", f"{p} is not valid: {exc}") from None
     if not isinstance(loaded, dict):
         raise ConfigError("config", f"{p} must hold a table of settings")

@@ -33,7 +33,6 @@ happened (it is also the answer when ``embedded_restart_attempts`` is 0).
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 import signal
@@ -53,6 +52,7 @@ from gpulet_common.errors import GpuletError, UsageError, one_line
 from gpulet_common.safefile import open_append
 from gpulet_common.settings.nats import NatsSettings
 from gpulet_common.telemetry import StatusBoard
+from gpulet_common.untrusted import json_document
 
 log = logging.getLogger("gpulet.nats-server")
 
@@ -134,7 +134,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 def _read_port(ports_file: Path) -> int | None:
     """The client port in a nats-server ports file, None while it is absent or partial."""
     try:
-        urls = json.loads(ports_file.read_bytes()).get("nats") or []
+        urls = json_document(ports_file.read_bytes(), max_bytes=1 << 16).get("nats") or []
         return int(urlsplit(urls[0]).port or 0) or None
     except (OSError, ValueError, AttributeError, IndexError, TypeError):
         return None

@@ -48,7 +48,7 @@ def parse_whole(text: Any) -> int | None:
         return None
     if isinstance(text, int):
         return text
-    match = _WHOLE.match(text.strip())
+    match = _WHOLE.fullmatch(text.strip())
     if match is None:
         return None
     return int(match[1]) * SUFFIX[match[2]]

@@ -24,6 +24,12 @@ Design
   place (the health buffer's segments, the embedded NATS server's log) are opened with
   ``O_NOFOLLOW`` (a link is refused) and must be regular files (a FIFO or a device
   planted there is refused without blocking).
+* :func:`ensure_dir` (and ``write_atomic(dir_mode=...)``): the directories gpulet
+  creates for others to read (the DRA plugin's socket and checkpoint directories, the
+  CDI directory) get their mode exactly, whatever the umask: each missing component
+  is made ``0700`` (a umask can only take bits away) and then set to the mode, so it
+  is never more open than asked, even for an instant. Existing directories are left
+  as they are; a component that is a symlink is refused.
 * Refusals raise :class:`UnsafePathError`, an :class:`OSError`, so every caller's
   existing handling of a failed write (fail closed, say why) applies unchanged.
 """
@@ -40,6 +46,7 @@ from typing import BinaryIO
 
 __all__ = [
     "UnsafePathError",
+    "ensure_dir",
     "fsync_dir",
     "open_append",
     "open_update",
@@ -61,10 +68,34 @@ def tmp_prefix(path: Path) -> str:
     return f".{path.name}."
 
 
-def _open_dir(directory: Path, *, create: bool) -> int:
+def ensure_dir(directory: Path, mode: int) -> None:
+    """``directory`` and its missing parents, each made with exactly ``mode`` (module
+    docstring); existing ones are left as they are. Raises OSError."""
+    missing: list[Path] = []
+    at = Path(directory)
+    while not at.exists():
+        if at.is_symlink():  # dangling
+            raise UnsafePathError(errno.ELOOP, f"refusing to create {at}: it is a symlink")
+        missing.append(at)
+        if at.parent == at:
+            break
+        at = at.parent
+    for component in reversed(missing):
+        try:
+            os.mkdir(component, 0o700)
+        except FileExistsError:
+            continue  # made meanwhile by someone else: theirs, left as it is
+        os.chmod(component, mode, follow_symlinks=False)
+    if directory.is_symlink():
+        raise UnsafePathError(errno.ELOOP, f"refusing to use {directory}: it is a symlink")
+
+
+def _open_dir(directory: Path, *, create: bool, mode: int | None = None) -> int:
     if directory.is_symlink():  # a dangling one too: mkdir would only say "exists"
         raise UnsafePathError(errno.ELOOP, f"refusing to write in {directory}: it is a symlink")
-    if create:
+    if create and mode is not None:
+        ensure_dir(directory, mode)
+    elif create:
         directory.mkdir(parents=True, exist_ok=True)
     try:
         return os.open(directory, _DIR_FLAGS)
@@ -87,13 +118,22 @@ def _check_target(dir_fd: int, path: Path) -> None:
         raise UnsafePathError(errno.EINVAL, f"refusing to write {path}: not a regular file")
 
 
-def write_atomic(path: Path, data: bytes, *, mode: int = 0o600, durable: bool = True) -> None:
+def write_atomic(
+    path: Path,
+    data: bytes,
+    *,
+    mode: int = 0o600,
+    durable: bool = True,
+    dir_mode: int | None = None,
+) -> None:
     """Atomically replace ``path`` with ``data`` (see the module docstring).
 
     ``durable=False`` skips both fsyncs (a file whose loss costs a little repeated
-    work, written often). Raises OSError; :class:`UnsafePathError` for a refusal.
+    work, written often). ``dir_mode``: the exact mode of directories made for it
+    (:func:`ensure_dir`; None: as ``mkdir`` makes them, under the umask). Raises
+    OSError; :class:`UnsafePathError` for a refusal.
     """
-    dir_fd = _open_dir(path.parent, create=True)
+    dir_fd = _open_dir(path.parent, create=True, mode=dir_mode)
     try:
         _check_target(dir_fd, path)
         fd, tmp = _create_tmp(dir_fd, path, mode)

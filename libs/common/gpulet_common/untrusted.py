@@ -11,6 +11,9 @@ parsed here, so that one rule holds at every seam:
   PyYAML all recurse per nesting level and raise ``RecursionError`` -- a
   ``RuntimeError``, which no ``except ValueError`` catches -- on a document a few
   thousand levels deep. For TOML and YAML the parser's own failure is mapped.
+* **Typed files** (a checkpoint, a settings or configs file with its own Struct) go
+  through :func:`json_typed` (the same bounds, then the file's own msgspec decoder:
+  msgspec recurses while it skips an unknown field too) or :func:`toml_typed`.
 * **YAML aliases** are refused (:func:`yaml_document`): an alias bomb's few kilobytes
   expand into gigabytes in whoever walks the result, and no document gpulet reads
   needs an alias.
@@ -28,8 +31,9 @@ For example::
 
 from __future__ import annotations
 
+import datetime
 import tomllib
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 import msgspec
 
@@ -48,6 +52,8 @@ ALIASES: Final = "aliases"
 ERROR: Final = "error"
 
 _json: Final = msgspec.json.Decoder()
+T = TypeVar("T")
+_TOML_BUILTINS: Final = (datetime.datetime, datetime.date, datetime.time)
 
 
 class UntrustedDocumentError(ValueError):
@@ -91,6 +97,50 @@ def json_document(
     except msgspec.DecodeError as exc:
         raise UntrustedDocumentError(INVALID, f"{what}: not JSON: {exc}"[:300]) from None
     except Exception as exc:  # RecursionError, MemoryError, UnicodeDecodeError, ...
+        raise UntrustedDocumentError(ERROR, f"{what}: {type(exc).__name__}: {exc}"[:300]) from None
+
+
+def json_typed(
+    raw: bytes | bytearray | memoryview | str,
+    decoder: msgspec.json.Decoder[T],
+    *,
+    max_bytes: int = MAX_BYTES,
+    max_depth: int = MAX_DEPTH,
+    what: str = "document",
+) -> T:
+    """``raw`` JSON decoded by a typed ``decoder`` (a state or settings file's own
+    Struct decoder, strict or not as it was built), or :class:`UntrustedDocumentError`:
+    the same bounds as :func:`json_document` run first, because msgspec recurses while
+    it skips an unknown field as much as while it decodes an ``Any``."""
+    _bounded_size(raw, max_bytes, what)
+    data = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else bytes(raw)
+    try:
+        problem = nesting_problem(data, max_depth)
+        if problem is not None:
+            reason, detail = problem
+            raise UntrustedDocumentError(  # noqa: TRY301 - one except for all paths
+                reason if reason == TOO_DEEP else INVALID, f"{what}: {detail}"
+            )
+        return decoder.decode(data)
+    except UntrustedDocumentError:
+        raise
+    except msgspec.DecodeError as exc:  # ValidationError included
+        raise UntrustedDocumentError(INVALID, f"{what}: {exc}"[:300]) from None
+    except Exception as exc:  # RecursionError, MemoryError, ...
+        raise UntrustedDocumentError(ERROR, f"{what}: {type(exc).__name__}: {exc}"[:300]) from None
+
+
+def toml_typed(
+    raw: bytes | str, type_: type[T], *, max_bytes: int = MAX_BYTES, what: str = "document"
+) -> T:
+    """``raw`` TOML converted to ``type_`` as ``msgspec.toml.decode`` would (dates kept,
+    string keys), or :class:`UntrustedDocumentError`."""
+    tree = toml_document(raw, max_bytes=max_bytes, what=what)
+    try:
+        return msgspec.convert(tree, type_, str_keys=True, builtin_types=_TOML_BUILTINS)
+    except msgspec.ValidationError as exc:
+        raise UntrustedDocumentError(INVALID, f"{what}: {exc}"[:300]) from None
+    except Exception as exc:  # RecursionError (a deep array under the parser's limit), ...
         raise UntrustedDocumentError(ERROR, f"{what}: {type(exc).__name__}: {exc}"[:300]) from None
 
 

@@ -361,6 +361,7 @@ class GrantView(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     created_at: float
     pod: str = ""
     container: str = ""
+    pod_uid: str = ""
 
 
 class AllocationView(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):

@@ -20,8 +20,11 @@ Flow
    rebuilt and republished the inventory every period. Such a GPU is not dropped: the
    inventory carries NVML's count (``nvml_count``) and lists it in ``unreadable``, by
    index with what identity could still be read, for the health service to raise. While
-   a GPU is left out (lost), the inventory is rebuilt every ``SKIPPED_RETRY_S`` to see
-   it come back, and published only if it changed: the inventory is published on real
+   a GPU is left out (lost), the inventory is rebuilt to see it come back, first after
+   ``SKIPPED_RETRY_S``, then at twice the last wait while the same GPUs stay left out
+   (at most ``SKIPPED_RETRY_MAX_S``; a change starts again from the first wait), and
+   published only if it changed; the adapter logs a GPU left out once, when it is
+   first left out or its reason changes, not at every look: the inventory is published on real
    change only (plus the unsolicited ``inventory_republish_s`` and answers to requests).
    A GPU that went and came back between two counts (a reset that re-enumerates it, a
    driver reload, a hot-plug) is seen too: its old handle is void, the adapter fetches
@@ -80,6 +83,7 @@ log = logging.getLogger("gpulet.collector")
 NVML_REINIT_MIN_S = 1.0
 # While NVML counts GPUs the inventory could not list, look again this often.
 SKIPPED_RETRY_S = 1.0
+SKIPPED_RETRY_MAX_S = 30.0
 
 
 class CollectorService(RuntimeService[CollectorSettings]):
@@ -108,6 +112,7 @@ class CollectorService(RuntimeService[CollectorSettings]):
         self._nvml_count: int | None = None
         self._skipped: dict[int, str] = {}
         self._next_skipped_retry = 0.0
+        self._skipped_delay = SKIPPED_RETRY_S
         #: Inventories published (every publish, requests and republishes included).
         self.inventory_publishes = 0
 
@@ -202,8 +207,12 @@ class CollectorService(RuntimeService[CollectorSettings]):
             self._rt.status.set(self.name, "degraded", str(exc))
         else:
             self._nvml_count = len(inventory.gpus) + len(skipped)
+        if skipped and set(skipped) == set(self._skipped):
+            self._skipped_delay = min(self._skipped_delay * 2, SKIPPED_RETRY_MAX_S)
+        else:
+            self._skipped_delay = SKIPPED_RETRY_S
         self._skipped = skipped
-        self._next_skipped_retry = time.monotonic() + SKIPPED_RETRY_S
+        self._next_skipped_retry = time.monotonic() + self._skipped_delay
         if not force and _same(inventory, self._inventory):
             return
         self._generation = generation

@@ -42,6 +42,7 @@ from gpulet_common.codec import HEALTH_EVENT
 from gpulet_common.logutil import RateLimitedLog
 from gpulet_common.messages import HealthEvent
 from gpulet_common.safefile import open_append, open_update, write_atomic
+from gpulet_common.untrusted import json_document
 
 log = logging.getLogger("gpulet.health.buffer")
 
@@ -62,6 +63,12 @@ class Overflow:
     dropped: int
     first_at: float
     last_at: float
+
+
+def _count(value: object) -> int:
+    """A count from a state file: a non-negative int, or 0 for anything else (the
+    files are ours, but a damaged one must not stop the buffer from opening)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
 
 
 class DiskBuffer:
@@ -118,13 +125,13 @@ class DiskBuffer:
         cursor = self._read_json("cursor.json")
         self._offset = self._consumed = 0
         if cursor and segments and cursor.get("segment") == segments[0].seq:
-            self._offset = int(cursor.get("offset", 0))
-            self._consumed = int(cursor.get("consumed", 0))
+            self._offset = _count(cursor.get("offset", 0))
+            self._consumed = _count(cursor.get("consumed", 0))
         overflow = self._read_json("overflow.json")
-        if overflow and int(overflow.get("dropped", 0)) > 0:
-            self._overflow = Overflow(
-                int(overflow["dropped"]), float(overflow["first_at"]), float(overflow["last_at"])
-            )
+        if overflow and _count(overflow.get("dropped", 0)) > 0:
+            first, final = overflow.get("first_at"), overflow.get("last_at")
+            if isinstance(first, int | float) and isinstance(final, int | float):
+                self._overflow = Overflow(_count(overflow["dropped"]), float(first), float(final))
         self._opened = True
         if self.pending:
             log.warning(
@@ -301,7 +308,7 @@ class DiskBuffer:
     def _read_json(self, name: str) -> dict[str, float] | None:
         path = self.directory / name
         try:
-            data = json.loads(path.read_text())
+            data = json_document(path.read_bytes(), max_bytes=1 << 16, what=str(path))
         except FileNotFoundError:
             return None
         except (OSError, ValueError) as exc:

@@ -33,7 +33,6 @@ not a health event is terminated (counted, logged), never relayed.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 
 import anyio
@@ -53,6 +52,7 @@ from gpulet_common.logutil import RateLimitedLog
 from gpulet_common.settings.fleet import FleetSettings
 from gpulet_common.settings.nats import NatsSettings
 from gpulet_common.telemetry import create_counters
+from gpulet_common.untrusted import json_document
 
 log = logging.getLogger("gpulet.health.fleet_relay")
 
@@ -187,8 +187,8 @@ class FleetRelay:
             headers={"Nats-Msg-Id": subjects.event_msg_id(self._node, event_id)},
         )
         try:
-            ack = json.loads(reply.data)
-        except ValueError as exc:
+            ack = json_document(reply.data, max_bytes=1 << 16, what="ack")
+        except ValueError as exc:  # UntrustedDocumentError
             raise HubRefused(f"unreadable ack {reply.data[:100]!r}") from exc
         if not isinstance(ack, dict):
             raise HubRefused(f"unexpected ack {ack!r}")

@@ -28,6 +28,7 @@ import msgspec
 
 from gpulet_common.messages import GpuInfo
 from gpulet_common.statefile import quarantine, write_atomic
+from gpulet_common.untrusted import json_typed
 
 log = logging.getLogger("gpulet.health.known")
 
@@ -80,9 +81,9 @@ class KnownGpus:
     def _decode(self, data: bytes) -> KnownGpusFile:
         """The file's content; ValueError for anything this build cannot use."""
         try:
-            stored = _decoder.decode(data)
-        except Exception as exc:  # total: RecursionError and the like too
-            raise ValueError(f"{type(exc).__name__}: {exc}") from exc
+            stored = json_typed(data, _decoder, what="known GPUs")
+        except ValueError as exc:  # UntrustedDocumentError: bad, deep or huge
+            raise ValueError(str(exc)) from exc
         if stored.version != VERSION:
             raise ValueError(f"version {stored.version}, this build reads {VERSION}")
         if stored.node and stored.node != self._node:

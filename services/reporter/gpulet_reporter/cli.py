@@ -2,10 +2,13 @@
 this node would get.
 
 It asks the running agent (``--nats``, default the node-local server, as every tool
-does) for its inventory and health state, exactly as the reporter does at start, so it
-shows what the agent's reporter writes. It never opens NVML itself: beside a running
-agent that would compete for the GPUs, and a preview that reads other GPUs than the
-agent's would answer another question. To preview without GPUs, run the agent with the
+does) for its inventory and health state, exactly as the reporter does at start, and
+renders them with the reporter's own code (:class:`~gpulet_reporter.core.ReporterCore`:
+the GPUs the health service keeps as absent stay in the Device; the node-health
+evaluation, with the node's boot ID), so it shows what the agent's reporter writes
+(tests/health/test_expected_gpus.py compares the two). It never opens NVML itself:
+beside a running agent that would compete for the GPUs, and a preview that reads other
+GPUs than the agent's would answer another question. To preview without GPUs, run the agent with the
 mock (``gpulet run --nvml mock:dgx-h100``) and ask it.
 
 Nothing is written anywhere; ``--device-only`` prints just the Device, ready for
@@ -23,13 +26,13 @@ from typing import Any
 import anyio
 
 from gpulet_common import codec, subjects
+from gpulet_common.bootid import read_boot_id
 from gpulet_common.bus import BusError, Refused, RequestTimeout
 from gpulet_common.cli_support import AddFlags, LoadSettings, tool_bus
 from gpulet_common.messages import HealthState, HealthStateRequest, Inventory, InventoryRequest
 from gpulet_common.settings import Settings
-from gpulet_reporter.desired import build_desired, render_device
+from gpulet_reporter.desired import render_device
 from gpulet_reporter.facts import node_facts, read_machine_type
-from gpulet_reporter.health_view import HealthView
 from gpulet_reporter.pcie import make_resolver
 
 
@@ -69,6 +72,7 @@ async def preview(settings: Settings, *, timeout_s: float = 2.0) -> dict[str, An
     """The Device and node labels, as the running agent's reporter renders them."""
     # Here, not at the top: node_health pulls in the Kubernetes client (~40 MB), and
     # every `gpulet` process (a collector sidecar too) imports this module's commands.
+    from gpulet_reporter.core import ReporterCore
     from gpulet_reporter.node_health import (
         REASON_UNREACHABLE,
         TAINT_EFFECT,
@@ -76,27 +80,38 @@ async def preview(settings: Settings, *, timeout_s: float = 2.0) -> dict[str, An
         evaluate,
         render_condition,
         unknown,
+        with_boot_id,
     )
 
     inventory, state = await _from_agent(settings, timeout_s)
-    view = HealthView()
-    for health in state.gpus if state is not None else ():
-        view.apply(health.gpu_uuid, health)
-    desired = build_desired(
-        inventory,
-        view.snapshot(),
-        gfd_labels=settings.reporter.gfd_labels,
+    # The reporter's own code with the reporter's inputs: its core (the GPUs the health
+    # service keeps as absent stay in the Device), its node-health evaluation and the
+    # node's boot ID in the condition.
+    core = ReporterCore(
+        settings.node_name,
+        settings.reporter,
         pcie_root=make_resolver(),
         facts=node_facts(settings, read_machine_type()),
     )
+    core.on_inventory(inventory)
+    for health in state.gpus if state is not None else ():
+        core.on_health(health.gpu_uuid, health)
+    desired = core.desired
+    if desired is None:
+        raise PreviewError(
+            f"the agent of node {settings.node_name!r} has no usable inventory yet: "
+            f"{inventory.degraded_reason or 'no GPUs listed'}"
+        )
     now = time.time()
     device = render_device(desired, None, node_uid=None, now=now)
     labels = dict(desired.node_labels) if settings.reporter.node_labels else {}
     policy = settings.reporter.taint_policy
     if state is not None:
-        intent = evaluate(inventory, {g.gpu_uuid: g for g in state.gpus}, policy=policy)
+        healths = {g.gpu_uuid: g for g in state.gpus}
+        intent = evaluate(inventory, healths, policy=policy)
     else:
         intent = unknown(REASON_UNREACHABLE, "the health service did not answer", policy=policy)
+    intent = with_boot_id(intent, read_boot_id()) or intent
     result: dict[str, Any] = {"device": device, "nodeLabels": labels}
     if settings.reporter.node_condition:
         result["nodeCondition"] = render_condition(intent, None, now=now)

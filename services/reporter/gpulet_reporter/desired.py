@@ -255,7 +255,7 @@ def build_desired(
         node=inventory.node,
         gpus=tuple(gpus),
         device_labels=device_labels(inventory),
-        node_labels=node_labels(inventory, gfd=gfd_labels, facts=facts),
+        node_labels=node_labels(inventory, gfd=gfd_labels, facts=facts, absent=len(gone)),
     )
 
 

@@ -45,7 +45,7 @@ def reason_for(*, xid: int | None, condition: str, kind: str, text: str, healthy
     """A stable, CRD-valid reason: ``Xid79``, ``EccUncorrectable``, ``Thermal``..."""
     if xid is not None:
         return f"Xid{xid}"
-    match = _XID_CONDITION.match(condition)
+    match = _XID_CONDITION.fullmatch(condition)
     if match:
         return f"Xid{match.group(1)}"
     for source in (kind, condition):

@@ -132,13 +132,16 @@ def gpu_family(major: int, minor: int) -> str:
 
 
 def node_labels(
-    inventory: Inventory, *, gfd: bool = True, facts: NodeFacts | None = None
+    inventory: Inventory, *, gfd: bool = True, facts: NodeFacts | None = None, absent: int = 0
 ) -> dict[str, str]:
     """Koordinator's three labels plus (optionally) GFD-compatible ones.
 
     GFD's names and values (NVIDIA k8s-device-plugin, ``internal/lm``): product, count,
     memory (MiB), family, compute major/minor, machine, the CUDA versions,
-    ``mps.capable``, and the sharing labels of ``nvidia.com/gpu``. What describes one
+    ``mps.capable``, and the sharing labels of ``nvidia.com/gpu``. ``absent``: GPUs the
+    node is expected to have that the inventory does not list (lost, missing at start):
+    the device plugin lists them, unhealthy, so kubelet's capacity counts them, and
+    ``gpu.count`` does too. What describes one
     model (product, memory, family, compute capability) is left out on a node whose
     GPUs disagree on it, rather than describing only some of them. ``gpu.present`` is
     the GPU Operator's label, which GPU DaemonSets (ours included) select on.
@@ -151,7 +154,7 @@ def node_labels(
         return labels
     facts = facts or NodeFacts()
     gpus = inventory.gpus
-    labels[GFD_COUNT] = str(len(gpus))
+    labels[GFD_COUNT] = str(len(gpus) + absent)
     if gpus:
         labels[GFD_PRESENT] = "true"
     names = {g.name for g in gpus}
@@ -179,7 +182,7 @@ def node_labels(
             labels.update(sharing := sharing_labels(gpus, facts.replicas))
             if sharing[GFD_SHARING_STRATEGY] == TIME_SLICING and GFD_PRODUCT in labels:
                 labels[GFD_PRODUCT] = label_value(labels[GFD_PRODUCT] + SHARED_SUFFIX)
-    labels.update(mig_labels(gpus, facts.mig_strategy, plain_product))
+    labels.update(mig_labels(gpus, facts.mig_strategy, plain_product, absent=absent))
     if inventory.driver_version:
         full = label_value(inventory.driver_version)
         parts = _split_version(inventory.driver_version)

@@ -45,10 +45,16 @@ def _describe(prefix: str, product: str, devices: Sequence[MigDevice]) -> dict[s
 
 
 def mig_labels(
-    gpus: Sequence[GpuInfo], strategy: str, product: str, gpu_resource: str = "nvidia.com/gpu"
+    gpus: Sequence[GpuInfo],
+    strategy: str,
+    product: str,
+    gpu_resource: str = "nvidia.com/gpu",
+    *,
+    absent: int = 0,
 ) -> dict[str, str]:
     """GFD's MIG labels of these GPUs under ``strategy``; ``product`` is the GPUs'
-    ``nvidia.com/gpu.product`` ("" when they differ). Keys here replace the plain ones."""
+    ``nvidia.com/gpu.product`` ("" when they differ). Keys here replace the plain ones.
+    ``absent``: whole GPUs listed (unhealthy) though the inventory lacks them."""
     labels: dict[str, str] = {}
     if any(g.mig_max_devices is not None for g in gpus):
         labels[GFD_MIG_CAPABLE] = "true" if any(g.mig_capable for g in gpus) else "false"
@@ -67,7 +73,7 @@ def mig_labels(
             return labels
         labels.update(_describe(gpu_resource, product, devices))
         return labels
-    labels[f"{gpu_resource}.count"] = str(len(gpus) - len(enabled))
+    labels[f"{gpu_resource}.count"] = str(len(gpus) - len(enabled) + absent)
     by_profile: dict[str, list[MigDevice]] = {}
     for d in devices:
         by_profile.setdefault(d.profile, []).append(d)

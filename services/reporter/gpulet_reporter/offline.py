@@ -29,6 +29,7 @@ import anyio
 
 from gpulet_common.safefile import write_atomic
 from gpulet_common.settings.reporter import ReporterSettings
+from gpulet_common.untrusted import json_document
 from gpulet_reporter.desired import DesiredState, JsonObj, device_differs, render_device
 from gpulet_reporter.writer import WriteError
 
@@ -48,7 +49,7 @@ def _write_atomic(path: Path, text: str) -> None:
 
 def _read_json(path: Path) -> JsonObj | None:
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json_document(path.read_bytes(), what=str(path))
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None

@@ -36,7 +36,7 @@ def sysfs_pcie_root(bus_id: str, devices_dir: Path = SYSFS_PCI_DEVICES) -> str:
     except (OSError, ValueError):
         return ""
     for part in Path(real).parts:
-        if _ROOT.match(part):
+        if _ROOT.fullmatch(part):
             return part.lower()
     return ""
 

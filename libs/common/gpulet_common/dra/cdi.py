@@ -48,6 +48,9 @@ CLASS: Final = "gpu"
 ALLOCATION_ENV: Final = "GPULET_ALLOCATION_ID"
 CONTROL_DEVICES: Final = ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools", "nvidia-modeset")
 SPEC_MODE: Final = 0o644
+#: A CDI directory gpulet has to make: the container runtime reads it (exactly this
+#: mode, whatever the umask; one that exists is left as it is).
+DIR_MODE: Final = 0o755
 JsonObj = dict[str, Any]
 
 
@@ -85,7 +88,7 @@ _UID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9-]{0,62}$")
 def check_uid(claim_uid: str) -> str:
     """``claim_uid`` if it is safe in a file name and a CDI device name, else ValueError
     (it comes from kubelet's request: never let it name another path)."""
-    if not _UID.match(claim_uid):
+    if not _UID.fullmatch(claim_uid):
         raise ValueError(f"claim UID {claim_uid[:80]!r} is not a UID")
     return claim_uid
 
@@ -167,7 +170,7 @@ def write_spec(cdi_dir: str | Path, driver: str, claim_uid: str, spec: JsonObj) 
     # As json.dumps(spec, indent=2, sort_keys=True) wrote it (non-ASCII as UTF-8, not
     # \u escapes), 15 times faster: this is on Prepare's path.
     data = msgspec.json.format(msgspec.json.encode(spec, order="sorted"), indent=2) + b"\n"
-    write_atomic(path, data, mode=SPEC_MODE)
+    write_atomic(path, data, mode=SPEC_MODE, dir_mode=DIR_MODE)
     return path
 
 

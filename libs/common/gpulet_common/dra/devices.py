@@ -83,7 +83,7 @@ def semver(version: str | None) -> str | None:
     if not version:
         return None
     text = version.strip()
-    if not _NUMERIC.match(text):
+    if not _NUMERIC.fullmatch(text):
         return None
     parts = [str(int(p)) for p in text.split(".")]
     parts += ["0"] * (3 - len(parts))

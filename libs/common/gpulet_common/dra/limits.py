@@ -56,11 +56,11 @@ TAINT_EFFECTS: Final = ("NoSchedule", "NoExecute", "None")
 
 
 def is_dns_label(name: str) -> bool:
-    return len(name) <= MAX_DNS_LABEL and bool(_DNS_LABEL.match(name))
+    return len(name) <= MAX_DNS_LABEL and bool(_DNS_LABEL.fullmatch(name))
 
 
 def is_dns_subdomain(name: str) -> bool:
-    return len(name) <= MAX_DNS_SUBDOMAIN and bool(_DNS_SUBDOMAIN.match(name))
+    return len(name) <= MAX_DNS_SUBDOMAIN and bool(_DNS_SUBDOMAIN.fullmatch(name))
 
 
 def is_driver_name(name: str) -> bool:
@@ -74,11 +74,11 @@ def is_pool_name(name: str) -> bool:
 
 
 def is_semver(value: str) -> bool:
-    return len(value) <= MAX_STRING_VALUE and bool(_SEMVER.match(value))
+    return len(value) <= MAX_STRING_VALUE and bool(_SEMVER.fullmatch(value))
 
 
 def is_label_value(value: str) -> bool:
-    return len(value) <= MAX_LABEL_VALUE and bool(_LABEL_VALUE.match(value))
+    return len(value) <= MAX_LABEL_VALUE and bool(_LABEL_VALUE.fullmatch(value))
 
 
 def is_label_name(key: str) -> bool:
@@ -86,7 +86,7 @@ def is_label_name(key: str) -> bool:
     prefix, sep, name = key.rpartition("/")
     if sep and not (prefix and is_dns_subdomain(prefix)):
         return False
-    return 0 < len(name) <= MAX_LABEL_VALUE and bool(_LABEL_NAME.match(name))
+    return 0 < len(name) <= MAX_LABEL_VALUE and bool(_LABEL_NAME.fullmatch(name))
 
 
 def is_qualified_name(key: str) -> bool:
@@ -94,7 +94,7 @@ def is_qualified_name(key: str) -> bool:
     domain, sep, ident = key.rpartition("/")
     if sep and not (domain and len(domain) <= MAX_DOMAIN_LENGTH and is_dns_subdomain(domain)):
         return False
-    return 0 < len(ident) <= MAX_ID_LENGTH and bool(_C_IDENTIFIER.match(ident))
+    return 0 < len(ident) <= MAX_ID_LENGTH and bool(_C_IDENTIFIER.fullmatch(ident))
 
 
 _LABEL_UNSAFE = re.compile(r"[^-A-Za-z0-9_.]+")

@@ -86,7 +86,7 @@ def device_name(gpu: GpuInfo, mig: MigDevice) -> str:
 def parse_name(name: str) -> tuple[int, int, int] | None:
     """(parent minor, GPU-instance id, compute-instance id) of a MIG device name; None
     for any other name."""
-    found = _NAME.match(name)
+    found = _NAME.fullmatch(name)
     if found is None:
         return None
     return int(found[1]), int(found[2]), int(found[3])

@@ -79,7 +79,12 @@ def render_devices(
 ) -> list[JsonObj]:
     """Every GPU that may go whole, and every MIG device, as a device, in index order;
     raises PoolError when one would break an API rule (a bug or a hostile inventory:
-    never published)."""
+    never published).
+
+    A GPU the health service names as not present (lost, removed, missing at start:
+    ``GpuHealth.present`` false, with the identity it remembers) that the inventory no
+    longer lists stays in the pool, tainted ``unhealthy=gpu-lost``: as in the Device
+    and the device plugin's list, a scheduler must see a broken GPU, not one fewer."""
     islands = dev.nvlink_islands(inventory.gpus)
     known = known or {}
     out: list[JsonObj] = []
@@ -105,8 +110,30 @@ def render_devices(
         seen.add(name)
         out.append(body)
 
-    for gpu in sorted(inventory.gpus, key=lambda g: g.index):
-        island = islands[gpu.uuid]
+    listed = {g.uuid for g in inventory.gpus}
+    taken = {dev.device_name(g) for g in inventory.gpus}
+    # (Not one whose name, its index, another GPU of the inventory holds now.)
+    gone = [
+        h.info
+        for h in healths.values()
+        if not h.present
+        and h.info is not None
+        and h.info.uuid not in listed
+        and dev.device_name(h.info) not in taken
+    ]
+    for gpu in sorted([*inventory.gpus, *gone], key=lambda g: (g.index, g.uuid)):
+        island = islands.get(gpu.uuid, gpu.index)
+        if gpu.uuid not in listed:
+            name = dev.device_name(gpu)
+            body = dev.device_body(
+                name,
+                dev.attributes(gpu, inventory, island=island, pcie_root=pcie_root),
+                dev.capacity(gpu, sharing=settings.sharing, memory_step=settings.memory_step_bytes),
+                wanted_taints(gpu, name, gpu.uuid),
+                shared=settings.sharing,
+            )
+            add(name, body)
+            continue
         if parent_block(gpu) is None:
             name = dev.device_name(gpu)
             body = dev.device_body(

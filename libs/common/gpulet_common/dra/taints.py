@@ -21,7 +21,9 @@ named its GPU and compute instance): a fault on one MIG device taints only that 
 The effect follows :data:`~gpulet_common.messages.UNHEALTHY_SEVERITIES`, the one rule
 the node view and the device plugin also use: a condition of those severities taints
 ``NoSchedule`` (``NoExecute`` under the ``unhealthy_effect`` setting), any other gets
-effect ``None``. A GPU that is not present gets ``<driver>/unhealthy=gpu-lost``. When
+effect ``None``. A GPU that is not present gets ``<driver>/unhealthy=gpu-lost``, and the
+conditions that say so (``gpu_lost``, ``gpu_removed``, ``gpu_missing``) are that same one
+taint, not one value each (:data:`GONE_KINDS`). When
 the health service clears the condition, the taint is simply not rendered any more:
 recovery removes it.
 
@@ -45,6 +47,10 @@ JsonObj = dict[str, Any]
 TaintKey = tuple[str, str, str]
 
 XID: Final = "xid"
+#: The value of the one taint of a GPU that is not there (lost, removed, missing).
+GPU_LOST: Final = "gpu-lost"
+#: Conditions that say the GPU is not there: all rendered as ``unhealthy=gpu-lost``.
+GONE_KINDS: Final = frozenset({"gpu_lost", "gpu_removed", "gpu_missing"})
 UNHEALTHY: Final = "unhealthy"
 WARNING: Final = "warning"
 DEVICE_PLUGIN: Final = "device-plugin"
@@ -63,6 +69,8 @@ def _one(condition: ActiveCondition, driver: str, unhealthy_effect: str) -> tupl
     detail = detail.partition("@")[0]
     if condition.kind == XID and name == XID and detail.isdigit():
         return f"{driver}/{XID}", detail, effect
+    if bad and condition.kind in GONE_KINDS:
+        return f"{driver}/{UNHEALTHY}", GPU_LOST, effect
     value = limits.label_value(condition.condition or condition.kind) or condition.kind
     return f"{driver}/{UNHEALTHY if bad else WARNING}", value, effect
 
@@ -91,7 +99,7 @@ def health_taints(
 
     if health is not None:
         if not health.present:
-            add((f"{driver}/{UNHEALTHY}", "gpu-lost", unhealthy_effect), 99, health.updated_at)
+            add((f"{driver}/{UNHEALTHY}", GPU_LOST, unhealthy_effect), 99, health.updated_at)
         for condition in health.conditions:
             if condition.mig_device not in ("", mig_device):
                 continue

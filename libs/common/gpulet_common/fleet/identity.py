@@ -50,6 +50,7 @@ from gpulet_common import subjects
 from gpulet_common.fleet import jwt
 from gpulet_common.fleet.roles import FLEET_ACCOUNT, ROLES, SYSTEM_ACCOUNT, Role
 from gpulet_common.safefile import write_atomic
+from gpulet_common.untrusted import json_typed
 
 __all__ = ["FLEET_ACCOUNT", "ROLES", "SYSTEM_ACCOUNT", "Credential", "IdentityStore", "Role"]
 
@@ -203,8 +204,8 @@ class IdentityStore:
         if not path.exists():
             return CredentialLedger()
         try:
-            return _LEDGER.decode(path.read_bytes())
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            return json_typed(path.read_bytes(), _LEDGER, what=str(path))
+        except ValueError as exc:  # UntrustedDocumentError: bad, deep or huge
             raise IdentityError(f"{path} is corrupt: {exc}") from exc
 
     def _save_ledger(self, ledger: CredentialLedger) -> None:

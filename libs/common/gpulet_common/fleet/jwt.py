@@ -25,12 +25,14 @@ import base64
 import hashlib
 import os
 import time
-from typing import Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 import msgspec
 import nacl.exceptions
 import nacl.signing
 import nkeys
+
+from gpulet_common.untrusted import json_typed
 
 ALGORITHM = "ed25519-nkey"
 
@@ -243,6 +245,19 @@ def encode(claims: C, signer: nkeys.KeyPair, *, now: float | None = None) -> str
     return f"{signing_input}.{_b64(signature)}"
 
 
+_MAX_PART = 1 << 20
+_HEADER_DECODER = msgspec.json.Decoder(_JoseHeader)
+_DECODERS: dict[type, msgspec.json.Decoder[Any]] = {}
+
+
+def _decoder(kind: type[C]) -> msgspec.json.Decoder[C]:
+    """The one decoder of a kind of claims (made on first use)."""
+    found = _DECODERS.get(kind)
+    if found is None:
+        found = _DECODERS[kind] = msgspec.json.Decoder(kind)
+    return found
+
+
 def decode(token: str, kind: type[C], *, now: float | None = None) -> C:
     """Decode and verify a JWT of the given kind; JwtError if anything is wrong.
 
@@ -254,9 +269,9 @@ def decode(token: str, kind: type[C], *, now: float | None = None) -> C:
     if len(parts) != 3:
         raise JwtError("a JWT has three dot-separated parts")
     try:
-        header = msgspec.json.decode(_unb64(parts[0]), type=_JoseHeader)
-        claims = msgspec.json.decode(_unb64(parts[1]), type=kind)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        header = json_typed(_unb64(parts[0]), _HEADER_DECODER, max_bytes=_MAX_PART, what="header")
+        claims = json_typed(_unb64(parts[1]), _decoder(kind), max_bytes=_MAX_PART, what="claims")
+    except ValueError as exc:  # UntrustedDocumentError; binascii.Error from _unb64
         raise JwtError(f"malformed JWT: {exc}") from exc
     if header.alg not in (ALGORITHM, "ed25519"):
         raise JwtError(f"unsupported JWT algorithm {header.alg!r}")

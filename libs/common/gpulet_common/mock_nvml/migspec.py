@@ -78,7 +78,7 @@ class Profile(msgspec.Struct, frozen=True, kw_only=True):
 
 def parse_profile(name: str) -> Profile:
     """``1g.10gb``, ``1c.2g.20gb``, ``1g.10gb+me``; raises ValueError."""
-    match = _PROFILE.match(name.strip())
+    match = _PROFILE.fullmatch(name.strip())
     if match is None:
         raise ValueError(
             f"MIG profile {name!r} is not <g>g.<gb>gb or <c>c.<g>g.<gb>gb (with +me optionally)"

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import hashlib
 import re
-import tomllib
 import uuid as uuid_module
 from pathlib import Path
 from typing import Annotated, Any, Final, Literal
@@ -54,8 +53,10 @@ from gpulet_common.mock_nvml.topology import (
     nvlink_matrix,
     parse_level,
 )
+from gpulet_common.untrusted import UntrustedDocumentError, toml_document
 
 SCENARIO_DIR: Final = Path(__file__).with_name("scenarios")
+_MAX_SCENARIO_BYTES: Final = 4 << 20
 
 EVENT_TYPES: Final[dict[str, int]] = {
     "single_bit_ecc": 0x1,
@@ -299,9 +300,9 @@ def _read_tree(path: Path, chain: tuple[Path, ...] = ()) -> dict[str, Any]:
         cycle = " -> ".join(p.name for p in (*chain, resolved))
         raise ScenarioError(str(path), "base", f"circular base chain: {cycle}")
     try:
-        tree = tomllib.loads(path.read_text(encoding="utf-8"))
-    except tomllib.TOMLDecodeError as exc:
-        raise ScenarioError(str(path), "", f"invalid TOML: {exc}") from exc
+        tree = toml_document(path.read_bytes(), max_bytes=_MAX_SCENARIO_BYTES, what="TOML")
+    except UntrustedDocumentError as exc:  # deep, huge or not UTF-8 too
+        raise ScenarioError(str(path), "", f"invalid {exc}") from exc
     except OSError as exc:
         raise ScenarioError(str(path), "", f"cannot read: {exc}") from exc
     base = tree.pop("base", None)
@@ -329,9 +330,9 @@ def load_scenario(name_or_path: str | Path) -> Scenario:
 def scenario_from_toml(text: str, *, source: str = "<string>", name: str = "") -> Scenario:
     """A scenario from TOML text (its ``base`` is looked up among shipped scenarios)."""
     try:
-        tree = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise ScenarioError(source, "", f"invalid TOML: {exc}") from exc
+        tree = toml_document(text, max_bytes=_MAX_SCENARIO_BYTES, what="TOML")
+    except UntrustedDocumentError as exc:
+        raise ScenarioError(source, "", f"invalid {exc}") from exc
     base = tree.pop("base", None)
     if base is not None:
         if not isinstance(base, str):

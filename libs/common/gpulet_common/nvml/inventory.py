@@ -15,6 +15,7 @@ for that pair. The skipped GPUs and why are also returned by
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any, Final
 
@@ -46,6 +47,11 @@ class InventoryReader(NvLinkReader):
 
     def __init__(self, nvml_module: Any, backend: Backend = "nvml") -> None:
         super().__init__(nvml_module, backend)
+        # The GPUs the last inventory left out, with why (logged once per change).
+        self._left_out: dict[int, str] = {}
+        # Each index's identity as last read (UUID, PCI bus ID, name): what a GPU lost
+        # since is reported by when NVML no longer answers for it.
+        self._identity: dict[int, tuple[str, str, str]] = {}
         bind, const = self._bind, self._const
         self._f_name = bind("nvmlDeviceGetName")
         self._f_minor = bind("nvmlDeviceGetMinorNumber")
@@ -141,11 +147,24 @@ class InventoryReader(NvLinkReader):
         for index in range(count):
             try:
                 gpu = self._load(index)
-                found.append((gpu, self._gpu_info(gpu)))
+                info = self._gpu_info(gpu)
+                found.append((gpu, info))
+                self._identity[index] = (info.uuid, info.pci_bus_id, info.name)
             except (GpuLostError, NvmlCallError) as exc:
-                log.warning("GPU %d left out of the inventory: %s", index, exc)
+                # Once per change of state: the collector looks again and again.
+                again = self._left_out.get(index) == str(exc)
+                log.log(
+                    logging.DEBUG if again else logging.WARNING,
+                    "GPU %d left out of the inventory: %s",
+                    index,
+                    exc,
+                )
                 skipped[index] = str(exc)
                 unreadable.append(self.unreadable(index, exc))
+        for index in sorted(set(self._left_out) - set(skipped)):
+            if index < count:
+                log.info("GPU %d is in the inventory again", index)
+        self._left_out = skipped
 
         links: list[LinkScan] = []
         for gpu, _ in found:
@@ -220,6 +239,12 @@ class InventoryReader(NvLinkReader):
             bus = text(pci.busId) if pci is not None else None
             raw = self._try(self._f_name, handle)
             name = text(raw) if raw else None
+        # What an earlier scan read at this index (the GPU before it was lost), where
+        # NVML no longer says: the UUID ties the entry to the GPU the node had, instead
+        # of a placeholder without a bus ID or memory. Not when NVML names another GPU.
+        known = self._identity.get(index)
+        if known is not None and uuid in (None, known[0]):
+            uuid, bus, name = known[0], bus or known[1] or None, name or known[2] or None
         return UnreadableGpu(
             index=index,
             uuid=uuid,

@@ -201,6 +201,7 @@ class Books:
         pod: str = "",
         container: str = "",
         limits: tuple[int, int] = (0, 0),
+        pod_uid: str = "",
     ) -> Grant:
         """A new :class:`Grant` made now (not recorded: :meth:`new_grant` does)."""
         return Grant(
@@ -214,6 +215,7 @@ class Books:
             container=container,
             mps_cores=limits[0],
             mps_memory_mib=limits[1],
+            pod_uid=pod_uid,
         )
 
     def release(self, allocation: str) -> None:

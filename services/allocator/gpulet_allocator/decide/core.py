@@ -182,6 +182,11 @@ class AllocatorCore:
 
     # --- inputs ---------------------------------------------------------------------------
 
+    def pod_uid(self, namespace: str, name: str) -> str:
+        """The UID of this node's pod by name, from the pod watch ("" unknown)."""
+        book = self.handshake.book
+        return book.uid_of(namespace, name) if book is not None else ""
+
     def kind_of(self, resource: str) -> GrantKind | None:
         kind = self._kinds.get(resource)
         if kind is None and self._mig_resource(resource):
@@ -293,8 +298,12 @@ class AllocatorCore:
             claim = self.handshake.whole_claim(resource, uuids)
             books.ledger.allocate_whole(Owner(allocation_id=key), devices=uuids)
             self.joiner.close()
-            who = (str(claim.pod), claim.container) if claim is not None else ("", "")
-            grant = books.grant(key, resource, kind, len(ids), key, pod=who[0], container=who[1])
+            pod, container, uid = (
+                (str(claim.pod), claim.container, claim.pod.uid) if claim else ("", "", "")
+            )
+            grant = books.grant(
+                key, resource, kind, len(ids), key, pod=pod, container=container, pod_uid=uid
+            )
             books.new_grant(grant, undo, own=True)
             self.handshake.mark(claim, key, undo)
             return grant

@@ -213,6 +213,7 @@ class Handshake:
             pod=str(claim.pod),
             container=claim.container,
             limits=limits,
+            pod_uid=claim.pod.uid,
         )
         books.new_grant(grant, undo, own=joined is None)
         self.mark(claim, allocation, undo)

@@ -57,6 +57,7 @@ from typing import Any, Final
 import msgspec
 
 from gpulet_common.quantity import SUFFIX
+from gpulet_common.untrusted import UntrustedDocumentError, json_document
 
 ANNOTATION_DEVICE_ALLOCATED: Final = "scheduling.koordinator.sh/device-allocated"
 RES_GPU_CORE: Final = "koordinator.sh/gpu-core"
@@ -117,7 +118,7 @@ def parse_quantity(value: Any) -> int | None:
         return math.ceil(value) if math.isfinite(value) else None
     if not isinstance(value, str) or len(value) > 64:
         return None
-    match = _QUANTITY.match(value)
+    match = _QUANTITY.fullmatch(value)
     if match is None:
         return None
     number, suffix = match.group(1), match.group(2)
@@ -191,8 +192,8 @@ def parse_decision(annotation: Any) -> Decision | InvalidDecision | None:
     if len(annotation) > MAX_ANNOTATION_BYTES:
         return _bad(f"{len(annotation)} characters, more than the {MAX_ANNOTATION_BYTES} read")
     try:
-        doc = msgspec.json.decode(annotation)
-    except msgspec.DecodeError as exc:
+        doc = json_document(annotation, max_bytes=MAX_ANNOTATION_BYTES, what="annotation")
+    except UntrustedDocumentError as exc:  # deep, too, is a refusal, not a RecursionError
         return _bad(f"not JSON ({exc})")
     if not isinstance(doc, dict):
         return _bad("not a JSON object keyed by device type")
@@ -370,6 +371,16 @@ class PodBook:
             self.remove(uid)
         self.pods = fresh
         self.synced = True
+
+    def uid_of(self, namespace: str, name: str) -> str:
+        """The UID of this node's pod ``namespace/name`` as watched ("" when the book
+        has none, or more than one: a pod re-created under its name, not yet gone)."""
+        found = {
+            p.key.uid
+            for p in self.pods.values()
+            if (p.key.namespace, p.key.name) == (namespace, name)
+        }
+        return found.pop() if len(found) == 1 else ""
 
     def allocation_of(self, claim: Claim, resource: str) -> str | None:
         return self.allocated.get((claim.pod.uid, claim.container_index, resource))

@@ -22,7 +22,7 @@ from gpulet_allocator.decide.books import Books, grant_key
 from gpulet_allocator.decide.claims import Claims
 from gpulet_allocator.decide.engine import Owner, WholeAllocation
 from gpulet_allocator.protocol import card_id
-from gpulet_allocator.state.records import GrantKind, StoredState
+from gpulet_allocator.state.records import GrantKind, MigLink, StoredState
 from gpulet_common.refusal import Refused
 
 
@@ -30,6 +30,8 @@ from gpulet_common.refusal import Refused
 class PodRef:
     pod: str
     container: str
+    # The pod's UID when known (PodResources names pods, the pod watch knows UIDs).
+    uid: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +154,7 @@ class Record:
                 key,
                 pod=item.ref.pod,
                 container=item.ref.container,
+                pod_uid=item.ref.uid,
             )
             adopted += 1
         if adopted:
@@ -165,6 +168,10 @@ class Record:
             allocations=books.ledger.snapshot(),
             grants=sorted(books.grants.values(), key=lambda g: g.key),
             claims=sorted(books.claims.values(), key=lambda c: c.uid),
+            mig_links=[
+                MigLink(device=d, parent=p, gpu_instance_id=gi, compute_instance_id=ci)
+                for d, p, gi, ci in books.ledger.mig_links()
+            ],
             lost=self.lost or "",
         )
 
@@ -173,6 +180,9 @@ class Record:
         books = self._books
         if state.lost:
             self.lost = state.lost
+        books.ledger.restore_mig_links(
+            (m.device, m.parent, m.gpu_instance_id, m.compute_instance_id) for m in state.mig_links
+        )
         problems = books.ledger.restore(state.allocations)
         for grant in state.grants:
             if books.ledger.get(grant.allocation) is None:

@@ -85,9 +85,13 @@ class Releases:
         changed = False
         for key, ref in live.items():
             grant = books.grants.get(key)
-            if grant is not None and (grant.pod, grant.container) != (ref.pod, ref.container):
+            if grant is None:
+                continue
+            # The UID: the one learnt now, or the one kept while the pod is the same.
+            uid = ref.uid or (grant.pod_uid if grant.pod == ref.pod else "")
+            if (grant.pod, grant.container, grant.pod_uid) != (ref.pod, ref.container, uid):
                 books.grants[key] = msgspec.structs.replace(
-                    grant, pod=ref.pod, container=ref.container
+                    grant, pod=ref.pod, container=ref.container, pod_uid=uid
                 )
                 changed = True
         by_allocation: dict[str, list[Grant]] = {}

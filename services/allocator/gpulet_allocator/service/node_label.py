@@ -26,7 +26,6 @@ instead (:func:`get_node_label`): a label change then applies within that period
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 from collections.abc import Callable
@@ -39,6 +38,7 @@ from gpulet_common.kube import KubeConfigError
 from gpulet_common.kubeapi import KubeApiError, KubeClient, api_path
 from gpulet_common.logutil import RateLimitedLog
 from gpulet_common.settings.allocator import HandshakeSettings
+from gpulet_common.untrusted import json_document
 
 log = logging.getLogger("gpulet.allocator.node-label")
 
@@ -85,7 +85,7 @@ async def watch_node_label(
         timeout_s=seconds + timeout_s,
     ) as lines:
         async for line in lines:
-            event = json.loads(line)
+            event = json_document(line, what="Node watch line")
             kind = event.get("type") if isinstance(event, dict) else None
             if kind == "ERROR":
                 return  # an expired version: list again

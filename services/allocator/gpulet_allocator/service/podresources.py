@@ -49,30 +49,41 @@ _MAX_DEVICE_ID = 512
 _MAX_UUID = 128
 
 
+def _no_uid(_namespace: str, _name: str) -> str:
+    return ""
+
+
 def live_grants(
-    response: pr.ListPodResourcesResponse, kind_of: Callable[[str], GrantKind | None]
+    response: pr.ListPodResourcesResponse,
+    kind_of: Callable[[str], GrantKind | None],
+    uid_of: Callable[[str, str], str] = _no_uid,
 ) -> dict[str, PodRef]:
-    """Grant key -> pod and container, for the resources ``kind_of`` knows."""
+    """Grant key -> pod, its UID (``uid_of``: the pod watch's, "" unknown) and the
+    container, for the resources ``kind_of`` knows."""
     live: dict[str, PodRef] = {}
     for pod in response.pod_resources:
+        uid = uid_of(pod.namespace, pod.name)
         for container in pod.containers:
             for devices in container.devices:
                 kind = kind_of(devices.resource_name)
                 if kind is None or not devices.device_ids:
                     continue
                 key = grant_key(kind, devices.resource_name, devices.device_ids)
-                live[key] = PodRef(pod=f"{pod.namespace}/{pod.name}", container=container.name)
+                live[key] = PodRef(f"{pod.namespace}/{pod.name}", container.name, uid)
     return live
 
 
 def held_devices(
-    response: pr.ListPodResourcesResponse, kind_of: Callable[[str], GrantKind | None]
+    response: pr.ListPodResourcesResponse,
+    kind_of: Callable[[str], GrantKind | None],
+    uid_of: Callable[[str, str], str] = _no_uid,
 ) -> list[HeldDevices]:
     """Every container's device IDs of the resources ``kind_of`` knows."""
     held: list[HeldDevices] = []
     for pod in response.pod_resources:
+        uid = uid_of(pod.namespace, pod.name)
         for container in pod.containers:
-            ref = PodRef(pod=f"{pod.namespace}/{pod.name}", container=container.name)
+            ref = PodRef(f"{pod.namespace}/{pod.name}", container.name, uid)
             for devices in container.devices:
                 if kind_of(devices.resource_name) is None or not devices.device_ids:
                     continue

@@ -106,8 +106,8 @@ class PodResourcesFollower:
         if self._since is None:
             self._since = now
         if core.lost is not None:
-            self._rebuild(held_devices(response, core.kind_of), now - self._since)
-        released = core.reconcile(live_grants(response, core.kind_of))
+            self._rebuild(held_devices(response, core.kind_of, core.pod_uid), now - self._since)
+        released = core.reconcile(live_grants(response, core.kind_of, core.pod_uid))
         if released:
             self._released.add(len(released), {"reason": "pod_gone"})
             self._on_change()

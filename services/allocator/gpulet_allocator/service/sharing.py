@@ -30,6 +30,7 @@ from gpulet_allocator.service.node_label import NodeLabelFollower
 from gpulet_common.logutil import RateLimitedLog
 from gpulet_common.runtime import Runtime
 from gpulet_common.settings.sharing import TimeSlicingConfig
+from gpulet_common.untrusted import json_typed, toml_typed
 
 log = logging.getLogger("gpulet.allocator.sharing")
 
@@ -39,13 +40,13 @@ _JSON = msgspec.json.Decoder(Configs)
 
 
 def decode_configs(data: bytes, path: Path) -> Configs:
-    """The named configs of a file's bytes (JSON when it ends in .json, else TOML);
-    ValueError (msgspec's) with the reason when they do not decode."""
-    if len(data) > MAX_FILE_BYTES:
-        raise msgspec.ValidationError(f"larger than {MAX_FILE_BYTES} bytes")
+    """The named configs of a file's bytes (JSON when it ends in .json, else TOML),
+    decoded totally (:mod:`gpulet_common.untrusted`: a 200k-deep TOML array is a
+    refusal, not a ``RecursionError``); UntrustedDocumentError (a ValueError) with the
+    reason when they do not decode."""
     if path.suffix == ".json":
-        return _JSON.decode(data)
-    return msgspec.toml.decode(data, type=Configs)
+        return json_typed(data, _JSON, max_bytes=MAX_FILE_BYTES, what="configs")
+    return toml_typed(data, Configs, max_bytes=MAX_FILE_BYTES, what="configs")
 
 
 def _read(path: Path) -> bytes:
@@ -114,7 +115,7 @@ class SharingInputs:
             if identity == self._seen:
                 return
             configs = decode_configs(await anyio.to_thread.run_sync(_read, path), path)
-        except (OSError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+        except (OSError, ValueError) as exc:  # UntrustedDocumentError is a ValueError
             self._set_file_problem(f"time-slicing configs file {path} not used: {exc}")
             return
         self._seen = identity

@@ -18,14 +18,23 @@ clean stop folds the journal into the snapshot (:meth:`CheckpointFile.settle`), 
 rollback to a version that reads only the snapshot finds the state of the stop. A crash
 leaves the last state answered or a newer one, never a mix. Loading
 (:func:`read_state`) reads the snapshot, then replays the journal (its last good
-record); a torn last record is dropped. Loading never raises: a missing file is a
-first start; an unreadable one is retried by the service. Both files are written
-through :mod:`gpulet_common.safefile` (no symlink followed).
+record); a torn last record is dropped -- only one with the shape a crash leaves
+(:mod:`.journal`: its lost sectors are zeros, in a file of its full size). Loading
+never raises: a missing file is a first start; an unreadable one is retried by the
+service. Both files are written through :mod:`gpulet_common.safefile` (no symlink
+followed).
+
+**Sealed.** The snapshot and every journal record are sealed documents
+(:mod:`.seal`: a checksum over the document, and decoding that accepts only the
+very bytes this build writes, so an unknown or renamed field is damage, not an
+empty list). A file of a gpulet before the seal is read as before, once, and
+rewritten sealed at once (:meth:`CheckpointFile.load`).
 
 **A corrupt file fails closed.** Starting empty would hand out GPUs that running pods
-hold, so a snapshot that does not decode (or a version this build cannot read), or a
-journal that cannot be trusted (a corrupt record with more after it, no snapshot to
-follow, a last record that does not decode) is
+hold, so a snapshot that fails its seal (or a version this build cannot read), or a
+journal that cannot be trusted (a damaged header, a size other than the one it was
+made with, a bad record that is not a torn last write, no snapshot to follow, a last
+record that fails its seal) is
 
 1. kept for a post-mortem under a name never used before,
    ``<name>.corrupt-<UTC time>-<n>`` (:func:`gpulet_common.statefile.quarantine`:
@@ -66,10 +75,13 @@ from typing import BinaryIO, Literal
 
 import anyio
 import anyio.abc
-import msgspec
 
+from gpulet_allocator.state import seal
 from gpulet_allocator.state.journal import JournalCorrupt, frame, header, journal_path, replay
-from gpulet_allocator.state.records import STATE_VERSION, StoredState
+from gpulet_allocator.state.records import StoredState
+from gpulet_allocator.state.seal import encode
+
+__all__ = ["CheckpointError", "CheckpointFile", "Committer", "decode", "encode", "read_state"]
 from gpulet_common.safefile import open_update
 from gpulet_common.statefile import quarantine, tmp_prefix, write_atomic
 
@@ -83,33 +95,10 @@ COMPACT_BYTES = 1 << 20
 COMPACT_FACTOR = 16
 
 
-class _CheckpointHeader(msgspec.Struct):
-    version: int
-
-
-_encoder = msgspec.json.Encoder()
-_header_decoder = msgspec.json.Decoder(_CheckpointHeader)
-_decoder = msgspec.json.Decoder(StoredState)
-
-
-def encode(state: StoredState) -> bytes:
-    return _encoder.encode(state)
-
-
 def decode(data: bytes) -> StoredState:
-    """Decode a checkpoint; ValueError for anything this build cannot read."""
-    try:
-        version = _header_decoder.decode(data).version
-    except Exception as exc:  # total: any failure means "not one" (RecursionError...)
-        raise ValueError(f"not an allocator checkpoint: {exc}") from exc
-    if version != STATE_VERSION:
-        raise ValueError(
-            f"unsupported checkpoint version {version} (this build reads {STATE_VERSION})"
-        )
-    try:
-        return _decoder.decode(data)
-    except Exception as exc:  # total, as above
-        raise ValueError(f"invalid allocator checkpoint: {type(exc).__name__}: {exc}") from exc
+    """Decode a checkpoint document (:func:`.seal.decode`); ValueError for anything
+    this build cannot trust."""
+    return seal.decode(data).state
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,7 +153,11 @@ class CheckpointFile:
                 view, at = view[done:], at + done
             os.fdatasync(fd)
         except OSError:
-            # Maybe a part of the record is on disk: never append after it.
+            # Maybe a part of the record is on disk: never append after it, and put
+            # the zeros back where it went (best effort: bytes left there, unflushed,
+            # load as damage, not as a torn write, and fail closed).
+            with contextlib.suppress(OSError):
+                os.pwrite(journal.fileno(), bytes(len(record)), self._journal_size)
             self.close()
             raise
         self._journal_size += len(record)
@@ -183,9 +176,9 @@ class CheckpointFile:
     def _compact(self, data: bytes, record: int) -> None:
         self.close()
         write_atomic(self.path, data)
-        head = header(data)
         # Preallocated: the appends that follow overwrite zeros (see .journal).
         capacity = max(self._compact_bytes, COMPACT_FACTOR * record)
+        head = header(data, capacity)
         write_atomic(self.journal_path, head + bytes(capacity - len(head)))
         self._journal = journal = open_update(self.journal_path)
         st = os.fstat(journal.fileno())
@@ -235,13 +228,21 @@ class CheckpointFile:
                     with contextlib.suppress(OSError):
                         entry.unlink()
         try:
-            state, detail = read_state(self.path)
+            state, detail, legacy = _read(self.path)
         except FileNotFoundError:
             return Loaded("missing", StoredState(), f"{self.path} does not exist; starting empty")
         except CorruptFile as exc:
             return self._quarantine(exc)
         except OSError as exc:
             return Loaded("unreadable", StoredState(), f"cannot read {self.path}: {exc}")
+        if legacy:
+            # Written before the seal: rewritten sealed now (a compaction), so that
+            # from here on damage is told from data.
+            try:
+                self.write(encode(state))
+                detail += "; rewritten with a checksum"
+            except OSError as exc:
+                detail += f"; not yet rewritten with a checksum: {exc}"
         if state.lost:
             return Loaded(
                 "lost",
@@ -285,6 +286,11 @@ def read_state(path: Path) -> tuple[StoredState, str]:
     """The state on disk (the snapshot, then its journal) and a line that says where
     it came from; no side effects. Raises FileNotFoundError (neither exists),
     :class:`CorruptFile` or OSError."""
+    state, detail, _legacy = _read(path)
+    return state, detail
+
+
+def _read(path: Path) -> tuple[StoredState, str, bool]:
     journal = journal_path(path)
     try:
         snapshot: bytes | None = path.read_bytes()
@@ -296,30 +302,54 @@ def read_state(path: Path) -> tuple[StoredState, str]:
         log_data = None
     if snapshot is None and log_data is None:
         raise FileNotFoundError(path)
-    state = StoredState()
+    return state_from(path, snapshot, log_data)
+
+
+def state_from(
+    path: Path, snapshot: bytes | None, log_data: bytes | None
+) -> tuple[StoredState, str, bool]:
+    """The state of a snapshot's and a journal's bytes (None: no such file), a line
+    that says where it came from, and whether it was written before the seal (to be
+    rewritten); :class:`CorruptFile` when they cannot be trusted. Pure."""
+    journal = journal_path(path)
+    state, legacy = StoredState(), False
     if snapshot is not None:
         try:
-            state = decode(snapshot)
+            decoded = seal.decode(snapshot)
         except ValueError as exc:
             raise CorruptFile(path, str(exc)) from exc
+        state, legacy = decoded.state, decoded.legacy
     notes: list[str] = []
     if log_data is not None:
         try:
             replayed = replay(log_data, snapshot)
         except JournalCorrupt as exc:
             raise CorruptFile(journal, str(exc)) from exc
+        if replayed.follows and replayed.legacy and not legacy:
+            # Only a gpulet before the seal wrote that header, and it never sealed.
+            raise CorruptFile(journal, "an older journal follows a sealed snapshot")
+        if legacy and not replayed.legacy:
+            # This build seals the snapshot before it makes such a journal: the
+            # snapshot's checksum is what went missing.
+            raise CorruptFile(path, "no checksum, next to a journal that needs one")
         if not replayed.follows:
             notes.append(f"{journal.name} follows an older snapshot: ignored")
         if replayed.records:
             try:
-                state = decode(replayed.records[-1])
+                decoded = seal.decode(replayed.records[-1])
             except ValueError as exc:
                 raise CorruptFile(journal, f"its last record: {exc}") from exc
+            if decoded.legacy and not replayed.legacy:
+                raise CorruptFile(journal, "its last record has no checksum")
+            state, legacy = decoded.state, decoded.legacy
             notes.append(f"{len(replayed.records)} journal record(s) replayed")
         if replayed.torn:
             notes.append(f"a torn last journal record ({replayed.torn} bytes) dropped")
+        legacy = legacy or replayed.legacy
     detail = f"{len(state.allocations)} allocation(s), {len(state.grants)} grant(s) from {path}"
-    return state, "; ".join([detail, *notes])
+    if legacy:
+        notes.append("written before checksums")
+    return state, "; ".join([detail, *notes]), legacy
 
 
 class CheckpointError(Exception):

@@ -38,6 +38,10 @@ class Grant(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     # ledger's memory is in 256 MiB units, the limit is the annotated MiB).
     mps_cores: int = 0
     mps_memory_mib: int = 0
+    # The pod's UID, once known (the pod watch, directly or for a pod PodResources
+    # named): a pod re-created under the same name is another pod, and an eviction
+    # for this grant names this UID as its precondition.
+    pod_uid: str = ""
 
 
 # One device a claim holds: its DRA name, the GPU, and the share (None: whole). The
@@ -55,6 +59,16 @@ class ClaimRecord(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
     name: str = ""
 
 
+class MigLink(msgspec.Struct, frozen=True, kw_only=True):
+    """A held MIG device's parent GPU and place on it, kept while it is held: after MIG
+    is disabled under it or the device is re-created, the inventory no longer says."""
+
+    device: str
+    parent: str
+    gpu_instance_id: int
+    compute_instance_id: int
+
+
 class StoredState(msgspec.Struct, frozen=True, kw_only=True):
     """What the checkpoint holds. Add fields with defaults only; bump version otherwise."""
 
@@ -64,7 +78,13 @@ class StoredState(msgspec.Struct, frozen=True, kw_only=True):
     grants: list[Grant] = []
     # DRA claims, each naming the ledger allocations under its UID.
     claims: list[ClaimRecord] = []
+    # Every held MIG device's parent and placement (the ledger's mig_links).
+    mig_links: list[MigLink] = []
     # Not empty: the record of allocations was lost (a corrupt file, why); what is
     # above was rebuilt since. Kept until PodResources rebuilt it or an operator
     # accepted the loss (see :mod:`gpulet_allocator.decide.record`).
     lost: str = ""
+    # BLAKE2b (128 bits, hex) of this document's encoding with checksum "" (written
+    # by :mod:`gpulet_allocator.state.seal`); "" in a file of an older gpulet. Last, so
+    # that an older file is this encoding without it.
+    checksum: str = ""

@@ -74,6 +74,16 @@ MAX_VARIANT_CHARS = 200
 _PID_NAME = re.compile(r"\b(?:pid|name)=(?:'[^']*'|<[^>]*>|[^,]*)(?:,\s*|$)")
 
 
+def _no_change(gpu: GpuState, what: str) -> str:
+    """What a report-only XID does to the health, in words that agree with the event's
+    ``healthy`` (the GPU's health as it is): nothing."""
+    if gpu.healthy:
+        return f"{what} stays healthy"
+    causes = sorted(n for n, c in gpu.conditions.items() if c.unhealthy and not c.mig_device)
+    why = ", ".join(causes) if causes else "it is not present"
+    return f"the GPU's health is unchanged: unhealthy ({why})"
+
+
 def variant(detail: str) -> str:
     """A kernel-log XID's message with the pid and process name taken out."""
     return _PID_NAME.sub("", detail).strip(" ,")[:MAX_VARIANT_CHARS]
@@ -151,7 +161,7 @@ class Xid(Family):
         )
         if not raises:
             why = "an application error" if verdict.application else info.severity
-            healthy = f" ({why}: the GPU stays healthy){where}"
+            healthy = f" ({why}: {_no_change(gpu, 'the GPU')}){where}"
             emits = self._report(gpu, f"xid:{code}", code, info, healthy, now, message)
         else:
             emits = self.kit.raise_(
@@ -181,7 +191,7 @@ class Xid(Family):
             key: DedupKey = (gpu.uuid, f"report:{name}")
             if self.kit.absorb(key, "", now):
                 return []
-            healthy = f"{where} (the MIG device stays healthy)"
+            healthy = f"{where} ({_no_change(gpu, 'the MIG device')})"
             return self._report(gpu, name, code, info, healthy, now)
         if name in gpu.conditions and self.kit.absorb((gpu.uuid, name), "", now):
             return []

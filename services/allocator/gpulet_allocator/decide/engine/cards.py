@@ -46,6 +46,9 @@ class _LedgerGpu:
     shares: dict[RequestKey, ShareAllocation] = field(default_factory=dict)
     # A MIG device: its parent GPU's UUID ("" for a GPU).
     parent: str = ""
+    # A MIG device: its (GPU instance, compute instance) on its parent. Kept with the
+    # parent while it is held, after it leaves the inventory too (:meth:`mig_links`).
+    placement: tuple[int, int] | None = None
     # A GPU that MIG keeps out of the whole and share pools: (refusal code, why).
     mig_block: tuple[str, str] | None = None
     # A time-slicing replica: its number (``parent`` is its GPU); None otherwise.
@@ -127,7 +130,26 @@ class CardBook:
                 )
             state.present, state.index, state.memory_units = True, parent.index, units
             state.parent = parent.uuid
+            state.placement = (mig.gpu_instance_id, mig.compute_instance_id)
         self._topology = Topology.from_gpus(infos)
+
+    def mig_links(self) -> list[tuple[str, str, int, int]]:
+        """``(MIG device, parent GPU, GPU instance, compute instance)`` of every held MIG
+        device, present or not: what the checkpoint keeps so that, after a restart
+        too, the parent stays refused and a device re-created in the same place is
+        not given to a second owner (:meth:`_mig_conflict`)."""
+        return [
+            (g.uuid, g.parent, *g.placement)
+            for g in sorted(self._gpus.values(), key=lambda g: g.uuid)
+            if g.whole is not None and g.parent and g.replica is None and g.placement
+        ]
+
+    def restore_mig_links(self, links: Iterable[tuple[str, str, int, int]]) -> None:
+        """Adopt checkpointed :meth:`mig_links`; the inventory's word wins where it has one."""
+        for uuid, parent, gi, ci in links:
+            g = self._placeholder(uuid)
+            if not g.parent and g.replica is None:
+                g.parent, g.placement = parent, (gi, ci)
 
     def set_replicas(self, replicas: Mapping[str, int], *, fail_over_one: bool = False) -> None:
         """Offer each GPU of ``replicas`` as that many time-slicing replicas (the others:
@@ -262,6 +284,8 @@ class CardBook:
             return Refused("unhealthy_device", f"{uuid} is unhealthy")
         if g.mig_block is not None:
             return Refused(*g.mig_block)
+        if (conflict := self._mig_conflict(g)) is not None:
+            return conflict
         if g.parent:
             parent = self._gpus.get(g.parent)
             if parent is None or not parent.present:
@@ -290,6 +314,35 @@ class CardBook:
             )
         if not whole and claim is not None:
             return self._mixed_share(g, claim=claim)
+        return None
+
+    def _mig_conflict(self, g: _LedgerGpu) -> Refused | None:
+        """A held MIG device keeps its parent from going whole or shared (MIG disabled
+        under it, say), and its (GPU instance, compute instance) from going to another
+        owner as a re-created device under a new UUID (same DRA name, same
+        ``/dev/nvidia-caps`` nodes) -- until it is released."""
+        if g.replica is not None:
+            return None
+        for m in self._gpus.values():
+            if m is g or m.whole is None or not m.parent or m.replica is not None:
+                continue
+            same_place = (
+                g.placement is not None and m.parent == g.parent and m.placement == g.placement
+            )
+            if m.parent != g.uuid and not same_place:
+                continue
+            owner = self._allocs[m.whole].owner
+            holder = owner.describe(claim=self.is_claim(owner.allocation_id))
+            if same_place and m.placement is not None:
+                gi, ci = m.placement
+                return Refused(
+                    "insufficient_capacity",
+                    f"{g.uuid}: GPU instance {gi}, compute instance {ci} of {g.parent} "
+                    f"is still held as {m.uuid} by {holder}",
+                )
+            return Refused(
+                "insufficient_capacity", f"{g.uuid}: its MIG device {m.uuid} is held by {holder}"
+            )
         return None
 
     def _mixed_share(self, g: _LedgerGpu, *, claim: bool) -> Refused | None:

@@ -27,7 +27,12 @@ Invariants, checked on every mutation (and property-tested):
   whole or shared (:func:`gpulet_common.migrules.parent_block`: ``mig_enabled`` /
   ``mig_pending``); its MIG devices are cards of their own (``parent`` set), each
   taken whole by one allocation at most (a :class:`WholeAllocation` naming MIG UUIDs),
-  never shared, and unusable while their parent is unhealthy or lost.
+  never shared, and unusable while their parent is unhealthy or lost. A held MIG
+  device keeps its parent and its (GPU instance, compute instance) after it leaves the
+  inventory, in the checkpoint too (``mig_links``): while it is held, the parent is
+  refused whole and shared (MIG disabled under a holder) and a device re-created in
+  the same place under a new UUID is refused (the same DRA name and
+  ``/dev/nvidia-caps`` nodes as the holder's).
 * a GPU is time-sliced, or held whole, or in shares, never two at once: its replicas
   (cards ``<uuid>::<n>``, ``parent`` set, like MIG devices, each taken whole once) are
   refused while it is held whole or shared, and it is refused whole and shared while

@@ -21,9 +21,13 @@ since the last, and once more when the plugin stops): even
 unsynced, replacing the file cost 1-2 ms of each answer on ext4, whose rename over an
 existing file flushes the new file's data (``auto_da_alloc``). What a Prepare answered
 OK stands on is durable before it answers: the ledger's reservation (the allocator's
-checkpoint) and the CDI spec. A checkpoint that does not decode (an empty file after a power
-cut, say) is kept aside (:func:`~gpulet_common.statefile.quarantine`) and the plugin
-starts empty; it never fails to start over it. The ledger keeps its own, durable,
+checkpoint) and the CDI spec. The file is sealed as the ledger's is
+(:mod:`gpulet_allocator.state.seal`: a checksum, and only the bytes this build writes
+are accepted; an older gpulet's unsealed file is read as before). A checkpoint that
+fails its seal (an empty or damaged file after a power cut, a document nested too
+deep, say) is kept aside (:func:`~gpulet_common.statefile.quarantine`) and the plugin
+starts empty: it re-reads each claim kubelet names and the ledger answers by its UID
+(the rebuild); it never fails to start over it. The ledger keeps its own, durable,
 checkpoint.
 """
 
@@ -35,6 +39,7 @@ from typing import Annotated
 
 import msgspec
 
+from gpulet_allocator.state.seal import seal, unseal
 from gpulet_common.safefile import write_atomic
 from gpulet_common.statefile import quarantine
 
@@ -43,6 +48,8 @@ log = logging.getLogger("gpulet.dra.checkpoint")
 SCHEMA_VERSION = 1
 MAX_CLAIMS = 4096
 CHECKPOINT_MODE = 0o600
+# plugins/<driver>/ when the checkpoint makes it: as kubelet makes its plugin dirs.
+DIR_MODE = 0o750
 
 
 class PreparedDevice(msgspec.Struct, frozen=True, kw_only=True):
@@ -63,10 +70,22 @@ class PreparedClaim(msgspec.Struct, frozen=True, kw_only=True):
 class Checkpoint(msgspec.Struct, kw_only=True):
     schema_version: int = SCHEMA_VERSION
     claims: Annotated[dict[str, PreparedClaim], msgspec.Meta(max_length=MAX_CLAIMS)] = {}
+    # The seal (gpulet_allocator.state.seal): last, "" in an older gpulet's file.
+    checksum: str = ""
 
 
-_ENCODER = msgspec.json.Encoder()
 _DECODER = msgspec.json.Decoder(Checkpoint)
+
+
+def decode_claims(data: bytes) -> dict[str, PreparedClaim]:
+    """The prepared claims of a checkpoint file's bytes; ValueError for anything that
+    fails the seal or the checks."""
+    loaded, _legacy = unseal(data, _DECODER, what="DRA checkpoint")
+    if loaded.schema_version != SCHEMA_VERSION:
+        raise ValueError(f"schema {loaded.schema_version}, this build reads {SCHEMA_VERSION}")
+    if any(uid != claim.uid for uid, claim in loaded.claims.items()):
+        raise ValueError("a claim is filed under another UID")
+    return dict(loaded.claims)
 
 
 class CheckpointFile:
@@ -83,20 +102,12 @@ class CheckpointFile:
         except FileNotFoundError:
             self.claims = {}
             return
-        problem = ""
         try:
-            loaded = _DECODER.decode(data)
-        except msgspec.DecodeError as exc:
-            problem = str(exc)
-        else:
-            if any(uid != claim.uid for uid, claim in loaded.claims.items()):
-                problem = "a claim is filed under another UID"
-        if problem:
+            self.claims = decode_claims(data)
+        except ValueError as exc:  # damaged, deep, huge: every failure
             kept = quarantine(self.path)
-            log.warning("DRA checkpoint %s unreadable (%s): kept as %s", self.path, problem, kept)
+            log.warning("DRA checkpoint %s unreadable (%s): kept as %s", self.path, exc, kept)
             self.claims = {}
-            return
-        self.claims = dict(loaded.claims)
 
     def _save(self, claims: dict[str, PreparedClaim]) -> None:
         """Write ``claims`` (never replaced in place: :meth:`remember` and :meth:`forget`
@@ -104,8 +115,9 @@ class CheckpointFile:
         memory are not touched: the event loop may have changed them meanwhile."""
         write_atomic(
             self.path,
-            _ENCODER.encode(Checkpoint(claims=claims)),
+            seal(Checkpoint(claims=claims)),
             mode=CHECKPOINT_MODE,
+            dir_mode=DIR_MODE,
             durable=False,
         )
 

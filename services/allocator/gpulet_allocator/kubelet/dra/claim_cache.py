@@ -23,9 +23,13 @@ Rules:
   reserved claim, so the allocation of a claim under one UID does not change under
   Prepare. The plugin checks the claim the same way whichever reader gave it
   (:func:`~.claims.devices_of`).
-* **Hostile input.** Event lines are decoded totally: a line that is not a JSON event
-  with an object is counted (``bad_lines``) and skipped; a failed or ended watch is
-  opened again after a jittered back-off.
+* **Hostile input.** Event lines are decoded totally
+  (:func:`gpulet_common.untrusted.json_document`: size and depth bounded, every
+  failure one ``ValueError``): a line that is not a JSON event with an object -- a
+  claim whose opaque parameters nest thousands deep, say -- is counted
+  (``bad_lines``) and skipped, and the watch goes on; that claim is then a miss, and
+  the GET's own total decoding refuses it to its Prepare alone. A failed or ended
+  watch is opened again after a jittered back-off.
 
 Cost: every claim event of the cluster reaches every node that turns it on (one watch
 each), which is why it is off by default.
@@ -33,7 +37,6 @@ each), which is why it is off by default.
 
 from __future__ import annotations
 
-import json
 import logging
 from typing import Any, Final
 
@@ -44,6 +47,7 @@ from gpulet_allocator.kubelet.dra.contract import ClaimReader, JsonObj
 from gpulet_common.kube_watch import keep_watching, watch_lines
 from gpulet_common.kubeapi import KubeClient, api_path
 from gpulet_common.logutil import RateLimitedLog
+from gpulet_common.untrusted import json_document
 
 log = logging.getLogger("gpulet.dra.claims")
 
@@ -121,7 +125,7 @@ class WatchedClaimReader:
     def on_line(self, line: bytes) -> None:
         """One watch event (public for the tests)."""
         try:
-            event = json.loads(line)
+            event = json_document(line, what="ResourceClaim watch line")
         except ValueError:
             event = None
         obj = event.get("object") if isinstance(event, dict) else None

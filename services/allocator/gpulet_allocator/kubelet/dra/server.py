@@ -37,11 +37,15 @@ from gpulet_common.kubelet_api.dra.v1 import api_pb2 as dra_pb
 from gpulet_common.kubelet_api.dra.v1 import api_pb2_grpc as dra_grpc
 from gpulet_common.kubelet_api.pluginregistration.v1 import api_pb2 as reg_pb
 from gpulet_common.kubelet_api.pluginregistration.v1 import api_pb2_grpc as reg_grpc
+from gpulet_common.safefile import ensure_dir
 
 log = logging.getLogger("gpulet.dra.server")
 
 MAX_SOCKET_PATH: Final = 107
 SOCKET_MODE: Final = 0o600
+# The socket directories (plugins/<driver>/, plugins_registry) when the plugin makes
+# them: exactly this, whatever the umask, as kubelet makes its own.
+SOCKET_DIR_MODE: Final = 0o750
 PLUGIN_TYPE: Final = "DRAPlugin"
 SUPPORTED_VERSIONS: Final = ("v1.DRAPlugin",)
 STOP_GRACE_S: Final = 0.5
@@ -137,7 +141,7 @@ def _check_path(path: Path) -> None:
 
 
 def _clear(path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
+    ensure_dir(path.parent, SOCKET_DIR_MODE)
     path.unlink(missing_ok=True)  # a stale socket makes bind fail
 
 

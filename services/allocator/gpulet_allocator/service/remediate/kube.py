@@ -17,7 +17,6 @@ happened.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any, Final, Literal, Protocol
 
@@ -27,6 +26,7 @@ from gpulet_allocator.service.remediate.policy import PodInfo, pod_info
 from gpulet_common import kubeapi
 from gpulet_common.kube_events import event_body
 from gpulet_common.kubeapi import KubeApiError, api_path
+from gpulet_common.untrusted import json_document
 
 EVENT_COMPONENT: Final = "gpulet-allocator"
 EvictResult = Literal["evicted", "blocked_by_pdb", "gone", "failed"]
@@ -71,7 +71,7 @@ def outcome_of(status: int, body: bytes, retry_after: str | None = None) -> Evic
     409), anything else failed."""
     detail = ""
     try:
-        doc = json.loads(body) if body else {}
+        doc = json_document(body, max_bytes=1 << 20, what="eviction answer") if body else {}
         if isinstance(doc, dict) and isinstance(doc.get("message"), str):
             detail = doc["message"]
     except ValueError:

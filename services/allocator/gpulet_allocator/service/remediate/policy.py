@@ -190,6 +190,8 @@ def devices_in_scope(fault: Fault, mig_devices: Callable[[str], Iterable[str]]) 
 def holders_of(devices: frozenset[str], records: Records) -> list[Holder]:
     """Every pod that holds one of ``devices``, by any record; sorted by key."""
     found: dict[str, Holder] = {}
+    # The UIDs the ledger recorded for its holders (a grant names the pod it was for).
+    recorded: dict[str, set[str]] = {}
 
     def add(namespace: str, name: str, via: str) -> None:
         holder = found.setdefault(f"{namespace}/{name}", Holder(namespace, name))
@@ -202,6 +204,7 @@ def holders_of(devices: frozenset[str], records: Records) -> list[Holder]:
             ns, sep, name = grant.pod.partition("/")
             if sep and ns and name:
                 add(ns, name, "ledger")
+                recorded.setdefault(grant.pod, set()).add(grant.pod_uid)
     if records.pod_resources is not None:
         for pod in records.pod_resources.pod_resources:
             if any(_holds(c, devices) for c in pod.containers):
@@ -216,14 +219,30 @@ def holders_of(devices: frozenset[str], records: Records) -> list[Holder]:
         for info in pods.values():
             if any(f"{info.namespace}/{claim}" in claimed for claim in info.claims):
                 add(info.namespace, info.name, "dra_claim")
+    listed = (
+        {f"{p.namespace}/{p.name}" for p in records.pod_resources.pod_resources}
+        if records.pod_resources is not None
+        else None
+    )
     result = []
     for key in sorted(found):
         holder = found[key]
         known = pods.get(key)
+        if holder.via == {"ledger"}:
+            # Known by name alone: the pod the ledger recorded may be gone and another
+            # of the same name (a StatefulSet's web-0) hold other GPUs now.
+            uids = recorded.get(key, set()) - {""}
+            if len(uids) == 1:
+                holder.uid = uids.pop()  # the eviction's precondition: that pod only
+                if known is not None and known.uid != holder.uid:
+                    continue  # that pod is gone; the one of its name is another
+            elif listed is not None and key in listed:
+                continue  # kubelet lists the pod of that name, without these devices
         if known is not None:
             if known.finished:
                 continue
-            holder.uid, holder.terminating = known.uid, known.terminating
+            if not holder.uid or holder.uid == known.uid:
+                holder.uid, holder.terminating = known.uid, known.terminating
         result.append(holder)
     return result
 
