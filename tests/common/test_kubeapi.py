@@ -269,3 +269,18 @@ async def test_a_rotated_service_account_token_is_picked_up(
             await api.get("/a", timeout_s=5)
     auth = [r.lower().split(b"authorization: ")[1].split(b"\r\n")[0] for r in server.requests]
     assert auth == [b"bearer one", b"bearer two", b"bearer two", b"bearer three"]
+
+
+async def test_a_deep_answer_or_watch_line_is_a_typed_error_never_a_recursion_error() -> None:
+    deep = b"[" * 10_000 + b"]" * 10_000
+    async with serving(answer("200 OK", deep)) as server, client(server) as api:
+        with pytest.raises(KubeApiError, match="nesting deeper") as unusable:
+            await api.get("/api/v1/nodes", timeout_s=5)
+    assert unusable.value.status == 0
+    assert watch_event(b'{"type": "ADDED", "object": {"a": ' + deep + b"}}") is None
+    # A refusal whose body is deep still carries its status; the body is no Status.
+    deep_status = b"{" + b'"a":{' * 10_000 + b"}" * 10_001
+    async with serving(answer("500 Oops", deep_status)) as server, client(server) as api:
+        with pytest.raises(KubeApiError) as refused:
+            await api.get("/api/v1/nodes", timeout_s=5)
+    assert (refused.value.status, refused.value.status_body) == (500, None)

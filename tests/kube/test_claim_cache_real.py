@@ -15,7 +15,7 @@ import pytest
 from gpulet_allocator.kubelet.dra.claim_cache import WatchedClaimReader
 from gpulet_allocator.kubelet.dra.claims import KubeClaimReader
 from gpulet_allocator.kubelet.dra.contract import ClaimReadError
-from gpulet_common.kube import read_kubeconfig
+from gpulet_common.kube import from_kubeconfig
 from gpulet_common.kubeapi import KubeClient
 from support.control_plane import ControlPlane
 from support.waiting import wait_until
@@ -52,7 +52,7 @@ async def test_a_claim_nested_2000_deep_is_skipped_and_the_watch_goes_on(
     path = f"/apis/resource.k8s.io/v1/namespaces/{kube_namespace}/resourceclaims"
     created = kube_api.request("POST", path, raw=deep_claim("deep-1"))
     assert created.status == 201, created.raw[:300]
-    config = read_kubeconfig(str(kube_api.write_kubeconfig(tmp_path / "admin.kubeconfig")))
+    config = await from_kubeconfig(str(kube_api.write_kubeconfig(tmp_path / "admin.kubeconfig")))
     async with KubeClient(config) as api, anyio.create_task_group() as tg:
         reader = WatchedClaimReader(
             api, KubeClaimReader(api, timeout_s=10), driver=DRIVER, pool="node-a"
