@@ -16,7 +16,6 @@ to ask for no eviction at all while its Events say what it would do.
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -37,11 +36,18 @@ from gpulet_common.kubelet_api.podresources.v1 import api_pb2 as pr
 from gpulet_common.messages import GpuHealth
 from gpulet_common.settings.allocator import HandshakeSettings, ResourceNames
 from gpulet_common.settings.remediation import RemediationSettings
-from support import reference
+from support import reference, remediation_kube
 from support.control_plane import ControlPlane
-from support.deploy import KUSTOMIZE, kustomize
-from support.gpulet_on_kube import AGENT_USER, AgentIdentity, agent_identity, must_apply
+from support.gpulet_on_kube import AgentIdentity, agent_identity
 from support.health_kv import gpu_health
+from support.remediation_kube import (
+    cleanup,
+    events,
+    evicted_by_agent,
+    node_events,
+    running_pod,
+    terminating,
+)
 from support.waiting import wait_until
 
 pytestmark = pytest.mark.anyio
@@ -58,38 +64,8 @@ SETTINGS = RemediationSettings(
 def remediation_rbac(kube_cluster: ControlPlane, gpulet_access: ControlPlane) -> Iterator[None]:
     """components/remediation applied for this test only (other tests check that the
     base refuses evictions); removed afterwards."""
-    docs = kustomize(KUSTOMIZE / "components" / "remediation")
-    must_apply(gpulet_access, docs, manager="remediation-test")
-    yield
-    for doc in docs:
-        plural = "clusterroles" if doc["kind"] == "ClusterRole" else "clusterrolebindings"
-        gpulet_access.request(
-            "DELETE", f"/apis/rbac.authorization.k8s.io/v1/{plural}/{doc['metadata']['name']}"
-        )
-    # The tests after this one see the base's rights again (RBAC follows in a moment).
-    deadline = time.monotonic() + 30
-    while may_evict(gpulet_access):
-        assert time.monotonic() < deadline, "the remediation binding is still in force"
-        time.sleep(0.1)
-
-
-def may_evict(plane: ControlPlane) -> bool:
-    review = {
-        "apiVersion": "authorization.k8s.io/v1",
-        "kind": "SubjectAccessReview",
-        "spec": {
-            "user": AGENT_USER,
-            "groups": ["system:serviceaccounts", "system:authenticated"],
-            "resourceAttributes": {
-                "verb": "create",
-                "resource": "pods",
-                "subresource": "eviction",
-                "namespace": "default",
-            },
-        },
-    }
-    answer = plane.must("POST", "/apis/authorization.k8s.io/v1/subjectaccessreviews", review)
-    return bool(answer["status"].get("allowed"))
+    with remediation_kube.remediation_rbac(gpulet_access):
+        yield
 
 
 @pytest.fixture
@@ -102,47 +78,8 @@ def agent(remediation_rbac: None, gpulet_access: ControlPlane, kube_node_name: s
 async def api(
     agent: AgentIdentity, gpulet_access: ControlPlane
 ) -> AsyncIterator[kubeapi.KubeClient]:
-    # RBAC takes the new binding in a moment: an eviction of no pod answers 404, not 403.
-    def allowed() -> bool:
-        resp = gpulet_access.request(
-            "POST",
-            "/api/v1/namespaces/default/pods/no-such-pod/eviction",
-            {"apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"name": "no-such-pod"}},
-            token=agent.token,
-        )
-        return resp.status == 404
-
-    await wait_until(allowed, timeout_s=30, interval_s=0.1)
-    configuration = await kube_configuration(HANDSHAKE, env=agent.env, sa_dir=agent.sa_dir)
-    async with kubeapi.KubeClient(configuration) as api_client:
+    async with remediation_kube.agent_api(agent, gpulet_access) as api_client:
         yield api_client
-
-
-def running_pod(
-    plane: ControlPlane, ns: str, name: str, node: str, *, labels: dict[str, str] | None = None,
-    claim: str = "",
-) -> dict[str, Any]:  # fmt: skip
-    spec: dict[str, Any] = {"nodeName": node, "containers": [{"name": "main", "image": "cuda"}]}
-    if claim:
-        spec["resourceClaims"] = [{"name": "gpu", "resourceClaimName": claim}]
-        spec["containers"][0]["resources"] = {"claims": [{"name": "gpu"}]}
-    pod: dict[str, Any] = plane.must(
-        "POST",
-        f"/api/v1/namespaces/{ns}/pods",
-        {"metadata": {"name": name, "labels": labels or {}}, "spec": spec},
-    )
-    plane.must(
-        "PATCH",
-        f"/api/v1/namespaces/{ns}/pods/{name}/status",
-        {
-            "status": {
-                "phase": "Running",
-                "conditions": [{"type": "Ready", "status": "True"}],
-            }
-        },
-        content_type="application/merge-patch+json",
-    )
-    return pod
 
 
 def pdb(plane: ControlPlane, ns: str, name: str, app: str, min_available: int) -> None:
@@ -161,45 +98,6 @@ def pdb_status(plane: ControlPlane, ns: str, name: str) -> dict[str, Any]:
     if status.get("observedGeneration") != doc["metadata"]["generation"]:
         return {}
     return status
-
-
-def terminating(plane: ControlPlane, ns: str, name: str) -> bool:
-    pod = plane.must("GET", f"/api/v1/namespaces/{ns}/pods/{name}")
-    return bool(pod["metadata"].get("deletionTimestamp"))
-
-
-def evicted_by_agent(plane: ControlPlane, node: str, since: int) -> list[tuple[str, int]]:
-    """(pod, status) of each eviction the agent of ``node`` asked for."""
-    return [
-        (e["objectRef"]["name"], e["responseStatus"]["code"])
-        for e in plane.audit(user=AGENT_USER, resource="pods/eviction", since=since)
-        if e["user"].get("extra", {}).get("authentication.kubernetes.io/node-name") == [node]
-        and e["objectRef"]["name"] != "no-such-pod"
-    ]
-
-
-def events(plane: ControlPlane, ns: str, reason: str) -> list[dict[str, Any]]:
-    items: list[dict[str, Any]] = plane.must("GET", f"/api/v1/namespaces/{ns}/events")["items"]
-    return [e for e in items if e["reason"] == reason]
-
-
-def node_events(
-    plane: ControlPlane, node: str, reason: str = "GpuletEvictedForGpuFault"
-) -> list[dict[str, Any]]:
-    """The eviction Events on the Node (kept in the default namespace, as kubelet's)."""
-    ref = {"apiVersion": "v1", "kind": "Node", "name": node, "uid": node}
-    found = events(plane, "default", reason)
-    return [e for e in found if e["involvedObject"] == ref]
-
-
-def cleanup(plane: ControlPlane, ns: str, names: list[str]) -> None:
-    # Nothing runs these pods, so a graceful deletion would never finish.
-    for name in names:
-        plane.request(
-            "DELETE",
-            f"/api/v1/namespaces/{ns}/pods/{name}",
-            {"apiVersion": "v1", "kind": "DeleteOptions", "gracePeriodSeconds": 0},
-        )
 
 
 class Node:
@@ -387,7 +285,8 @@ async def test_report_mode_evicts_nothing_and_says_what_it_would_do(
     components/remediation, as the component's comment says report needs): a fatal
     fault on a GPU a pod holds, and the pod stays; the Events say what would be done."""
     plane, node, ns = kube_cluster, kube_node_name, kube_namespace
-    assert not may_evict(gpulet_access)  # the base alone: report needs no eviction right
+    # The base alone: report needs no eviction right.
+    assert not remediation_kube.may_evict(gpulet_access)
     agent = agent_identity(gpulet_access, node, tmp_path / "agent")
     gpus = Node(node, 2)
     gpus.plugin_pod(ns, "held", 0)
