@@ -249,3 +249,81 @@ async def test_gpulet_run_in_both_modes_taints_what_the_device_plugin_holds(
             )
     finally:
         await anyio.to_thread.run_sync(agent.stop)
+
+
+async def test_a_restart_never_lowers_the_device_plugin_taint(
+    emu: KubeEmulator, short_dir: Path, tmp_path: Path
+) -> None:
+    """Defect: a restarted reporter wrote the slice with no held GPU before the
+    allocator's first ``held`` answer, and the scheduler gave the held GPU to a claim.
+    The slice is sampled every 50 ms across several restarts: never untainted."""
+    kubeconfig = emu.write_kubeconfig(tmp_path / "kubeconfig")
+    agent = Agent(
+        tmp_path,
+        "--nvml",
+        "mock:nvlink-pairs-8gpu",
+        "--set",
+        "dra.mode=both",
+        "--set",
+        f"dra.kubeconfig={kubeconfig}",
+        "--set",
+        f"dra.cdi_dir={short_dir / 'cdi'}",
+        "--set",
+        f"dra.plugins_registry={short_dir / 'registry'}",
+        "--set",
+        f"dra.plugins_dir={short_dir / 'plugins'}",
+        "--set",
+        "dra.quiet_window_s=0.05",
+        "--set",
+        "reporter.mode=cluster",
+        "--set",
+        f"reporter.kubeconfig={kubeconfig}",
+        "--set",
+        "reporter.request_retry_s=0.2",
+        "--set",
+        f"allocator.plugin.plugin_dir={short_dir / 'device-plugins'}",
+        node=NODE,
+    )
+    taint = f"{DRIVER}/device-plugin"
+
+    def tainted(name: str) -> bool:
+        device = devices(emu).get(name, {})
+        return any(t["key"] == taint for t in device.get("taints", []))
+
+    try:
+        await wait_until(
+            lambda: len(devices(emu)) == 8, timeout_s=30, interval_s=0.05, what="8 devices"
+        )
+        uuid = devices(emu)["gpu-2"]["attributes"]["uuid"]["string"]
+        settings = NatsSettings(url=agent.nats_url, request_timeout_s=5.0)
+        async with Bus.connect(settings, name="test", max_initial_attempts=20) as bus:
+            await bus.request(
+                subjects.allocator_endpoint(NODE, p.ENDPOINT_ALLOCATE),
+                p.AllocateRequest(resource="nvidia.com/gpu", containers=[[uuid]]),
+                p.ALLOCATE_REQUEST,
+                p.ALLOCATE_REPLY,
+            )
+        await wait_until(lambda: tainted("gpu-2"), timeout_s=20, interval_s=0.05, what="taint")
+        samples = untainted = 0
+        for _ in range(3):
+            await anyio.to_thread.run_sync(agent.restart)
+            # Sample from the stop until the new agent is ready, and 3 s beyond (the
+            # gap was 1.3 s after the stop, for 4.9 s).
+            ready_at: float | None = None
+            for _ in range(1200):  # at most 60 s of samples
+                samples += 1
+                if not tainted("gpu-2"):
+                    untainted += 1
+                agent.check_running()
+                if ready_at is None:
+                    answer = await anyio.to_thread.run_sync(agent.readyz)
+                    if answer is not None and answer[0] == 200:
+                        ready_at = time.monotonic()
+                elif time.monotonic() - ready_at > 3.0:
+                    break
+                await anyio.sleep(0.05)
+            assert ready_at is not None, agent.output()[-4000:]
+        assert untainted == 0, f"{untainted} of {samples} samples showed gpu-2 untainted"
+        assert len(devices(emu)) == 8
+    finally:
+        await anyio.to_thread.run_sync(agent.stop)
