@@ -144,7 +144,9 @@ async def test_one_bad_claim_never_fails_the_others(emu: KubeEmulator, short_dir
         unknown_dev = claim(emu, "nodev", result("gpu-9"))
         other_pool = claim(emu, "elsewhere", {**result("gpu-1"), "pool": "node-b"})
         missing = str(uuid.uuid4())
+        huge = str(uuid.uuid4())
         answer = await r.kubelet.prepare(
+            ("default", huge, "x" * 10_000),
             ("default", good, "good"),
             ("default", pending, "pending"),
             ("default", unknown_dev, "nodev"),
@@ -154,8 +156,12 @@ async def test_one_bad_claim_never_fails_the_others(emu: KubeEmulator, short_dir
             ("default", str(uuid.uuid4()), "good"),  # the right name, another UID
         )
         errors = {uid: e.error for uid, e in answer.claims.items()}
-        assert len(errors) == 7
+        assert len(errors) == 8
         assert errors[good] == ""
+        # A 10,000-character name is not echoed whole.
+        assert "not found" in errors[huge]
+        assert len(errors[huge]) < 200, errors[huge][:300]
+        assert not answer.claims[good].devices[0].HasField("share_id")
         assert "not allocated" in errors[pending]
         assert "no device gpu-9" in errors[unknown_dev]
         assert "pool 'node-b'" in errors[other_pool]
@@ -231,6 +237,9 @@ async def test_two_shares_of_one_gpu_get_their_limits(emu: KubeEmulator, short_d
         )
         answer = await r.kubelet.prepare(("default", a, "a"), ("default", b, "b"))
         assert answer.claims[a].error == answer.claims[b].error == ""
+        # Each share's ID goes back to kubelet (PodResources tells the two apart).
+        assert [d.share_id for d in answer.claims[a].devices] == ["s1"]
+        assert [d.share_id for d in answer.claims[b].devices] == ["s2"]
         env = r.spec(a)["containerEdits"]["env"]
         assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=30" in env
         assert "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=20480M" in env

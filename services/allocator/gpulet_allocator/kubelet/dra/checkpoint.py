@@ -50,6 +50,9 @@ class PreparedDevice(msgspec.Struct, frozen=True, kw_only=True):
     pool: str
     device: str
     cdi_ids: list[str] = []
+    # The allocation result's shareID (a share of a device that allows multiple
+    # allocations), answered to kubelet so PodResources tells two shares apart.
+    share_id: str = ""
 
 
 class PreparedClaim(msgspec.Struct, frozen=True, kw_only=True):

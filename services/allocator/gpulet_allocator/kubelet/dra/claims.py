@@ -38,6 +38,22 @@ class ClaimError(ValueError):
     """The claim cannot be prepared; the message says why (kubelet shows it)."""
 
 
+# A name as kubelet sent it is echoed in an error to this many characters at most
+# (Kubernetes names are at most 253; a longer one is no claim's, and is cut).
+MAX_NAME_ECHO: Final = 253
+
+
+def _cut(text: str) -> str:
+    if len(text) <= MAX_NAME_ECHO:
+        return text
+    return f"{text[:64]}... ({len(text)} characters)"
+
+
+def claim_words(namespace: str, name: str) -> str:
+    """``namespace/name`` for an error message, each part cut when it is too long."""
+    return f"{_cut(namespace)}/{_cut(name)}"
+
+
 def _dict(value: Any) -> JsonObj:
     return value if isinstance(value, dict) else {}
 

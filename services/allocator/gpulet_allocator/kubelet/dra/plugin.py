@@ -44,7 +44,7 @@ import anyio
 
 from gpulet_allocator.kubelet.deviceplugin.devnodes import DeviceNodes
 from gpulet_allocator.kubelet.dra.checkpoint import CheckpointFile, PreparedClaim, PreparedDevice
-from gpulet_allocator.kubelet.dra.claims import ClaimError, devices_of
+from gpulet_allocator.kubelet.dra.claims import ClaimError, claim_words, devices_of
 from gpulet_allocator.kubelet.dra.contract import (
     ClaimDevice,
     ClaimReader,
@@ -53,7 +53,7 @@ from gpulet_allocator.kubelet.dra.contract import (
     Reservation,
     ReservedDevice,
 )
-from gpulet_common.dra import cdi
+from gpulet_common.dra import cdi, limits
 from gpulet_common.dra.mig import parse_name as parse_mig_name
 from gpulet_common.logutil import RateLimitedLog
 from gpulet_common.refusal import BusError, bounded
@@ -172,7 +172,10 @@ class DraPlugin:
 
     async def _prepare(self, claim: ClaimRef) -> PrepareResult:
         s = self.settings
-        where = f"{claim.namespace}/{claim.name}"
+        where = claim_words(claim.namespace, claim.name)
+        if not (limits.is_dns_label(claim.namespace) and limits.is_dns_subdomain(claim.name)):
+            # No claim can have this name: not asked of the API server, not echoed whole.
+            return PrepareResult(error=f"claim {where} not found: not a valid claim name")
         try:
             body = await self._reader.get_claim(claim.namespace, claim.name, claim.uid)
         except ClaimReadError as exc:
@@ -254,6 +257,7 @@ class DraPlugin:
                 cdi_ids=[cdi.device_id(s.driver, claim.uid, w.device)]
                 if w.device in by_device
                 else [],
+                share_id=w.share_id,
             )
             for w in wanted
         ]
