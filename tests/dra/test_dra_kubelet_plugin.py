@@ -133,8 +133,30 @@ async def test_prepare_reserves_writes_cdi_and_answers_its_ids(
         ]
         assert sorted(d.device for d in r.core.claims[uid].devices) == ["gpu-1", "gpu-2"]
         spec = r.spec(uid)
-        assert "NVIDIA_VISIBLE_DEVICES=GPU-1,GPU-2" in spec["containerEdits"]["env"]
+        for device in spec["devices"]:  # one request: each device names both GPUs
+            assert "NVIDIA_VISIBLE_DEVICES=GPU-1,GPU-2" in device["containerEdits"]["env"]
         assert [d["name"] for d in spec["devices"]] == [f"{uid}-gpu-1", f"{uid}-gpu-2"]
+
+
+async def test_each_request_gets_its_own_gpus_in_the_cdi_spec(
+    emu: KubeEmulator, short_dir: Path
+) -> None:
+    """A claim with requests r1 and r2: r1's CDI device carries r1's GPU only."""
+    async with rig(emu, short_dir) as r:
+        uid = claim(emu, "two", result("gpu-1", request="r1"), result("gpu-2", request="r2"))
+        answer = await r.kubelet.prepare(("default", uid, "two"))
+        by_request = {
+            tuple(d.request_names): list(d.cdi_device_ids) for d in answer.claims[uid].devices
+        }
+        assert by_request == {
+            ("r1",): [f"{DRIVER}/gpu={uid}-gpu-1"],
+            ("r2",): [f"{DRIVER}/gpu={uid}-gpu-2"],
+        }
+        spec = r.spec(uid)
+        env = {d["name"]: d["containerEdits"]["env"] for d in spec["devices"]}
+        assert env[f"{uid}-gpu-1"] == ["NVIDIA_VISIBLE_DEVICES=GPU-1"]
+        assert env[f"{uid}-gpu-2"] == ["NVIDIA_VISIBLE_DEVICES=GPU-2"]
+        assert not any(e.startswith("NVIDIA_VISIBLE") for e in spec["containerEdits"]["env"])
 
 
 async def test_one_bad_claim_never_fails_the_others(emu: KubeEmulator, short_dir: Path) -> None:
@@ -240,7 +262,7 @@ async def test_two_shares_of_one_gpu_get_their_limits(emu: KubeEmulator, short_d
         # Each share's ID goes back to kubelet (PodResources tells the two apart).
         assert [d.share_id for d in answer.claims[a].devices] == ["s1"]
         assert [d.share_id for d in answer.claims[b].devices] == ["s2"]
-        env = r.spec(a)["containerEdits"]["env"]
+        env = r.spec(a)["devices"][0]["containerEdits"]["env"]
         assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=30" in env
         assert "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=20480M" in env
         answer = await r.kubelet.prepare(("default", too_much, "c"))

@@ -3,21 +3,29 @@
 One transient spec per claim (``cncf-tags/container-device-interface``), in
 ``<cdi_dir>/<vendor>-<class>_<claimUID>.json`` (``/var/run/cdi`` by default), kind
 ``<driver>/gpu`` (``gpu.gpulet.io/gpu``). Each allocated device is a CDI device
-``<claimUID>-<device>`` (``…=8f1c…-gpu-3``): its edits add its device node
-``/dev/nvidia<minor>``; a MIG device's add its parent's and the capability nodes of its
-GPU and compute instance (``/dev/nvidia-caps/nvidia-cap<n>``), where the driver has
-them. The spec's own edits, applied once whichever of its devices a
-container gets, carry what the device plugin's Allocate gives today
-(``gpulet_allocator.core``):
+``<claimUID>-<device>`` (``…=8f1c…-gpu-3``). A container gets the CDI devices of the
+requests it names (kubelet passes each request's IDs), so everything that says which
+GPUs a container has goes on the devices' own edits, per request, as NVIDIA's driver
+does; the spec-wide edits apply to every container of the claim, whatever request it
+names, and carry only what is the same for all.
 
-* ``NVIDIA_VISIBLE_DEVICES`` = the claim's GPU (or MIG) UUIDs, in device order, and
-  ``GPULET_ALLOCATION_ID`` = the claim's allocation in the ledger;
-* the control device nodes (``nvidiactl``, ``nvidia-uvm``, ``nvidia-uvm-tools``,
-  ``nvidia-modeset``) that exist on the node;
+Each device's edits:
+
+* its device node ``/dev/nvidia<minor>``; a MIG device's parent's and the capability
+  nodes of its GPU and compute instance (``/dev/nvidia-caps/nvidia-cap<n>``), where the
+  driver has them;
+* ``NVIDIA_VISIBLE_DEVICES`` = the GPU (or MIG) UUIDs of the devices that serve the
+  same requests, in device order (so r1's container never sees r2's GPU; CDI merges an
+  environment variable last-wins, so a container naming several requests of one claim
+  sees one request's list, and all their device nodes);
 * for a share: ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` (the share's cores) and
   ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`` (``<ordinal>=<MiB>M`` per shared GPU, the
-  ordinal being its place in ``NVIDIA_VISIBLE_DEVICES``), and the MPS pipe directory,
-  mounted, when one is configured: the same enforcement as the device plugin's shares.
+  ordinal being its place in that ``NVIDIA_VISIBLE_DEVICES``), and the MPS pipe
+  directory, mounted, when one is configured: the device plugin's enforcement.
+
+The spec's own edits: ``GPULET_ALLOCATION_ID`` = the claim's allocation in the ledger,
+and the control device nodes (``nvidiactl``, ``nvidia-uvm``, ``nvidia-uvm-tools``,
+``nvidia-modeset``) that exist on the node.
 
 Writing (:func:`write_spec`): through the one safe writer,
 :func:`gpulet_common.safefile.write_atomic` (a temporary file of a random name created
@@ -64,6 +72,9 @@ class PreparedDevice:
     # A MIG device: the host paths of its capability nodes (``/dev/nvidia-caps/…``),
     # added to its device node, the parent's ``/dev/nvidia<minor>``.
     extra_nodes: tuple[str, ...] = ()
+    # The claim's requests this device serves: its environment lists the GPUs of the
+    # same requests only (a container that names one request sees that request's).
+    requests: tuple[str, ...] = ()
 
 
 def kind(driver: str) -> str:
@@ -94,27 +105,22 @@ def spec_file(cdi_dir: str | Path, driver: str, claim_uid: str) -> Path:
     return Path(cdi_dir) / f"{driver}-{CLASS}_{check_uid(claim_uid)}.json"
 
 
-def build_spec(
-    driver: str,
-    claim_uid: str,
-    allocation: str,
-    devices: Sequence[PreparedDevice],
-    *,
-    dev_root: str | Path = "/dev",
-    host_dev: str = "/dev",
-    mps_pipe_directory: str = "",
-    control: Sequence[str] | None = None,
-) -> JsonObj:
-    """The spec's JSON document; control nodes only where ``dev_root`` has them.
+def _groups(devices: Sequence[PreparedDevice]) -> dict[tuple[str, ...], list[PreparedDevice]]:
+    """The devices by the requests they serve, in device order."""
+    groups: dict[tuple[str, ...], list[PreparedDevice]] = {}
+    for d in devices:
+        groups.setdefault(d.requests, []).append(d)
+    return groups
 
-    ``control``: the names of :data:`CONTROL_DEVICES` known to exist (the caller's
-    cached look-up, as the DRA plugin's); None: looked up in ``dev_root`` now."""
-    env = [
-        "NVIDIA_VISIBLE_DEVICES=" + ",".join(d.uuid for d in devices),
-        f"{ALLOCATION_ENV}={allocation}",
-    ]
-    shares = [(i, d) for i, d in enumerate(devices) if d.cores is not None or d.memory_mib]
+
+def _visible_env(
+    group: Sequence[PreparedDevice], mps_pipe_directory: str
+) -> tuple[list[str], list[JsonObj]]:
+    """The environment (and mounts) of the devices of one request: what a container
+    that names this request, and no other, must see."""
+    env = ["NVIDIA_VISIBLE_DEVICES=" + ",".join(d.uuid for d in group)]
     mounts: list[JsonObj] = []
+    shares = [(i, d) for i, d in enumerate(group) if d.cores is not None or d.memory_mib]
     if shares:
         cores = [d.cores for _, d in shares if d.cores is not None]
         if cores:
@@ -131,6 +137,24 @@ def build_spec(
                     "options": ["rbind", "rw"],
                 }
             )
+    return env, mounts
+
+
+def build_spec(
+    driver: str,
+    claim_uid: str,
+    allocation: str,
+    devices: Sequence[PreparedDevice],
+    *,
+    dev_root: str | Path = "/dev",
+    host_dev: str = "/dev",
+    mps_pipe_directory: str = "",
+    control: Sequence[str] | None = None,
+) -> JsonObj:
+    """The spec's JSON document; control nodes only where ``dev_root`` has them.
+
+    ``control``: the names of :data:`CONTROL_DEVICES` known to exist (the caller's
+    cached look-up, as the DRA plugin's); None: looked up in ``dev_root`` now."""
     if control is None:
         root = Path(dev_root)
         control = [name for name in CONTROL_DEVICES if (root / name).exists()]
@@ -138,26 +162,29 @@ def build_spec(
         {"path": f"{host_dev}/{name}", "hostPath": f"{host_dev}/{name}", "permissions": "rw"}
         for name in control
     ]
-    edits: JsonObj = {"env": env}
+    edits: JsonObj = {"env": [f"{ALLOCATION_ENV}={allocation}"]}
     if nodes:
         edits["deviceNodes"] = nodes
-    if mounts:
-        edits["mounts"] = mounts
+    out: list[JsonObj] = []
+    for group in _groups(devices).values():
+        env, mounts = _visible_env(group, mps_pipe_directory)
+        for d in group:
+            device_edits: JsonObj = {
+                "env": env,
+                "deviceNodes": [
+                    {"path": path, "hostPath": path, "permissions": "rw"}
+                    for path in (f"{host_dev}/nvidia{d.minor}", *d.extra_nodes)
+                ],
+            }
+            if mounts:
+                device_edits["mounts"] = mounts
+            out.append({"name": device_name(claim_uid, d.device), "containerEdits": device_edits})
+    order = {device_name(claim_uid, d.device): i for i, d in enumerate(devices)}
+    out.sort(key=lambda body: order[body["name"]])
     return {
         "cdiVersion": CDI_VERSION,
         "kind": kind(driver),
-        "devices": [
-            {
-                "name": device_name(claim_uid, d.device),
-                "containerEdits": {
-                    "deviceNodes": [
-                        {"path": path, "hostPath": path, "permissions": "rw"}
-                        for path in (f"{host_dev}/nvidia{d.minor}", *d.extra_nodes)
-                    ]
-                },
-            }
-            for d in devices
-        ],
+        "devices": out,
         "containerEdits": edits,
     }
 

@@ -233,13 +233,20 @@ class DraPlugin:
     ) -> PreparedClaim:
         s = self.settings
         by_device = {d.device: d for d in reservation.devices}
+        requests = {w.device: w.requests for w in wanted}
         spec = cdi.build_spec(
             s.driver,
             claim.uid,
             reservation.allocation,
             [
                 cdi.PreparedDevice(
-                    d.device, d.uuid, d.minor, d.cores, d.memory_mib, self._mig_nodes(d)
+                    d.device,
+                    d.uuid,
+                    d.minor,
+                    d.cores,
+                    d.memory_mib,
+                    self._mig_nodes(d),
+                    requests.get(d.device, ()),
                 )
                 for d in reservation.devices
             ],
