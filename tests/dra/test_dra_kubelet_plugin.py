@@ -476,3 +476,76 @@ def test_a_write_in_flight_never_drops_a_claim_remembered_meanwhile(
     assert set(json.loads(store.path.read_text())["claims"]) == {"a"}
     assert store.flush()  # the change made meanwhile is still pending
     assert set(json.loads(store.path.read_text())["claims"]) == {"a", "b"}
+
+
+def configured(
+    emu: KubeEmulator, name: str, parameters: dict[str, Any], *results: dict[str, Any]
+) -> str:
+    """An allocated claim whose allocation carries one opaque config of our driver."""
+    body: dict[str, Any] = {
+        "metadata": {"name": name, "namespace": "default"},
+        "spec": {},
+        "status": {
+            "allocation": {
+                "devices": {
+                    "results": list(results),
+                    "config": [
+                        {
+                            "source": "FromClaim",
+                            "requests": [],
+                            "opaque": {"driver": DRIVER, "parameters": parameters},
+                        }
+                    ],
+                }
+            }
+        },
+    }
+    return str(add_claim(emu, body)["metadata"]["uid"])
+
+
+async def test_an_invalid_config_is_refused_naming_the_field(
+    emu: KubeEmulator, short_dir: Path
+) -> None:
+    async with rig(emu, short_dir) as r:
+        bogus = configured(
+            emu, "bogus", {"apiVersion": "gpu.gpulet.io/v1alpha1", "kind": "Bogus"}, result("gpu-0")
+        )
+        typo = configured(
+            emu,
+            "typo",
+            {
+                "apiVersion": "gpu.gpulet.io/v1alpha1",
+                "kind": "GpuConfig",
+                "sharing": {"strategy": "MPs"},
+            },
+            result("gpu-1"),
+        )
+        answer = await r.kubelet.prepare(("default", bogus, "bogus"), ("default", typo, "typo"))
+        assert "kind: 'Bogus'" in answer.claims[bogus].error
+        assert "sharing.strategy" in answer.claims[typo].error
+        assert not answer.claims[bogus].devices
+        assert r.core.claims == {}
+        assert list((r.cdi_dir).glob("*.json")) == []
+
+
+async def test_an_mps_config_limits_a_whole_gpus_clients(
+    emu: KubeEmulator, short_dir: Path
+) -> None:
+    parameters = {
+        "apiVersion": "gpu.gpulet.io/v1alpha1",
+        "kind": "GpuConfig",
+        "sharing": {
+            "strategy": "MPS",
+            "mpsConfig": {
+                "defaultActiveThreadPercentage": 25,
+                "defaultPinnedDeviceMemoryLimit": "3Gi",
+            },
+        },
+    }
+    async with rig(emu, short_dir) as r:
+        uid = configured(emu, "mps", parameters, result("gpu-2"))
+        answer = await r.kubelet.prepare(("default", uid, "mps"))
+        assert answer.claims[uid].error == ""
+        env = r.spec(uid)["devices"][0]["containerEdits"]["env"]
+        assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25" in env
+        assert "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=3072M" in env

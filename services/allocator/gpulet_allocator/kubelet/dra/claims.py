@@ -25,7 +25,9 @@ from typing import Any, Final
 import anyio
 
 from gpulet_allocator.kubelet.dra.contract import ClaimDevice, ClaimReadError, JsonObj
+from gpulet_common.dra import config as dra_config
 from gpulet_common.dra import limits
+from gpulet_common.dra.mig import parse_name as parse_mig_name
 from gpulet_common.kubeapi import KubeApiError, KubeClient, api_path
 from gpulet_common.quantity import parse_whole as parse_quantity
 
@@ -130,6 +132,34 @@ def _one(result: JsonObj, i: int, *, pool: str, where: str) -> ClaimDevice:
             if memory is None or memory <= 0:
                 raise ClaimError(f"claim {where}: result {i} consumes invalid memory")
     return ClaimDevice(pool, device, (main,), cores, memory, share_id)
+
+
+def configs_of(
+    claim: JsonObj, devices: list[ClaimDevice], *, driver: str, where: str
+) -> dict[str, dra_config.Config]:
+    """Each of our devices' configuration (by device name) from the allocation's
+    opaque configs of our driver (:mod:`gpulet_common.dra.config`); raises ClaimError
+    naming the config and the field when one is invalid or of the wrong kind."""
+    allocation = _dict(_dict(claim.get("status")).get("allocation"))
+    configs = _dict(allocation.get("devices")).get("config")
+    requests = sorted({r for d in devices for r in d.requests})
+    chosen, errors = dra_config.resolve(configs, driver, requests)
+    if errors:
+        raise ClaimError(f"claim {where}: invalid configuration: " + "; ".join(errors))
+    out: dict[str, dra_config.Config] = {}
+    for device in devices:
+        config = next((chosen[r] for r in device.requests if r in chosen), None)
+        if config is None:
+            continue
+        mig = parse_mig_name(device.device) is not None
+        if mig != isinstance(config, dra_config.MigDeviceConfig):
+            want = "MigDeviceConfig" if mig else "GpuConfig"
+            raise ClaimError(
+                f"claim {where}: invalid configuration: kind: device {device.device} "
+                f"takes a {want}, not a {type(config).__name__}"
+            )
+        out[device.device] = config
+    return out
 
 
 class KubeClaimReader:

@@ -36,7 +36,7 @@ Unprepare prepares again only if the claim is still allocated to this node (NVID
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,7 +44,7 @@ import anyio
 
 from gpulet_allocator.kubelet.deviceplugin.devnodes import DeviceNodes
 from gpulet_allocator.kubelet.dra.checkpoint import CheckpointFile, PreparedClaim, PreparedDevice
-from gpulet_allocator.kubelet.dra.claims import ClaimError, claim_words, devices_of
+from gpulet_allocator.kubelet.dra.claims import ClaimError, claim_words, configs_of, devices_of
 from gpulet_allocator.kubelet.dra.contract import (
     ClaimDevice,
     ClaimReader,
@@ -54,12 +54,14 @@ from gpulet_allocator.kubelet.dra.contract import (
     ReservedDevice,
 )
 from gpulet_common.dra import cdi, limits
+from gpulet_common.dra import config as dra_config
 from gpulet_common.dra.mig import parse_name as parse_mig_name
 from gpulet_common.logutil import RateLimitedLog
 from gpulet_common.refusal import BusError, bounded
 
 log = logging.getLogger("gpulet.dra.plugin")
 
+MIB = 1 << 20
 WRITE_RETRY_S = 1.0
 # The checkpoint's writer waits until no claim changed for WRITE_QUIET_S, but never
 # more than WRITE_MAX_DELAY_S after the first change it covers (see write_checkpoint).
@@ -191,6 +193,7 @@ class DraPlugin:
                 driver=s.driver,
                 pool=s.pool,
             )
+            configs = configs_of(body, wanted, driver=s.driver, where=where)
         except ClaimError as exc:
             return PrepareResult(error=bounded(str(exc)))
         held_before = claim.uid in self.checkpoint.claims
@@ -213,7 +216,7 @@ class DraPlugin:
             # millisecond (a spec on tmpfs, the checkpoint in memory), where a worker
             # thread's half-dozen system calls each wait to win the GIL back from a busy
             # loop (1-6 ms more at p99 in bench/dra.py).
-            prepared = self._write(claim, wanted, reservation)
+            prepared = self._write(claim, wanted, reservation, configs)
         except OSError as exc:
             if not held_before:
                 await self._release_quietly(claim.uid)
@@ -229,7 +232,11 @@ class DraPlugin:
             self._log.warning("release of claim %s after a failed prepare: %s", uid, exc)
 
     def _write(
-        self, claim: ClaimRef, wanted: Sequence[ClaimDevice], reservation: Reservation
+        self,
+        claim: ClaimRef,
+        wanted: Sequence[ClaimDevice],
+        reservation: Reservation,
+        configs: Mapping[str, dra_config.Config],
     ) -> PreparedClaim:
         s = self.settings
         by_device = {d.device: d for d in reservation.devices}
@@ -239,15 +246,7 @@ class DraPlugin:
             claim.uid,
             reservation.allocation,
             [
-                cdi.PreparedDevice(
-                    d.device,
-                    d.uuid,
-                    d.minor,
-                    d.cores,
-                    d.memory_mib,
-                    self._mig_nodes(d),
-                    requests.get(d.device, ()),
-                )
+                self._cdi_device(d, requests.get(d.device, ()), configs.get(d.device))
                 for d in reservation.devices
             ],
             dev_root=s.dev_root,
@@ -278,6 +277,20 @@ class DraPlugin:
         self.checkpoint.remember(prepared)
         self._wake_writer()
         return prepared
+
+    def _cdi_device(
+        self, d: ReservedDevice, requests: tuple[str, ...], config: dra_config.Config | None
+    ) -> cdi.PreparedDevice:
+        """A reserved device for its CDI spec. A share keeps the limits the scheduler
+        accounted for; a whole device configured for MPS gets its config's limits."""
+        cores, memory_mib = d.cores, d.memory_mib
+        if cores is None and memory_mib is None:
+            percent, memory = dra_config.mps_limits(config)
+            cores = percent
+            memory_mib = -(-memory // MIB) if memory else None
+        return cdi.PreparedDevice(
+            d.device, d.uuid, d.minor, cores, memory_mib, self._mig_nodes(d), requests
+        )
 
     def _mig_nodes(self, device: ReservedDevice) -> tuple[str, ...]:
         """A MIG device's capability nodes (its name carries its GPU and compute
