@@ -23,6 +23,7 @@ from gpulet_allocator.kubelet.dra import plugin as plugin_module
 from gpulet_allocator.kubelet.dra.claims import KubeClaimReader
 from gpulet_allocator.kubelet.dra.plugin import DraPlugin, PluginSettings
 from gpulet_allocator.kubelet.dra.server import DraKubeletPlugin, Sockets
+from gpulet_allocator.kubelet.dra.status import ClaimStatusWriter
 from gpulet_common.dra import cdi
 from gpulet_common.kube import KubeConfig
 from gpulet_common.kubeapi import KubeClient
@@ -35,7 +36,7 @@ from gpulet_common.kubelet_api.dra_health.v1beta1 import api_pb2_grpc as h1b1_gr
 from support.dra_core import InMemoryCore, InMemoryHealth
 from support.fake_dra_kubelet import FakeDraKubelet, registered
 from support.kube_emulator import KubeEmulator
-from support.kube_emulator_dra import add_claim, dra_emulator
+from support.kube_emulator_dra import RESOURCE_CLAIMS, add_claim, dra_emulator
 from support.waiting import wait_until
 
 pytestmark = pytest.mark.anyio
@@ -69,6 +70,7 @@ class Rig:
     root: Path
     kubelet: FakeDraKubelet
     server: DraKubeletPlugin
+    status: ClaimStatusWriter
 
     @property
     def cdi_dir(self) -> Path:
@@ -96,11 +98,13 @@ async def rig(
         KubeClient(KubeConfig(emu.url)) as api,
         anyio.create_task_group() as tg,
     ):
-        plugin = DraPlugin(core, KubeClaimReader(api, timeout_s=5), settings)
+        status = ClaimStatusWriter(api, DRIVER, NODE, timeout_s=5)
+        plugin = DraPlugin(core, KubeClaimReader(api, timeout_s=5), settings, status)
         server = DraKubeletPlugin(plugin, health, sockets, DRIVER)
         await tg.start(server.run)
+        tg.start_soon(status.run)
         async with registered(root / "registry", DRIVER) as kubelet:
-            yield Rig(emu, core, health, root, kubelet, server)
+            yield Rig(emu, core, health, root, kubelet, server, status)
         tg.cancel_scope.cancel()
 
 
@@ -549,3 +553,61 @@ async def test_an_mps_config_limits_a_whole_gpus_clients(
         env = r.spec(uid)["devices"][0]["containerEdits"]["env"]
         assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25" in env
         assert "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=3072M" in env
+
+
+async def test_prepare_reports_each_device_and_a_refusal_on_the_claim(
+    emu: KubeEmulator, short_dir: Path
+) -> None:
+    """status.devices names the GPU a claim got; a claim that can never be prepared
+    says why there (Ready False) and in a Warning Event, once, however often kubelet
+    retries."""
+    core = InMemoryCore.with_gpus(4)
+    core.device_plugin.add("gpu-2")
+    async with rig(emu, short_dir, core) as r:
+        good = claim(emu, "good", result("gpu-1", shareID="s1", consumedCapacity={"cores": "30"}))
+        stuck = claim(emu, "stuck", result("gpu-2"))
+        answer = await r.kubelet.prepare(("default", good, "good"), ("default", stuck, "stuck"))
+        assert answer.claims[good].error == ""
+        assert "device plugin" in answer.claims[stuck].error
+
+        def devices_of(name: str) -> list[dict[str, Any]]:
+            body = emu.get_object(RESOURCE_CLAIMS, f"default/{name}") or {}
+            return list((body.get("status") or {}).get("devices") or [])
+
+        await wait_until(lambda: devices_of("good") and devices_of("stuck"), what="status")
+        [entry] = devices_of("good")
+        assert (entry["driver"], entry["pool"], entry["device"], entry["shareID"]) == (
+            DRIVER,
+            NODE,
+            "gpu-1",
+            "s1",
+        )
+        assert entry["data"] == {"uuid": "GPU-1"}
+        assert [(c["type"], c["status"], c["reason"]) for c in entry["conditions"]] == [
+            ("Ready", "True", "Prepared")
+        ]
+        [entry] = devices_of("stuck")
+        [condition] = entry["conditions"]
+        assert (condition["status"], condition["reason"]) == ("False", "PrepareFailed")
+        assert "device plugin" in condition["message"]
+        assert "data" not in entry
+        # The allocation is still there: only the devices were written.
+        stored = emu.get_object(RESOURCE_CLAIMS, "default/stuck") or {}
+        assert stored["status"]["allocation"]["devices"]["results"][0]["device"] == "gpu-2"
+        for _ in range(3):  # kubelet retries
+            await r.kubelet.prepare(("default", stuck, "stuck"))
+        await wait_until(lambda: not r.status.pending, what="the writer idle")
+
+        def events() -> list[dict[str, Any]]:
+            return [
+                e
+                for e in emu.list_objects("events")
+                if e.get("involvedObject", {}).get("uid") == stuck
+            ]
+
+        await wait_until(lambda: len(events()) == 1, what="one Event")
+        [event] = events()
+        assert (event["type"], event["reason"]) == ("Warning", "PrepareFailed")
+        assert "device plugin" in event["message"]
+        assert r.status.events == 1
+        assert r.status.written == 2  # the same state again writes nothing

@@ -53,6 +53,7 @@ from gpulet_allocator.kubelet.dra.contract import (
     Reservation,
     ReservedDevice,
 )
+from gpulet_allocator.kubelet.dra.status import ClaimStatusWriter, Outcome, outcome_devices
 from gpulet_common.dra import cdi, limits
 from gpulet_common.dra import config as dra_config
 from gpulet_common.dra.mig import parse_name as parse_mig_name
@@ -80,6 +81,9 @@ class ClaimRef:
 class PrepareResult:
     devices: list[PreparedDevice] = field(default_factory=list)
     error: str = ""
+    # What to tell the claim's readers (:mod:`.status`): None when the claim was not
+    # read (not found, the API unreachable).
+    outcome: Outcome | None = None
 
 
 @dataclass(frozen=True)
@@ -119,10 +123,17 @@ class _Locks:
 
 
 class DraPlugin:
-    def __init__(self, core: DecisionCore, reader: ClaimReader, settings: PluginSettings) -> None:
+    def __init__(
+        self,
+        core: DecisionCore,
+        reader: ClaimReader,
+        settings: PluginSettings,
+        status: ClaimStatusWriter | None = None,
+    ) -> None:
         self._core = core
         self._reader = reader
         self.settings = settings
+        self.status = status
         self.checkpoint = CheckpointFile(settings.checkpoint)
         self.locks = _Locks()
         self._nodes = DeviceNodes(
@@ -165,6 +176,8 @@ class DraPlugin:
                 if result is None:
                     limit = self.settings.claim_timeout_s
                     return PrepareResult(error=f"prepare timed out after {limit:.0f}s")
+                if result.outcome is not None and self.status is not None:
+                    self.status.report(result.outcome)
                 return result
         except Exception as exc:  # a bug of ours must not fail the other claims
             log.exception("prepare of claim %s failed", claim.uid)
@@ -184,6 +197,13 @@ class DraPlugin:
             return PrepareResult(error=bounded(str(exc)))
         if body is None:
             return PrepareResult(error=f"claim {where} not found")
+
+        def failed(error: str, devices: Sequence[ClaimDevice] = ()) -> PrepareResult:
+            outcome = Outcome(
+                claim.namespace, claim.name, claim.uid, outcome_devices(devices), error
+            )
+            return PrepareResult(error=error, outcome=outcome)
+
         try:
             wanted = devices_of(
                 body,
@@ -193,9 +213,12 @@ class DraPlugin:
                 driver=s.driver,
                 pool=s.pool,
             )
+        except ClaimError as exc:
+            return failed(bounded(str(exc)))
+        try:
             configs = configs_of(body, wanted, driver=s.driver, where=where)
         except ClaimError as exc:
-            return PrepareResult(error=bounded(str(exc)))
+            return failed(bounded(str(exc)), wanted)
         held_before = claim.uid in self.checkpoint.claims
         if not wanted:
             # Nothing of ours in this claim: nothing to reserve, nothing to inject.
@@ -205,12 +228,12 @@ class DraPlugin:
                 claim.uid, wanted, namespace=claim.namespace, name=claim.name
             )
         except BusError as exc:
-            return PrepareResult(error=bounded(f"claim {where}: {exc.message}"))
+            return failed(bounded(f"claim {where}: {exc.message}"), wanted)
         missing = {w.device for w in wanted} - {d.device for d in reservation.devices}
         if missing:
             if not held_before:
                 await self._release_quietly(claim.uid)
-            return PrepareResult(error=f"claim {where}: not reserved: {sorted(missing)}")
+            return failed(f"claim {where}: not reserved: {sorted(missing)}", wanted)
         try:
             # On the event loop, as the allocator writes its checkpoint: about a
             # millisecond (a spec on tmpfs, the checkpoint in memory), where a worker
@@ -221,8 +244,10 @@ class DraPlugin:
             if not held_before:
                 await self._release_quietly(claim.uid)
             self._log.warning("prepare of %s: cannot write its CDI spec: %s", where, exc)
-            return PrepareResult(error=bounded(f"claim {where}: cannot write CDI spec: {exc}"))
-        return PrepareResult(devices=prepared.devices)
+            return failed(bounded(f"claim {where}: cannot write CDI spec: {exc}"), wanted)
+        uuids = {d.device: d.uuid for d in reservation.devices}
+        outcome = Outcome(claim.namespace, claim.name, claim.uid, outcome_devices(wanted, uuids))
+        return PrepareResult(devices=prepared.devices, outcome=outcome)
 
     async def _release_quietly(self, uid: str) -> None:
         """Give back a reservation this call made; the core unreachable, Unprepare will."""

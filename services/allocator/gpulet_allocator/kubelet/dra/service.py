@@ -17,6 +17,8 @@ group (its process, its node read model), with the decision core the service giv
   not registered, so nothing is lost meanwhile. With ``dra.claim_cache`` a
   :class:`~.claim_cache.WatchedClaimReader` in front of it answers from a watch of the
   node's allocated claims;
+* what Prepare did, on the claim (``status.devices``) and as Events:
+  :class:`~.status.ClaimStatusWriter`, in the background;
 * health: :class:`~.health.NodeViewHealth` over the service's
   :class:`~gpulet_common.nodeview.NodeView`;
 * sockets: ``<plugins_registry>/<driver>-reg.sock`` and
@@ -39,6 +41,7 @@ from gpulet_allocator.kubelet.dra.contract import ClaimReader, DecisionCore
 from gpulet_allocator.kubelet.dra.health import NodeViewHealth
 from gpulet_allocator.kubelet.dra.plugin import DraPlugin, PluginSettings
 from gpulet_allocator.kubelet.dra.server import DraKubeletPlugin, Sockets
+from gpulet_allocator.kubelet.dra.status import ClaimStatusWriter
 from gpulet_common.kube import KubeConfig, KubeConfigError, lookup
 from gpulet_common.kubeapi import KubeClient
 from gpulet_common.nodeview import NodeView
@@ -126,13 +129,15 @@ class DraPluginRunner:
             watched: WatchedClaimReader | None = None
             if dra.claim_cache:
                 reader = watched = WatchedClaimReader(api, reader, driver=dra.driver, pool=rt.node)
-            plugin = DraPlugin(core, reader, settings)
+            status = ClaimStatusWriter(api, dra.driver, rt.node, timeout_s=dra.api_timeout_s)
+            plugin = DraPlugin(core, reader, settings, status)
             health = NodeViewHealth(self._view, rt.node)
             self.server = server = DraKubeletPlugin(plugin, health, sockets, dra.driver)
             try:
                 async with anyio.create_task_group() as tg:
                     if watched is not None:
                         await tg.start(watched.run)
+                    tg.start_soon(status.run)
                     await tg.start(server.run)
                     rt.status.set(
                         STATUS_NAME,
