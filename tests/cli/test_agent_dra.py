@@ -140,7 +140,15 @@ async def test_gpulet_run_in_dra_mode_serves_claims_from_the_one_ledger(
             [device] = entry.devices
             assert device.device_name == "gpu-0"
             assert list(device.cdi_device_ids) == [cdi.device_id(DRIVER, uid, "gpu-0")]
-            assert cdi.spec_file(short_dir / "cdi", DRIVER, uid).is_file()
+            spec_path = cdi.spec_file(short_dir / "cdi", DRIVER, uid)
+            # The driver's user space, from the mock's driver root under the state dir.
+            spec = json.loads(spec_path.read_text())
+            root = (tmp_path / "state" / "mock-driver-root").resolve()
+            mounts = {m["containerPath"]: m["hostPath"] for m in spec["containerEdits"]["mounts"]}
+            # The scenario's driver (nvlink-pairs-8gpu.toml: 535.161.08).
+            lib = "/usr/lib/x86_64-linux-gnu/libcuda.so.535.161.08"
+            assert mounts[lib] == f"{root}{lib}"
+            assert await anyio.Path(mounts[lib]).is_file()
             # The same GPU is refused to the device plugin (the allocator's Allocate).
             settings = NatsSettings(url=agent.nats_url, request_timeout_s=5.0)
             async with Bus.connect(settings, name="test", max_initial_attempts=20) as bus:

@@ -9,51 +9,19 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from pathlib import Path
 from typing import Any
 
-import jsonschema
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from referencing import Registry, Resource
 
 from gpulet_common.dra import cdi
 from gpulet_common.safefile import UnsafePathError
+from support.cdi_schema import check
 
-SCHEMA_DIR = Path(__file__).parent / "data" / "cdi-schema"
 DRIVER = "gpu.gpulet.io"
 UID = "8f1c2d3e-0000-4000-8000-00000000abcd"
-_ENV = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
-
-
-def validator() -> jsonschema.Draft7Validator:
-    schema = json.loads((SCHEMA_DIR / "schema.json").read_text())
-    defs = json.loads((SCHEMA_DIR / "defs.json").read_text())
-    registry: Registry[Any] = Registry().with_resource(
-        "defs.json", Resource.from_contents(defs, default_specification=_draft7())
-    )
-    return jsonschema.Draft7Validator(schema, registry=registry)
-
-
-def _draft7() -> Any:
-    from referencing.jsonschema import DRAFT7
-
-    return DRAFT7
-
-
-def check(spec: dict[str, Any]) -> None:
-    validator().validate(spec)
-    # What the upstream schema cannot check (its env items use "ref", not "$ref").
-    edits = [spec.get("containerEdits", {})] + [d["containerEdits"] for d in spec["devices"]]
-    for edit in edits:
-        for entry in edit.get("env", []):
-            assert isinstance(entry, str)
-            assert _ENV.match(entry), entry
-    names = [d["name"] for d in spec["devices"]]
-    assert len(set(names)) == len(names)
-    assert all(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.:-]*", n) for n in names)
 
 
 def fake_dev(tmp_path: Path, *names: str) -> Path:

@@ -24,8 +24,10 @@ Each device's edits:
   directory, mounted, when one is configured: the device plugin's enforcement.
 
 The spec's own edits: ``GPULET_ALLOCATION_ID`` = the claim's allocation in the ledger,
-and the control device nodes (``nvidiactl``, ``nvidia-uvm``, ``nvidia-uvm-tools``,
-``nvidia-modeset``) that exist on the node.
+the control device nodes (``nvidiactl``, ``nvidia-uvm``, ``nvidia-uvm-tools``,
+``nvidia-modeset``) that exist on the node, and the driver's user space
+(``driver_edits``, :mod:`.driverfiles`: read-only mounts of its libraries, binaries,
+firmware and sockets, and the ``nvidia-cdi-hook`` hooks).
 
 Writing (:func:`write_spec`): through the one safe writer,
 :func:`gpulet_common.safefile.write_atomic` (a temporary file of a random name created
@@ -150,6 +152,7 @@ def build_spec(
     host_dev: str = "/dev",
     mps_pipe_directory: str = "",
     control: Sequence[str] | None = None,
+    driver_edits: JsonObj | None = None,
 ) -> JsonObj:
     """The spec's JSON document; control nodes only where ``dev_root`` has them.
 
@@ -165,6 +168,9 @@ def build_spec(
     edits: JsonObj = {"env": [f"{ALLOCATION_ENV}={allocation}"]}
     if nodes:
         edits["deviceNodes"] = nodes
+    for key in ("mounts", "hooks"):
+        if (driver_edits or {}).get(key):
+            edits[key] = list((driver_edits or {})[key])
     out: list[JsonObj] = []
     for group in _groups(devices).values():
         env, mounts = _visible_env(group, mps_pipe_directory)

@@ -134,6 +134,8 @@ class DraPlugin:
         self._reader = reader
         self.settings = settings
         self.status = status
+        # The driver's user space for every spec (.driver.DriverFilesKeeper sets it).
+        self.driver_edits: dict[str, object] = {}
         self.checkpoint = CheckpointFile(settings.checkpoint)
         self.locks = _Locks()
         self._nodes = DeviceNodes(
@@ -278,6 +280,7 @@ class DraPlugin:
             host_dev=s.host_dev,
             mps_pipe_directory=s.mps_pipe_directory,
             control=self._nodes.control_names(),  # looked at once a second
+            driver_edits=self.driver_edits,
         )
         cdi.write_spec(s.cdi_dir, s.driver, claim.uid, spec)
         devices = [

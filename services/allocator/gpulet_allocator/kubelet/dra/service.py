@@ -19,6 +19,7 @@ group (its process, its node read model), with the decision core the service giv
   node's allocated claims;
 * what Prepare did, on the claim (``status.devices``) and as Events:
   :class:`~.status.ClaimStatusWriter`, in the background;
+* the driver's user space in the CDI specs: :class:`~.driver.DriverFilesKeeper`;
 * health: :class:`~.health.NodeViewHealth` over the service's
   :class:`~gpulet_common.nodeview.NodeView`;
 * sockets: ``<plugins_registry>/<driver>-reg.sock`` and
@@ -38,10 +39,12 @@ import anyio.abc
 from gpulet_allocator.kubelet.dra.claim_cache import WatchedClaimReader
 from gpulet_allocator.kubelet.dra.claims import KubeClaimReader
 from gpulet_allocator.kubelet.dra.contract import ClaimReader, DecisionCore
+from gpulet_allocator.kubelet.dra.driver import DriverFilesKeeper
 from gpulet_allocator.kubelet.dra.health import NodeViewHealth
 from gpulet_allocator.kubelet.dra.plugin import DraPlugin, PluginSettings
 from gpulet_allocator.kubelet.dra.server import DraKubeletPlugin, Sockets
 from gpulet_allocator.kubelet.dra.status import ClaimStatusWriter
+from gpulet_common.dra.driverfiles import container_edits
 from gpulet_common.kube import KubeConfig, KubeConfigError, lookup
 from gpulet_common.kubeapi import KubeClient
 from gpulet_common.nodeview import NodeView
@@ -131,6 +134,13 @@ class DraPluginRunner:
                 reader = watched = WatchedClaimReader(api, reader, driver=dra.driver, pool=rt.node)
             status = ClaimStatusWriter(api, dra.driver, rt.node, timeout_s=dra.api_timeout_s)
             plugin = DraPlugin(core, reader, settings, status)
+            keeper = DriverFilesKeeper(
+                self._view,
+                dra,
+                lambda files: setattr(plugin, "driver_edits", container_edits(files)),
+                mock=rt.settings.nvml.backend == "mock",
+                state_dir=rt.settings.state_dir,
+            )
             health = NodeViewHealth(self._view, rt.node)
             self.server = server = DraKubeletPlugin(plugin, health, sockets, dra.driver)
             try:
@@ -138,6 +148,7 @@ class DraPluginRunner:
                     if watched is not None:
                         await tg.start(watched.run)
                     tg.start_soon(status.run)
+                    await tg.start(keeper.run)
                     await tg.start(server.run)
                     rt.status.set(
                         STATUS_NAME,
