@@ -21,6 +21,7 @@ import pytest
 
 from gpulet_allocator.kubelet.dra import plugin as plugin_module
 from gpulet_allocator.kubelet.dra.claims import KubeClaimReader
+from gpulet_allocator.kubelet.dra.contract import ReservedDevice
 from gpulet_allocator.kubelet.dra.plugin import DraPlugin, PluginSettings
 from gpulet_allocator.kubelet.dra.server import DraKubeletPlugin, Sockets
 from gpulet_allocator.kubelet.dra.status import ClaimStatusWriter
@@ -100,6 +101,10 @@ async def rig(
     ):
         status = ClaimStatusWriter(api, DRIVER, NODE, timeout_s=5)
         plugin = DraPlugin(core, KubeClaimReader(api, timeout_s=5), settings, status)
+        gpus = core.gpus
+        plugin.lookup = lambda name: (
+            ReservedDevice(name, gpus[name].uuid, gpus[name].minor) if name in gpus else None
+        )
         server = DraKubeletPlugin(plugin, health, sockets, DRIVER)
         await tg.start(server.run)
         tg.start_soon(status.run)
@@ -611,3 +616,42 @@ async def test_prepare_reports_each_device_and_a_refusal_on_the_claim(
         assert "device plugin" in event["message"]
         assert r.status.events == 1
         assert r.status.written == 2  # the same state again writes nothing
+
+
+async def test_admin_access_sees_a_busy_gpu_and_owns_nothing(
+    emu: KubeEmulator, short_dir: Path
+) -> None:
+    """A monitoring pod's adminAccess result (charged 0 cores and 0 memory by the
+    scheduler) for a GPU another claim holds whole: prepared, never reserved, and its
+    Unprepare leaves the holder alone."""
+    async with rig(emu, short_dir) as r:
+        busy = claim(emu, "busy", result("gpu-1"))
+        admin = claim(
+            emu,
+            "dcgm",
+            result(
+                "gpu-1",
+                adminAccess=True,
+                shareID="a1",
+                consumedCapacity={"cores": "0", "memory": "0"},
+            ),
+        )
+        answer = await r.kubelet.prepare(("default", busy, "busy"))
+        assert answer.claims[busy].error == ""
+        answer = await r.kubelet.prepare(("default", admin, "dcgm"))
+        assert answer.claims[admin].error == ""
+        [device] = answer.claims[admin].devices
+        assert (device.device_name, device.share_id) == ("gpu-1", "a1")
+        assert set(r.core.claims) == {busy}  # the admin claim owns nothing
+        spec = r.spec(admin)
+        [gpu] = spec["devices"]
+        assert [n["path"] for n in gpu["containerEdits"]["deviceNodes"]] == ["/dev/nvidia1"]
+        assert "NVIDIA_VISIBLE_DEVICES=GPU-1" in gpu["containerEdits"]["env"]
+        assert "env" not in spec["containerEdits"]  # no allocation of its own
+        undone = await r.kubelet.unprepare(("default", admin, "dcgm"))
+        assert undone.claims[admin].error == ""
+        assert set(r.core.claims) == {busy}
+        # Zero cores without admin access is no share: refused.
+        zero = claim(emu, "zero", result("gpu-2", shareID="z", consumedCapacity={"cores": "0"}))
+        answer = await r.kubelet.prepare(("default", zero, "zero"))
+        assert "invalid cores" in answer.claims[zero].error

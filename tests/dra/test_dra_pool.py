@@ -121,13 +121,13 @@ def test_sharing_offers_cores_and_memory_with_request_policies() -> None:
     assert device["allowMultipleAllocations"] is True
     assert device["capacity"]["cores"] == {
         "value": "100",
-        "requestPolicy": {"default": "100", "validRange": {"min": "1", "max": "100", "step": "1"}},
+        "requestPolicy": {"default": "100", "validRange": {"min": "0", "max": "100", "step": "1"}},
     }
     assert device["capacity"]["memory"] == {
         "value": "80Gi",
         "requestPolicy": {
             "default": "80Gi",
-            "validRange": {"min": "1Gi", "max": "80Gi", "step": "1Gi"},
+            "validRange": {"min": "0", "max": "80Gi", "step": "1Gi"},
         },
     }
     whole = pool.build(inventory, {}, DraSettings(sharing=False)).devices[0]

@@ -165,7 +165,9 @@ def build_spec(
         {"path": f"{host_dev}/{name}", "hostPath": f"{host_dev}/{name}", "permissions": "rw"}
         for name in control
     ]
-    edits: JsonObj = {"env": [f"{ALLOCATION_ENV}={allocation}"]}
+    edits: JsonObj = {}
+    if allocation:  # a claim of admin access only owns nothing: no allocation to name
+        edits["env"] = [f"{ALLOCATION_ENV}={allocation}"]
     if nodes:
         edits["deviceNodes"] = nodes
     for key in ("mounts", "hooks"):

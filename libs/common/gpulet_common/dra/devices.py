@@ -165,9 +165,15 @@ def attributes(
 
 
 def _policy(total: int, step: int) -> JsonObj:
+    """A request of nothing names all of it (``default``); the range starts at 0 so
+    that an ``adminAccess`` request may ask for 0 of each: the 1.37 allocator charges
+    an admin request like any other against what is left of a device that allows
+    multiple allocations (its admin results are then not counted), so only a request
+    of 0 fits beside a claim that holds the whole GPU. Prepare refuses 0 to any
+    request without admin access."""
     return {
         "default": binary(total),
-        "validRange": {"min": binary(step), "max": binary(total), "step": binary(step)},
+        "validRange": {"min": "0", "max": binary(total), "step": binary(step)},
     }
 
 

@@ -12,7 +12,9 @@ is checked here, never assumed:
   and a device name that is a DNS label;
 * ``request`` ``main/sub`` (a prioritized-list sub-request) counts as ``main``;
 * ``consumedCapacity`` of a shared device gives the share: ``cores`` (percent, 1-100)
-  and ``memory`` (bytes, a whole quantity).
+  and ``memory`` (bytes, a whole quantity);
+* a result with ``adminAccess: true`` is admin access (a monitoring pod's): it owns
+  nothing, whatever capacity it was charged (0 on a busy GPU).
 
 Anything else is a :class:`ClaimError` whose message is the per-claim ``error`` kubelet
 sees. Nothing here raises anything else, whatever the JSON.
@@ -100,6 +102,7 @@ def devices_of(
                 merged.cores,
                 merged.memory_bytes,
                 merged.share_id,
+                merged.admin,
             )
             continue
         seen.add(key)
@@ -118,6 +121,10 @@ def _one(result: JsonObj, i: int, *, pool: str, where: str) -> ClaimDevice:
     main = request.split("/", 1)[0]
     share = result.get("shareID")
     share_id = share if isinstance(share, str) else ""
+    admin = result.get("adminAccess") is True
+    if admin:
+        # Admin access owns nothing: whatever it consumed, it is no share.
+        return ClaimDevice(pool, device, (main,), share_id=share_id, admin=True)
     consumed = result.get("consumedCapacity")
     cores = memory = None
     if consumed is not None:

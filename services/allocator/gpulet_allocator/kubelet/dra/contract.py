@@ -53,6 +53,9 @@ class ClaimDevice:
     cores: int | None = None
     memory_bytes: int | None = None
     share_id: str = ""
+    # adminAccess: the device is given to the claim's containers without being owned
+    # (never reserved in the ledger, never refused for being held).
+    admin: bool = False
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,12 @@ from typing import Any, Final
 import anyio
 import grpc.aio
 
-from gpulet_allocator.kubelet.dra.contract import DeviceHealth, Health, HealthSource
+from gpulet_allocator.kubelet.dra.contract import (
+    DeviceHealth,
+    Health,
+    HealthSource,
+    ReservedDevice,
+)
 from gpulet_common.dra.mig import targets
 from gpulet_common.kubelet_api.dra_health.v1 import api_pb2 as health_v1
 from gpulet_common.kubelet_api.dra_health.v1 import api_pb2_grpc as health_v1_grpc
@@ -129,6 +134,20 @@ class NodeViewHealth:
                     message = "GPU not present" + (f"; {message}" if message else "")
             out.append(DeviceHealth(self._pool, target.name, state, since, message))
         return out
+
+    def lookup(self, name: str) -> ReservedDevice | None:
+        """The device ``name`` of the pool as it is now, for admin access (which is
+        prepared without a reservation); None when the node has no such device."""
+        inventory = self._view.inventory
+        if inventory is None:
+            return None
+        target = targets(inventory.gpus).get(name)
+        if target is None:
+            return None
+        gpu = target.gpu
+        minor = gpu.minor if gpu.minor is not None else gpu.index
+        uuid = target.mig.uuid if target.mig is not None else gpu.uuid
+        return ReservedDevice(name, uuid, minor)
 
     async def wait_changed(self, version: int) -> int:
         while version >= 0 and version == self.version:

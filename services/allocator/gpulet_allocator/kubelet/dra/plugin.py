@@ -9,7 +9,9 @@ entry, never the call's):
    our pool;
 3. the decision core reserves the devices for the claim UID in the shared ledger
    (idempotent: the same claim again gets the same reservation; a device held by
-   another claim or by the device plugin is refused);
+   another claim or by the device plugin is refused); a result with ``adminAccess``
+   is not reserved (it owns nothing: a monitoring pod sees a busy GPU), only looked
+   up (:attr:`DraPlugin.lookup`);
 4. the claim's CDI spec is written atomically (a MIG device gets its parent's device
    node and its capability nodes) (written again on a repeat, so a spec lost or left
    stale is repaired), on the event loop (about a millisecond, see
@@ -36,7 +38,7 @@ Unprepare prepares again only if the claim is still allocated to this node (NVID
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -134,6 +136,9 @@ class DraPlugin:
         self._reader = reader
         self.settings = settings
         self.status = status
+        # Device name -> the device as it is now (uuid, minor), for adminAccess results
+        # (never reserved): the node read model in production; None serves no admin.
+        self.lookup: Callable[[str], ReservedDevice | None] | None = None
         # The driver's user space for every spec (.driver.DriverFilesKeeper sets it).
         self.driver_edits: dict[str, object] = {}
         self.checkpoint = CheckpointFile(settings.checkpoint)
@@ -225,13 +230,31 @@ class DraPlugin:
         if not wanted:
             # Nothing of ours in this claim: nothing to reserve, nothing to inject.
             return PrepareResult()
+        owned = [w for w in wanted if not w.admin]
+        admin: list[ReservedDevice] = []
+        for w in wanted:
+            if not w.admin:
+                continue
+            found = self.lookup(w.device) if self.lookup is not None else None
+            if found is None:
+                return failed(f"claim {where}: admin access to unknown device {w.device}", wanted)
+            admin.append(found)
         try:
-            reservation = await self._core.reserve_claim(
-                claim.uid, wanted, namespace=claim.namespace, name=claim.name
+            reservation = (
+                await self._core.reserve_claim(
+                    claim.uid, owned, namespace=claim.namespace, name=claim.name
+                )
+                if owned
+                else Reservation(claim.uid, "", ())
             )
         except BusError as exc:
             return failed(bounded(f"claim {where}: {exc.message}"), wanted)
-        missing = {w.device for w in wanted} - {d.device for d in reservation.devices}
+        missing = {w.device for w in owned} - {d.device for d in reservation.devices}
+        if admin:
+            # Admin access is prepared beside what is reserved, owning nothing.
+            reservation = Reservation(
+                reservation.claim_uid, reservation.allocation, (*reservation.devices, *admin)
+            )
         if missing:
             if not held_before:
                 await self._release_quietly(claim.uid)

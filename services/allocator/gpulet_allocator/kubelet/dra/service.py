@@ -142,6 +142,7 @@ class DraPluginRunner:
                 state_dir=rt.settings.state_dir,
             )
             health = NodeViewHealth(self._view, rt.node)
+            plugin.lookup = health.lookup  # admin access: the device as the node has it
             self.server = server = DraKubeletPlugin(plugin, health, sockets, dra.driver)
             try:
                 async with anyio.create_task_group() as tg:
