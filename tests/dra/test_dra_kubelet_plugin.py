@@ -22,6 +22,7 @@ import pytest
 from gpulet_allocator.kubelet.dra import plugin as plugin_module
 from gpulet_allocator.kubelet.dra.claims import KubeClaimReader
 from gpulet_allocator.kubelet.dra.contract import ReservedDevice
+from gpulet_allocator.kubelet.dra.metrics import DraMetrics
 from gpulet_allocator.kubelet.dra.plugin import DraPlugin, PluginSettings
 from gpulet_allocator.kubelet.dra.server import DraKubeletPlugin, Sockets
 from gpulet_allocator.kubelet.dra.status import ClaimStatusWriter
@@ -38,6 +39,7 @@ from support.dra_core import InMemoryCore, InMemoryHealth
 from support.fake_dra_kubelet import FakeDraKubelet, registered
 from support.kube_emulator import KubeEmulator
 from support.kube_emulator_dra import RESOURCE_CLAIMS, add_claim, dra_emulator
+from support.metrics import MetricsProbe
 from support.waiting import wait_until
 
 pytestmark = pytest.mark.anyio
@@ -83,7 +85,10 @@ class Rig:
 
 @asynccontextmanager
 async def rig(
-    emu: KubeEmulator, root: Path, core: InMemoryCore | None = None
+    emu: KubeEmulator,
+    root: Path,
+    core: InMemoryCore | None = None,
+    metrics: DraMetrics | None = None,
 ) -> AsyncIterator[Rig]:
     core = core if core is not None else InMemoryCore.with_gpus(4)
     health = InMemoryHealth(NODE, sorted(core.gpus))
@@ -100,7 +105,7 @@ async def rig(
         anyio.create_task_group() as tg,
     ):
         status = ClaimStatusWriter(api, DRIVER, NODE, timeout_s=5)
-        plugin = DraPlugin(core, KubeClaimReader(api, timeout_s=5), settings, status)
+        plugin = DraPlugin(core, KubeClaimReader(api, timeout_s=5), settings, status, metrics)
         gpus = core.gpus
         plugin.lookup = lambda name: (
             ReservedDevice(name, gpus[name].uuid, gpus[name].minor) if name in gpus else None
@@ -655,3 +660,42 @@ async def test_admin_access_sees_a_busy_gpu_and_owns_nothing(
         zero = claim(emu, "zero", result("gpu-2", shareID="z", consumedCapacity={"cores": "0"}))
         answer = await r.kubelet.prepare(("default", zero, "zero"))
         assert "invalid cores" in answer.claims[zero].error
+
+
+def histogram_count(probe: MetricsProbe, name: str, **attributes: str) -> int:
+    data = probe.reader.get_metrics_data()
+    total = 0
+    for resource in data.resource_metrics if data is not None else []:
+        for scope in resource.scope_metrics:
+            for metric in scope.metrics:
+                if metric.name != name:
+                    continue
+                for point in metric.data.data_points:
+                    attrs = dict(point.attributes or {})
+                    if all(attrs.get(k) == v for k, v in attributes.items()):
+                        total += int(point.count)  # type: ignore[union-attr]
+    return total
+
+
+async def test_prepare_is_measured_by_result_and_reason(emu: KubeEmulator, short_dir: Path) -> None:
+    probe = MetricsProbe()
+    core = InMemoryCore.with_gpus(4)
+    core.device_plugin.add("gpu-3")
+    async with rig(emu, short_dir, core, DraMetrics(probe.meter)) as r:
+        good = claim(emu, "good", result("gpu-0"))
+        held = claim(emu, "held", result("gpu-3"))
+        pending = claim(emu, "pending", allocated=False)
+        await r.kubelet.prepare(
+            ("default", good, "good"),
+            ("default", held, "held"),
+            ("default", pending, "pending"),
+            ("default", str(uuid.uuid4()), "gone"),
+        )
+        assert histogram_count(probe, "gpulet.dra.prepare_duration", result="ok") == 1
+        assert histogram_count(probe, "gpulet.dra.prepare_duration", result="error") == 3
+        assert probe.value("gpulet.dra.prepare_errors", reason="not_found") == 1
+        assert probe.value("gpulet.dra.prepare_errors", reason="invalid_claim") == 1
+        assert probe.value("gpulet.dra.prepare_errors", reason="insufficient_capacity") == 1
+        assert probe.value("gpulet.dra.prepared_claims") == 1
+        await r.kubelet.unprepare(("default", good, "good"))
+        assert probe.value("gpulet.dra.prepared_claims") == 0

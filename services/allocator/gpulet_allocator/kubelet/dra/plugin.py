@@ -55,6 +55,7 @@ from gpulet_allocator.kubelet.dra.contract import (
     Reservation,
     ReservedDevice,
 )
+from gpulet_allocator.kubelet.dra.metrics import DraMetrics
 from gpulet_allocator.kubelet.dra.status import ClaimStatusWriter, Outcome, outcome_devices
 from gpulet_common.dra import cdi, limits
 from gpulet_common.dra import config as dra_config
@@ -83,6 +84,8 @@ class ClaimRef:
 class PrepareResult:
     devices: list[PreparedDevice] = field(default_factory=list)
     error: str = ""
+    # Why it failed, for the metrics (.metrics.REASONS or a ledger refusal's code).
+    reason: str = ""
     # What to tell the claim's readers (:mod:`.status`): None when the claim was not
     # read (not found, the API unreachable).
     outcome: Outcome | None = None
@@ -131,11 +134,14 @@ class DraPlugin:
         reader: ClaimReader,
         settings: PluginSettings,
         status: ClaimStatusWriter | None = None,
+        metrics: DraMetrics | None = None,
     ) -> None:
         self._core = core
         self._reader = reader
         self.settings = settings
         self.status = status
+        self.metrics = metrics or DraMetrics()
+        self.metrics.watch_prepared(lambda: len(self.checkpoint.claims))
         # Device name -> the device as it is now (uuid, minor), for adminAccess results
         # (never reserved): the node read model in production; None serves no admin.
         self.lookup: Callable[[str], ReservedDevice | None] | None = None
@@ -170,10 +176,16 @@ class DraPlugin:
         return out
 
     async def _serialized_prepare(self, claim: ClaimRef) -> PrepareResult:
+        started = anyio.current_time()
+        result = await self._timed_prepare(claim)
+        self.metrics.prepared(anyio.current_time() - started, result.reason)
+        return result
+
+    async def _timed_prepare(self, claim: ClaimRef) -> PrepareResult:
         try:
             cdi.check_uid(claim.uid)
         except ValueError as exc:
-            return PrepareResult(error=str(exc))
+            return PrepareResult(error=str(exc), reason="invalid_uid")
         lock = self.locks.acquire_ref(claim.uid)
         try:
             async with lock:
@@ -182,13 +194,15 @@ class DraPlugin:
                     result = await self._prepare(claim)
                 if result is None:
                     limit = self.settings.claim_timeout_s
-                    return PrepareResult(error=f"prepare timed out after {limit:.0f}s")
+                    return PrepareResult(
+                        error=f"prepare timed out after {limit:.0f}s", reason="timeout"
+                    )
                 if result.outcome is not None and self.status is not None:
                     self.status.report(result.outcome)
                 return result
         except Exception as exc:  # a bug of ours must not fail the other claims
             log.exception("prepare of claim %s failed", claim.uid)
-            return PrepareResult(error=f"internal error: {type(exc).__name__}")
+            return PrepareResult(error=f"internal error: {type(exc).__name__}", reason="internal")
         finally:
             self.locks.release_ref(claim.uid)
 
@@ -197,19 +211,21 @@ class DraPlugin:
         where = claim_words(claim.namespace, claim.name)
         if not (limits.is_dns_label(claim.namespace) and limits.is_dns_subdomain(claim.name)):
             # No claim can have this name: not asked of the API server, not echoed whole.
-            return PrepareResult(error=f"claim {where} not found: not a valid claim name")
+            return PrepareResult(
+                error=f"claim {where} not found: not a valid claim name", reason="not_found"
+            )
         try:
             body = await self._reader.get_claim(claim.namespace, claim.name, claim.uid)
         except ClaimReadError as exc:
-            return PrepareResult(error=bounded(str(exc)))
+            return PrepareResult(error=bounded(str(exc)), reason="read_error")
         if body is None:
-            return PrepareResult(error=f"claim {where} not found")
+            return PrepareResult(error=f"claim {where} not found", reason="not_found")
 
-        def failed(error: str, devices: Sequence[ClaimDevice] = ()) -> PrepareResult:
+        def failed(error: str, reason: str, devices: Sequence[ClaimDevice] = ()) -> PrepareResult:
             outcome = Outcome(
                 claim.namespace, claim.name, claim.uid, outcome_devices(devices), error
             )
-            return PrepareResult(error=error, outcome=outcome)
+            return PrepareResult(error=error, outcome=outcome, reason=reason)
 
         try:
             wanted = devices_of(
@@ -221,11 +237,11 @@ class DraPlugin:
                 pool=s.pool,
             )
         except ClaimError as exc:
-            return failed(bounded(str(exc)))
+            return failed(bounded(str(exc)), "invalid_claim")
         try:
             configs = configs_of(body, wanted, driver=s.driver, where=where)
         except ClaimError as exc:
-            return failed(bounded(str(exc)), wanted)
+            return failed(bounded(str(exc)), "invalid_config", wanted)
         held_before = claim.uid in self.checkpoint.claims
         if not wanted:
             # Nothing of ours in this claim: nothing to reserve, nothing to inject.
@@ -237,7 +253,11 @@ class DraPlugin:
                 continue
             found = self.lookup(w.device) if self.lookup is not None else None
             if found is None:
-                return failed(f"claim {where}: admin access to unknown device {w.device}", wanted)
+                return failed(
+                    f"claim {where}: admin access to unknown device {w.device}",
+                    "unknown_device",
+                    wanted,
+                )
             admin.append(found)
         try:
             reservation = (
@@ -248,7 +268,7 @@ class DraPlugin:
                 else Reservation(claim.uid, "", ())
             )
         except BusError as exc:
-            return failed(bounded(f"claim {where}: {exc.message}"), wanted)
+            return failed(bounded(f"claim {where}: {exc.message}"), exc.code, wanted)
         missing = {w.device for w in owned} - {d.device for d in reservation.devices}
         if admin:
             # Admin access is prepared beside what is reserved, owning nothing.
@@ -258,7 +278,7 @@ class DraPlugin:
         if missing:
             if not held_before:
                 await self._release_quietly(claim.uid)
-            return failed(f"claim {where}: not reserved: {sorted(missing)}", wanted)
+            return failed(f"claim {where}: not reserved: {sorted(missing)}", "not_reserved", wanted)
         try:
             # On the event loop, as the allocator writes its checkpoint: about a
             # millisecond (a spec on tmpfs, the checkpoint in memory), where a worker
@@ -269,7 +289,9 @@ class DraPlugin:
             if not held_before:
                 await self._release_quietly(claim.uid)
             self._log.warning("prepare of %s: cannot write its CDI spec: %s", where, exc)
-            return failed(bounded(f"claim {where}: cannot write CDI spec: {exc}"), wanted)
+            return failed(
+                bounded(f"claim {where}: cannot write CDI spec: {exc}"), "cdi_write", wanted
+            )
         uuids = {d.device: d.uuid for d in reservation.devices}
         outcome = Outcome(claim.namespace, claim.name, claim.uid, outcome_devices(wanted, uuids))
         return PrepareResult(devices=prepared.devices, outcome=outcome)
@@ -373,10 +395,13 @@ class DraPlugin:
                 self._forget(claim.uid)
                 return ""
         except BusError as exc:
+            self.metrics.unprepare_failed(exc.code)
             return bounded(f"claim {claim.uid}: {exc.message}")
         except OSError as exc:
+            self.metrics.unprepare_failed("cdi_write")
             return bounded(f"claim {claim.uid}: cannot remove its CDI spec: {exc}")
         except Exception as exc:
+            self.metrics.unprepare_failed("internal")
             log.exception("unprepare of claim %s failed", claim.uid)
             return f"internal error: {type(exc).__name__}"
         finally:

@@ -41,6 +41,7 @@ from gpulet_allocator.kubelet.dra.claims import KubeClaimReader
 from gpulet_allocator.kubelet.dra.contract import ClaimReader, DecisionCore
 from gpulet_allocator.kubelet.dra.driver import DriverFilesKeeper
 from gpulet_allocator.kubelet.dra.health import NodeViewHealth
+from gpulet_allocator.kubelet.dra.metrics import DraMetrics
 from gpulet_allocator.kubelet.dra.plugin import DraPlugin, PluginSettings
 from gpulet_allocator.kubelet.dra.server import DraKubeletPlugin, Sockets
 from gpulet_allocator.kubelet.dra.status import ClaimStatusWriter
@@ -133,7 +134,7 @@ class DraPluginRunner:
             if dra.claim_cache:
                 reader = watched = WatchedClaimReader(api, reader, driver=dra.driver, pool=rt.node)
             status = ClaimStatusWriter(api, dra.driver, rt.node, timeout_s=dra.api_timeout_s)
-            plugin = DraPlugin(core, reader, settings, status)
+            plugin = DraPlugin(core, reader, settings, status, DraMetrics(rt.meter))
             keeper = DriverFilesKeeper(
                 self._view,
                 dra,
