@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import msgspec
 import pytest
 
 from gpulet_allocator.kubelet.dra import plugin as plugin_module
@@ -26,6 +27,7 @@ from gpulet_allocator.kubelet.dra.metrics import DraMetrics
 from gpulet_allocator.kubelet.dra.plugin import DraPlugin, PluginSettings
 from gpulet_allocator.kubelet.dra.server import DraKubeletPlugin, Sockets
 from gpulet_allocator.kubelet.dra.status import ClaimStatusWriter
+from gpulet_allocator.kubelet.dra.sweep import ClaimSweeper
 from gpulet_common.dra import cdi
 from gpulet_common.kube import KubeConfig
 from gpulet_common.kubeapi import KubeClient
@@ -699,3 +701,63 @@ async def test_prepare_is_measured_by_result_and_reason(emu: KubeEmulator, short
         assert probe.value("gpulet.dra.prepared_claims") == 1
         await r.kubelet.unprepare(("default", good, "good"))
         assert probe.value("gpulet.dra.prepared_claims") == 0
+
+
+# --- the sweep (.sweep): claims the API server no longer knows --------------------------
+
+
+async def test_claims_the_api_server_lost_are_unprepared(
+    emu: KubeEmulator, short_dir: Path
+) -> None:
+    async with rig(emu, short_dir) as r, KubeClient(KubeConfig(emu.url)) as api:
+        kept = claim(emu, "kept", result("gpu-0"))
+        deleted = claim(emu, "deleted", result("gpu-1"))
+        replaced = claim(emu, "replaced", result("gpu-2"))
+        answer = await r.kubelet.prepare(
+            ("default", kept, "kept"),
+            ("default", deleted, "deleted"),
+            ("default", replaced, "replaced"),
+        )
+        assert all(not c.error for c in answer.claims.values())
+        plugin = r.server.plugin
+        assert set(r.core.claims) == {kept, deleted, replaced}
+        emu.delete_object(RESOURCE_CLAIMS, "default/deleted")
+        emu.delete_object(RESOURCE_CLAIMS, "default/replaced")
+        body: dict[str, Any] = {
+            "metadata": {"name": "replaced", "namespace": "default"},
+            "spec": {},
+        }
+        add_claim(emu, body)  # the same name, another object
+        sweeper = ClaimSweeper(
+            plugin, KubeClaimReader(api, timeout_s=5), interval_s=600, boot_id="this-boot"
+        )
+        # At start only claims of an earlier boot are looked at: these are this boot's.
+        plugin.checkpoint.claims = {
+            uid: msgspec.structs.replace(c, boot_id="this-boot")
+            for uid, c in plugin.checkpoint.claims.items()
+        }
+        assert await sweeper.sweep(earlier_boots_only=True) == 0
+        assert set(r.core.claims) == {kept, deleted, replaced}
+        assert await sweeper.sweep() == 2
+        assert set(r.core.claims) == {kept}
+        assert set(plugin.checkpoint.claims) == {kept}
+        assert cdi.spec_file(r.cdi_dir, DRIVER, kept).exists()
+        assert not cdi.spec_file(r.cdi_dir, DRIVER, deleted).exists()
+        assert not cdi.spec_file(r.cdi_dir, DRIVER, replaced).exists()
+        assert await sweeper.sweep() == 0  # nothing more to do
+
+
+async def test_a_claim_of_an_earlier_boot_is_checked_at_start(
+    emu: KubeEmulator, short_dir: Path
+) -> None:
+    async with rig(emu, short_dir) as r, KubeClient(KubeConfig(emu.url)) as api:
+        old = claim(emu, "old", result("gpu-0"))
+        await r.kubelet.prepare(("default", old, "old"))
+        plugin = r.server.plugin
+        assert plugin.checkpoint.claims[old].boot_id == ""  # the rig's plugin has none
+        emu.delete_object(RESOURCE_CLAIMS, "default/old")
+        sweeper = ClaimSweeper(
+            plugin, KubeClaimReader(api, timeout_s=5), interval_s=600, boot_id="after-reboot"
+        )
+        assert await sweeper.sweep(earlier_boots_only=True) == 1
+        assert r.core.claims == {}

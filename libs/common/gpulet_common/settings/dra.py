@@ -78,6 +78,9 @@ class DraSettings(KubeWriterSettings, kw_only=True, forbid_unknown_fields=True, 
     watch_timeout_s: PositiveSeconds = 300.0
     # The field manager of gpulet's server-side applies of ResourceSlices.
     field_manager: str = "gpulet-dra"
+    # How often the prepared claims are checked with the API server; one it no longer
+    # knows is unprepared (its GPUs released). Claims of an earlier boot: at start.
+    sweep_interval_s: PositiveSeconds = 600.0
     # Give containers the driver's user space through the CDI specs (libraries found by
     # driver version through the ldcache, binaries, firmware, IPC sockets; docs/dra.md).
     driver_files: bool = True

@@ -61,6 +61,9 @@ class PreparedClaim(msgspec.Struct, frozen=True, kw_only=True):
     name: str
     allocation: str = ""
     devices: list[PreparedDevice] = []
+    # The node's boot ID when it was prepared (.sweep: a claim of an earlier boot is
+    # checked with the API server at start, not a sweep interval later).
+    boot_id: str = ""
 
 
 class Checkpoint(msgspec.Struct, kw_only=True):

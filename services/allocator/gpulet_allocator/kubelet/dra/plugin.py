@@ -101,6 +101,8 @@ class PluginSettings:
     host_dev: str = "/dev"
     mps_pipe_directory: str = ""
     claim_timeout_s: float = 30.0
+    # The node's boot ID, recorded with each prepared claim (.sweep).
+    boot_id: str = ""
     # Where the driver names a MIG device's capability nodes (issue 27).
     mig_capabilities_root: Path = Path("/proc/driver/nvidia/capabilities")
 
@@ -346,6 +348,7 @@ class DraPlugin:
             name=claim.name,
             allocation=reservation.allocation,
             devices=devices,
+            boot_id=s.boot_id,
         )
         self.checkpoint.remember(prepared)
         self._wake_writer()

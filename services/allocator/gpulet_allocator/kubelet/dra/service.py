@@ -19,6 +19,8 @@ group (its process, its node read model), with the decision core the service giv
   node's allocated claims;
 * what Prepare did, on the claim (``status.devices``) and as Events:
   :class:`~.status.ClaimStatusWriter`, in the background;
+* housekeeping: :class:`~.sweep.ClaimSweeper` unprepares the claims the API server
+  no longer knows, once kubelet has registered the plugin;
 * the driver's user space in the CDI specs: :class:`~.driver.DriverFilesKeeper`;
 * health: :class:`~.health.NodeViewHealth` over the service's
   :class:`~gpulet_common.nodeview.NodeView`;
@@ -45,6 +47,8 @@ from gpulet_allocator.kubelet.dra.metrics import DraMetrics
 from gpulet_allocator.kubelet.dra.plugin import DraPlugin, PluginSettings
 from gpulet_allocator.kubelet.dra.server import DraKubeletPlugin, Sockets
 from gpulet_allocator.kubelet.dra.status import ClaimStatusWriter
+from gpulet_allocator.kubelet.dra.sweep import ClaimSweeper
+from gpulet_common.bootid import read_boot_id
 from gpulet_common.dra.driverfiles import container_edits
 from gpulet_common.kube import KubeConfig, KubeConfigError, lookup
 from gpulet_common.kubeapi import KubeClient
@@ -108,6 +112,7 @@ class DraPluginRunner:
             checkpoint=checkpoint_path(rt),
             dev_root=Path(rt.settings.allocator.plugin.dev_root),
             mig_capabilities_root=Path(rt.settings.allocator.plugin.mig_capabilities_root),
+            boot_id=await anyio.to_thread.run_sync(read_boot_id),
         )
         sockets = Sockets.for_driver(dra.driver, dra.plugins_registry, dra.plugins_dir)
         while True:
@@ -130,6 +135,7 @@ class DraPluginRunner:
         rt, dra = self._rt, self._rt.settings.dra
         async with KubeClient(configuration) as api:
             reader: ClaimReader = KubeClaimReader(api, timeout_s=dra.api_timeout_s)
+            direct = reader  # the sweep asks the API server itself, never a cache
             watched: WatchedClaimReader | None = None
             if dra.claim_cache:
                 reader = watched = WatchedClaimReader(api, reader, driver=dra.driver, pool=rt.node)
@@ -150,6 +156,9 @@ class DraPluginRunner:
                     if watched is not None:
                         await tg.start(watched.run)
                     tg.start_soon(status.run)
+                    sweeper = ClaimSweeper(
+                        plugin, direct, interval_s=dra.sweep_interval_s, boot_id=settings.boot_id
+                    )
                     await tg.start(keeper.run)
                     await tg.start(server.run)
                     rt.status.set(
@@ -160,5 +169,6 @@ class DraPluginRunner:
                     )
                     await server.registration.registered.wait()
                     rt.status.set(STATUS_NAME, "ready", f"DRA driver {dra.driver} registered")
+                    tg.start_soon(sweeper.run)
             finally:
                 self.server = None
