@@ -16,6 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gpulet_common import mps
 from gpulet_common.dra import cdi
 from gpulet_common.safefile import UnsafePathError
 from support.cdi_schema import check
@@ -201,3 +202,20 @@ def test_a_container_that_names_one_request_sees_only_its_gpus(tmp_path: Path) -
     assert env["NVIDIA_VISIBLE_DEVICES"] == "GPU-3"
     assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=1024M"
     assert nodes == ["/dev/nvidiactl", "/dev/nvidia3"]
+
+
+def test_a_share_mounts_its_gpus_own_mps_daemon(tmp_path: Path) -> None:
+    """With gpulet's per-GPU control daemons (gpulet_common.mps), a share's device edits
+    point the container at its GPU's pipe, mounted, and its log; a whole GPU gets none."""
+    share = cdi.PreparedDevice("gpu-1", "GPU-1", 1, cores=30, memory_mib=1024, requests=("s",))
+    whole = cdi.PreparedDevice("gpu-2", "GPU-2", 2, requests=("w",))
+    spec = cdi.build_spec(DRIVER, UID, "a", [share, whole], control=[], mps_root="/run/gpulet/mps")
+    check(spec)
+    edits = {d["name"]: d["containerEdits"] for d in spec["devices"]}
+    shared = edits[f"{UID}-gpu-1"]
+    assert f"CUDA_MPS_PIPE_DIRECTORY={mps.CONTAINER_PIPE}" in shared["env"]
+    assert {m["containerPath"]: m["hostPath"] for m in shared["mounts"]} == {
+        mps.CONTAINER_PIPE: "/run/gpulet/mps/GPU-1/pipe",
+        mps.CONTAINER_LOG: "/run/gpulet/mps/GPU-1/log",
+    }
+    assert "mounts" not in edits[f"{UID}-gpu-2"]

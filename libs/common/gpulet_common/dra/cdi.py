@@ -47,6 +47,7 @@ from typing import Any, Final
 
 import msgspec
 
+from gpulet_common import mps
 from gpulet_common.safefile import write_atomic
 
 # The lowest CDI version with what the spec uses (``hostPath`` of a device node is
@@ -116,7 +117,7 @@ def _groups(devices: Sequence[PreparedDevice]) -> dict[tuple[str, ...], list[Pre
 
 
 def _visible_env(
-    group: Sequence[PreparedDevice], mps_pipe_directory: str
+    group: Sequence[PreparedDevice], mps_pipe_directory: str, mps_root: str = ""
 ) -> tuple[list[str], list[JsonObj]]:
     """The environment (and mounts) of the devices of one request: what a container
     that names this request, and no other, must see."""
@@ -130,7 +131,19 @@ def _visible_env(
         limits = [f"{i}={d.memory_mib}M" for i, d in shares if d.memory_mib]
         if limits:
             env.append("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=" + ",".join(limits))
-        if mps_pipe_directory:
+        if mps_root:
+            # The share's GPU's own control daemon (one pipe per container: the first
+            # share's GPU when a request holds shares of several).
+            uuid = shares[0][1].uuid
+            env.append(f"CUDA_MPS_PIPE_DIRECTORY={mps.CONTAINER_PIPE}")
+            for host, container in (
+                (mps.pipe_dir(mps_root, uuid), mps.CONTAINER_PIPE),
+                (mps.log_dir(mps_root, uuid), mps.CONTAINER_LOG),
+            ):
+                mounts.append(
+                    {"hostPath": host, "containerPath": container, "options": ["rbind", "rw"]}
+                )
+        elif mps_pipe_directory:
             env.append(f"CUDA_MPS_PIPE_DIRECTORY={mps_pipe_directory}")
             mounts.append(
                 {
@@ -151,6 +164,7 @@ def build_spec(
     dev_root: str | Path = "/dev",
     host_dev: str = "/dev",
     mps_pipe_directory: str = "",
+    mps_root: str = "",
     control: Sequence[str] | None = None,
     driver_edits: JsonObj | None = None,
 ) -> JsonObj:
@@ -175,7 +189,7 @@ def build_spec(
             edits[key] = list((driver_edits or {})[key])
     out: list[JsonObj] = []
     for group in _groups(devices).values():
-        env, mounts = _visible_env(group, mps_pipe_directory)
+        env, mounts = _visible_env(group, mps_pipe_directory, mps_root)
         for d in group:
             device_edits: JsonObj = {
                 "env": env,

@@ -17,7 +17,7 @@ device plugin's ListAndWatch and the slices' taints read too.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Mapping
 from types import ModuleType
 from typing import Any, Final
 
@@ -98,12 +98,23 @@ class NodeViewHealth:
     otherwise (the same rule as :meth:`NodeView.healthy`), the active conditions'
     reasons as the message, the health service's ``updated_at`` as the time."""
 
-    def __init__(self, view: NodeView, pool: str) -> None:
+    def __init__(
+        self,
+        view: NodeView,
+        pool: str,
+        faults: Callable[[], Mapping[str, str]] | None = None,
+    ) -> None:
         self._view = view
         self._pool = pool
+        # GPU UUID -> a fault the health service does not know of (a dead MPS daemon).
+        self._faults = faults or (dict)
         self.version = 0
         self._changed = anyio.Event()
         view.listen(self._on_change)
+
+    def changed(self) -> None:
+        """Something besides the node view changed (an MPS fault): stream again."""
+        self._on_change(NodeChange())
 
     def _on_change(self, _change: NodeChange) -> None:
         self.version += 1
@@ -115,6 +126,7 @@ class NodeViewHealth:
         if inventory is None:
             return []
         out = []
+        faults = self._faults()
         for target in targets(inventory.gpus).values():
             gpu, own = target.gpu, target.mig.uuid if target.mig is not None else ""
             health = self._view.health(gpu.uuid)
@@ -132,6 +144,9 @@ class NodeViewHealth:
                 )
                 if not health.present:
                     message = "GPU not present" + (f"; {message}" if message else "")
+            fault = faults.get(gpu.uuid)
+            if fault and target.mig is None:
+                state, message = "unhealthy", f"MPS: {fault}" + (f"; {message}" if message else "")
             out.append(DeviceHealth(self._pool, target.name, state, since, message))
         return out
 

@@ -100,6 +100,9 @@ class PluginSettings:
     dev_root: Path = Path("/dev")
     host_dev: str = "/dev"
     mps_pipe_directory: str = ""
+    # gpulet's per-GPU MPS control daemons (gpulet_common.mps): a share's device mounts
+    # its GPU's pipe and log directories. Empty: none (or the operator's pipe directory).
+    mps_root: str = ""
     claim_timeout_s: float = 30.0
     # The node's boot ID, recorded with each prepared claim (.sweep).
     boot_id: str = ""
@@ -326,6 +329,7 @@ class DraPlugin:
             dev_root=s.dev_root,
             host_dev=s.host_dev,
             mps_pipe_directory=s.mps_pipe_directory,
+            mps_root=s.mps_root,
             control=self._nodes.control_names(),  # looked at once a second
             driver_edits=self.driver_edits,
         )

@@ -33,6 +33,7 @@ group (its process, its node read model), with the decision core the service giv
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import anyio
@@ -48,6 +49,7 @@ from gpulet_allocator.kubelet.dra.plugin import DraPlugin, PluginSettings
 from gpulet_allocator.kubelet.dra.server import DraKubeletPlugin, Sockets
 from gpulet_allocator.kubelet.dra.status import ClaimStatusWriter
 from gpulet_allocator.kubelet.dra.sweep import ClaimSweeper
+from gpulet_common import mps as mps_paths
 from gpulet_common.bootid import read_boot_id
 from gpulet_common.dra.driverfiles import container_edits
 from gpulet_common.kube import KubeConfig, KubeConfigError, lookup
@@ -78,10 +80,21 @@ async def kube_configuration(settings: DraSettings) -> KubeConfig:
 
 
 class DraPluginRunner:
-    def __init__(self, runtime: Runtime, view: NodeView, core: DecisionCore) -> None:
+    def __init__(
+        self,
+        runtime: Runtime,
+        view: NodeView,
+        core: DecisionCore,
+        faults: Callable[[], Mapping[str, str]] | None = None,
+    ) -> None:
         self._rt = runtime
         self._view = view
         self._core = core
+        # GPU UUID -> a fault of its shares outside the health service (a dead MPS
+        # control daemon, gpulet_allocator.service.mps), in the health stream.
+        self._faults = faults
+        #: The health stream's source while the plugin serves (for MPS faults).
+        self.health: NodeViewHealth | None = None
         #: The running kubelet plugin (for tests).
         self.server: DraKubeletPlugin | None = None
 
@@ -112,6 +125,8 @@ class DraPluginRunner:
             checkpoint=checkpoint_path(rt),
             dev_root=Path(rt.settings.allocator.plugin.dev_root),
             mig_capabilities_root=Path(rt.settings.allocator.plugin.mig_capabilities_root),
+            mps_root=mps_paths.root(rt.settings) if mps_paths.managed(rt.settings) else "",
+            mps_pipe_directory=rt.settings.allocator.mps.pipe_directory,
             boot_id=await anyio.to_thread.run_sync(read_boot_id),
         )
         sockets = Sockets.for_driver(dra.driver, dra.plugins_registry, dra.plugins_dir)
@@ -148,7 +163,7 @@ class DraPluginRunner:
                 mock=rt.settings.nvml.backend == "mock",
                 state_dir=rt.settings.state_dir,
             )
-            health = NodeViewHealth(self._view, rt.node)
+            health = self.health = NodeViewHealth(self._view, rt.node, self._faults)
             plugin.lookup = health.lookup  # admin access: the device as the node has it
             self.server = server = DraKubeletPlugin(plugin, health, sockets, dra.driver)
             try:
