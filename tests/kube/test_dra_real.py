@@ -34,7 +34,7 @@ import anyio
 import pytest
 import yaml
 
-from gpulet_common import codec, subjects
+from gpulet_common import codec, mps, subjects
 from gpulet_common.bus import Bus
 from gpulet_common.dra import cdi
 from gpulet_common.messages import HealthClearRequest, MockInjectRequest
@@ -307,6 +307,11 @@ def spec_env(dra: DraNode, claim: dict[str, Any], *devices: str) -> dict[str, st
     return {k: v for e in edits for k, _, v in (x.partition("=") for x in e.get("env", []))}
 
 
+def text_of(path: Path) -> str:
+    """A file's text, empty while it does not exist."""
+    return path.read_text() if path.exists() else ""
+
+
 def uuids(dra: DraNode, names: list[str]) -> set[str]:
     return {dra.devices()[n]["attributes"]["uuid"]["string"] for n in names}
 
@@ -482,6 +487,21 @@ async def test_two_shares_of_one_gpu(dra_node: DraNode) -> None:
         assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=20480M"
         assert other_env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50"
         assert other_env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=8192M"
+        # Enforced: the GPU's MPS control daemon (the mock's, under the agent's state
+        # dir) runs with the largest share's defaults, and its pipe is in the spec.
+        root = (dra.agent.state_dir / "mps").resolve()
+        assert env["CUDA_MPS_PIPE_DIRECTORY"] == mps.CONTAINER_PIPE
+        spec = json.loads(cdi.spec_file(dra.cdi_dir, DRIVER, claim["metadata"]["uid"]).read_text())
+        [edits] = [d["containerEdits"] for d in spec["devices"]]
+        mounts = {m["containerPath"]: m["hostPath"] for m in edits["mounts"]}
+        assert mounts[mps.CONTAINER_PIPE] == mps.pipe_dir(str(root), uuid)
+        control_log = Path(mps.log_dir(str(root), uuid)) / "control.log"
+        await wait_until(
+            lambda: "CMD: set_default_active_thread_percentage 50" in text_of(control_log),
+            timeout_s=30,
+            interval_s=0.1,
+            what="the daemon's defaults: the largest share",
+        )
         await unprepare(dra, claim)
         await unprepare(dra, other)
     finally:
