@@ -127,7 +127,9 @@ async def test_prepare_reports_each_device_and_a_refusal_on_the_claim(
             body = emu.get_object(RESOURCE_CLAIMS, f"default/{name}") or {}
             return list((body.get("status") or {}).get("devices") or [])
 
-        await wait_until(lambda: devices_of("good") and devices_of("stuck"), what="status")
+        await wait_until(
+            lambda: bool(devices_of("good")) and bool(devices_of("stuck")), what="status"
+        )
         [entry] = devices_of("good")
         assert (entry["driver"], entry["pool"], entry["device"], entry["shareID"]) == (
             DRIVER,

@@ -366,7 +366,10 @@ async def test_taints_not_known_yet_are_kept_as_the_server_holds_them(
     async with publishing(emu, both) as pub:
         pub.submit(unknown)
         await wait_until(lambda: "taints" in devices(emu)["gpu-2"], what="the new fault")
-        keys = {n: [t["key"] for t in d.get("taints", [])] for n, d in devices(emu).items()}
+        keys = {
+            n: [t["key"] for t in d.get("taints", [])]  # type: ignore[attr-defined]
+            for n, d in devices(emu).items()
+        }
         assert keys["gpu-0"] == ["gpu.gpulet.io/device-plugin"]
         assert keys["gpu-1"] == ["gpu.gpulet.io/xid"]
         # Known now: nothing held, gpu-1 healthy again.
