@@ -43,6 +43,9 @@ from support.agent_process import Agent
 from support.control_plane import ControlPlane
 from support.control_plane_fixtures import unique_name
 from support.fake_dra_kubelet import registered
+from support.gpulet_on_kube import NAMESPACE as GPULET_NS
+from support.gpulet_on_kube import SERVICE_ACCOUNT as GPULET_SA
+from support.gpulet_on_kube import agent_pod
 from support.waiting import wait_until
 
 pytestmark = pytest.mark.anyio
@@ -723,3 +726,71 @@ async def test_an_admin_claim_gets_a_busy_gpu(dra_node: DraNode) -> None:
         if watcher is not None:
             watcher.delete()
         dra.plane.request("DELETE", f"/api/v1/namespaces/{admin_ns}")
+
+
+DRA_RBAC = ROOT / "deploy" / "kustomize" / "components" / "dra" / "rbac.yaml"
+
+
+async def test_the_status_write_needs_only_the_components_rbac(
+    dra_node: DraNode, gpulet_access: ControlPlane
+) -> None:
+    """status.devices as the DaemonSet writes it: gpulet's ServiceAccount with the dra
+    component's ClusterRole and a token bound to a pod on the claim's node may write it
+    (resourceclaims/status update + resourceclaims/driver associated-node:update); a
+    token of another node's pod may not."""
+    dra = dra_node
+    plane = gpulet_access
+    for obj in yaml.safe_load_all(DRA_RBAC.read_text()):
+        resp = plane.apply(obj)
+        assert resp.ok, resp.raw[:1000]
+    other = unique_name("other-node")
+    plane.add_node(other)
+    here = plane.token_for(GPULET_NS, GPULET_SA, pod=agent_pod(plane, dra.node))
+    there = plane.token_for(GPULET_NS, GPULET_SA, pod=agent_pod(plane, other))
+    pod = Scheduled(dra, pinned("status-rbac", 4))
+    try:
+        claim = await pod.wait_bound()
+        [device] = assert_ours(dra, claim, 1)
+        [allocated] = results(claim)
+        name = claim["metadata"]["name"]
+        path = f"{RESOURCE}/namespaces/{dra.namespace}/resourceclaims/{name}/status"
+        entry = {
+            "driver": DRIVER,
+            "pool": dra.node,
+            "device": device,
+            "shareID": allocated["shareID"],  # every result of a shared device has one
+            "conditions": [
+                {
+                    "type": "Ready",
+                    "status": "True",
+                    "reason": "Prepared",
+                    "message": "",
+                    "lastTransitionTime": "2026-01-01T00:00:00Z",
+                }
+            ],
+            "data": {"uuid": "".join(uuids(dra, [device]))},
+        }
+
+        def write(token: str) -> tuple[int, str]:
+            current = plane.must("GET", path.removesuffix("/status"))
+            body = {**current, "status": {**current["status"], "devices": [entry]}}
+            resp = plane.request("PUT", path, body, token=token)
+            return resp.status, resp.raw.decode(errors="replace")
+
+        status, text = write(there)
+        assert status == 422, text[:1000]
+        assert "arbitrary-node:update" in text  # the other node's token is refused
+        assert "must be an allocated device" not in text
+        statuses: list[int] = []
+
+        def allowed() -> bool:  # RBAC reaches the authorizer a moment after the apply
+            statuses.append(write(here)[0])
+            return statuses[-1] == 200
+
+        await wait_until(allowed, timeout_s=30, interval_s=0.2, what="the write allowed")
+        assert pod.claim()["status"]["devices"][0]["data"]["uuid"] == entry["data"]["uuid"]
+    finally:
+        pod.delete()
+        plane.request("DELETE", f"/api/v1/nodes/{other}")
+        for node in (dra.node, other):
+            plane.request("DELETE", f"/api/v1/namespaces/{GPULET_NS}/pods/gpulet-{node}")
