@@ -90,6 +90,7 @@ def dra_node_on(
     *,
     scenario: str = "nvlink-pairs-8gpu",
     devices: int = GPUS,
+    mode: str = "dra",
 ) -> Iterator[DraNode]:
     """The agent on ``scenario`` for a Node of its own, once its ``devices`` devices are
     in the API server (tests/kube/test_dra_mig_real.py starts one on a MIG node)."""
@@ -109,7 +110,9 @@ def dra_node_on(
         "--nvml",
         f"mock:{scenario}",
         "--set",
-        "dra.mode=dra",
+        f"dra.mode={mode}",
+        "--set",
+        f"allocator.plugin.plugin_dir={sockets / 'device-plugins'}",
         "--set",
         f"dra.kubeconfig={kubeconfig}",
         "--set",
