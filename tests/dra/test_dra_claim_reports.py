@@ -301,3 +301,28 @@ async def test_a_claim_of_an_earlier_boot_is_checked_at_start(
         )
         assert await sweeper.sweep(earlier_boots_only=True) == 1
         assert r.core.claims == {}
+
+
+async def test_time_slicing_sets_the_gpus_interval_through_the_drivers_nvidia_smi(
+    emu: KubeEmulator, short_dir: Path, tmp_path: Path
+) -> None:
+    from gpulet_common.mock_nvml import driver_root
+
+    root = driver_root.make(tmp_path / "driver", "550.54.15")
+    parameters = {
+        "apiVersion": "gpu.gpulet.io/v1alpha1",
+        "kind": "GpuConfig",
+        "sharing": {"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Long"}},
+    }
+    async with rig(emu, short_dir) as r:
+        plugin = r.server.plugin
+        sliced = configured(emu, "sliced", parameters, result("gpu-1"))
+        # No nvidia-smi on the node: the claim is refused, saying so.
+        answer = await r.kubelet.prepare(("default", sliced, "sliced"))
+        assert "no nvidia-smi" in answer.claims[sliced].error
+        assert r.core.claims == {}
+        plugin.use_driver({}, str(root / "usr/bin/nvidia-smi"))
+        answer = await r.kubelet.prepare(("default", sliced, "sliced"))
+        assert answer.claims[sliced].error == ""
+        log = (root / "var/log/mock-nvidia-smi.log").read_text()
+        assert log.splitlines() == ["compute-policy -i GPU-1 --set-timeslice=3"]

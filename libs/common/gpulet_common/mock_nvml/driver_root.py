@@ -8,7 +8,8 @@ is tested without a GPU.
   :data:`~gpulet_common.dra.driverfiles.LIBRARIES`, its soname link ``<lib>.so.1``,
   and ``etc/ld.so.cache`` naming the links (as ``ldconfig`` would);
 * an older driver's ``libcuda.so.<older>`` beside them (never to be taken);
-* ``usr/bin/<binary>`` for each of :data:`~gpulet_common.dra.driverfiles.BINARIES`;
+* ``usr/bin/<binary>`` for each of :data:`~gpulet_common.dra.driverfiles.BINARIES`,
+  a shell script that logs its arguments to ``var/log/mock-<binary>.log``;
 * ``lib/firmware/nvidia/V/gsp_ga10x.bin`` and ``gsp_tu10x.bin``;
 * ``run/nvidia-persistenced/socket``, a unix socket.
 
@@ -50,7 +51,14 @@ def make(root: Path, version: str) -> Path:
     _write(root / "etc/ld.so.cache", "")
     (root / "etc/ld.so.cache").write_bytes(ldcache.write(entries))
     for name in driverfiles.BINARIES:
-        _write(root / "usr/bin" / name, f"#!/bin/sh\necho mock {name} {version}\n", 0o755)
+        # Each logs the arguments it got to <root>/var/log/mock-<name>.log.
+        log = f'"$(dirname "$0")/../../var/log/mock-{name}.log"'
+        _write(
+            root / "usr/bin" / name,
+            f'#!/bin/sh\necho "$@" >> {log}\necho mock {name} {version}\n',
+            0o755,
+        )
+    (root / "var/log").mkdir(parents=True, exist_ok=True)
     for name in ("gsp_ga10x.bin", "gsp_tu10x.bin"):
         _write(root / "lib/firmware/nvidia" / version / name, f"mock {name}\n")
     sock_path = root / "run/nvidia-persistenced/socket"

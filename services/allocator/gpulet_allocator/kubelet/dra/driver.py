@@ -114,6 +114,15 @@ class DriverFilesKeeper:
                 task_status.started()
                 started = True
 
+    def nvidia_smi(self, files: driverfiles.DriverFiles) -> str:
+        """The driver's nvidia-smi as this process runs it (under where it sees the
+        root), or "" when the driver has none."""
+        for path in files.binaries:
+            if path.rsplit("/", 1)[-1] == "nvidia-smi":
+                seen = self._settings.driver_root_seen or self.root
+                return str(Path(seen) / path.lstrip("/"))
+        return ""
+
     def _discover(self, version: str) -> driverfiles.DriverFiles:
         s = self._settings
         if self._mock and not s.driver_root:

@@ -29,6 +29,7 @@ REASONS: Final = (
     "unknown_device",
     "not_reserved",
     "cdi_write",
+    "timeslice",
     "timeout",
     "internal",
     "unavailable",

@@ -45,6 +45,7 @@ from pathlib import Path
 import anyio
 
 from gpulet_allocator.kubelet.deviceplugin.devnodes import DeviceNodes
+from gpulet_allocator.kubelet.dra import timeslice
 from gpulet_allocator.kubelet.dra.checkpoint import CheckpointFile, PreparedClaim, PreparedDevice
 from gpulet_allocator.kubelet.dra.claims import ClaimError, claim_words, configs_of, devices_of
 from gpulet_allocator.kubelet.dra.contract import (
@@ -152,6 +153,8 @@ class DraPlugin:
         self.lookup: Callable[[str], ReservedDevice | None] | None = None
         # The driver's user space for every spec (.driver.DriverFilesKeeper sets it).
         self.driver_edits: dict[str, object] = {}
+        # The driver's nvidia-smi as this process can run it (TimeSlicing; .timeslice).
+        self.nvidia_smi = ""
         self.checkpoint = CheckpointFile(settings.checkpoint)
         self.locks = _Locks()
         self._nodes = DeviceNodes(
@@ -284,6 +287,12 @@ class DraPlugin:
             if not held_before:
                 await self._release_quietly(claim.uid)
             return failed(f"claim {where}: not reserved: {sorted(missing)}", "not_reserved", wanted)
+        uuids = {d.device: d.uuid for d in reservation.devices}
+        problem = await timeslice.apply(self.nvidia_smi, timeslice.wanted(configs, uuids))
+        if problem:
+            if not held_before:
+                await self._release_quietly(claim.uid)
+            return failed(f"claim {where}: {problem}", "timeslice", wanted)
         try:
             # On the event loop, as the allocator writes its checkpoint: about a
             # millisecond (a spec on tmpfs, the checkpoint in memory), where a worker
@@ -297,7 +306,6 @@ class DraPlugin:
             return failed(
                 bounded(f"claim {where}: cannot write CDI spec: {exc}"), "cdi_write", wanted
             )
-        uuids = {d.device: d.uuid for d in reservation.devices}
         outcome = Outcome(claim.namespace, claim.name, claim.uid, outcome_devices(wanted, uuids))
         return PrepareResult(devices=prepared.devices, outcome=outcome)
 
@@ -357,6 +365,12 @@ class DraPlugin:
         self.checkpoint.remember(prepared)
         self._wake_writer()
         return prepared
+
+    def use_driver(self, edits: Mapping[str, object], nvidia_smi: str) -> None:
+        """The driver's user space for the specs written from now on, and its
+        nvidia-smi (:class:`~.driver.DriverFilesKeeper`)."""
+        self.driver_edits = dict(edits)
+        self.nvidia_smi = nvidia_smi
 
     def _cdi_device(
         self, d: ReservedDevice, requests: tuple[str, ...], config: dra_config.Config | None

@@ -159,7 +159,7 @@ class DraPluginRunner:
             keeper = DriverFilesKeeper(
                 self._view,
                 dra,
-                lambda files: setattr(plugin, "driver_edits", container_edits(files)),
+                lambda files: plugin.use_driver(container_edits(files), keeper.nvidia_smi(files)),
                 mock=rt.settings.nvml.backend == "mock",
                 state_dir=rt.settings.state_dir,
             )
