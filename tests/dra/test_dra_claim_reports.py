@@ -19,6 +19,7 @@ from gpulet_allocator.kubelet.dra.sweep import ClaimSweeper
 from gpulet_common.dra import cdi
 from gpulet_common.kube import KubeConfig
 from gpulet_common.kubeapi import KubeClient
+from gpulet_common.mock_nvml import driver_root
 from support.dra_core import InMemoryCore
 from support.dra_plugin_rig import DRIVER, NODE, claim, result, rig
 from support.kube_emulator import KubeEmulator
@@ -306,8 +307,6 @@ async def test_a_claim_of_an_earlier_boot_is_checked_at_start(
 async def test_time_slicing_sets_the_gpus_interval_through_the_drivers_nvidia_smi(
     emu: KubeEmulator, short_dir: Path, tmp_path: Path
 ) -> None:
-    from gpulet_common.mock_nvml import driver_root
-
     root = driver_root.make(tmp_path / "driver", "550.54.15")
     parameters = {
         "apiVersion": "gpu.gpulet.io/v1alpha1",
