@@ -335,3 +335,105 @@ async def test_a_restart_never_lowers_the_device_plugin_taint(
         assert len(devices(emu)) == 8
     finally:
         await anyio.to_thread.run_sync(agent.stop)
+
+
+async def test_a_whole_gpu_configured_for_mps_gets_its_control_daemon(
+    emu: KubeEmulator, short_dir: Path, tmp_path: Path
+) -> None:
+    """A claim's GpuConfig with sharing.strategy MPS on a whole GPU: while the claim is
+    prepared the allocator runs that GPU's control daemon (the mock's) with the config's
+    limits, the CDI spec mounts its pipe, and Unprepare ends it."""
+    kubeconfig = emu.write_kubeconfig(tmp_path / "kubeconfig")
+    agent = Agent(
+        tmp_path,
+        "--nvml",
+        "mock:nvlink-pairs-8gpu",
+        "--set",
+        "dra.mode=dra",
+        "--set",
+        f"dra.kubeconfig={kubeconfig}",
+        "--set",
+        f"dra.cdi_dir={short_dir / 'cdi'}",
+        "--set",
+        f"dra.plugins_registry={short_dir / 'registry'}",
+        "--set",
+        f"dra.plugins_dir={short_dir / 'plugins'}",
+        "--set",
+        "reporter.mode=cluster",
+        "--set",
+        f"reporter.kubeconfig={kubeconfig}",
+        "--set",
+        f"allocator.plugin.dev_root={short_dir / 'dev'}",
+        node=NODE,
+    )
+    try:
+        await wait_until(
+            lambda: len(devices(emu)) == 8, timeout_s=30, interval_s=0.05, what="8 devices"
+        )
+        uuid = devices(emu)["gpu-1"]["attributes"]["uuid"]["string"]
+        parameters = {
+            "apiVersion": "gpu.gpulet.io/v1alpha1",
+            "kind": "GpuConfig",
+            "sharing": {
+                "strategy": "MPS",
+                "mpsConfig": {
+                    "defaultActiveThreadPercentage": 25,
+                    "defaultPinnedDeviceMemoryLimit": "4Gi",
+                },
+            },
+        }
+        result = {"request": "gpu", "driver": DRIVER, "pool": NODE, "device": "gpu-1"}
+        claim = add_claim(
+            emu,
+            {
+                "metadata": {"name": "mps", "namespace": "default"},
+                "spec": {},
+                "status": {
+                    "allocation": {
+                        "devices": {
+                            "results": [result],
+                            "config": [
+                                {
+                                    "source": "FromClaim",
+                                    "opaque": {"driver": DRIVER, "parameters": parameters},
+                                }
+                            ],
+                        }
+                    }
+                },
+            },
+        )
+        uid = claim["metadata"]["uid"]
+        root = (tmp_path / "state" / "mps").resolve()
+        log = root / uuid / "log" / "control.log"
+
+        def logged() -> str:
+            return log.read_text() if log.exists() else ""
+
+        async with registered(short_dir / "registry", DRIVER) as kubelet:
+            answer = await kubelet.prepare(("default", uid, "mps"))
+            assert answer.claims[uid].error == ""
+            spec = json.loads(cdi.spec_file(short_dir / "cdi", DRIVER, uid).read_text())
+            [edits] = [d["containerEdits"] for d in spec["devices"]]
+            assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25" in edits["env"]
+            mounts = {m["containerPath"]: m["hostPath"] for m in edits["mounts"]}
+            assert mounts["/tmp/nvidia-mps"] == f"{root}/{uuid}/pipe"
+            await wait_until(
+                lambda: (
+                    "CMD: set_default_active_thread_percentage 25" in logged()
+                    and "CMD: set_default_device_pinned_mem_limit 0 4096M" in logged()
+                ),
+                timeout_s=30,
+                interval_s=0.1,
+                what="the daemon's limits",
+            )
+            undone = await kubelet.unprepare(("default", uid, "mps"))
+            assert undone.claims[uid].error == ""
+            await wait_until(
+                lambda: logged().rstrip().endswith("CMD: quit"),
+                timeout_s=30,
+                interval_s=0.1,
+                what="the daemon told to quit",
+            )
+    finally:
+        await anyio.to_thread.run_sync(agent.stop)

@@ -196,10 +196,8 @@ class DraHost:
     async def run(self) -> None:
         from gpulet_allocator.kubelet.dra.service import STATUS_NAME, DraPluginRunner
 
-        mps = self._mps
-        faults = (lambda: mps.faults) if mps is not None else None
         while True:
-            self.runner = DraPluginRunner(self._rt, self._view, self._core, faults)
+            self.runner = DraPluginRunner(self._rt, self._view, self._core, self._mps)
             try:
                 await self.runner.run()
             except Exception as exc:

@@ -4,7 +4,8 @@ A share's container is told its limits (``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``,
 ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT``), but they bind only through an MPS server, which
 needs the control daemon ``nvidia-cuda-mps-control`` of that GPU. :class:`MpsSupervisor`
 runs one per GPU whose ledger card holds shares, whichever adapter made them (the
-device plugin's shares and DRA claims' are in the one ledger), so both go one path:
+device plugin's shares and DRA claims' are in the one ledger), so both go one path, and
+one per whole GPU that a prepared DRA claim configured for MPS (:meth:`also_want`):
 
 * **start**: ``nvidia-cuda-mps-control -d`` with ``CUDA_VISIBLE_DEVICES=<GPU UUID>``,
   ``CUDA_MPS_PIPE_DIRECTORY`` and ``CUDA_MPS_LOG_DIRECTORY`` under the root
@@ -33,7 +34,7 @@ import logging
 import os
 import shutil
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -99,6 +100,12 @@ class MpsSupervisor:
         self._retry_at: dict[str, float] = {}
         self._wake = anyio.Event()
         self._log = RateLimitedLog(log, per_minute=6)
+        self._also: Callable[[], Mapping[str, tuple[int, int]]] = dict
+
+    def also_want(self, source: Callable[[], Mapping[str, tuple[int, int]]]) -> None:
+        """Daemons for these GPUs too (UUID -> cores %, memory MiB): whole GPUs a DRA
+        claim configured for MPS (``GpuConfig`` ``sharing.strategy: MPS``)."""
+        self._also = source
 
     @property
     def problem(self) -> str:
@@ -131,6 +138,8 @@ class MpsSupervisor:
             limits = limits_of(device)
             if limits is not None:
                 out[device.uuid] = limits
+        for uuid, (cores, memory_mib) in self._also().items():
+            out.setdefault(uuid, Limits(cores=cores, memory_mib=memory_mib))
         return out
 
     def _env(self, uuid: str) -> dict[str, str]:
@@ -209,12 +218,10 @@ class MpsSupervisor:
         self.faults[uuid] = "the MPS control daemon cannot be started"
 
     async def _set(self, uuid: str, limits: Limits) -> bool:
-        return await self._run(
-            uuid,
-            [],
-            f"set_default_active_thread_percentage {limits.cores}\n"
-            f"set_default_device_pinned_mem_limit 0 {limits.memory_mib}M\n",
-        )
+        commands = f"set_default_active_thread_percentage {limits.cores}\n"
+        if limits.memory_mib > 0:  # 0: no memory limit was asked for
+            commands += f"set_default_device_pinned_mem_limit 0 {limits.memory_mib}M\n"
+        return await self._run(uuid, [], commands)
 
     async def _stop(self, uuid: str) -> None:
         await self._run(uuid, [], "quit\n")

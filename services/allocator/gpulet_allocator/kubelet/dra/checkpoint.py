@@ -64,6 +64,9 @@ class PreparedClaim(msgspec.Struct, frozen=True, kw_only=True):
     # The node's boot ID when it was prepared (.sweep: a claim of an earlier boot is
     # checked with the API server at start, not a sweep interval later).
     boot_id: str = ""
+    # GPU UUID -> [cores %, memory MiB] of the whole GPUs the claim configured for MPS
+    # (their control daemon runs while the claim is prepared).
+    mps: dict[str, list[int]] = {}
 
 
 class Checkpoint(msgspec.Struct, kw_only=True):

@@ -53,6 +53,7 @@ from gpulet_allocator.kubelet.dra.contract import (
     ClaimReader,
     ClaimReadError,
     DecisionCore,
+    MpsDaemons,
     Reservation,
     ReservedDevice,
 )
@@ -155,6 +156,8 @@ class DraPlugin:
         self.driver_edits: dict[str, object] = {}
         # The driver's nvidia-smi as this process can run it (TimeSlicing; .timeslice).
         self.nvidia_smi = ""
+        # The allocator's MPS daemons when they share this process (.contract.MpsDaemons).
+        self.mps: MpsDaemons | None = None
         self.checkpoint = CheckpointFile(settings.checkpoint)
         self.locks = _Locks()
         self._nodes = DeviceNodes(
@@ -361,10 +364,38 @@ class DraPlugin:
             allocation=reservation.allocation,
             devices=devices,
             boot_id=s.boot_id,
+            mps=self._mps_whole_of(reservation, configs),
         )
         self.checkpoint.remember(prepared)
         self._wake_writer()
+        if prepared.mps and self.mps is not None:
+            self.mps.changed()
         return prepared
+
+    def _mps_whole_of(
+        self, reservation: Reservation, configs: Mapping[str, dra_config.Config]
+    ) -> dict[str, list[int]]:
+        """The whole GPUs of the claim that its configuration puts under MPS."""
+        out: dict[str, list[int]] = {}
+        for d in reservation.devices:
+            percent, memory = dra_config.mps_limits(configs.get(d.device))
+            if (
+                d.cores is None
+                and d.memory_mib is None
+                and dra_config.strategy(configs.get(d.device)) == "MPS"
+            ):
+                out[d.uuid] = [percent or 100, -(-memory // MIB) if memory else 0]
+        return out
+
+    def mps_whole(self) -> dict[str, tuple[int, int]]:
+        """GPU UUID -> (cores %, memory MiB) for every prepared claim's whole GPUs under
+        MPS: the allocator runs their control daemons (.contract.MpsDaemons)."""
+        return {
+            uuid: (limits[0], limits[1])
+            for claim in self.checkpoint.claims.values()
+            for uuid, limits in claim.mps.items()
+            if len(limits) == 2
+        }
 
     def use_driver(self, edits: Mapping[str, object], nvidia_smi: str) -> None:
         """The driver's user space for the specs written from now on, and its
@@ -430,8 +461,11 @@ class DraPlugin:
 
     def _forget(self, uid: str) -> None:
         cdi.remove_spec(self.settings.cdi_dir, self.settings.driver, uid)
+        held = self.checkpoint.claims.get(uid)
         self.checkpoint.forget(uid)
         self._wake_writer()
+        if held is not None and held.mps and self.mps is not None:
+            self.mps.changed()
 
     # --- the checkpoint's writer ---------------------------------------------------------
 

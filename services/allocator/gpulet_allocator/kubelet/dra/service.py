@@ -33,7 +33,6 @@ group (its process, its node read model), with the decision core the service giv
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import anyio
@@ -41,7 +40,7 @@ import anyio.abc
 
 from gpulet_allocator.kubelet.dra.claim_cache import WatchedClaimReader
 from gpulet_allocator.kubelet.dra.claims import KubeClaimReader
-from gpulet_allocator.kubelet.dra.contract import ClaimReader, DecisionCore
+from gpulet_allocator.kubelet.dra.contract import ClaimReader, DecisionCore, MpsDaemons
 from gpulet_allocator.kubelet.dra.driver import DriverFilesKeeper
 from gpulet_allocator.kubelet.dra.health import NodeViewHealth
 from gpulet_allocator.kubelet.dra.metrics import DraMetrics
@@ -85,14 +84,14 @@ class DraPluginRunner:
         runtime: Runtime,
         view: NodeView,
         core: DecisionCore,
-        faults: Callable[[], Mapping[str, str]] | None = None,
+        mps: MpsDaemons | None = None,
     ) -> None:
         self._rt = runtime
         self._view = view
         self._core = core
-        # GPU UUID -> a fault of its shares outside the health service (a dead MPS
-        # control daemon, gpulet_allocator.service.mps), in the health stream.
-        self._faults = faults
+        # The allocator's MPS daemons, when the plugin shares its process: their faults
+        # go into the health stream, and whole GPUs configured for MPS get a daemon.
+        self._mps = mps
         #: The health stream's source while the plugin serves (for MPS faults).
         self.health: NodeViewHealth | None = None
         #: The running kubelet plugin (for tests).
@@ -163,7 +162,12 @@ class DraPluginRunner:
                 mock=rt.settings.nvml.backend == "mock",
                 state_dir=rt.settings.state_dir,
             )
-            health = self.health = NodeViewHealth(self._view, rt.node, self._faults)
+            mps = self._mps
+            faults = (lambda: mps.faults) if mps is not None else None
+            health = self.health = NodeViewHealth(self._view, rt.node, faults)
+            if mps is not None:
+                plugin.mps = mps
+                mps.also_want(plugin.mps_whole)
             plugin.lookup = health.lookup  # admin access: the device as the node has it
             self.server = server = DraKubeletPlugin(plugin, health, sockets, dra.driver)
             try:
