@@ -124,6 +124,10 @@ async def test_a_gpu_held_by_the_device_plugin_is_refused_to_a_claim_and_back(
         error = await refused(core.reserve_claim(UID_A, [whole(dra[gpus[0]])]))
         assert error.code == "insufficient_capacity"
         assert gpus[0] in error.message
+        # The holder as it is: the device plugin's allocation (kubelet's Allocate names
+        # no pod), never a made-up "pod whole-… container ''".
+        assert "is allocated whole to the device plugin's allocation " in error.message
+        assert "container ''" not in error.message
         # ... and so is a share of it.
         error = await refused(core.reserve_claim(UID_A, [share(dra[gpus[0]], 30, 20)]))
         assert error.code == "insufficient_capacity"

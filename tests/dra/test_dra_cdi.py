@@ -9,51 +9,20 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from pathlib import Path
 from typing import Any
 
-import jsonschema
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from referencing import Registry, Resource
 
+from gpulet_common import mps
 from gpulet_common.dra import cdi
 from gpulet_common.safefile import UnsafePathError
+from support.cdi_schema import check
 
-SCHEMA_DIR = Path(__file__).parent / "data" / "cdi-schema"
 DRIVER = "gpu.gpulet.io"
 UID = "8f1c2d3e-0000-4000-8000-00000000abcd"
-_ENV = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
-
-
-def validator() -> jsonschema.Draft7Validator:
-    schema = json.loads((SCHEMA_DIR / "schema.json").read_text())
-    defs = json.loads((SCHEMA_DIR / "defs.json").read_text())
-    registry: Registry[Any] = Registry().with_resource(
-        "defs.json", Resource.from_contents(defs, default_specification=_draft7())
-    )
-    return jsonschema.Draft7Validator(schema, registry=registry)
-
-
-def _draft7() -> Any:
-    from referencing.jsonschema import DRAFT7
-
-    return DRAFT7
-
-
-def check(spec: dict[str, Any]) -> None:
-    validator().validate(spec)
-    # What the upstream schema cannot check (its env items use "ref", not "$ref").
-    edits = [spec.get("containerEdits", {})] + [d["containerEdits"] for d in spec["devices"]]
-    for edit in edits:
-        for entry in edit.get("env", []):
-            assert isinstance(entry, str)
-            assert _ENV.match(entry), entry
-    names = [d["name"] for d in spec["devices"]]
-    assert len(set(names)) == len(names)
-    assert all(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.:-]*", n) for n in names)
 
 
 def fake_dev(tmp_path: Path, *names: str) -> Path:
@@ -72,10 +41,10 @@ def test_a_whole_gpu_claim(tmp_path: Path) -> None:
     assert spec["kind"] == "gpu.gpulet.io/gpu"
     assert [d["name"] for d in spec["devices"]] == [f"{UID}-gpu-3", f"{UID}-gpu-5"]
     assert spec["devices"][0]["containerEdits"]["deviceNodes"][0]["path"] == "/dev/nvidia3"
-    assert spec["containerEdits"]["env"] == [
-        "NVIDIA_VISIBLE_DEVICES=GPU-3,GPU-5",
-        "GPULET_ALLOCATION_ID=alloc-1",
-    ]
+    assert spec["containerEdits"]["env"] == ["GPULET_ALLOCATION_ID=alloc-1"]
+    # One request (no names): both devices say both GPUs.
+    for device in spec["devices"]:
+        assert device["containerEdits"]["env"] == ["NVIDIA_VISIBLE_DEVICES=GPU-3,GPU-5"]
     # Only the control files that exist (a missing one would fail the container).
     assert [n["path"] for n in spec["containerEdits"]["deviceNodes"]] == [
         "/dev/nvidiactl",
@@ -90,11 +59,11 @@ def test_a_share_gets_the_device_plugins_mps_limits(tmp_path: Path) -> None:
         DRIVER, UID, "alloc-2", [share], dev_root=tmp_path, mps_pipe_directory="/run/mps"
     )
     check(spec)
-    env = spec["containerEdits"]["env"]
+    env = spec["devices"][0]["containerEdits"]["env"]
     assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=30" in env
     assert "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=20480M" in env
     assert "CUDA_MPS_PIPE_DIRECTORY=/run/mps" in env
-    assert spec["containerEdits"]["mounts"][0]["hostPath"] == "/run/mps"
+    assert spec["devices"][0]["containerEdits"]["mounts"][0]["hostPath"] == "/run/mps"
 
 
 def test_spec_files_are_written_atomically_and_removed(tmp_path: Path) -> None:
@@ -197,3 +166,56 @@ def test_every_spec_passes_the_cdi_schema(gpus: list[tuple[int, int | None, int 
         cdi.PreparedDevice(f"gpu-{m}", f"GPU-{m}", m, cores=c, memory_mib=mem) for m, c, mem in gpus
     ]
     check(cdi.build_spec(DRIVER, UID, "alloc", devices, mps_pipe_directory="/run/mps"))
+
+
+def injected(spec: dict[str, Any], names: list[str]) -> tuple[dict[str, str], list[str]]:
+    """What a CDI runtime gives a container for the devices ``names`` of ``spec``: the
+    spec-wide edits, then each device's, in order; an environment variable set twice
+    keeps the last value (the CDI library's ContainerEdits.Apply). (env, device paths)"""
+    env: dict[str, str] = {}
+    nodes: list[str] = []
+    by_name = {d["name"]: d for d in spec["devices"]}
+    for edits in [spec["containerEdits"], *(by_name[n]["containerEdits"] for n in names)]:
+        for entry in edits.get("env", []):
+            key, _, value = entry.partition("=")
+            env[key] = value
+        nodes += [n["path"] for n in edits.get("deviceNodes", [])]
+    return env, nodes
+
+
+def test_a_container_that_names_one_request_sees_only_its_gpus(tmp_path: Path) -> None:
+    """Requests r1 (gpu-1) and r2 (gpu-3, a share): kubelet hands a container naming r1
+    only r1's CDI device; nothing spec-wide may tell it about r2's GPU."""
+    dev = fake_dev(tmp_path, "nvidiactl")
+    devices = [
+        cdi.PreparedDevice("gpu-1", "GPU-1", 1, requests=("r1",)),
+        cdi.PreparedDevice("gpu-3", "GPU-3", 3, cores=30, memory_mib=1024, requests=("r2",)),
+    ]
+    spec = cdi.build_spec(DRIVER, UID, "a", devices, dev_root=dev, mps_pipe_directory="/m")
+    check(spec)
+    env, nodes = injected(spec, [f"{UID}-gpu-1"])
+    assert env["NVIDIA_VISIBLE_DEVICES"] == "GPU-1"
+    assert not any(k.startswith("CUDA_MPS_") for k in env)
+    assert nodes == ["/dev/nvidiactl", "/dev/nvidia1"]
+    assert "GPU-3" not in json.dumps(spec["containerEdits"])
+    env, nodes = injected(spec, [f"{UID}-gpu-3"])
+    assert env["NVIDIA_VISIBLE_DEVICES"] == "GPU-3"
+    assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=1024M"
+    assert nodes == ["/dev/nvidiactl", "/dev/nvidia3"]
+
+
+def test_a_share_mounts_its_gpus_own_mps_daemon(tmp_path: Path) -> None:
+    """With gpulet's per-GPU control daemons (gpulet_common.mps), a share's device edits
+    point the container at its GPU's pipe, mounted, and its log; a whole GPU gets none."""
+    share = cdi.PreparedDevice("gpu-1", "GPU-1", 1, cores=30, memory_mib=1024, requests=("s",))
+    whole = cdi.PreparedDevice("gpu-2", "GPU-2", 2, requests=("w",))
+    spec = cdi.build_spec(DRIVER, UID, "a", [share, whole], control=[], mps_root="/run/gpulet/mps")
+    check(spec)
+    edits = {d["name"]: d["containerEdits"] for d in spec["devices"]}
+    shared = edits[f"{UID}-gpu-1"]
+    assert f"CUDA_MPS_PIPE_DIRECTORY={mps.CONTAINER_PIPE}" in shared["env"]
+    assert {m["containerPath"]: m["hostPath"] for m in shared["mounts"]} == {
+        mps.CONTAINER_PIPE: "/run/gpulet/mps/GPU-1/pipe",
+        mps.CONTAINER_LOG: "/run/gpulet/mps/GPU-1/log",
+    }
+    assert "mounts" not in edits[f"{UID}-gpu-2"]

@@ -74,7 +74,12 @@ def test_rbac_is_what_the_publisher_and_prepare_use(docs: list[dict[str, Any]]) 
     assert rules == {
         ("resourceslices",): sorted(["list", "watch", "create", "update", "delete"]),
         ("resourceclaims",): ["get"],
+        # status.devices after Prepare (the API server also checks node and driver).
+        ("resourceclaims/status",): ["update"],
+        ("resourceclaims/driver",): ["associated-node:update"],
     }
+    [driver_rule] = [r for r in role["rules"] if r["resources"] == ["resourceclaims/driver"]]
+    assert driver_rule["resourceNames"] == ["gpu.gpulet.io"]
     (binding,) = [
         d
         for d in docs

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 import anyio
 import msgspec
 import pytest
@@ -70,3 +72,21 @@ async def test_health_follows_the_node_view(nats_server: EmbeddedNats) -> None:
             what="recovered",
         )
         tg.cancel_scope.cancel()
+
+
+async def test_a_dead_mps_daemon_is_a_fault_of_its_gpus_shares() -> None:
+    """The allocator's MPS supervisor names GPUs whose control daemon is down: the DRA
+    health stream reports them unhealthy with why, and streams again when it changes."""
+    inventory = make_inventory(NODE, 2)
+    view = NodeView(cast(Bus, None), NODE)
+    view.inventory = inventory
+    faults: dict[str, str] = {}
+    source = NodeViewHealth(view, NODE, lambda: faults)
+    assert {d.health for d in source.device_health()} == {"healthy"}
+    version = await source.wait_changed(-1)
+    faults[inventory.gpus[1].uuid] = "the MPS control daemon stopped answering"
+    source.changed()
+    assert await source.wait_changed(version) > version
+    states = {d.device: (d.health, d.message) for d in source.device_health()}
+    assert states["gpu-0"] == ("healthy", "")
+    assert states["gpu-1"] == ("unhealthy", "MPS: the MPS control daemon stopped answering")

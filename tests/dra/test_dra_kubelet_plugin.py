@@ -12,8 +12,6 @@ import json
 import os
 import uuid
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,88 +20,27 @@ import pytest
 
 from gpulet_allocator.kubelet.dra import checkpoint as dra_checkpoint
 from gpulet_allocator.kubelet.dra import plugin as plugin_module
-from gpulet_allocator.kubelet.dra.claims import KubeClaimReader
-from gpulet_allocator.kubelet.dra.plugin import DraPlugin, PluginSettings
-from gpulet_allocator.kubelet.dra.server import SOCKET_DIR_MODE, DraKubeletPlugin, Sockets
+from gpulet_allocator.kubelet.dra.server import SOCKET_DIR_MODE, Sockets
 from gpulet_common.dra import cdi
-from gpulet_common.kube import KubeConfig
-from gpulet_common.kubeapi import KubeClient
 from gpulet_common.kubelet_api.dra_health.v1 import api_pb2 as h1
 from gpulet_common.kubelet_api.dra_health.v1 import api_pb2_grpc as h1_grpc
 from gpulet_common.kubelet_api.dra_health.v1alpha1 import api_pb2 as h1a1
 from gpulet_common.kubelet_api.dra_health.v1alpha1 import api_pb2_grpc as h1a1_grpc
 from gpulet_common.kubelet_api.dra_health.v1beta1 import api_pb2 as h1b1
 from gpulet_common.kubelet_api.dra_health.v1beta1 import api_pb2_grpc as h1b1_grpc
-from support.dra_core import InMemoryCore, InMemoryHealth
-from support.fake_dra_kubelet import FakeDraKubelet, registered
+from support.dra_core import InMemoryCore
+from support.dra_plugin_rig import DRIVER, NODE, Rig, claim, result, rig
 from support.kube_emulator import KubeEmulator
-from support.kube_emulator_dra import add_claim, dra_emulator
+from support.kube_emulator_dra import dra_emulator
 from support.waiting import wait_until
 
 pytestmark = pytest.mark.anyio
-
-DRIVER = "gpu.gpulet.io"
-NODE = "node-a"
 
 
 @pytest.fixture
 async def emu() -> AsyncIterator[KubeEmulator]:
     async with dra_emulator(NODE) as emulator:
         yield emulator
-
-
-def result(device: str, request: str = "gpu", driver: str = DRIVER, **extra: Any) -> dict[str, Any]:
-    return {"request": request, "driver": driver, "pool": NODE, "device": device, **extra}
-
-
-def claim(emu: KubeEmulator, name: str, *results: dict[str, Any], allocated: bool = True) -> str:
-    body: dict[str, Any] = {"metadata": {"name": name, "namespace": "default"}, "spec": {}}
-    if allocated:
-        body["status"] = {"allocation": {"devices": {"results": list(results)}}}
-    return str(add_claim(emu, body)["metadata"]["uid"])
-
-
-@dataclass
-class Rig:
-    emu: KubeEmulator
-    core: InMemoryCore
-    health: InMemoryHealth
-    root: Path
-    kubelet: FakeDraKubelet
-    server: DraKubeletPlugin
-
-    @property
-    def cdi_dir(self) -> Path:
-        return self.root / "cdi"
-
-    def spec(self, uid: str) -> dict[str, Any]:
-        return dict(json.loads(cdi.spec_file(self.cdi_dir, DRIVER, uid).read_text()))
-
-
-@asynccontextmanager
-async def rig(
-    emu: KubeEmulator, root: Path, core: InMemoryCore | None = None
-) -> AsyncIterator[Rig]:
-    core = core if core is not None else InMemoryCore.with_gpus(4)
-    health = InMemoryHealth(NODE, sorted(core.gpus))
-    settings = PluginSettings(
-        driver=DRIVER,
-        pool=NODE,
-        cdi_dir=root / "cdi",
-        checkpoint=root / "state" / "dra-checkpoint.json",
-        dev_root=root,
-    )
-    sockets = Sockets.for_driver(DRIVER, root / "registry", root / "plugins")
-    async with (
-        KubeClient(KubeConfig(emu.url)) as api,
-        anyio.create_task_group() as tg,
-    ):
-        plugin = DraPlugin(core, KubeClaimReader(api, timeout_s=5), settings)
-        server = DraKubeletPlugin(plugin, health, sockets, DRIVER)
-        await tg.start(server.run)
-        async with registered(root / "registry", DRIVER) as kubelet:
-            yield Rig(emu, core, health, root, kubelet, server)
-        tg.cancel_scope.cancel()
 
 
 async def test_registration_answers_what_kubelet_checks(emu: KubeEmulator, short_dir: Path) -> None:
@@ -135,8 +72,30 @@ async def test_prepare_reserves_writes_cdi_and_answers_its_ids(
         ]
         assert sorted(d.device for d in r.core.claims[uid].devices) == ["gpu-1", "gpu-2"]
         spec = r.spec(uid)
-        assert "NVIDIA_VISIBLE_DEVICES=GPU-1,GPU-2" in spec["containerEdits"]["env"]
+        for device in spec["devices"]:  # one request: each device names both GPUs
+            assert "NVIDIA_VISIBLE_DEVICES=GPU-1,GPU-2" in device["containerEdits"]["env"]
         assert [d["name"] for d in spec["devices"]] == [f"{uid}-gpu-1", f"{uid}-gpu-2"]
+
+
+async def test_each_request_gets_its_own_gpus_in_the_cdi_spec(
+    emu: KubeEmulator, short_dir: Path
+) -> None:
+    """A claim with requests r1 and r2: r1's CDI device carries r1's GPU only."""
+    async with rig(emu, short_dir) as r:
+        uid = claim(emu, "two", result("gpu-1", request="r1"), result("gpu-2", request="r2"))
+        answer = await r.kubelet.prepare(("default", uid, "two"))
+        by_request = {
+            tuple(d.request_names): list(d.cdi_device_ids) for d in answer.claims[uid].devices
+        }
+        assert by_request == {
+            ("r1",): [f"{DRIVER}/gpu={uid}-gpu-1"],
+            ("r2",): [f"{DRIVER}/gpu={uid}-gpu-2"],
+        }
+        spec = r.spec(uid)
+        env = {d["name"]: d["containerEdits"]["env"] for d in spec["devices"]}
+        assert env[f"{uid}-gpu-1"] == ["NVIDIA_VISIBLE_DEVICES=GPU-1"]
+        assert env[f"{uid}-gpu-2"] == ["NVIDIA_VISIBLE_DEVICES=GPU-2"]
+        assert not any(e.startswith("NVIDIA_VISIBLE") for e in spec["containerEdits"]["env"])
 
 
 async def test_one_bad_claim_never_fails_the_others(emu: KubeEmulator, short_dir: Path) -> None:
@@ -146,7 +105,9 @@ async def test_one_bad_claim_never_fails_the_others(emu: KubeEmulator, short_dir
         unknown_dev = claim(emu, "nodev", result("gpu-9"))
         other_pool = claim(emu, "elsewhere", {**result("gpu-1"), "pool": "node-b"})
         missing = str(uuid.uuid4())
+        huge = str(uuid.uuid4())
         answer = await r.kubelet.prepare(
+            ("default", huge, "x" * 10_000),
             ("default", good, "good"),
             ("default", pending, "pending"),
             ("default", unknown_dev, "nodev"),
@@ -156,8 +117,12 @@ async def test_one_bad_claim_never_fails_the_others(emu: KubeEmulator, short_dir
             ("default", str(uuid.uuid4()), "good"),  # the right name, another UID
         )
         errors = {uid: e.error for uid, e in answer.claims.items()}
-        assert len(errors) == 7
+        assert len(errors) == 8
         assert errors[good] == ""
+        # A 10,000-character name is not echoed whole.
+        assert "not found" in errors[huge]
+        assert len(errors[huge]) < 200, errors[huge][:300]
+        assert not answer.claims[good].devices[0].HasField("share_id")
         assert "not allocated" in errors[pending]
         assert "no device gpu-9" in errors[unknown_dev]
         assert "pool 'node-b'" in errors[other_pool]
@@ -233,7 +198,10 @@ async def test_two_shares_of_one_gpu_get_their_limits(emu: KubeEmulator, short_d
         )
         answer = await r.kubelet.prepare(("default", a, "a"), ("default", b, "b"))
         assert answer.claims[a].error == answer.claims[b].error == ""
-        env = r.spec(a)["containerEdits"]["env"]
+        # Each share's ID goes back to kubelet (PodResources tells the two apart).
+        assert [d.share_id for d in answer.claims[a].devices] == ["s1"]
+        assert [d.share_id for d in answer.claims[b].devices] == ["s2"]
+        env = r.spec(a)["devices"][0]["containerEdits"]["env"]
         assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=30" in env
         assert "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=20480M" in env
         answer = await r.kubelet.prepare(("default", too_much, "c"))

@@ -321,7 +321,7 @@ async def test_prepare_of_a_mig_device_gives_its_uuid_parent_node_and_caps(tmp_p
         "/dev/nvidia-caps/nvidia-cap21",
         "/dev/nvidia-caps/nvidia-cap22",
     ]
-    assert f"NVIDIA_VISIBLE_DEVICES={target.uuid}" in spec["containerEdits"]["env"]
+    assert f"NVIDIA_VISIBLE_DEVICES={target.uuid}" in device["containerEdits"]["env"]
     assert core.books.ledger.device(target.uuid).whole_owner is not None
     # The parent, allocated to a claim by name, is refused for that claim alone.
     refused = await DraPlugin(CoreAdapter(core), OneClaim(UID_B, "gpu-0"), settings).prepare(

@@ -121,13 +121,13 @@ def test_sharing_offers_cores_and_memory_with_request_policies() -> None:
     assert device["allowMultipleAllocations"] is True
     assert device["capacity"]["cores"] == {
         "value": "100",
-        "requestPolicy": {"default": "100", "validRange": {"min": "1", "max": "100", "step": "1"}},
+        "requestPolicy": {"default": "100", "validRange": {"min": "0", "max": "100", "step": "1"}},
     }
     assert device["capacity"]["memory"] == {
         "value": "80Gi",
         "requestPolicy": {
             "default": "80Gi",
-            "validRange": {"min": "1Gi", "max": "80Gi", "step": "1Gi"},
+            "validRange": {"min": "0", "max": "80Gi", "step": "1Gi"},
         },
     }
     whole = pool.build(inventory, {}, DraSettings(sharing=False)).devices[0]
@@ -378,3 +378,33 @@ def test_any_health_renders_a_valid_device(conds: list[tuple[str, str, str]]) ->
     built = pool.build(inventory, {uuid: health(uuid, *conds)}, DraSettings())
     assert limits.device_problems(built.devices[0]) == []
     assert len(built.devices[0].get("taints", [])) <= limits.MAX_TAINTS_PER_DEVICE
+
+
+def test_full_bandwidth_islands_on_the_nvlink_pairs_scenario() -> None:
+    """nvlink-pairs-8gpu: pairs (0,1) (2,3) (4,5) (6,7) have 4 links, the other pairs of
+    a quad 1 link. nvlinkIsland joins each quad over any link; nvlinkFullIsland only
+    the 4-link pairs, so matchAttribute on it never pairs GPUs linked by 1 link."""
+    from support.agent import mock_inventory
+
+    inventory = mock_inventory("nvlink-pairs-8gpu", NODE)
+    built = pool.build(inventory, {}, DraSettings())
+    attrs = {d["name"]: d["attributes"] for d in built.devices}
+    ordered = [attrs[f"gpu-{i}"] for i in range(8)]
+    assert [a["nvlinkIsland"]["int"] for a in ordered] == [0, 0, 0, 0, 4, 4, 4, 4]
+    assert [a["nvlinkFullIsland"]["int"] for a in ordered] == [0, 0, 2, 2, 4, 4, 6, 6]
+    assert {a["nvlinkFullLinks"]["int"] for a in ordered} == {4}
+    assert {a["nvlinkLinks"]["int"] for a in ordered} == {6}
+    for body in built.slices:
+        valid(body)
+
+
+def test_a_gpu_without_a_full_bandwidth_link_is_its_own_full_island() -> None:
+    # 0-1 with 4 links, 1-2 with 2: GPU 2 is on 0's island, not on its full one.
+    links = [[0, 4, 0], [4, 0, 2], [0, 2, 0]]
+    levels = [[0 if i == j else 50 for j in range(3)] for i in range(3)]
+    built = pool.build(inventory_from_matrix(NODE, levels, links), {}, DraSettings())
+    got = [
+        (a["nvlinkIsland"]["int"], a["nvlinkFullIsland"]["int"], a["nvlinkFullLinks"]["int"])
+        for a in (d["attributes"] for d in built.devices)
+    ]
+    assert got == [(0, 0, 4), (0, 0, 4), (0, 2, 0)]

@@ -342,3 +342,39 @@ async def test_a_repair_never_holds_back_a_pending_write(emu: KubeEmulator) -> N
     publisher._repair("a watch opened")
     assert publisher.debouncer.pending
     assert publisher.repairs == 2
+
+
+async def test_taints_not_known_yet_are_kept_as_the_server_holds_them(
+    emu: KubeEmulator,
+) -> None:
+    """After a restart the held set and the health state are not known at first: a
+    write then keeps the device-plugin and fault taints the API server holds (a new
+    fact is still published), and drops them only once the fact says so."""
+    inventory = make_inventory(NODE, 3)
+    held_uuid, faulty = inventory.gpus[0].uuid, inventory.gpus[1].uuid
+    both = msgspec.structs.replace(FAST, mode="both")
+    async with publishing(emu, both) as pub:
+        pub.submit(SliceInput(inventory, {faulty: fault(faulty)}, frozenset({held_uuid})))
+        await wait_until(
+            lambda: len(devices(emu)) == 3 and "taints" in devices(emu)["gpu-1"],
+            what="both taints",
+        )
+        assert "taints" in devices(emu)["gpu-0"]
+    # A new agent: nothing known of the holdings or health, and a new fault on gpu-2.
+    third = inventory.gpus[2].uuid
+    unknown = SliceInput(inventory, {third: fault(third, 48)}, held_known=False, health_known=False)
+    async with publishing(emu, both) as pub:
+        pub.submit(unknown)
+        await wait_until(lambda: "taints" in devices(emu)["gpu-2"], what="the new fault")
+        keys = {
+            n: [t["key"] for t in d.get("taints", [])]  # type: ignore[attr-defined]
+            for n, d in devices(emu).items()
+        }
+        assert keys["gpu-0"] == ["gpu.gpulet.io/device-plugin"]
+        assert keys["gpu-1"] == ["gpu.gpulet.io/xid"]
+        # Known now: nothing held, gpu-1 healthy again.
+        pub.submit(SliceInput(inventory, {third: fault(third, 48)}))
+        await wait_until(
+            lambda: "taints" not in devices(emu)["gpu-0"] and "taints" not in devices(emu)["gpu-1"],
+            what="the taints lowered once known",
+        )

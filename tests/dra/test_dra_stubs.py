@@ -34,7 +34,9 @@ def test_dra_plugin_paths_are_kubelets() -> None:
         "pool_name",
         "device_name",
         "cdi_device_ids",
+        "share_id",
     ]
+    assert dra.Device.DESCRIPTOR.fields_by_name["share_id"].number == 5
 
 
 def test_registration_paths_are_kubelets() -> None:

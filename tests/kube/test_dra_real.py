@@ -21,6 +21,7 @@ order: each asks for what only it can get, or names its GPU.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import shutil
 import tempfile
@@ -33,7 +34,7 @@ import anyio
 import pytest
 import yaml
 
-from gpulet_common import codec, subjects
+from gpulet_common import codec, mps, subjects
 from gpulet_common.bus import Bus
 from gpulet_common.dra import cdi
 from gpulet_common.messages import HealthClearRequest, MockInjectRequest
@@ -42,6 +43,9 @@ from support.agent_process import Agent
 from support.control_plane import ControlPlane
 from support.control_plane_fixtures import unique_name
 from support.fake_dra_kubelet import registered
+from support.gpulet_on_kube import NAMESPACE as GPULET_NS
+from support.gpulet_on_kube import SERVICE_ACCOUNT as GPULET_SA
+from support.gpulet_on_kube import agent_pod
 from support.waiting import wait_until
 
 pytestmark = pytest.mark.anyio
@@ -86,6 +90,7 @@ def dra_node_on(
     *,
     scenario: str = "nvlink-pairs-8gpu",
     devices: int = GPUS,
+    mode: str = "dra",
 ) -> Iterator[DraNode]:
     """The agent on ``scenario`` for a Node of its own, once its ``devices`` devices are
     in the API server (tests/kube/test_dra_mig_real.py starts one on a MIG node)."""
@@ -105,7 +110,9 @@ def dra_node_on(
         "--nvml",
         f"mock:{scenario}",
         "--set",
-        "dra.mode=dra",
+        f"dra.mode={mode}",
+        "--set",
+        f"allocator.plugin.plugin_dir={sockets / 'device-plugins'}",
         "--set",
         f"dra.kubeconfig={kubeconfig}",
         "--set",
@@ -293,10 +300,22 @@ async def prepare(dra: DraNode, claim: dict[str, Any]) -> list[str]:
     return ids
 
 
-def spec_env(dra: DraNode, claim: dict[str, Any]) -> dict[str, str]:
-    """The environment the claim's CDI spec (as Prepare wrote it) gives the container."""
-    spec = json.loads(cdi.spec_file(dra.cdi_dir, DRIVER, claim["metadata"]["uid"]).read_text())
-    return {k: v for k, _, v in (e.partition("=") for e in spec["containerEdits"]["env"])}
+def spec_env(dra: DraNode, claim: dict[str, Any], *devices: str) -> dict[str, str]:
+    """The environment the claim's CDI spec (as Prepare wrote it) gives a container that
+    gets ``devices`` (default: all of the claim's): the spec-wide edits, then each
+    device's, a variable set twice keeping the last value (as a CDI runtime does)."""
+    uid = claim["metadata"]["uid"]
+    spec = json.loads(cdi.spec_file(dra.cdi_dir, DRIVER, uid).read_text())
+    wanted = {f"{uid}-{d}" for d in devices}
+    edits = [spec["containerEdits"]] + [
+        d["containerEdits"] for d in spec["devices"] if not devices or d["name"] in wanted
+    ]
+    return {k: v for e in edits for k, _, v in (x.partition("=") for x in e.get("env", []))}
+
+
+def text_of(path: Path) -> str:
+    """A file's text, empty while it does not exist."""
+    return path.read_text() if path.exists() else ""
 
 
 def uuids(dra: DraNode, names: list[str]) -> set[str]:
@@ -474,6 +493,21 @@ async def test_two_shares_of_one_gpu(dra_node: DraNode) -> None:
         assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=20480M"
         assert other_env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50"
         assert other_env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=8192M"
+        # Enforced: the GPU's MPS control daemon (the mock's, under the agent's state
+        # dir) runs with the largest share's defaults, and its pipe is in the spec.
+        root = (dra.agent.state_dir / "mps").resolve()
+        assert env["CUDA_MPS_PIPE_DIRECTORY"] == mps.CONTAINER_PIPE
+        spec = json.loads(cdi.spec_file(dra.cdi_dir, DRIVER, claim["metadata"]["uid"]).read_text())
+        [edits] = [d["containerEdits"] for d in spec["devices"]]
+        mounts = {m["containerPath"]: m["hostPath"] for m in edits["mounts"]}
+        assert mounts[mps.CONTAINER_PIPE] == mps.pipe_dir(str(root), uuid)
+        control_log = Path(mps.log_dir(str(root), uuid)) / "control.log"
+        await wait_until(
+            lambda: "CMD: set_default_active_thread_percentage 50" in text_of(control_log),
+            timeout_s=30,
+            interval_s=0.1,
+            what="the daemon's defaults: the largest share",
+        )
         await unprepare(dra, claim)
         await unprepare(dra, other)
     finally:
@@ -553,3 +587,213 @@ async def test_xid_79_taints_the_gpu_and_clearing_brings_it_back(dra_node: DraNo
             assert assert_ours(dra, claim, 1) == [name]
         finally:
             blocked.delete()
+
+
+async def test_each_request_sees_its_own_gpu_and_the_claim_says_which(dra_node: DraNode) -> None:
+    """Requests r1 and r2 of one claim: a container naming r1 gets r1's CDI device,
+    whose edits name r1's GPU only; status.devices on the real API server names each
+    prepared GPU's UUID, Ready."""
+    dra = dra_node
+    pod = Scheduled(
+        dra,
+        claim_template(
+            "two-requests",
+            {"requests": [exactly("r1", "gpu.gpulet.io"), exactly("r2", "gpu.gpulet.io")]},
+        ),
+    )
+    try:
+        claim = await pod.wait_bound()
+        by_request = {r["request"]: r["device"] for r in results(claim)}
+        assert set(by_request) == {"r1", "r2"}
+        await prepare(dra, claim)
+        env_r1 = spec_env(dra, claim, by_request["r1"])
+        env_r2 = spec_env(dra, claim, by_request["r2"])
+        assert env_r1["NVIDIA_VISIBLE_DEVICES"] == "".join(uuids(dra, [by_request["r1"]]))
+        assert env_r2["NVIDIA_VISIBLE_DEVICES"] == "".join(uuids(dra, [by_request["r2"]]))
+
+        def status_devices() -> list[dict[str, Any]]:
+            return list((pod.claim().get("status") or {}).get("devices") or [])
+
+        await wait_until(
+            lambda: len(status_devices()) == 2, timeout_s=30, interval_s=0.1, what="status"
+        )
+        for entry in status_devices():
+            assert entry["driver"] == DRIVER
+            assert entry["pool"] == dra.node
+            assert entry["data"]["uuid"] == "".join(uuids(dra, [entry["device"]]))
+            [ready] = entry["conditions"]
+            assert (ready["type"], ready["status"], ready["reason"]) == (
+                "Ready",
+                "True",
+                "Prepared",
+            )
+        await unprepare(dra, claim)
+    finally:
+        pod.delete()
+
+
+def pinned(name: str, gpu: int, **more: Any) -> dict[str, Any]:
+    """A template for the GPU of index ``gpu``."""
+    return claim_template(
+        name,
+        {
+            "requests": [
+                exactly(
+                    "gpu",
+                    "gpu.gpulet.io",
+                    selectors=[cel(f"device.attributes['{DRIVER}'].index == {gpu}")],
+                    **more,
+                )
+            ]
+        },
+    )
+
+
+async def test_two_gpus_fully_nvlinked(dra_node: DraNode) -> None:
+    """On nvlink-pairs-8gpu, nvlinkIsland joins each quad (the pairs of a quad share 1
+    link); with GPUs 0 and 3 taken, matchAttribute on nvlinkIsland would pair 1 and 2
+    (1 link), on nvlinkFullIsland it gets a 4-link pair of the other quad."""
+    dra = dra_node
+    attrs = {n: d["attributes"] for n, d in dra.devices().items()}
+    held = [Scheduled(dra, pinned(f"hold{i}", i)) for i in (0, 3)]
+    pod: Scheduled | None = None
+    try:
+        for holder in held:
+            await holder.wait_bound()
+        pod = Scheduled(
+            dra,
+            claim_template(
+                "full",
+                {
+                    "requests": [
+                        exactly("gpus", "gpu.gpulet.io", allocationMode="ExactCount", count=2)
+                    ],
+                    "constraints": [
+                        {"requests": ["gpus"], "matchAttribute": f"{DRIVER}/nvlinkFullIsland"}
+                    ],
+                },
+            ),
+        )
+        claim = await pod.wait_bound()
+        first, second = assert_ours(dra, claim, 2)
+        a, b = attrs[first], attrs[second]
+        assert a["nvlinkFullIsland"]["int"] == b["nvlinkFullIsland"]["int"]
+        # A 4-link pair of the scenario: (4,5) or (6,7), never (1,2).
+        assert a["index"]["int"] // 2 == b["index"]["int"] // 2, (first, second)
+        assert a["nvlinkFullLinks"]["int"] == b["nvlinkFullLinks"]["int"] == 4
+    finally:
+        for holder in held:
+            holder.delete()
+        if pod is not None:
+            pod.delete()
+
+
+async def test_an_admin_claim_gets_a_busy_gpu(dra_node: DraNode) -> None:
+    """A monitoring pod's adminAccess claim for a GPU another claim holds whole: the
+    real scheduler allocates it (it asks for 0 cores and 0 memory, which the pool's
+    request policies allow), and Prepare gives it the GPU without owning it."""
+    dra = dra_node
+    gpu = 7
+    busy = Scheduled(dra, pinned("busy", gpu))
+    admin_ns = unique_name("admin")
+    dra.plane.create_namespace(admin_ns)
+    dra.plane.must(
+        "PATCH",
+        f"/api/v1/namespaces/{admin_ns}",
+        {"metadata": {"labels": {"resource.kubernetes.io/admin-access": "true"}}},
+        content_type="application/merge-patch+json",
+    )
+    admin_dra = dataclasses.replace(dra, namespace=admin_ns)
+    watcher: Scheduled | None = None
+    try:
+        busy_claim = await busy.wait_bound()
+        assert assert_ours(dra, busy_claim, 1) == [f"gpu-{gpu}"]
+        await prepare(dra, busy_claim)
+        watcher = Scheduled(
+            admin_dra,
+            pinned(
+                "watch", gpu, adminAccess=True, capacity={"requests": {"cores": "0", "memory": "0"}}
+            ),
+        )
+        claim = await watcher.wait_bound()
+        [result] = results(claim)
+        assert result["device"] == f"gpu-{gpu}"
+        assert result.get("adminAccess") is True
+        await prepare(admin_dra, claim)
+        env = spec_env(admin_dra, claim)
+        assert env["NVIDIA_VISIBLE_DEVICES"] == "".join(uuids(dra, [f"gpu-{gpu}"]))
+        await unprepare(admin_dra, claim)
+        await unprepare(dra, busy_claim)
+    finally:
+        busy.delete()
+        if watcher is not None:
+            watcher.delete()
+        dra.plane.request("DELETE", f"/api/v1/namespaces/{admin_ns}")
+
+
+DRA_RBAC = ROOT / "deploy" / "kustomize" / "components" / "dra" / "rbac.yaml"
+
+
+async def test_the_status_write_needs_only_the_components_rbac(
+    dra_node: DraNode, gpulet_access: ControlPlane
+) -> None:
+    """status.devices as the DaemonSet writes it: gpulet's ServiceAccount with the dra
+    component's ClusterRole and a token bound to a pod on the claim's node may write it
+    (resourceclaims/status update + resourceclaims/driver associated-node:update); a
+    token of another node's pod may not."""
+    dra = dra_node
+    plane = gpulet_access
+    for obj in yaml.safe_load_all(DRA_RBAC.read_text()):
+        resp = plane.apply(obj)
+        assert resp.ok, resp.raw[:1000]
+    other = unique_name("other-node")
+    plane.add_node(other)
+    here = plane.token_for(GPULET_NS, GPULET_SA, pod=agent_pod(plane, dra.node))
+    there = plane.token_for(GPULET_NS, GPULET_SA, pod=agent_pod(plane, other))
+    pod = Scheduled(dra, pinned("status-rbac", 4))
+    try:
+        claim = await pod.wait_bound()
+        [device] = assert_ours(dra, claim, 1)
+        [allocated] = results(claim)
+        name = claim["metadata"]["name"]
+        path = f"{RESOURCE}/namespaces/{dra.namespace}/resourceclaims/{name}/status"
+        entry = {
+            "driver": DRIVER,
+            "pool": dra.node,
+            "device": device,
+            "shareID": allocated["shareID"],  # every result of a shared device has one
+            "conditions": [
+                {
+                    "type": "Ready",
+                    "status": "True",
+                    "reason": "Prepared",
+                    "message": "",
+                    "lastTransitionTime": "2026-01-01T00:00:00Z",
+                }
+            ],
+            "data": {"uuid": "".join(uuids(dra, [device]))},
+        }
+
+        def write(token: str) -> tuple[int, str]:
+            current = plane.must("GET", path.removesuffix("/status"))
+            body = {**current, "status": {**current["status"], "devices": [entry]}}
+            resp = plane.request("PUT", path, body, token=token)
+            return resp.status, resp.raw.decode(errors="replace")
+
+        status, text = write(there)
+        assert status == 422, text[:1000]
+        assert "arbitrary-node:update" in text  # the other node's token is refused
+        assert "must be an allocated device" not in text
+        statuses: list[int] = []
+
+        def allowed() -> bool:  # RBAC reaches the authorizer a moment after the apply
+            statuses.append(write(here)[0])
+            return statuses[-1] == 200
+
+        await wait_until(allowed, timeout_s=30, interval_s=0.2, what="the write allowed")
+        assert pod.claim()["status"]["devices"][0]["data"]["uuid"] == entry["data"]["uuid"]
+    finally:
+        pod.delete()
+        plane.request("DELETE", f"/api/v1/nodes/{other}")
+        for node in (dra.node, other):
+            plane.request("DELETE", f"/api/v1/namespaces/{GPULET_NS}/pods/gpulet-{node}")

@@ -158,6 +158,14 @@ class Agent:
         self.log.seek(0)
         return self.log.read().decode(errors="replace")
 
+    def restart(self) -> None:
+        """SIGTERM the agent, wait for its exit, and start it again (same state dir)."""
+        self.proc.terminate()
+        self.proc.wait(10)
+        self.log.write(b"\n--- restarted by the test\n")
+        self.attempts = 0
+        self._spawn()
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()

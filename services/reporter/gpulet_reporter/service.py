@@ -278,8 +278,16 @@ class ReporterService(RuntimeService[ReporterSettings]):
 
     async def _run_slices(self, api: KubeClient, server: str) -> None:
         """``dra.mode`` dra or both: the node's ResourceSlices (:mod:`.slices`)."""
+        settings = self._rt.settings
         self.slices = SlicePublisher(
-            api, self._node, self._rt.settings.dra, meter=self._rt.meter, server=server
+            api,
+            self._node,
+            settings.dra,
+            meter=self._rt.meter,
+            server=server,
+            # What follows the allocator's ``held`` answer is not lowered before it.
+            await_held=settings.sharing.time_slicing.enabled or settings.dra.mode == "both",
+            await_health=settings.health.enabled,
         )
         self.slices.attach(self.view)
         if self._held is not None:

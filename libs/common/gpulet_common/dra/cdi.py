@@ -3,21 +3,31 @@
 One transient spec per claim (``cncf-tags/container-device-interface``), in
 ``<cdi_dir>/<vendor>-<class>_<claimUID>.json`` (``/var/run/cdi`` by default), kind
 ``<driver>/gpu`` (``gpu.gpulet.io/gpu``). Each allocated device is a CDI device
-``<claimUID>-<device>`` (``…=8f1c…-gpu-3``): its edits add its device node
-``/dev/nvidia<minor>``; a MIG device's add its parent's and the capability nodes of its
-GPU and compute instance (``/dev/nvidia-caps/nvidia-cap<n>``), where the driver has
-them. The spec's own edits, applied once whichever of its devices a
-container gets, carry what the device plugin's Allocate gives today
-(``gpulet_allocator.core``):
+``<claimUID>-<device>`` (``…=8f1c…-gpu-3``). A container gets the CDI devices of the
+requests it names (kubelet passes each request's IDs), so everything that says which
+GPUs a container has goes on the devices' own edits, per request, as NVIDIA's driver
+does; the spec-wide edits apply to every container of the claim, whatever request it
+names, and carry only what is the same for all.
 
-* ``NVIDIA_VISIBLE_DEVICES`` = the claim's GPU (or MIG) UUIDs, in device order, and
-  ``GPULET_ALLOCATION_ID`` = the claim's allocation in the ledger;
-* the control device nodes (``nvidiactl``, ``nvidia-uvm``, ``nvidia-uvm-tools``,
-  ``nvidia-modeset``) that exist on the node;
+Each device's edits:
+
+* its device node ``/dev/nvidia<minor>``; a MIG device's parent's and the capability
+  nodes of its GPU and compute instance (``/dev/nvidia-caps/nvidia-cap<n>``), where the
+  driver has them;
+* ``NVIDIA_VISIBLE_DEVICES`` = the GPU (or MIG) UUIDs of the devices that serve the
+  same requests, in device order (so r1's container never sees r2's GPU; CDI merges an
+  environment variable last-wins, so a container naming several requests of one claim
+  sees one request's list, and all their device nodes);
 * for a share: ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` (the share's cores) and
   ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`` (``<ordinal>=<MiB>M`` per shared GPU, the
-  ordinal being its place in ``NVIDIA_VISIBLE_DEVICES``), and the MPS pipe directory,
-  mounted, when one is configured: the same enforcement as the device plugin's shares.
+  ordinal being its place in that ``NVIDIA_VISIBLE_DEVICES``), and the MPS pipe
+  directory, mounted, when one is configured: the device plugin's enforcement.
+
+The spec's own edits: ``GPULET_ALLOCATION_ID`` = the claim's allocation in the ledger,
+the control device nodes (``nvidiactl``, ``nvidia-uvm``, ``nvidia-uvm-tools``,
+``nvidia-modeset``) that exist on the node, and the driver's user space
+(``driver_edits``, :mod:`.driverfiles`: read-only mounts of its libraries, binaries,
+firmware and sockets, and the ``nvidia-cdi-hook`` hooks).
 
 Writing (:func:`write_spec`): through the one safe writer,
 :func:`gpulet_common.safefile.write_atomic` (a temporary file of a random name created
@@ -37,6 +47,7 @@ from typing import Any, Final
 
 import msgspec
 
+from gpulet_common import mps
 from gpulet_common.safefile import write_atomic
 
 # The lowest CDI version with what the spec uses (``hostPath`` of a device node is
@@ -67,6 +78,9 @@ class PreparedDevice:
     # A MIG device: the host paths of its capability nodes (``/dev/nvidia-caps/…``),
     # added to its device node, the parent's ``/dev/nvidia<minor>``.
     extra_nodes: tuple[str, ...] = ()
+    # The claim's requests this device serves: its environment lists the GPUs of the
+    # same requests only (a container that names one request sees that request's).
+    requests: tuple[str, ...] = ()
 
 
 def kind(driver: str) -> str:
@@ -97,6 +111,53 @@ def spec_file(cdi_dir: str | Path, driver: str, claim_uid: str) -> Path:
     return Path(cdi_dir) / f"{driver}-{CLASS}_{check_uid(claim_uid)}.json"
 
 
+def _groups(devices: Sequence[PreparedDevice]) -> dict[tuple[str, ...], list[PreparedDevice]]:
+    """The devices by the requests they serve, in device order."""
+    groups: dict[tuple[str, ...], list[PreparedDevice]] = {}
+    for d in devices:
+        groups.setdefault(d.requests, []).append(d)
+    return groups
+
+
+def _visible_env(
+    group: Sequence[PreparedDevice], mps_pipe_directory: str, mps_root: str = ""
+) -> tuple[list[str], list[JsonObj]]:
+    """The environment (and mounts) of the devices of one request: what a container
+    that names this request, and no other, must see."""
+    env = ["NVIDIA_VISIBLE_DEVICES=" + ",".join(d.uuid for d in group)]
+    mounts: list[JsonObj] = []
+    shares = [(i, d) for i, d in enumerate(group) if d.cores is not None or d.memory_mib]
+    if shares:
+        cores = [d.cores for _, d in shares if d.cores is not None]
+        if cores:
+            env.append(f"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE={min(cores)}")
+        limits = [f"{i}={d.memory_mib}M" for i, d in shares if d.memory_mib]
+        if limits:
+            env.append("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=" + ",".join(limits))
+        if mps_root:
+            # The share's GPU's own control daemon (one pipe per container: the first
+            # share's GPU when a request holds shares of several).
+            uuid = shares[0][1].uuid
+            env.append(f"CUDA_MPS_PIPE_DIRECTORY={mps.CONTAINER_PIPE}")
+            for host, container in (
+                (mps.pipe_dir(mps_root, uuid), mps.CONTAINER_PIPE),
+                (mps.log_dir(mps_root, uuid), mps.CONTAINER_LOG),
+            ):
+                mounts.append(
+                    {"hostPath": host, "containerPath": container, "options": ["rbind", "rw"]}
+                )
+        elif mps_pipe_directory:
+            env.append(f"CUDA_MPS_PIPE_DIRECTORY={mps_pipe_directory}")
+            mounts.append(
+                {
+                    "hostPath": mps_pipe_directory,
+                    "containerPath": mps_pipe_directory,
+                    "options": ["rbind", "rw"],
+                }
+            )
+    return env, mounts
+
+
 def build_spec(
     driver: str,
     claim_uid: str,
@@ -106,34 +167,14 @@ def build_spec(
     dev_root: str | Path = "/dev",
     host_dev: str = "/dev",
     mps_pipe_directory: str = "",
+    mps_root: str = "",
     control: Sequence[str] | None = None,
+    driver_edits: JsonObj | None = None,
 ) -> JsonObj:
     """The spec's JSON document; control nodes only where ``dev_root`` has them.
 
     ``control``: the names of :data:`CONTROL_DEVICES` known to exist (the caller's
     cached look-up, as the DRA plugin's); None: looked up in ``dev_root`` now."""
-    env = [
-        "NVIDIA_VISIBLE_DEVICES=" + ",".join(d.uuid for d in devices),
-        f"{ALLOCATION_ENV}={allocation}",
-    ]
-    shares = [(i, d) for i, d in enumerate(devices) if d.cores is not None or d.memory_mib]
-    mounts: list[JsonObj] = []
-    if shares:
-        cores = [d.cores for _, d in shares if d.cores is not None]
-        if cores:
-            env.append(f"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE={min(cores)}")
-        limits = [f"{i}={d.memory_mib}M" for i, d in shares if d.memory_mib]
-        if limits:
-            env.append("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=" + ",".join(limits))
-        if mps_pipe_directory:
-            env.append(f"CUDA_MPS_PIPE_DIRECTORY={mps_pipe_directory}")
-            mounts.append(
-                {
-                    "hostPath": mps_pipe_directory,
-                    "containerPath": mps_pipe_directory,
-                    "options": ["rbind", "rw"],
-                }
-            )
     if control is None:
         root = Path(dev_root)
         control = [name for name in CONTROL_DEVICES if (root / name).exists()]
@@ -141,26 +182,34 @@ def build_spec(
         {"path": f"{host_dev}/{name}", "hostPath": f"{host_dev}/{name}", "permissions": "rw"}
         for name in control
     ]
-    edits: JsonObj = {"env": env}
+    edits: JsonObj = {}
+    if allocation:  # a claim of admin access only owns nothing: no allocation to name
+        edits["env"] = [f"{ALLOCATION_ENV}={allocation}"]
     if nodes:
         edits["deviceNodes"] = nodes
-    if mounts:
-        edits["mounts"] = mounts
+    for key in ("mounts", "hooks"):
+        if (driver_edits or {}).get(key):
+            edits[key] = list((driver_edits or {})[key])
+    out: list[JsonObj] = []
+    for group in _groups(devices).values():
+        env, mounts = _visible_env(group, mps_pipe_directory, mps_root)
+        for d in group:
+            device_edits: JsonObj = {
+                "env": env,
+                "deviceNodes": [
+                    {"path": path, "hostPath": path, "permissions": "rw"}
+                    for path in (f"{host_dev}/nvidia{d.minor}", *d.extra_nodes)
+                ],
+            }
+            if mounts:
+                device_edits["mounts"] = mounts
+            out.append({"name": device_name(claim_uid, d.device), "containerEdits": device_edits})
+    order = {device_name(claim_uid, d.device): i for i, d in enumerate(devices)}
+    out.sort(key=lambda body: order[body["name"]])
     return {
         "cdiVersion": CDI_VERSION,
         "kind": kind(driver),
-        "devices": [
-            {
-                "name": device_name(claim_uid, d.device),
-                "containerEdits": {
-                    "deviceNodes": [
-                        {"path": path, "hostPath": path, "permissions": "rw"}
-                        for path in (f"{host_dev}/nvidia{d.minor}", *d.extra_nodes)
-                    ]
-                },
-            }
-            for d in devices
-        ],
+        "devices": out,
         "containerEdits": edits,
     }
 

@@ -16,7 +16,12 @@ attributes are
 * gpulet's own ``index``, ``minor``, ``numaNode`` and ``nvlinkIsland``: GPUs joined by
   active NVLinks (directly or through NVSwitch) form one island, named by the smallest
   GPU index in it, so ``matchAttribute: gpu.gpulet.io/nvlinkIsland`` keeps a multi-GPU
-  claim on one island and ``numaNode`` on one socket's memory.
+  claim on one island and ``numaNode`` on one socket's memory. An island joins GPUs
+  that share any single link; ``nvlinkFullIsland`` joins them over full-bandwidth links
+  only (as many NVLinks as the best-linked pair of the node, :func:`nvlink_facts`), so
+  ``matchAttribute: gpu.gpulet.io/nvlinkFullIsland`` asks for "fully NVLinked";
+  ``nvlinkFullLinks`` is the links to each peer of that island (0: none) and
+  ``nvlinkLinks`` all of the GPU's active NVLinks, for CEL (``>= 4``).
 
 The inventory carries no brand, so ``brand`` is ``Nvidia`` (NVML's name of the brand
 of data-centre parts since Hopper); ``architecture`` comes from the compute
@@ -33,6 +38,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any, Final
 
 from gpulet_common.dra import limits
@@ -125,6 +131,65 @@ def nvlink_islands(gpus: Iterable[GpuInfo]) -> dict[str, int]:
     return {g.uuid: min(members[find(g.uuid)]) for g in listed}
 
 
+@dataclass(frozen=True)
+class NvLink:
+    """A GPU's NVLink facts beside its island: the island over full-bandwidth links
+    only, the links to each peer in it, and all of its active links."""
+
+    full_island: int
+    full_links: int
+    links: int
+
+
+def _pair_links(listed: list[GpuInfo]) -> dict[tuple[str, str], int]:
+    """Active links between two GPUs of the inventory, either end's report (the larger:
+    a peer's report may lag)."""
+    known = {g.uuid for g in listed}
+    pairs: dict[tuple[str, str], int] = {}
+    for gpu in listed:
+        for link in gpu.topology:
+            if link.nvlinks > 0 and link.peer_uuid in known and link.peer_uuid != gpu.uuid:
+                key = (min(gpu.uuid, link.peer_uuid), max(gpu.uuid, link.peer_uuid))
+                pairs[key] = max(pairs.get(key, 0), link.nvlinks)
+    return pairs
+
+
+def nvlink_facts(gpus: Iterable[GpuInfo]) -> dict[str, NvLink]:
+    """GPU uuid → :class:`NvLink`. A link between two GPUs is full-bandwidth when it has
+    as many NVLinks as the best-linked pair of the node (NVSwitch systems: every pair;
+    the pairs of ``nvlink-pairs-8gpu``: 4 links, not the quads' single one); the full
+    island joins GPUs over such links only, named by its smallest GPU index, and a GPU
+    with none is an island of its own (``full_links`` 0)."""
+    listed = list(gpus)
+    pairs = _pair_links(listed)
+    best = max(pairs.values(), default=0)
+    parent = {g.uuid: g.uuid for g in listed}
+
+    def find(uuid: str) -> str:
+        while parent[uuid] != uuid:
+            parent[uuid] = parent[parent[uuid]]
+            uuid = parent[uuid]
+        return uuid
+
+    full_links: dict[str, int] = {}
+    total: dict[str, int] = {}
+    for (a, b), n in pairs.items():
+        total[a] = total.get(a, 0) + n
+        total[b] = total.get(b, 0) + n
+        if best and n == best:
+            full_links[a] = full_links[b] = best
+            ra, rb = find(a), find(b)
+            if ra != rb:
+                parent[ra] = rb
+    members: dict[str, list[int]] = {}
+    for gpu in listed:
+        members.setdefault(find(gpu.uuid), []).append(gpu.index)
+    return {
+        g.uuid: NvLink(min(members[find(g.uuid)]), full_links.get(g.uuid, 0), total.get(g.uuid, 0))
+        for g in listed
+    }
+
+
 def string_attribute(value: str) -> JsonObj | None:
     """A string attribute; None (left out) when empty or longer than the API allows."""
     return {"string": value} if value and len(value) <= limits.MAX_STRING_VALUE else None
@@ -136,6 +201,7 @@ def attributes(
     *,
     island: int,
     pcie_root: Callable[[str], str] | None = None,
+    nvlink: NvLink | None = None,
 ) -> JsonObj:
     cc = gpu.compute_capability
     found: dict[str, JsonObj | None] = {
@@ -155,6 +221,9 @@ def attributes(
         "minor": {"int": gpu.minor} if gpu.minor is not None else None,
         "numaNode": {"int": gpu.numa_node} if gpu.numa_node is not None else None,
         "nvlinkIsland": {"int": island},
+        "nvlinkFullIsland": {"int": nvlink.full_island} if nvlink is not None else None,
+        "nvlinkFullLinks": {"int": nvlink.full_links} if nvlink is not None else None,
+        "nvlinkLinks": {"int": nvlink.links} if nvlink is not None else None,
     }
     bus = pci_bus_id(gpu.pci_bus_id)
     if bus:
@@ -165,9 +234,15 @@ def attributes(
 
 
 def _policy(total: int, step: int) -> JsonObj:
+    """A request of nothing names all of it (``default``); the range starts at 0 so
+    that an ``adminAccess`` request may ask for 0 of each: the 1.37 allocator charges
+    an admin request like any other against what is left of a device that allows
+    multiple allocations (its admin results are then not counted), so only a request
+    of 0 fits beside a claim that holds the whole GPU. Prepare refuses 0 to any
+    request without admin access."""
     return {
         "default": binary(total),
-        "validRange": {"min": binary(step), "max": binary(total), "step": binary(step)},
+        "validRange": {"min": "0", "max": binary(total), "step": binary(step)},
     }
 
 

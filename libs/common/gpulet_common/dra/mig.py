@@ -128,9 +128,10 @@ def attributes(
     *,
     island: int,
     pcie_root: Callable[[str], str] | None = None,
+    nvlink: dev.NvLink | None = None,
 ) -> JsonObj:
     """The parent's attributes where NVIDIA repeats them, then the MIG device's own."""
-    parent = dev.attributes(gpu, inventory, island=island, pcie_root=pcie_root)
+    parent = dev.attributes(gpu, inventory, island=island, pcie_root=pcie_root, nvlink=nvlink)
     for own in ("index", "minor"):
         parent.pop(own, None)
     found: dict[str, JsonObj | None] = {

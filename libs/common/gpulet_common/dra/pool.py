@@ -86,6 +86,7 @@ def render_devices(
     longer lists stays in the pool, tainted ``unhealthy=gpu-lost``: as in the Device
     and the device plugin's list, a scheduler must see a broken GPU, not one fewer."""
     islands = dev.nvlink_islands(inventory.gpus)
+    nvlinks = dev.nvlink_facts(inventory.gpus)
     known = known or {}
     out: list[JsonObj] = []
     seen: set[str] = set()
@@ -138,7 +139,9 @@ def render_devices(
             name = dev.device_name(gpu)
             body = dev.device_body(
                 name,
-                dev.attributes(gpu, inventory, island=island, pcie_root=pcie_root),
+                dev.attributes(
+                    gpu, inventory, island=island, pcie_root=pcie_root, nvlink=nvlinks[gpu.uuid]
+                ),
                 dev.capacity(gpu, sharing=settings.sharing, memory_step=settings.memory_step_bytes),
                 wanted_taints(gpu, name, gpu.uuid),
                 shared=settings.sharing,
@@ -148,7 +151,9 @@ def render_devices(
             name = mig.device_name(gpu, m)
             body = dev.device_body(
                 name,
-                mig.attributes(gpu, m, inventory, island=island, pcie_root=pcie_root),
+                mig.attributes(
+                    gpu, m, inventory, island=island, pcie_root=pcie_root, nvlink=nvlinks[gpu.uuid]
+                ),
                 mig.capacity(m),  # a MIG device is given whole
                 wanted_taints(gpu, name, m.uuid, m.uuid),
             )

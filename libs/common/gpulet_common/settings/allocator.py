@@ -130,8 +130,19 @@ class MpsSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     # CUDA_MPS_PINNED_DEVICE_MEM_LIMIT (memory units) for shares.
     enabled: bool = True
     # Host directory of the MPS control daemon's pipes. When set, it is mounted at the
-    # same path in share containers and CUDA_MPS_PIPE_DIRECTORY points there.
+    # same path in share containers and CUDA_MPS_PIPE_DIRECTORY points there (a daemon
+    # run by someone else; gpulet then runs none).
     pipe_directory: str = ""
+    # Run and supervise an MPS control daemon (nvidia-cuda-mps-control) per GPU that
+    # holds shares, stopped when its last share goes (docs/dra.md, "Shares enforced
+    # with MPS"). Ignored when pipe_directory is set.
+    daemons: bool = True
+    # Where each GPU's daemon keeps its pipe and log directories (<root>/<GPU UUID>/pipe
+    # and /log). Empty: /run/gpulet/mps with the real NVML, <state_dir>/mps with the mock.
+    root_directory: str = ""
+    # The control daemon's binary. Empty: nvidia-cuda-mps-control (looked up in PATH)
+    # with the real NVML, the mock control daemon with the mock NVML.
+    control_binary: str = ""
 
 
 class CdiSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -78,6 +78,23 @@ class DraSettings(KubeWriterSettings, kw_only=True, forbid_unknown_fields=True, 
     watch_timeout_s: PositiveSeconds = 300.0
     # The field manager of gpulet's server-side applies of ResourceSlices.
     field_manager: str = "gpulet-dra"
+    # How often the prepared claims are checked with the API server; one it no longer
+    # knows is unprepared (its GPUs released). Claims of an earlier boot: at start.
+    sweep_interval_s: PositiveSeconds = 600.0
+    # Give containers the driver's user space through the CDI specs (libraries found by
+    # driver version through the ldcache, binaries, firmware, IPC sockets; docs/dra.md).
+    driver_files: bool = True
+    # Where the driver is installed, as the host sees it: `/` for a driver on the host,
+    # `/run/nvidia/driver` for the GPU operator's driver container. Empty: `/` with the
+    # real NVML, a mock driver root under the state directory with the mock NVML.
+    driver_root: str = ""
+    # Where gpulet sees that root, when it is not at the same path (the host's `/`
+    # mounted at `/host`). Empty: the same path.
+    driver_root_seen: str = ""
+    # The host path of the NVIDIA Container Toolkit's `nvidia-cdi-hook`, for the
+    # create-symlinks and update-ldcache hooks. Empty: looked for under the driver root
+    # (`usr/bin`, `usr/local/nvidia/toolkit`); none found: no hooks.
+    cdi_hook_path: str = ""
 
     @property
     def serves_dra(self) -> bool:

@@ -13,15 +13,20 @@ from gpulet_allocator.decide.books import ALLOCATION_ANNOTATION, ALLOCATION_ENV,
 from gpulet_allocator.decide.engine import ShareAllocation, WholeAllocation
 from gpulet_allocator.protocol import MEMORY_UNIT_MIB, ContainerAllocation, Mount
 from gpulet_allocator.state.records import Grant
+from gpulet_common import mps as mps_paths
 from gpulet_common.refusal import Refused
 from gpulet_common.settings.allocator import CdiSettings, MpsSettings
 
 
 class Answers:
-    def __init__(self, books: Books, mps: MpsSettings, cdi: CdiSettings) -> None:
+    def __init__(
+        self, books: Books, mps: MpsSettings, cdi: CdiSettings, *, mps_root: str = ""
+    ) -> None:
         self._books = books
         self._mps = mps
         self._cdi = cdi
+        # gpulet's per-GPU control daemons (gpulet_common.mps); empty: none.
+        self._mps_root = mps_root
 
     def answer(self, grant: Grant) -> ContainerAllocation:
         alloc = self._books.ledger.get(grant.allocation)
@@ -43,7 +48,23 @@ class Answers:
                 # One visible device, so it is ordinal 0 inside the container.
                 mib = alloc.memory_units * MEMORY_UNIT_MIB
                 envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = f"0={mib}M"
-            if self._mps.pipe_directory:
+            if self._mps_root:
+                # The GPU's own control daemon (gpulet_allocator.service.mps).
+                gpu = gpus[0]
+                envs["CUDA_MPS_PIPE_DIRECTORY"] = mps_paths.CONTAINER_PIPE
+                mounts.append(
+                    Mount(
+                        container_path=mps_paths.CONTAINER_PIPE,
+                        host_path=mps_paths.pipe_dir(self._mps_root, gpu),
+                    )
+                )
+                mounts.append(
+                    Mount(
+                        container_path=mps_paths.CONTAINER_LOG,
+                        host_path=mps_paths.log_dir(self._mps_root, gpu),
+                    )
+                )
+            elif self._mps.pipe_directory:
                 envs["CUDA_MPS_PIPE_DIRECTORY"] = self._mps.pipe_directory
                 mounts.append(
                     Mount(

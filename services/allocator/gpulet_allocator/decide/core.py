@@ -104,6 +104,7 @@ class AllocatorCore:
         names: ResourceNames,
         shares: bool = True,
         mps: MpsSettings | None = None,
+        mps_root: str = "",
         cdi: CdiSettings | None = None,
         join_window_s: float = 5.0,
         release_grace_s: float = 60.0,
@@ -144,7 +145,9 @@ class AllocatorCore:
         #: ``release``. A reservation is refused like Allocate while the record is lost
         #: or there is no inventory.
         self.claims = Claims(self.books, self._refuse_unready)
-        self._answers = Answers(self.books, mps or MpsSettings(), cdi or CdiSettings())
+        self._answers = Answers(
+            self.books, mps or MpsSettings(), cdi or CdiSettings(), mps_root=mps_root
+        )
         #: Time-slicing replicas: the node's config in force (:mod:`.timeslice`).
         self.time_slicing = TimeSlicing(
             self.books, time_slicing or TimeSlicingSettings(), names.gpu

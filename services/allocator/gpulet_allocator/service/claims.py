@@ -44,6 +44,9 @@ from gpulet_common.runtime import Runtime
 if TYPE_CHECKING:
     from gpulet_allocator.kubelet.dra.service import DraPluginRunner
 
+if TYPE_CHECKING:
+    from gpulet_allocator.service.mps import MpsSupervisor
+
 log = logging.getLogger("gpulet.allocator")
 
 # How long after a failure the DRA kubelet plugin is started again (DraHost).
@@ -168,20 +171,33 @@ class DraHost:
     :data:`RESTART_S` later, while the ledger goes on serving the device plugin.
     """
 
-    def __init__(self, runtime: Runtime, view: NodeView, core: LocalClaimCore) -> None:
+    def __init__(
+        self,
+        runtime: Runtime,
+        view: NodeView,
+        core: LocalClaimCore,
+        mps: MpsSupervisor | None = None,
+    ) -> None:
         self._rt = runtime
         self._view = view
         self._core = core
+        self._mps = mps
         #: The running plugin (for tests).
         self.runner: DraPluginRunner | None = None
         #: How many times the plugin failed and was started again.
         self.restarts = 0
 
+    def health_changed(self) -> None:
+        """A GPU's MPS daemon died or came back: the health stream says so again."""
+        runner = self.runner
+        if runner is not None and runner.health is not None:
+            runner.health.changed()
+
     async def run(self) -> None:
         from gpulet_allocator.kubelet.dra.service import STATUS_NAME, DraPluginRunner
 
         while True:
-            self.runner = DraPluginRunner(self._rt, self._view, self._core)
+            self.runner = DraPluginRunner(self._rt, self._view, self._core, self._mps)
             try:
                 await self.runner.run()
             except Exception as exc:

@@ -82,6 +82,7 @@ from gpulet_allocator.service.claims import ClaimEndpoints, DraHost, LocalClaimC
 from gpulet_allocator.service.durable import Durable
 from gpulet_allocator.service.handshake import HandshakeRunner, pod_book
 from gpulet_allocator.service.held import HeldCount
+from gpulet_allocator.service.mps import MpsSupervisor, control_command
 from gpulet_allocator.service.release import PodResourcesFollower
 from gpulet_allocator.service.remediate.service import RemediationService
 from gpulet_allocator.service.replies import Replies, handler_for
@@ -95,6 +96,7 @@ from gpulet_allocator.state.checkpoint import (
     encode,
 )
 from gpulet_common import __version__, subjects
+from gpulet_common import mps as mps_paths
 from gpulet_common.lifecycle import idle_disabled
 from gpulet_common.messages import ErrorReply
 from gpulet_common.nodeview import NodeChange, NodeView
@@ -140,6 +142,9 @@ class AllocatorService(RuntimeService[AllocatorSettings]):
             names=plugin.resources,
             shares=plugin.shares,
             mps=self._settings.mps,
+            mps_root=mps_paths.root(runtime.settings)
+            if mps_paths.managed(runtime.settings)
+            else "",
             cdi=self._settings.cdi,
             join_window_s=self._settings.share_join_window_s,
             release_grace_s=self._settings.release_grace_s,
@@ -200,7 +205,19 @@ class AllocatorService(RuntimeService[AllocatorSettings]):
         #: The DRA kubelet plugin, when this service hosts it (``dra.plugin_host``), and
         #: its decision core (the same decisions as ``reserve-claim``, in process).
         self.claim_core = LocalClaimCore(self.claims, self.durable)
-        self.dra = DraHost(runtime, self.view, self.claim_core)
+        #: The MPS control daemons of the GPUs that hold shares (.mps), when gpulet runs them.
+        self.mps: MpsSupervisor | None = None
+        if mps_paths.managed(runtime.settings):
+            self.mps = MpsSupervisor(
+                mps_paths.root(runtime.settings),
+                control_command(
+                    self._settings.mps.control_binary,
+                    mock=mps_paths.mock_backend(runtime.settings),
+                ),
+                lambda: self.core.ledger.devices(),
+                self._on_mps_change,
+            )
+        self.dra = DraHost(runtime, self.view, self.claim_core, self.mps)
         #: Evicting the pods of a failed GPU (remediation.mode; docs/health.md).
         self.remediation = RemediationService(
             runtime.settings, self._node, self.core, self.view, meter, runtime
@@ -223,6 +240,12 @@ class AllocatorService(RuntimeService[AllocatorSettings]):
 
     def _on_record_change(self) -> None:
         self.held_count.changed(status=True)
+        if self.mps is not None:
+            self.mps.changed()
+
+    def _on_mps_change(self) -> None:
+        self._update_status()
+        self.dra.health_changed()
 
     # --- lifecycle ------------------------------------------------------------------------
 
@@ -302,6 +325,8 @@ class AllocatorService(RuntimeService[AllocatorSettings]):
                     tg.start_soon(self.handshake.run, self.core.book)
                 tg.start_soon(self.remediation.run)
                 tg.start_soon(self.sharing.run)
+                if self.mps is not None:
+                    tg.start_soon(self.mps.run)
                 if self._rt.settings.dra.plugin_runs_in("allocator"):
                     tg.start_soon(self.dra.run)
                 self._update_status()
@@ -339,7 +364,8 @@ class AllocatorService(RuntimeService[AllocatorSettings]):
     # --- koord-scheduler's decisions ---------------------------------------------------
 
     def _update_status(self) -> None:
-        self.status.update(self.core, self.handshake.problem or self.sharing.problem)
+        mps_problem = self.mps.problem if self.mps is not None else ""
+        self.status.update(self.core, self.handshake.problem or self.sharing.problem or mps_problem)
 
     def _on_view(self, change: NodeChange) -> None:
         inventory = self.view.inventory
@@ -362,6 +388,8 @@ class AllocatorService(RuntimeService[AllocatorSettings]):
 
     def _count_held(self) -> None:
         self.held_count.changed()
+        if self.mps is not None:
+            self.mps.changed()
 
     # --- request plumbing ---------------------------------------------------------------
 

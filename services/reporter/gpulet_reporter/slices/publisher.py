@@ -21,6 +21,13 @@ Flow
   slices are read again too, since nothing tells what happened while none was open. Watch lines are
   decoded totally; one bad line is counted, never fatal.
 
+Nothing known is lowered before it is known: until the allocator's first ``held``
+answer (``await_held``: mode ``both``, or time-slicing on) the device-plugin and
+time-sliced taints the API server holds are kept, and until the health service's state
+was read (``await_health``) so are its fault taints. A restart of the agent therefore
+never opens a window in which a held or faulty GPU looks free; new taints are still
+published at once.
+
 An inventory that NVML could not read (``degraded_reason``) is not published: it would
 delete the pool on a transient NVML failure; the last pool stays until a usable one
 arrives (the health service taints the GPUs meanwhile if they are really gone).
@@ -30,6 +37,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import replace as dataclass_replace
 
 import anyio
 from opentelemetry import metrics
@@ -73,6 +81,8 @@ class SlicePublisher:
         meter: metrics.Meter | None = None,
         pcie_root: Callable[[str], str] | None = None,
         server: str = "",
+        await_held: bool = False,
+        await_health: bool = False,
     ) -> None:
         self._settings = settings
         loop = loop_settings(settings)
@@ -88,6 +98,10 @@ class SlicePublisher:
         self._view: NodeView | None = None
         self._held: frozenset[str] = frozenset()
         self._sliced: dict[str, int] = {}
+        # Until the first ``held`` answer (and the health service's state), the taints
+        # those facts lower are kept as the API server holds them (writer.kept_classes).
+        self._held_known = not await_held
+        self._await_health = await_health
         self.last: SliceInput | None = None
         self.watch_events = 0
         self.watches = 0
@@ -114,7 +128,14 @@ class SlicePublisher:
             )
             return
         self.submit(
-            SliceInput(view.inventory, dict(view.healths()), self._held, dict(self._sliced))
+            SliceInput(
+                view.inventory,
+                dict(view.healths()),
+                self._held,
+                dict(self._sliced),
+                held_known=self._held_known,
+                health_known=not self._await_health or view.health_seen.is_set(),
+            )
         )
 
     def set_held(self, uuids: Iterable[str], replicas: Mapping[str, int] | None = None) -> None:
@@ -122,11 +143,13 @@ class SlicePublisher:
         offered as more than one replica is time-sliced: tainted, not claimable)."""
         held = frozenset(uuids)
         sliced = {u: n for u, n in (replicas or {}).items() if n > 1}
-        if held == self._held and sliced == self._sliced:
+        if held == self._held and sliced == self._sliced and self._held_known:
             return
-        self._held, self._sliced = held, sliced
+        self._held, self._sliced, self._held_known = held, sliced, True
         if self.last is not None:
-            self.submit(SliceInput(self.last.inventory, self.last.healths, held, dict(sliced)))
+            self.submit(
+                dataclass_replace(self.last, held=held, sliced=dict(sliced), held_known=True)
+            )
 
     def submit(self, desired: SliceInput) -> None:
         if desired == self.last:
@@ -151,6 +174,14 @@ class SlicePublisher:
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._loop.run)
             tg.start_soon(self._watch_forever)
+            if self._await_health and self._view is not None:
+                tg.start_soon(self._on_health_seen, self._view)
+
+    async def _on_health_seen(self, view: NodeView) -> None:
+        """The health service's first state may change nothing in the view (no GPU
+        faulty): render again anyway, since the kept health taints may go now."""
+        await view.health_seen.wait()
+        self._on_change(NodeChange())
 
     async def _watch_forever(self) -> None:
         await keep_watching(

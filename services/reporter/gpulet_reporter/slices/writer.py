@@ -33,8 +33,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+from gpulet_common.dra import limits, taints
 from gpulet_common.dra import pool as dra_pool
-from gpulet_common.dra import taints
 from gpulet_common.kubeapi import KubeApiError, api_path
 from gpulet_common.messages import GpuHealth, Inventory
 from gpulet_common.quantity import binary, parse_whole
@@ -59,6 +59,12 @@ class SliceInput:
     held: frozenset[str] = frozenset()
     # GPU uuid -> time-slicing replicas, for the GPUs offered as replicas (tainted).
     sliced: Mapping[str, int] = field(default_factory=dict)
+    # False until the allocator's first ``held`` answer: ``held`` and ``sliced`` are
+    # then not facts, and the taints they lower are kept as the API server holds them.
+    held_known: bool = True
+    # False until the health service's state was read: the health taints the API
+    # server holds are kept (a fault is never lowered by a restart).
+    health_known: bool = True
 
 
 _EMPTY: Final[tuple[Any, ...]] = (None, False, "", [], {})
@@ -118,6 +124,53 @@ def _observed_pool(observed: Mapping[str, JsonObj], node: str, driver: str) -> d
         for d in observed[name]["spec"].get("devices", [])
     ]
     return dra_pool.Pool(node, driver, devices, int(next(iter(generations))))
+
+
+def kept_classes(desired: SliceInput, driver: str) -> tuple[str, ...]:
+    """The taint keys whose state ``desired`` does not know yet: never lowered."""
+    keys: list[str] = []
+    if not desired.held_known:
+        keys += [f"{driver}/{taints.DEVICE_PLUGIN}", f"{driver}/{taints.TIME_SLICED}"]
+    if not desired.health_known:
+        keys += [f"{driver}/{k}" for k in (taints.XID, taints.UNHEALTHY, taints.WARNING)]
+    return tuple(keys)
+
+
+def keep_observed(
+    devices: list[JsonObj], observed: Mapping[str, JsonObj], keys: tuple[str, ...]
+) -> list[JsonObj]:
+    """``devices`` with every taint of ``keys`` that the observed slices carry on the
+    device of the same name added back (what is not known yet is not lowered)."""
+    if not keys:
+        return devices
+    held: dict[str, list[JsonObj]] = {}
+    for body in observed.values():
+        for device in body["spec"].get("devices") or []:
+            if not isinstance(device, dict) or not isinstance(device.get("name"), str):
+                continue
+            for taint in device.get("taints") or []:
+                if (
+                    isinstance(taint, dict)
+                    and taint.get("key") in keys
+                    and isinstance(taint.get("value", ""), str)
+                    and isinstance(taint.get("effect"), str)
+                ):
+                    held.setdefault(device["name"], []).append(taint)
+    out: list[JsonObj] = []
+    for device in devices:
+        extra = held.get(device.get("name", ""), [])
+        have = device.get("taints") or []
+        ident = {(t.get("key"), t.get("value"), t.get("effect")) for t in have}
+        add = [
+            {k: t[k] for k in ("key", "value", "effect", "timeAdded") if k in t}
+            for t in extra
+            if (t.get("key"), t.get("value"), t.get("effect")) not in ident
+        ]
+        if add:
+            merged = (have + add)[: limits.MAX_TAINTS_PER_DEVICE]
+            device = {**device, "taints": merged}
+        out.append(device)
+    return out
 
 
 def _slice_order(name: str) -> tuple[int, str]:
@@ -196,19 +249,22 @@ class SliceWriter:
             node_uid=uid if isinstance(uid, str) and uid else None,
             pcie_root=self._pcie_root,
         )
-        devices = canonical(built.devices)
+        kept = keep_observed(
+            built.devices, self.observed, kept_classes(desired, self._settings.driver)
+        )
+        devices = canonical(kept)
         generation = dra_pool.next_generation(previous, devices, floor)
-        if generation == built.generation:
+        if generation == built.generation and kept is built.devices:
             return built
         return dra_pool.Pool(
             built.node,
             built.driver,
-            built.devices,
+            kept,
             generation,
             dra_pool.slices(
                 built.node,
                 built.driver,
-                built.devices,
+                kept,
                 generation,
                 node_uid=uid if isinstance(uid, str) and uid else None,
             ),

@@ -43,6 +43,12 @@ class Owner(msgspec.Struct, frozen=True, kw_only=True):
         )
         if claim:
             return f"claim {who}"
+        if not self.name:
+            # kubelet's Allocate names no pod: the holder is the device plugin's
+            # allocation, known by its ID (never a made-up pod and container).
+            return f"the device plugin's allocation {self.allocation_id}"
+        if not self.container:
+            return f"pod {who}"
         return f"pod {who} container {self.container!r}"
 
 

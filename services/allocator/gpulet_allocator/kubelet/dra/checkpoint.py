@@ -57,6 +57,9 @@ class PreparedDevice(msgspec.Struct, frozen=True, kw_only=True):
     pool: str
     device: str
     cdi_ids: list[str] = []
+    # The allocation result's shareID (a share of a device that allows multiple
+    # allocations), answered to kubelet so PodResources tells two shares apart.
+    share_id: str = ""
 
 
 class PreparedClaim(msgspec.Struct, frozen=True, kw_only=True):
@@ -65,6 +68,12 @@ class PreparedClaim(msgspec.Struct, frozen=True, kw_only=True):
     name: str
     allocation: str = ""
     devices: list[PreparedDevice] = []
+    # The node's boot ID when it was prepared (.sweep: a claim of an earlier boot is
+    # checked with the API server at start, not a sweep interval later).
+    boot_id: str = ""
+    # GPU UUID -> [cores %, memory MiB] of the whole GPUs the claim configured for MPS
+    # (their control daemon runs while the claim is prepared).
+    mps: dict[str, list[int]] = {}
 
 
 class Checkpoint(msgspec.Struct, kw_only=True):

@@ -12,7 +12,9 @@ is checked here, never assumed:
   and a device name that is a DNS label;
 * ``request`` ``main/sub`` (a prioritized-list sub-request) counts as ``main``;
 * ``consumedCapacity`` of a shared device gives the share: ``cores`` (percent, 1-100)
-  and ``memory`` (bytes, a whole quantity).
+  and ``memory`` (bytes, a whole quantity);
+* a result with ``adminAccess: true`` is admin access (a monitoring pod's): it owns
+  nothing, whatever capacity it was charged (0 on a busy GPU).
 
 Anything else is a :class:`ClaimError` whose message is the per-claim ``error`` kubelet
 sees. Nothing here raises anything else, whatever the JSON.
@@ -25,7 +27,9 @@ from typing import Any, Final
 import anyio
 
 from gpulet_allocator.kubelet.dra.contract import ClaimDevice, ClaimReadError, JsonObj
+from gpulet_common.dra import config as dra_config
 from gpulet_common.dra import limits
+from gpulet_common.dra.mig import parse_name as parse_mig_name
 from gpulet_common.kubeapi import KubeApiError, KubeClient, api_path
 from gpulet_common.quantity import parse_whole as parse_quantity
 
@@ -36,6 +40,22 @@ VERSION: Final = "v1"
 
 class ClaimError(ValueError):
     """The claim cannot be prepared; the message says why (kubelet shows it)."""
+
+
+# A name as kubelet sent it is echoed in an error to this many characters at most
+# (Kubernetes names are at most 253; a longer one is no claim's, and is cut).
+MAX_NAME_ECHO: Final = 253
+
+
+def _cut(text: str) -> str:
+    if len(text) <= MAX_NAME_ECHO:
+        return text
+    return f"{text[:64]}... ({len(text)} characters)"
+
+
+def claim_words(namespace: str, name: str) -> str:
+    """``namespace/name`` for an error message, each part cut when it is too long."""
+    return f"{_cut(namespace)}/{_cut(name)}"
 
 
 def _dict(value: Any) -> JsonObj:
@@ -82,6 +102,7 @@ def devices_of(
                 merged.cores,
                 merged.memory_bytes,
                 merged.share_id,
+                merged.admin,
             )
             continue
         seen.add(key)
@@ -100,6 +121,10 @@ def _one(result: JsonObj, i: int, *, pool: str, where: str) -> ClaimDevice:
     main = request.split("/", 1)[0]
     share = result.get("shareID")
     share_id = share if isinstance(share, str) else ""
+    admin = result.get("adminAccess") is True
+    if admin:
+        # Admin access owns nothing: whatever it consumed, it is no share.
+        return ClaimDevice(pool, device, (main,), share_id=share_id, admin=True)
     consumed = result.get("consumedCapacity")
     cores = memory = None
     if consumed is not None:
@@ -114,6 +139,34 @@ def _one(result: JsonObj, i: int, *, pool: str, where: str) -> ClaimDevice:
             if memory is None or memory <= 0:
                 raise ClaimError(f"claim {where}: result {i} consumes invalid memory")
     return ClaimDevice(pool, device, (main,), cores, memory, share_id)
+
+
+def configs_of(
+    claim: JsonObj, devices: list[ClaimDevice], *, driver: str, where: str
+) -> dict[str, dra_config.Config]:
+    """Each of our devices' configuration (by device name) from the allocation's
+    opaque configs of our driver (:mod:`gpulet_common.dra.config`); raises ClaimError
+    naming the config and the field when one is invalid or of the wrong kind."""
+    allocation = _dict(_dict(claim.get("status")).get("allocation"))
+    configs = _dict(allocation.get("devices")).get("config")
+    requests = sorted({r for d in devices for r in d.requests})
+    chosen, errors = dra_config.resolve(configs, driver, requests)
+    if errors:
+        raise ClaimError(f"claim {where}: invalid configuration: " + "; ".join(errors))
+    out: dict[str, dra_config.Config] = {}
+    for device in devices:
+        config = next((chosen[r] for r in device.requests if r in chosen), None)
+        if config is None:
+            continue
+        mig = parse_mig_name(device.device) is not None
+        if mig != isinstance(config, dra_config.MigDeviceConfig):
+            want = "MigDeviceConfig" if mig else "GpuConfig"
+            raise ClaimError(
+                f"claim {where}: invalid configuration: kind: device {device.device} "
+                f"takes a {want}, not a {type(config).__name__}"
+            )
+        out[device.device] = config
+    return out
 
 
 class KubeClaimReader:

@@ -33,7 +33,7 @@ read model in production.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -53,6 +53,9 @@ class ClaimDevice:
     cores: int | None = None
     memory_bytes: int | None = None
     share_id: str = ""
+    # adminAccess: the device is given to the claim's containers without being owned
+    # (never reserved in the ledger, never refused for being held).
+    admin: bool = False
 
 
 @dataclass(frozen=True)
@@ -109,6 +112,23 @@ class DeviceHealth:
     health: Health
     since: float = 0.0
     message: str = ""
+
+
+class MpsDaemons(Protocol):
+    """The allocator's MPS control daemons (``gpulet_allocator.service.mps``), as the
+    DRA plugin sees them when it runs in the allocator's process."""
+
+    @property
+    def faults(self) -> Mapping[str, str]:
+        """GPU UUID -> why its daemon does not serve its shares."""
+        ...
+
+    def also_want(self, source: Callable[[], Mapping[str, tuple[int, int]]]) -> None:
+        """Daemons for these GPUs too (UUID -> cores %, memory MiB): whole GPUs that a
+        claim configured for MPS, which the ledger does not hold as shares."""
+        ...
+
+    def changed(self) -> None: ...
 
 
 class HealthSource(Protocol):

@@ -17,14 +17,19 @@ device plugin's ListAndWatch and the slices' taints read too.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Mapping
 from types import ModuleType
 from typing import Any, Final
 
 import anyio
 import grpc.aio
 
-from gpulet_allocator.kubelet.dra.contract import DeviceHealth, Health, HealthSource
+from gpulet_allocator.kubelet.dra.contract import (
+    DeviceHealth,
+    Health,
+    HealthSource,
+    ReservedDevice,
+)
 from gpulet_common.dra.mig import targets
 from gpulet_common.kubelet_api.dra_health.v1 import api_pb2 as health_v1
 from gpulet_common.kubelet_api.dra_health.v1 import api_pb2_grpc as health_v1_grpc
@@ -93,12 +98,23 @@ class NodeViewHealth:
     otherwise (the same rule as :meth:`NodeView.healthy`), the active conditions'
     reasons as the message, the health service's ``updated_at`` as the time."""
 
-    def __init__(self, view: NodeView, pool: str) -> None:
+    def __init__(
+        self,
+        view: NodeView,
+        pool: str,
+        faults: Callable[[], Mapping[str, str]] | None = None,
+    ) -> None:
         self._view = view
         self._pool = pool
+        # GPU UUID -> a fault the health service does not know of (a dead MPS daemon).
+        self._faults = faults or (dict)
         self.version = 0
         self._changed = anyio.Event()
         view.listen(self._on_change)
+
+    def changed(self) -> None:
+        """Something besides the node view changed (an MPS fault): stream again."""
+        self._on_change(NodeChange())
 
     def _on_change(self, _change: NodeChange) -> None:
         self.version += 1
@@ -110,6 +126,7 @@ class NodeViewHealth:
         if inventory is None:
             return []
         out = []
+        faults = self._faults()
         for target in targets(inventory.gpus).values():
             gpu, own = target.gpu, target.mig.uuid if target.mig is not None else ""
             health = self._view.health(gpu.uuid)
@@ -127,8 +144,25 @@ class NodeViewHealth:
                 )
                 if not health.present:
                     message = "GPU not present" + (f"; {message}" if message else "")
+            fault = faults.get(gpu.uuid)
+            if fault and target.mig is None:
+                state, message = "unhealthy", f"MPS: {fault}" + (f"; {message}" if message else "")
             out.append(DeviceHealth(self._pool, target.name, state, since, message))
         return out
+
+    def lookup(self, name: str) -> ReservedDevice | None:
+        """The device ``name`` of the pool as it is now, for admin access (which is
+        prepared without a reservation); None when the node has no such device."""
+        inventory = self._view.inventory
+        if inventory is None:
+            return None
+        target = targets(inventory.gpus).get(name)
+        if target is None:
+            return None
+        gpu = target.gpu
+        minor = gpu.minor if gpu.minor is not None else gpu.index
+        uuid = target.mig.uuid if target.mig is not None else gpu.uuid
+        return ReservedDevice(name, uuid, minor)
 
     async def wait_changed(self, version: int) -> int:
         while version >= 0 and version == self.version:

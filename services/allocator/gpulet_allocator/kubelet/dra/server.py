@@ -121,6 +121,7 @@ class DraServicer(dra_grpc.DRAPluginServicer):
                         pool_name=d.pool,
                         device_name=d.device,
                         cdi_device_ids=d.cdi_ids,
+                        share_id=d.share_id or None,
                     )
                     for d in result.devices
                 )

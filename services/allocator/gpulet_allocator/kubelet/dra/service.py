@@ -17,6 +17,11 @@ group (its process, its node read model), with the decision core the service giv
   not registered, so nothing is lost meanwhile. With ``dra.claim_cache`` a
   :class:`~.claim_cache.WatchedClaimReader` in front of it answers from a watch of the
   node's allocated claims;
+* what Prepare did, on the claim (``status.devices``) and as Events:
+  :class:`~.status.ClaimStatusWriter`, in the background;
+* housekeeping: :class:`~.sweep.ClaimSweeper` unprepares the claims the API server
+  no longer knows, once kubelet has registered the plugin;
+* the driver's user space in the CDI specs: :class:`~.driver.DriverFilesKeeper`;
 * health: :class:`~.health.NodeViewHealth` over the service's
   :class:`~gpulet_common.nodeview.NodeView`;
 * sockets: ``<plugins_registry>/<driver>-reg.sock`` and
@@ -35,10 +40,17 @@ import anyio.abc
 
 from gpulet_allocator.kubelet.dra.claim_cache import WatchedClaimReader
 from gpulet_allocator.kubelet.dra.claims import KubeClaimReader
-from gpulet_allocator.kubelet.dra.contract import ClaimReader, DecisionCore
+from gpulet_allocator.kubelet.dra.contract import ClaimReader, DecisionCore, MpsDaemons
+from gpulet_allocator.kubelet.dra.driver import DriverFilesKeeper
 from gpulet_allocator.kubelet.dra.health import NodeViewHealth
+from gpulet_allocator.kubelet.dra.metrics import DraMetrics
 from gpulet_allocator.kubelet.dra.plugin import DraPlugin, PluginSettings
 from gpulet_allocator.kubelet.dra.server import DraKubeletPlugin, Sockets
+from gpulet_allocator.kubelet.dra.status import ClaimStatusWriter
+from gpulet_allocator.kubelet.dra.sweep import ClaimSweeper
+from gpulet_common import mps as mps_paths
+from gpulet_common.bootid import read_boot_id
+from gpulet_common.dra.driverfiles import container_edits
 from gpulet_common.kube import KubeConfig, KubeConfigError, lookup
 from gpulet_common.kubeapi import KubeClient
 from gpulet_common.nodeview import NodeView
@@ -67,10 +79,21 @@ async def kube_configuration(settings: DraSettings) -> KubeConfig:
 
 
 class DraPluginRunner:
-    def __init__(self, runtime: Runtime, view: NodeView, core: DecisionCore) -> None:
+    def __init__(
+        self,
+        runtime: Runtime,
+        view: NodeView,
+        core: DecisionCore,
+        mps: MpsDaemons | None = None,
+    ) -> None:
         self._rt = runtime
         self._view = view
         self._core = core
+        # The allocator's MPS daemons, when the plugin shares its process: their faults
+        # go into the health stream, and whole GPUs configured for MPS get a daemon.
+        self._mps = mps
+        #: The health stream's source while the plugin serves (for MPS faults).
+        self.health: NodeViewHealth | None = None
         #: The running kubelet plugin (for tests).
         self.server: DraKubeletPlugin | None = None
 
@@ -101,6 +124,9 @@ class DraPluginRunner:
             checkpoint=checkpoint_path(rt),
             dev_root=Path(rt.settings.allocator.plugin.dev_root),
             mig_capabilities_root=Path(rt.settings.allocator.plugin.mig_capabilities_root),
+            mps_root=mps_paths.root(rt.settings) if mps_paths.managed(rt.settings) else "",
+            mps_pipe_directory=rt.settings.allocator.mps.pipe_directory,
+            boot_id=await anyio.to_thread.run_sync(read_boot_id),
         )
         sockets = Sockets.for_driver(dra.driver, dra.plugins_registry, dra.plugins_dir)
         while True:
@@ -123,16 +149,36 @@ class DraPluginRunner:
         rt, dra = self._rt, self._rt.settings.dra
         async with KubeClient(configuration) as api:
             reader: ClaimReader = KubeClaimReader(api, timeout_s=dra.api_timeout_s)
+            direct = reader  # the sweep asks the API server itself, never a cache
             watched: WatchedClaimReader | None = None
             if dra.claim_cache:
                 reader = watched = WatchedClaimReader(api, reader, driver=dra.driver, pool=rt.node)
-            plugin = DraPlugin(core, reader, settings)
-            health = NodeViewHealth(self._view, rt.node)
+            status = ClaimStatusWriter(api, dra.driver, rt.node, timeout_s=dra.api_timeout_s)
+            plugin = DraPlugin(core, reader, settings, status, DraMetrics(rt.meter))
+            keeper = DriverFilesKeeper(
+                self._view,
+                dra,
+                lambda files: plugin.use_driver(container_edits(files), keeper.nvidia_smi(files)),
+                mock=rt.settings.nvml.backend == "mock",
+                state_dir=rt.settings.state_dir,
+            )
+            mps = self._mps
+            faults = (lambda: mps.faults) if mps is not None else None
+            health = self.health = NodeViewHealth(self._view, rt.node, faults)
+            if mps is not None:
+                plugin.mps = mps
+                mps.also_want(plugin.mps_whole)
+            plugin.lookup = health.lookup  # admin access: the device as the node has it
             self.server = server = DraKubeletPlugin(plugin, health, sockets, dra.driver)
             try:
                 async with anyio.create_task_group() as tg:
                     if watched is not None:
                         await tg.start(watched.run)
+                    tg.start_soon(status.run)
+                    sweeper = ClaimSweeper(
+                        plugin, direct, interval_s=dra.sweep_interval_s, boot_id=settings.boot_id
+                    )
+                    await tg.start(keeper.run)
                     await tg.start(server.run)
                     rt.status.set(
                         STATUS_NAME,
@@ -142,5 +188,6 @@ class DraPluginRunner:
                     )
                     await server.registration.registered.wait()
                     rt.status.set(STATUS_NAME, "ready", f"DRA driver {dra.driver} registered")
+                    tg.start_soon(sweeper.run)
             finally:
                 self.server = None
