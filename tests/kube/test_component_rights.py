@@ -64,6 +64,9 @@ ADDS: dict[str, frozenset[Right]] = {
             for verb in ("list", "watch", "create", "update", "delete")
         }
         | {("resource.k8s.io", "resourceclaims", "get", "")}
+        # Prepare reports on the claim (status.devices), for its own driver only.
+        | {("resource.k8s.io", "resourceclaims/status", "update", "")}
+        | {("resource.k8s.io", "resourceclaims/driver", "associated-node:update", "gpu.gpulet.io")}
     ),
     "nats-fleet": frozenset(),
     "nats-leaf": frozenset(),

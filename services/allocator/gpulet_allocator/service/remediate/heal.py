@@ -40,9 +40,8 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Final, Protocol
+from typing import TYPE_CHECKING, Final, Protocol
 
-from gpulet_allocator.service.remediate.nvml_port import Topology
 from gpulet_allocator.service.remediate.reset_exec import ResetExecutor, alone_problem
 from gpulet_common.bootid import read_boot_id
 from gpulet_common.heal import (
@@ -58,6 +57,9 @@ from gpulet_common.heal import (
 )
 from gpulet_common.remediation import Fault
 from gpulet_common.settings.remediation import ResetSettings
+
+if TYPE_CHECKING:  # NVML's bindings stay out of the allocator unless mode is reset
+    from gpulet_allocator.service.remediate.nvml_port import Topology
 
 log = logging.getLogger("gpulet.allocator.remediation.heal")
 

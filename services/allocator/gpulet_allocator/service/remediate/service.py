@@ -28,7 +28,6 @@ from gpulet_allocator.service.remediate.heal_events import NodeEvents, register_
 from gpulet_allocator.service.remediate.heal_store import KvBreakerStore, KvHealStore
 from gpulet_allocator.service.remediate.heal_view import faults_since, known_identity
 from gpulet_allocator.service.remediate.kube import KubeClient
-from gpulet_allocator.service.remediate.nvml_port import NvmlGpu
 from gpulet_allocator.service.remediate.reset_exec import (
     MockExecutor,
     NvidiaSmiExecutor,
@@ -40,7 +39,6 @@ from gpulet_common import kubeapi
 from gpulet_common.heal import HEAL_KV_BUCKET
 from gpulet_common.kube import KubeConfigError
 from gpulet_common.kubelet_api.podresources.v1 import api_pb2 as pr
-from gpulet_common.mock_nvml import MockNvml
 from gpulet_common.nodeview import NodeView
 from gpulet_common.podresources import list_pod_resources
 from gpulet_common.remediation import REMEDIATION_PLAN, REMEDIATION_REQUEST
@@ -138,6 +136,11 @@ class RemediationService:
         if module is None:
             log.error("remediation mode reset needs NVML (%s); evicting only", handle.reason)
             return None
+        # NVML's bindings and the mock only here, in mode reset: the allocator sidecar
+        # never loads them otherwise (tests/cli/test_sidecar_imports.py).
+        from gpulet_allocator.service.remediate.nvml_port import NvmlGpu
+        from gpulet_common.mock_nvml import MockNvml
+
         reset = self.remediator.settings.reset
         executor: ResetExecutor
         if reset.executor == "mock":
