@@ -51,8 +51,8 @@ def test_a_broken_cache_is_refused_or_read_as_far_as_it_goes(data: bytes) -> Non
     assert ldcache.parse(whole[:-5]) == []
 
 
-def test_the_mock_driver_roots_files_are_found_by_version(tmp_path: Path) -> None:
-    root = driver_root.make(tmp_path / "driver", VERSION)
+def test_the_mock_driver_roots_files_are_found_by_version(short_dir: Path) -> None:
+    root = driver_root.make(short_dir / "driver", VERSION)
     found = driverfiles.discover(str(root), VERSION)
     assert found.missing == ()
     assert found.libraries == tuple(f"{LIB}/{s}.{VERSION}" for s in driverfiles.LIBRARIES)
@@ -89,8 +89,8 @@ def test_a_symlink_out_of_the_root_is_not_followed(tmp_path: Path) -> None:
     assert found.missing == ("libnvidia-ml.so",)
 
 
-def test_the_spec_mounts_the_driver_read_only_with_the_hooks(tmp_path: Path) -> None:
-    seen = driver_root.make(tmp_path / "driver", VERSION)
+def test_the_spec_mounts_the_driver_read_only_with_the_hooks(short_dir: Path) -> None:
+    seen = driver_root.make(short_dir / "driver", VERSION)
     hook = seen / "usr/bin/nvidia-cdi-hook"
     hook.write_text("#!/bin/sh\n")
     hook.chmod(0o755)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any, cast
 
 import anyio
 import msgspec
@@ -17,7 +18,8 @@ import pytest
 
 from gpulet_common.kube import KubeConfig
 from gpulet_common.kubeapi import KubeApiError, KubeClient, api_path
-from gpulet_common.messages import ActiveCondition, GpuHealth
+from gpulet_common.messages import ActiveCondition, GpuHealth, Inventory
+from gpulet_common.nodeview import NodeChange, NodeView
 from gpulet_common.settings.dra import DraSettings
 from gpulet_reporter.slices.publisher import SlicePublisher
 from gpulet_reporter.slices.writer import SliceInput
@@ -378,3 +380,39 @@ async def test_taints_not_known_yet_are_kept_as_the_server_holds_them(
             lambda: "taints" not in devices(emu)["gpu-0"] and "taints" not in devices(emu)["gpu-1"],
             what="the taints lowered once known",
         )
+
+
+class _View:
+    """What the publisher reads of a NodeView: an inventory, the health map, and when
+    the health service's state and remediation's quarantines were first read."""
+
+    def __init__(self, inventory: Inventory) -> None:
+        self.inventory = inventory
+        self.health_seen = anyio.Event()
+        self.heal_seen = anyio.Event()
+        self.listeners: list[Any] = []
+
+    def healths(self) -> dict[str, GpuHealth]:
+        return {}
+
+    def listen(self, listener: Any) -> None:
+        self.listeners.append(listener)
+
+
+async def test_fault_taints_are_kept_until_remediations_quarantines_are_read_too(
+    emu: KubeEmulator,
+) -> None:
+    """A GPU in remediation is quarantined by its machine's record (gpulet_heal), while
+    its health state may already read healthy (a verified reset clears it): after a
+    restart, the health state alone must not lower its taint before the records are
+    read."""
+    view = _View(make_inventory(NODE, 2))
+    publisher = SlicePublisher(KubeClient(KubeConfig(emu.url)), NODE, FAST, await_health=True)
+    publisher.attach(cast(NodeView, view))
+    view.health_seen.set()
+    view.listeners[0](NodeChange())
+    assert publisher.last is not None
+    assert not publisher.last.health_known  # the quarantines are not read yet
+    view.heal_seen.set()
+    view.listeners[0](NodeChange())
+    assert publisher.last.health_known

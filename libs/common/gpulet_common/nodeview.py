@@ -62,6 +62,7 @@ from dataclasses import dataclass
 import anyio
 import anyio.abc
 import nats.errors
+import nats.js.errors
 from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 
 from gpulet_common import codec, subjects
@@ -124,6 +125,9 @@ class NodeView:
         self.inventory_seen = anyio.Event()
         #: Set once a KV snapshot was read: the health map is the service's state.
         self.health_seen = anyio.Event()
+        #: Set once the gpulet_heal bucket was read (or found not to exist): the
+        #: quarantines in every read are remediation's state, not "none known yet".
+        self.heal_seen = anyio.Event()
         #: Sessions started (1 + reconnections and resyncs), for tests and status.
         self.sessions = 0
 
@@ -312,6 +316,10 @@ class NodeView:
                 with anyio.fail_after(WATCH_OPEN_TIMEOUT_S):
                     kv = await self._bus.jetstream.key_value(HEAL_KV_BUCKET)
                     watcher = await kv.watch(f"{self._heal_prefix}>")
+            except nats.js.errors.BucketNotFoundError:
+                self.heal_seen.set()  # no remediation machine has run on this node
+                await anyio.sleep(self._retry_s)
+                continue
             except (nats.errors.Error, OSError, TimeoutError):
                 await anyio.sleep(self._retry_s)
                 continue
@@ -337,6 +345,7 @@ class NodeView:
                         u for u in old.keys() | self._heal.keys() if old.get(u) != self._heal.get(u)
                     }
                     snapshot = None
+                    self.heal_seen.set()
                     if changed:
                         self._notify(NodeChange(gpus=frozenset(changed)))
                 continue

@@ -134,7 +134,8 @@ class SlicePublisher:
                 self._held,
                 dict(self._sliced),
                 held_known=self._held_known,
-                health_known=not self._await_health or view.health_seen.is_set(),
+                health_known=not self._await_health
+                or (view.health_seen.is_set() and view.heal_seen.is_set()),
             )
         )
 
@@ -178,9 +179,11 @@ class SlicePublisher:
                 tg.start_soon(self._on_health_seen, self._view)
 
     async def _on_health_seen(self, view: NodeView) -> None:
-        """The health service's first state may change nothing in the view (no GPU
-        faulty): render again anyway, since the kept health taints may go now."""
+        """The health service's first state and remediation's quarantines may change
+        nothing in the view (no GPU faulty): render again anyway once both are read,
+        since the kept health taints may go now."""
         await view.health_seen.wait()
+        await view.heal_seen.wait()
         self._on_change(NodeChange())
 
     async def _watch_forever(self) -> None:
