@@ -23,6 +23,7 @@ from gpulet_allocator.kubelet.deviceplugin import (
     DevicePluginManager,
     PluginConfig,
     PluginGpu,
+    manager,
 )
 from gpulet_allocator.kubelet_api.deviceplugin.v1beta1 import api_pb2 as dp
 from gpulet_allocator.protocol import ContainerAllocation, DeviceSpec, Mount, PreferredRequest
@@ -435,6 +436,31 @@ async def test_deleted_plugin_socket_is_recreated(plugin_dir: Path, dev_root: Pa
         assert socket_mode(path) == 0o600
         await env.kubelet.wait_devices(CORE, lambda ds: len(ds) == 200)
         assert env.kubelet.registration_count(GPU) == 1
+
+
+@pytest.mark.anyio
+async def test_a_socket_that_keeps_being_replaced_is_restarted_with_a_back_off(
+    plugin_dir: Path, dev_root: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two device plugins serving the same socket files (a second gpulet on the node)
+    replace each other's socket at every look (every 50 ms here): each restarts its
+    server at most a few times a minute after the first three, and says once what is
+    likely wrong, instead of a warning and a restart per look."""
+    state = DeviceList(gpus())
+    config = make_config(plugin_dir, dev_root)
+    async with (
+        running_fake_kubelet(plugin_dir) as kubelet,
+        running_plugin(config, state, FakeBackend()),
+    ):
+        await kubelet.wait_registered(GPU)
+        async with running_plugin(config, DeviceList(gpus()), FakeBackend()):
+            # The window a storm would fill: 40 looks of each plugin.
+            await anyio.sleep(40 * config.watch_interval_s)
+        registrations = kubelet.registration_count(GPU)
+    # Without the back-off: about one registration per look, each side.
+    assert registrations <= 2 * (manager.REPLACED_FREE + 3), registrations
+    said = [r.getMessage() for r in caplog.records if "a second gpulet?" in r.getMessage()]
+    assert 1 <= len(said) <= 4, said
 
 
 @pytest.mark.anyio

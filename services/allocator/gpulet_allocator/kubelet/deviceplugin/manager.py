@@ -30,6 +30,7 @@ import logging
 import math
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Final
 
 import anyio
 import grpc
@@ -45,8 +46,16 @@ from gpulet_allocator.kubelet.deviceplugin.server import ResourceServer, ServerP
 from gpulet_allocator.kubelet_api.deviceplugin.v1beta1 import api_pb2 as pb
 from gpulet_allocator.kubelet_api.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
 from gpulet_allocator.protocol import ResourceSpec, resource_specs
+from gpulet_common.logutil import RateLimitedLog
 
 log = logging.getLogger(__name__)
+# A socket removed or replaced more than REPLACED_FREE times in REPLACED_WINDOW_S is
+# restarted after a back-off (doubling, at most REPLACED_BACKOFF_MAX_S), said at most
+# twice a minute.
+REPLACED_FREE: Final = 3
+REPLACED_WINDOW_S: Final = 60.0
+REPLACED_BACKOFF_MAX_S: Final = 30.0
+_replaced_log = RateLimitedLog(log, per_minute=2)
 
 # st_dev, st_ino, st_ctime_ns: inodes are reused quickly on tmpfs, the ctime tells a
 # recreated kubelet.sock apart even then.
@@ -79,6 +88,20 @@ class _Registration:
         self.next_attempt = -math.inf
         self.backoff = initial_backoff
         self.failures = 0
+        # Restarts of the server because its socket was removed or replaced: a socket
+        # that keeps being replaced (another device plugin, a second gpulet, serving
+        # the same file) is restarted with a back-off, not every tick.
+        self.restarts: list[float] = []
+        self.next_restart = -math.inf
+
+    def restart_due(self, now: float) -> bool:
+        """Whether the server may be restarted now; records the restart when it may."""
+        if now < self.next_restart:
+            return False
+        self.restarts = [t for t in self.restarts if now - t < REPLACED_WINDOW_S] + [now]
+        extra = len(self.restarts) - REPLACED_FREE
+        self.next_restart = now + (min(2.0**extra, REPLACED_BACKOFF_MAX_S) if extra > 0 else 0.0)
+        return True
 
     def forget(self) -> None:
         self.registered_with = None
@@ -173,7 +196,19 @@ class DevicePluginManager:
         for server in self.servers:
             st = self._state[server.spec.name]
             if not server.socket_intact():
-                if server.running:
+                if not st.restart_due(anyio.current_time()):
+                    continue
+                if len(st.restarts) > REPLACED_FREE:
+                    _replaced_log.warning(
+                        "%s was removed or replaced %d times in %d s: is another device "
+                        "plugin (a second gpulet?) serving the same socket? restarting its "
+                        "server at most every %.0f s",
+                        server.socket_path,
+                        len(st.restarts),
+                        int(REPLACED_WINDOW_S),
+                        st.next_restart - st.restarts[-1],
+                    )
+                elif server.running:
                     log.warning("%s was removed: restarting its server", server.socket_path)
                 st.forget()
                 try:
