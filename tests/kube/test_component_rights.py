@@ -68,6 +68,7 @@ ADDS: dict[str, frozenset[Right]] = {
         | {("resource.k8s.io", "resourceclaims/status", "update", "")}
         | {("resource.k8s.io", "resourceclaims/driver", "associated-node:update", "gpu.gpulet.io")}
     ),
+    "mps": frozenset(),
     "nats-fleet": frozenset(),
     "nats-leaf": frozenset(),
     "alerts": frozenset(),

@@ -224,8 +224,19 @@ def test_namespace_create_renders_the_base_namespace(tmp_path: Path) -> None:
         (["remediation.enabled=true"], ["remediation"], ()),
         (["sharing.timeSlicing.watchNode=true"], ["time-slicing"], ()),
         (["dra.mode=both"], ["dra"], (DRA_MODE,)),
+        (["sharing.mps.daemons=true"], ["mps"], ()),
+        (["dra.mode=both", "sharing.mps.daemons=true"], ["dra", "mps"], (DRA_MODE,)),
     ],
-    ids=["nats-existing", "nats-fleet", "alerting", "remediation", "time-slicing", "dra"],
+    ids=[
+        "nats-existing",
+        "nats-fleet",
+        "alerting",
+        "remediation",
+        "time-slicing",
+        "dra",
+        "mps",
+        "dra-and-mps",
+    ],
 )
 def test_values_render_what_the_kustomize_components_do(
     values: list[str],

@@ -97,8 +97,12 @@ def _with_components(tmp_path: Path, components: list[str]) -> list[dict[str, An
 # nats-leaf and nats-fleet are alternatives (a leaf to a cluster NATS, or to the hub).
 @pytest.mark.parametrize(
     "components",
-    [["nats-leaf", "alerts", "remediation"], ["nats-fleet", "alerts", "remediation"]],
-    ids=["leaf", "fleet"],
+    [
+        ["nats-leaf", "alerts", "remediation"],
+        ["nats-fleet", "alerts", "remediation"],
+        ["dra", "mps", "time-slicing"],
+    ],
+    ids=["leaf", "fleet", "dra-mps"],
 )
 def test_production_with_components_is_accepted(
     gpulet_access: ControlPlane, components: list[str], tmp_path: Path
