@@ -4,7 +4,8 @@ global state): a dependency shows up as a failure on some seed, and the seed rep
 
 * The order of the *files* is shuffled; the tests inside a file keep their order (a
   file's tests may share a module-scoped fixture by design).
-* The seed is printed in the header (``test files shuffled with seed N``). Repeat a run
+* The seed is printed in the header and again at the end of the run (``-q`` drops the
+  header): ``test files shuffled with seed N``. Repeat a run
   with ``--file-order-seed N``, or keep the collection order with
   ``--file-order-seed none``; ``$GPULET_TEST_SEED`` sets the default.
 * Under pytest-xdist every worker must collect the same order: the controller draws
@@ -67,3 +68,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     order = sorted(files)
     random.Random(seed).shuffle(order)
     items[:] = [item for name in order for item in files[name]]
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    """The seed again at the end, where ``-q`` (which drops the header) still shows it."""
+    if hasattr(config, "workerinput"):
+        return
+    terminalreporter.write_line(pytest_report_header(config))
