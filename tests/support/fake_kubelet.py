@@ -379,6 +379,24 @@ class FakeKubelet:
             dp.PreStartContainerRequest(devices_ids=device_ids), timeout=timeout_s
         )
 
+    async def admit(
+        self, resource: str, count: int, *, timeout_s: float = 30.0
+    ) -> dp.AllocateResponse:
+        """One container of a new pod asking ``count`` devices of ``resource``, as the
+        real kubelet's device manager admits and starts it (v1.37.2, recorded by
+        tests/node/test_node_differential.py): GetPreferredAllocation over the healthy
+        devices when the plugin registered it available, Allocate of the devices chosen,
+        then PreStartContainer of them when the plugin registered it required."""
+        ep = self.endpoint(resource)
+        healthy = sorted(d.ID for d in self.devices(resource) if d.health == "Healthy")
+        chosen = healthy[:count]
+        if ep.registration.get_preferred_allocation_available:
+            [chosen] = await self.preferred(resource, [(healthy, [], count)], timeout_s=timeout_s)
+        answer = await self.allocate(resource, [chosen], timeout_s=timeout_s)
+        if ep.registration.pre_start_required:
+            await self.pre_start(resource, chosen, timeout_s=timeout_s)
+        return answer
+
     # --- waiting -----------------------------------------------------------------------
 
     def _notify(self) -> None:
