@@ -41,6 +41,7 @@ from support.node_gpulet import (
     start_agent,
     wait_logged,
     wait_running,
+    wait_slice_tainted,
 )
 from support.waiting import wait_until
 
@@ -92,11 +93,12 @@ async def test_an_xid_79_reaches_kubelet_the_slice_and_both_pods_status_and_clea
 ) -> None:
     dp = unique_name("dp")
     pods.create(pod_manifest(dp, real_node.name, script=SCRIPT, limits={GPU: "1"}))
-    dra = claimed_pod(real_node, pods, "gpu.gpulet.io", SCRIPT)
     await wait_running(pods, dp)
+    dp_uuid = env_of(await wait_logged(pods, dp))["NVIDIA_VISIBLE_DEVICES"]
+    await wait_slice_tainted(real_node, dp_uuid)
+    dra = claimed_pod(real_node, pods, "gpu.gpulet.io", SCRIPT)
     await wait_running(pods, dra)
     index = {g["uuid"]: g["index"] for g in ledger(agent)["gpus"]}
-    dp_uuid = env_of(await wait_logged(pods, dp))["NVIDIA_VISIBLE_DEVICES"]
     dp_gpu = index[dp_uuid]
     device = claim_of(real_node, pods, dra)["status"]["allocation"]["devices"]["results"][0][
         "device"

@@ -2,7 +2,9 @@
 (``dra.mode=both``: the device plugin and the DRA kubelet plugin over one ledger).
 
 - A kubelet restart: gpulet registers both plugins again without a restart of its own
-  (``nvidia.com/gpu`` is 8 again in allocatable; kubelet deleted the node's
+  (the device plugin registers a second time and ``nvidia.com/gpu`` is back at 7 in
+  allocatable: 8 less the GPU the DRA pod's claim holds, which gpulet does not offer
+  whole to kubelet's device manager; kubelet deleted the node's
   ResourceSlices when it started and they are back; a new DRA pod is prepared, which
   kubelet only does for a registered driver). The running pods keep their containers
   (same IDs, still running).
@@ -39,6 +41,7 @@ from support.node_gpulet import (
     start_agent,
     wait_logged,
     wait_running,
+    wait_slice_tainted,
 )
 from support.node_parts import DEVICE_PLUGIN_DIR
 from support.waiting import wait_until
@@ -86,16 +89,29 @@ def gpulet(real_node: RealNode, tmp_path_factory: pytest.TempPathFactory) -> Ite
 
 @pytest.fixture(scope="module")
 def running(gpulet: Gpulet, real_node: RealNode, pods: Pods) -> dict[str, str]:
-    """A device-plugin pod (1 GPU) and a DRA pod, running: name -> container ID."""
-    names = [unique_name("dp"), claimed_pod(real_node, pods, "gpu.gpulet.io", SCRIPT)]
-    pods.create(pod_manifest(names[0], real_node.name, script=SCRIPT, limits={GPU: "1"}))
+    """A device-plugin pod (1 GPU) and a DRA pod, running: name -> container ID. The DRA
+    pod is created once the slice shows the device-plugin pod's GPU as held."""
+    dp = unique_name("dp")
+    pods.create(pod_manifest(dp, real_node.name, script=SCRIPT, limits={GPU: "1"}))
 
-    async def all_running() -> None:
-        for name in names:
-            await wait_running(pods, name)
+    async def both_running() -> str:
+        await wait_running(pods, dp)
+        uuid = env_of(await wait_logged(pods, dp))["NVIDIA_VISIBLE_DEVICES"]
+        await wait_slice_tainted(real_node, uuid)
+        dra = claimed_pod(real_node, pods, "gpu.gpulet.io", SCRIPT)
+        await wait_running(pods, dra)
+        return dra
 
-    anyio.run(all_running)
-    return {name: container_id(pods, name) for name in names}
+    dra = anyio.run(both_running)
+    return {name: container_id(pods, name) for name in (dp, dra)}
+
+
+def registrations(node: RealNode) -> int:
+    """How often kubelet (this node's, all its runs) took gpulet's nvidia.com/gpu plugin."""
+    log = (node.root / "kubelet.log").read_text(errors="replace")
+    return log.count(
+        f'"Got registration request from device plugin with resource" resourceName="{GPU}"'
+    )
 
 
 def container_id(pods: Pods, name: str) -> str:
@@ -127,13 +143,21 @@ def whole_gpus(state: dict[str, Any]) -> list[set[str]]:
 async def test_a_kubelet_restart_re_registers_both_plugins_and_pods_keep_running(
     real_node: RealNode, gpulet: Gpulet, pods: Pods, running: dict[str, str]
 ) -> None:
+    # The DRA pod's GPU is not offered whole to the device plugin's pods (mode both).
+    await wait_until(lambda: real_node.allocatable(GPU) == "7", timeout_s=60, interval_s=0.2)
     real_node.stop_kubelet()
     real_node.start_kubelet()
     await wait_until(
-        lambda: real_node.allocatable(GPU) == "8",
+        lambda: registrations(real_node) == 2,
         timeout_s=60,
         interval_s=0.2,
-        what="the device plugin registered again (nvidia.com/gpu: 8)",
+        what="the device plugin's second registration with kubelet",
+    )
+    await wait_until(
+        lambda: real_node.allocatable(GPU) == "7",
+        timeout_s=60,
+        interval_s=0.2,
+        what=f"nvidia.com/gpu: 7 again (now {real_node.allocatable(GPU)})",
     )
     await wait_until(
         lambda: len(devices(real_node)) == 8,
@@ -147,14 +171,28 @@ async def test_a_kubelet_restart_re_registers_both_plugins_and_pods_keep_running
     await wait_running(pods, fresh)
     assert env_of(await wait_logged(pods, fresh))["NVIDIA_VISIBLE_DEVICES"].startswith("GPU-")
     pods.delete(fresh)
+    await wait_until(lambda: pods.get(fresh) is None, timeout_s=60, interval_s=0.2)
 
 
 async def test_a_gpulet_restart_gives_no_gpu_a_second_owner(
     real_node: RealNode, gpulet: Gpulet, pods: Pods, running: dict[str, str]
 ) -> None:
+    await wait_until(lambda: real_node.allocatable(GPU) == "7", timeout_s=60, interval_s=0.2)
     before = ledger(gpulet.agent)
+    registered = registrations(real_node)
     gpulet.restart()
-    await wait_until(lambda: real_node.allocatable(GPU) == "8", timeout_s=60, interval_s=0.2)
+    await wait_until(
+        lambda: registrations(real_node) > registered,
+        timeout_s=60,
+        interval_s=0.2,
+        what="the restarted device plugin registered",
+    )
+    await wait_until(
+        lambda: real_node.allocatable(GPU) == "7",
+        timeout_s=60,
+        interval_s=0.2,
+        what=f"nvidia.com/gpu: 7 again (now {real_node.allocatable(GPU)})",
+    )
     after = ledger(gpulet.agent)
     assert sorted(map(sorted, whole_gpus(after))) == sorted(map(sorted, whole_gpus(before)))
     # kubelet's checkpoint and the ledger agree on the device-plugin pod's GPU.

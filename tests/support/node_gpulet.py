@@ -174,3 +174,22 @@ def claim_of(node: RealNode, pods: Pods, name: str) -> dict[str, Any]:
         "GET", f"{RESOURCE}/namespaces/{pods.ns}/resourceclaims/{claim_name}"
     )
     return claim
+
+
+async def wait_slice_tainted(node: RealNode, uuid: str) -> str:
+    """The device of GPU ``uuid`` in the node's slice, once it carries a taint (in mode
+    ``both``, a GPU the device plugin holds: without it the scheduler may give a claim
+    the GPU a device-plugin pod already has, and Prepare refuses it)."""
+
+    def device() -> str | None:
+        for name, d in devices(node).items():
+            if d["attributes"]["uuid"]["string"] == uuid and d.get("taints"):
+                return name
+        return None
+
+    await wait_until(
+        lambda: device() is not None, timeout_s=30, interval_s=0.2, what=f"{uuid} tainted"
+    )
+    found = device()
+    assert found is not None
+    return found
