@@ -4,7 +4,8 @@ with gpulet serving both kubelet APIs (``dra.mode=both``).
 An XID 79 (the GPU fell off the bus) is injected into the mock NVML:
 
 - on the GPU a device-plugin pod holds: gpulet's ListAndWatch says Unhealthy, kubelet's
-  allocatable ``nvidia.com/gpu`` drops to 7, and the pod's
+  allocatable ``nvidia.com/gpu`` drops from 7 (8 less the GPU the DRA pod's claim holds,
+  not offered whole to the device manager in mode ``both``) to 6, and the pod's
   ``status.containerStatuses[].allocatedResourcesStatus`` says that device is
   ``Unhealthy`` (``ResourceHealthStatus``, beta and on by default in 1.37.2);
 - on the GPU a DRA pod's claim holds: the device is tainted ``gpu.gpulet.io/xid=79`` in
@@ -12,7 +13,7 @@ An XID 79 (the GPU fell off the bus) is injected into the mock NVML:
   (NodeWatchResources), the pod's ``allocatedResourcesStatus`` says that device is
   ``Unhealthy``.
 
-Clearing the faults (``gpulet health clear``) brings both back: allocatable 8, no taint,
+Clearing the faults (``gpulet health clear``) brings both back: allocatable 7, no taint,
 both devices ``Healthy`` in the pods' status.
 """
 
@@ -25,6 +26,7 @@ from typing import Any
 import anyio
 import pytest
 
+from gpulet_common.dra import cdi
 from support.agent_process import Agent
 from support.control_plane_fixtures import unique_name
 from support.node import Pods, RealNode, pod_manifest
@@ -100,20 +102,22 @@ async def test_an_xid_79_reaches_kubelet_the_slice_and_both_pods_status_and_clea
     await wait_running(pods, dra)
     index = {g["uuid"]: g["index"] for g in ledger(agent)["gpus"]}
     dp_gpu = index[dp_uuid]
-    device = claim_of(real_node, pods, dra)["status"]["allocation"]["devices"]["results"][0][
-        "device"
-    ]
+    claim = claim_of(real_node, pods, dra)
+    device = claim["status"]["allocation"]["devices"]["results"][0]["device"]
     dra_gpu = int(device.removeprefix("gpu-"))
-    dra_id = f"{DRIVER}/{real_node.name}/{device}"
+    # kubelet names a DRA device in the pod's status by its CDI device ID.
+    dra_id = cdi.device_id(DRIVER, claim["metadata"]["uid"], device)
     assert dp_gpu != dra_gpu
+    # The DRA pod's GPU is not offered whole to kubelet's device manager (mode both).
+    await wait_until(lambda: real_node.allocatable(GPU) == "7", timeout_s=60, interval_s=0.2)
 
     for gpu in (dp_gpu, dra_gpu):
         gpulet_cli(agent, "mock", "inject", "--gpu", str(gpu), "--xid", "79")
     await wait_until(
-        lambda: real_node.allocatable(GPU) == "7",
+        lambda: real_node.allocatable(GPU) == "6",
         timeout_s=60,
         interval_s=0.2,
-        what="kubelet's allocatable nvidia.com/gpu: 7",
+        what="kubelet's allocatable nvidia.com/gpu: 6",
     )
     await wait_until(
         lambda: any(t["key"] == f"{DRIVER}/xid" for t in taints(real_node, device)),
@@ -133,16 +137,17 @@ async def test_an_xid_79_reaches_kubelet_the_slice_and_both_pods_status_and_clea
         lambda: resource_health(pods, dra).get(dra_id) == "Unhealthy",
         timeout_s=60,
         interval_s=0.2,
-        what="the DRA pod's device Unhealthy in its status (DRAResourceHealth)",
+        what=f"the DRA pod's {dra_id} Unhealthy in its status (DRAResourceHealth): "
+        f"{resource_health(pods, dra)}",
     )
 
     for gpu in (dp_gpu, dra_gpu):
         gpulet_cli(agent, "health", "clear", "--gpu", str(gpu), "--by", "test")
     await wait_until(
-        lambda: real_node.allocatable(GPU) == "8",
+        lambda: real_node.allocatable(GPU) == "7",
         timeout_s=60,
         interval_s=0.2,
-        what="allocatable back to 8",
+        what="allocatable back to 7",
     )
     await wait_until(
         lambda: not any(t["key"] == f"{DRIVER}/xid" for t in taints(real_node, device)),
