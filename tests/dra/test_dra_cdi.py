@@ -94,7 +94,9 @@ def test_a_mock_dev_root_is_the_hosts_side_and_dev_the_containers(tmp_path: Path
         DRIVER, UID, "alloc-1", devices, dev_root=dev, host_dev=str(dev), container_dev="/dev"
     )
     check(spec)
-    pairs = [(n["hostPath"], n["path"]) for n in spec["devices"][0]["containerEdits"]["deviceNodes"]]
+    pairs = [
+        (n["hostPath"], n["path"]) for n in spec["devices"][0]["containerEdits"]["deviceNodes"]
+    ]
     assert pairs == [
         (f"{dev}/nvidia3", "/dev/nvidia3"),
         (cap, "/dev/nvidia-caps/nvidia-cap21"),

@@ -114,6 +114,7 @@ async def test_registration_answers_what_kubelet_checks(emu: KubeEmulator, short
         assert list(info.supported_versions) == [
             "v1.DRAPlugin",
             "v1.DRAResourceHealth",
+            "v1beta1.DRAResourceHealth",
             "v1alpha1.DRAResourceHealth",
         ]
         with anyio.fail_after(2):

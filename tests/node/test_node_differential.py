@@ -31,6 +31,7 @@ RESOURCE = "example.gpulet.io/recorded"
 # What kubelet v1.37.2's device manager asks, in order, for one container of a new pod
 # asking for 2 of 4 devices.
 REAL = [
+    ("GetDevicePluginOptions", ""),
     ("ListAndWatch", ""),
     (
         "GetPreferredAllocation",

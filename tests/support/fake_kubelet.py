@@ -7,7 +7,8 @@ kubelet's device manager does, over unix sockets in a temporary plugin dir, with
 stubs generated from kubelet's own protos:
 
 - serve ``v1beta1.Registration`` on ``<dir>/kubelet.sock`` and record each Register;
-- for every registration dial ``<dir>/<endpoint>`` and consume ``ListAndWatch``
+- for every registration dial ``<dir>/<endpoint>``, ask ``GetDevicePluginOptions`` and
+  consume ``ListAndWatch``
   (latest device list per resource, number of updates, how the stream ended);
 - call ``GetDevicePluginOptions``, ``GetPreferredAllocation``, ``Allocate`` and
   ``PreStartContainer`` on demand;
@@ -263,6 +264,15 @@ class FakeKubelet:
     async def _list_and_watch(self, ep: PluginEndpoint) -> None:
         try:
             with ep.scope:
+                # As the real kubelet's device manager does on connecting (v1.37.2,
+                # tests/node/test_node_differential.py): the options first, then the
+                # stream. A plugin that cannot answer them is not listed.
+                try:
+                    await ep.stub.GetDevicePluginOptions(dp.Empty(), timeout=10)
+                except grpc.aio.AioRpcError as exc:
+                    ep.stream_status = exc.code()
+                    ep.stream_details = exc.details() or ""
+                    return
                 call = ep.stub.ListAndWatch(dp.Empty())
                 try:
                     async for response in call:

@@ -5,7 +5,7 @@ Sockets (``/var/lib/kubelet`` by default, both configurable):
 * ``plugins_registry/<driver>-reg.sock``: ``pluginregistration.Registration``.
   kubelet's plugin watcher finds it, calls ``GetInfo`` (we answer type
   ``DRAPlugin``, our driver name, the DRA socket's path, the gRPC services
-  ``v1.DRAPlugin``, ``v1.DRAResourceHealth`` and ``v1alpha1.DRAResourceHealth``) and
+  ``v1.DRAPlugin`` and ``DRAResourceHealth`` in v1, v1beta1 and v1alpha1) and
   then ``NotifyRegistrationStatus``. kubelet opens the health stream only for a
   driver that lists a DRAResourceHealth service there (1.37 picks the newest it knows:
   v1, else v1alpha1; it has no v1beta1); without it the pods' ``allocatedResourcesStatus``
@@ -47,11 +47,13 @@ log = logging.getLogger("gpulet.dra.server")
 MAX_SOCKET_PATH: Final = 107
 SOCKET_MODE: Final = 0o600
 PLUGIN_TYPE: Final = "DRAPlugin"
-# The gRPC services kubelet may use, as "<package>.<service>": the DRA plugin, then the
-# health services kubelet 1.37 knows (it picks the first of its own list we name).
+# The gRPC services kubelet may use, as "<package>.<service>": the DRA plugin, then every
+# health service served (kubelet picks the first of its own list that we name: 1.37
+# knows v1 and v1alpha1).
 SUPPORTED_VERSIONS: Final = (
     "v1.DRAPlugin",
     "v1.DRAResourceHealth",
+    "v1beta1.DRAResourceHealth",
     "v1alpha1.DRAResourceHealth",
 )
 STOP_GRACE_S: Final = 0.5
