@@ -111,6 +111,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             node = RealNode(plane, "bench-node", root)
             node.start()
             kubeconfig = plane.write_kubeconfig(base / "kubeconfig")
+            (base / "agent").mkdir()
             agent = start_agent(
                 node,
                 base / "agent",
