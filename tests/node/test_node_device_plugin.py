@@ -56,17 +56,21 @@ def agent(real_node: RealNode, tmp_path_factory: pytest.TempPathFactory) -> Iter
 async def test_gpulet_registers_and_kubelet_reports_eight_gpus_and_the_shares(
     real_node: RealNode, agent: Agent
 ) -> None:
+    # Each resource registers on its own, and kubelet reports each when it has it.
     await wait_until(
-        lambda: real_node.allocatable(GPU) == "8",
+        lambda: (
+            (real_node.allocatable(GPU), real_node.allocatable(CORE)) == ("8", "800")
+            and real_node.allocatable(MEMORY) is not None
+        ),
         timeout_s=60,
         interval_s=0.2,
-        what="nvidia.com/gpu: 8 in the Node's allocatable",
+        what="nvidia.com/gpu: 8 and the share resources in the Node's allocatable",
     )
     assert real_node.capacity(GPU) == "8"
-    assert real_node.allocatable(CORE) == "800"
     memory = real_node.allocatable(MEMORY)
     assert memory is not None
-    assert int(memory) >= 8 * 100, memory
+    # 256 MiB units: 126 of each V100's 32,510 MiB.
+    assert int(memory) == 8 * (32510 // 256), memory
 
 
 async def test_a_two_gpu_pod_gets_an_nvlink_pair_and_only_its_device_nodes(
