@@ -54,6 +54,7 @@ from support.node_gpulet import (
     apply_device_classes,
     claimed_pod,
     devices,
+    dra_registered,
     dra_settings,
     start_agent,
 )
@@ -117,10 +118,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 base / "agent",
                 *dra_settings("both", kubeconfig),
             )
-            ready = node
+            ready, started = node, agent
             anyio.run(
                 lambda: wait_until(
-                    lambda: ready.allocatable(GPU) == "8" and len(devices(ready)) == 8,
+                    lambda: (
+                        ready.allocatable(GPU) == "8"
+                        and len(devices(ready)) == 8
+                        and dra_registered(started)
+                    ),
                     timeout_s=60,
                     interval_s=0.2,
                 )

@@ -33,6 +33,7 @@ from support.node_gpulet import (
     claim_of,
     claimed_pod,
     devices,
+    dra_registered,
     dra_settings,
     env_of,
     ledger,
@@ -62,10 +63,10 @@ def agent(real_node: RealNode, tmp_path_factory: pytest.TempPathFactory) -> Iter
     try:
         anyio.run(
             lambda: wait_until(
-                lambda: len(devices(real_node)) == 8,
+                lambda: len(devices(real_node)) == 8 and dra_registered(agent),
                 timeout_s=60,
                 interval_s=0.2,
-                what="gpulet's 8 devices in the node's ResourceSlices",
+                what="gpulet's 8 devices in the node's ResourceSlices, its driver registered",
             )
         )
         yield agent

@@ -36,6 +36,7 @@ from support.node_gpulet import (
     claim_of,
     claimed_pod,
     devices,
+    dra_registered,
     dra_settings,
     env_of,
     gpulet_cli,
@@ -64,7 +65,12 @@ def agent(real_node: RealNode, tmp_path_factory: pytest.TempPathFactory) -> Iter
         *dra_settings("both", kubeconfig),
     )
     try:
-        anyio.run(lambda: wait_until(lambda: real_node.allocatable(GPU) == "8", timeout_s=60))
+        anyio.run(
+            lambda: wait_until(
+                lambda: real_node.allocatable(GPU) == "8" and dra_registered(agent),
+                timeout_s=60,
+            )
+        )
         yield agent
     except BaseException:
         print(agent.output()[-5000:])

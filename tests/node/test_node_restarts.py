@@ -35,6 +35,7 @@ from support.node_gpulet import (
     apply_device_classes,
     claimed_pod,
     devices,
+    dra_registered,
     dra_settings,
     env_of,
     ledger,
@@ -78,7 +79,12 @@ def gpulet(real_node: RealNode, tmp_path_factory: pytest.TempPathFactory) -> Ite
     apply_device_classes(real_node.plane)
     g = Gpulet(real_node, tmp_path_factory.mktemp("restart-agent"))
     try:
-        anyio.run(lambda: wait_until(lambda: real_node.allocatable(GPU) == "8", timeout_s=60))
+        anyio.run(
+            lambda: wait_until(
+                lambda: real_node.allocatable(GPU) == "8" and dra_registered(g.agent),
+                timeout_s=60,
+            )
+        )
         yield g
     except BaseException:
         print(g.agent.output()[-5000:])

@@ -193,3 +193,10 @@ async def wait_slice_tainted(node: RealNode, uuid: str) -> str:
     found = device()
     assert found is not None
     return found
+
+
+def dra_registered(agent: Agent) -> bool:
+    """kubelet has taken gpulet's DRA driver (NotifyRegistrationStatus said so): a claim
+    prepared before that fails the pod's start, and kubelet retries it only after a
+    back-off of up to a minute and more."""
+    return "kubelet registered DRA driver" in agent.output()
