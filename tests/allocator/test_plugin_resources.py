@@ -129,7 +129,7 @@ def test_device_nodes_of_a_mock_dev_root_appear_at_dev_in_the_container(tmp_path
     ]
     # Without container_dev the container path is the host path, as on a real node.
     plain = DeviceNodes(tmp_path, str(tmp_path))
-    assert [s.container_path for s in plain.specs_for_gpus([3])][0] == f"{tmp_path}/nvidia3"
+    assert plain.specs_for_gpus([3])[0].container_path == f"{tmp_path}/nvidia3"
 
 
 def test_device_nodes_notice_new_and_removed_files_after_recheck(tmp_path: Path) -> None:
