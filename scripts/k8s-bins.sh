@@ -4,6 +4,13 @@
 #   tools/k8s/kube  kube-apiserver, kube-scheduler, kube-controller-manager (k8s.io/kubernetes)
 #   tools/k8s/etcd  etcd (go.etcd.io/etcd/server/v3)
 #   tools/k8s/helm  helm (helm.sh/helm/v3)
+# and the real node of tests/node (tests/support/node.py):
+#   tools/k8s/kubelet     kubelet (k8s.io/kubernetes, the same version and pins as kube,
+#                         its own module so that it never changes kube's cache key)
+#   tools/k8s/containerd  containerd, containerd-shim-runc-v2, ctr
+#                         (github.com/containerd/containerd/v2; CGO_ENABLED=0, -tags no_btrfs)
+#   tools/k8s/crictl      crictl (sigs.k8s.io/cri-tools)
+# runc, the CNI plugins and busybox-static come from Debian (.ci/run installs them).
 # Each module's binaries go into a cache OUTSIDE the repository, keyed by the module's
 # name, pinned version and a hash of its go.mod and go.sum (and of this script's build
 # flags), so a machine builds each set once and a version bump builds it anew:
@@ -21,8 +28,9 @@
 #
 # Usage:
 #   scripts/k8s-bins.sh [MODULE...]
-#                                  build what is missing (of MODULEs: kube, etcd, helm;
-#                                  all by default), print timings and the paths
+#                                  build what is missing (of MODULEs: kube, etcd, helm,
+#                                  kubelet, containerd, crictl; all by default), print
+#                                  timings and the paths
 #   scripts/k8s-bins.sh --check    exit 0 when every binary is cached, 1 otherwise (no build)
 #   scripts/k8s-bins.sh --paths    print NAME=PATH for every binary (built or not)
 #   scripts/k8s-bins.sh --regen-kube-mod
@@ -38,9 +46,12 @@ BUILD_FLAGS="-trimpath"
 STAMP=".built-with"
 
 # module dir : its pinned dependency : the packages it builds
-MODULES=(kube etcd helm)
+MODULES=(kube etcd helm kubelet containerd crictl)
 pkgs_of() {
   case "$1" in
+    kubelet) echo "k8s.io/kubernetes/cmd/kubelet" ;;
+    containerd) echo "github.com/containerd/containerd/v2/cmd/containerd github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2 github.com/containerd/containerd/v2/cmd/ctr" ;;
+    crictl) echo "sigs.k8s.io/cri-tools/cmd/crictl" ;;
     kube) echo "k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-scheduler k8s.io/kubernetes/cmd/kube-controller-manager" ;;
     etcd) echo "go.etcd.io/etcd/server/v3" ;;
     helm) echo "helm.sh/helm/v3/cmd/helm" ;;
@@ -48,6 +59,9 @@ pkgs_of() {
 }
 bins_of() {
   case "$1" in
+    kubelet) echo "kubelet" ;;
+    containerd) echo "containerd containerd-shim-runc-v2 ctr" ;;
+    crictl) echo "crictl" ;;
     kube) echo "kube-apiserver kube-scheduler kube-controller-manager" ;;
     etcd) echo "etcd" ;;
     helm) echo "helm" ;;
@@ -55,6 +69,9 @@ bins_of() {
 }
 dep_of() {
   case "$1" in
+    kubelet) echo "k8s.io/kubernetes" ;;
+    containerd) echo "github.com/containerd/containerd/v2" ;;
+    crictl) echo "sigs.k8s.io/cri-tools" ;;
     kube) echo "k8s.io/kubernetes" ;;
     etcd) echo "go.etcd.io/etcd/server/v3" ;;
     helm) echo "helm.sh/helm/v3" ;;
@@ -64,7 +81,9 @@ dep_of() {
 ldflags_of() {
   local version="$2"
   case "$1" in
-    kube) echo "-X k8s.io/component-base/version.gitVersion=$version -X k8s.io/client-go/pkg/version.gitVersion=$version" ;;
+    kube|kubelet) echo "-X k8s.io/component-base/version.gitVersion=$version -X k8s.io/client-go/pkg/version.gitVersion=$version" ;;
+    containerd) echo "-X github.com/containerd/containerd/v2/version.Version=$version" ;;
+    crictl) echo "-X sigs.k8s.io/cri-tools/pkg/version.Version=$version" ;;
     # helm's default Kubernetes version (for `helm template` and lint's deprecation
     # checks) is the client-go it is built with, as helm's own Makefile sets it.
     helm)
@@ -80,6 +99,22 @@ ldflags_of() {
   esac
 }
 
+# The build's environment and tags beyond the defaults (part of the module's cache key
+# when not empty). containerd: no cgo (a static binary, no libseccomp or btrfs headers
+# needed), and without the btrfs snapshotter (it needs cgo).
+env_of() {
+  case "$1" in
+    containerd) echo "CGO_ENABLED=0" ;;
+    *) echo "" ;;
+  esac
+}
+tags_of() {
+  case "$1" in
+    containerd) echo "no_btrfs" ;;
+    *) echo "" ;;
+  esac
+}
+
 version_of() {  # the pinned version of the module's main dependency, read from its go.mod
   local dep; dep="$(dep_of "$1")"
   awk -v d="$dep" '($1 == "require" && $2 == d) {print $3; exit} ($1 == d) {print $2; exit}' \
@@ -87,8 +122,10 @@ version_of() {  # the pinned version of the module's main dependency, read from 
 }
 key_of() {
   local h
-  h="$( { cat "$TOOLS/$1/go.mod" "$TOOLS/$1/go.sum"; echo "$BUILD_FLAGS"; ldflags_of "$1" x; } \
-        | sha256sum | cut -c1-12)"
+  h="$( { cat "$TOOLS/$1/go.mod" "$TOOLS/$1/go.sum"; echo "$BUILD_FLAGS"; ldflags_of "$1" x
+           # Only where set, so that the keys of the modules without them stay as they were.
+           if [ -n "$(env_of "$1")$(tags_of "$1")" ]; then echo "env=$(env_of "$1") tags=$(tags_of "$1")"; fi
+         } | sha256sum | cut -c1-12)"
   echo "$1-$(version_of "$1")-$h"
 }
 dir_of() { echo "$CACHE/$(key_of "$1")"; }
@@ -184,7 +221,9 @@ build() {
   (
     cd "$TOOLS/$m"
     # -mod=readonly: go.mod and go.sum are the pins; a build never edits them.
-    nice -n 10 "$go" build -mod=readonly $BUILD_FLAGS -ldflags "$(ldflags_of "$m" "$version")" \
+    # shellcheck disable=SC2046  # env_of's words are NAME=VALUE pairs
+    env $(env_of "$m") nice -n 10 "$go" build -mod=readonly $BUILD_FLAGS \
+      -tags "$(tags_of "$m")" -ldflags "$(ldflags_of "$m" "$version")" \
       -o "$tmp/" $(pkgs_of "$m")
   )
   # etcd's main package is the module root go.etcd.io/etcd/server/v3: go names its

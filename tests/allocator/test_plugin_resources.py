@@ -119,6 +119,19 @@ def test_device_nodes_only_existing_files(tmp_path: Path) -> None:
     assert [s.host_path for s in kept] == ["/dev/nvidia0", "/opt/not-a-dev-file"]
 
 
+def test_device_nodes_of_a_mock_dev_root_appear_at_dev_in_the_container(tmp_path: Path) -> None:
+    for name in ("nvidia3", "nvidiactl"):
+        (tmp_path / name).touch()
+    nodes = DeviceNodes(tmp_path, str(tmp_path), container_dev="/dev")
+    assert [(s.host_path, s.container_path) for s in nodes.specs_for_gpus([3])] == [
+        (f"{tmp_path}/nvidia3", "/dev/nvidia3"),
+        (f"{tmp_path}/nvidiactl", "/dev/nvidiactl"),
+    ]
+    # Without container_dev the container path is the host path, as on a real node.
+    plain = DeviceNodes(tmp_path, str(tmp_path))
+    assert plain.specs_for_gpus([3])[0].container_path == f"{tmp_path}/nvidia3"
+
+
 def test_device_nodes_notice_new_and_removed_files_after_recheck(tmp_path: Path) -> None:
     now = [100.0]
     (tmp_path / "nvidia0").touch()

@@ -60,7 +60,7 @@ def test_the_go_version_is_stamped_and_a_go_upgrade_invalidates_the_cache(
     cache, fake_bin = tmp_path / "cache", tmp_path / "bin"
     fake_go(fake_bin, "go1.26.8")
     dirs = cached_dirs(cache, fake_bin)
-    assert len(dirs) == 3  # kube, etcd, helm
+    assert len(dirs) == 6  # kube, etcd, helm, kubelet, containerd, crictl
     # Built before stamps named the Go: still valid (the key did not change), and
     # stamped with today's Go on that first use.
     check = run(cache, fake_bin, "--check")

@@ -53,6 +53,30 @@ def test_a_whole_gpu_claim(tmp_path: Path) -> None:
     assert cdi.device_id(DRIVER, UID, "gpu-3") == f"gpu.gpulet.io/gpu={UID}-gpu-3"
 
 
+def test_a_mock_dev_root_is_the_hosts_side_and_dev_the_containers(tmp_path: Path) -> None:
+    # The real-node tests' mock: the device files live under a dev root of their own,
+    # and the container must still see /dev/nvidia<minor> (tests/node).
+    dev = fake_dev(tmp_path, "nvidiactl", "nvidia-uvm", "nvidia3")
+    cap = f"{dev}/nvidia-caps/nvidia-cap21"
+    devices = [cdi.PreparedDevice("gpu-3", "GPU-3", 3, extra_nodes=(cap, "/elsewhere/x"))]
+    spec = cdi.build_spec(
+        DRIVER, UID, "alloc-1", devices, dev_root=dev, host_dev=str(dev), container_dev="/dev"
+    )
+    check(spec)
+    pairs = [
+        (n["hostPath"], n["path"]) for n in spec["devices"][0]["containerEdits"]["deviceNodes"]
+    ]
+    assert pairs == [
+        (f"{dev}/nvidia3", "/dev/nvidia3"),
+        (cap, "/dev/nvidia-caps/nvidia-cap21"),
+        ("/elsewhere/x", "/elsewhere/x"),  # not under host_dev: taken as it is
+    ]
+    assert [(n["hostPath"], n["path"]) for n in spec["containerEdits"]["deviceNodes"]] == [
+        (f"{dev}/nvidiactl", "/dev/nvidiactl"),
+        (f"{dev}/nvidia-uvm", "/dev/nvidia-uvm"),
+    ]
+
+
 def test_a_share_gets_the_device_plugins_mps_limits(tmp_path: Path) -> None:
     share = cdi.PreparedDevice("gpu-1", "GPU-1", 1, cores=30, memory_mib=20 * 1024)
     spec = cdi.build_spec(

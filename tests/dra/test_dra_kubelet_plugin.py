@@ -48,7 +48,14 @@ async def test_registration_answers_what_kubelet_checks(emu: KubeEmulator, short
         info = r.kubelet.info
         assert (info.type, info.name) == ("DRAPlugin", DRIVER)
         assert info.endpoint == str(short_dir / "plugins" / DRIVER / "dra.sock")
-        assert list(info.supported_versions) == ["v1.DRAPlugin"]
+        # The health services too: a real kubelet opens NodeWatchResources only for a
+        # driver that names one (tests/node/test_node_health.py).
+        assert list(info.supported_versions) == [
+            "v1.DRAPlugin",
+            "v1.DRAResourceHealth",
+            "v1beta1.DRAResourceHealth",
+            "v1alpha1.DRAResourceHealth",
+        ]
         with anyio.fail_after(2):
             await r.server.registration.registered.wait()
         assert r.server.registration.status == (True, "")

@@ -18,6 +18,8 @@ What the server is, and why each part:
   TokenRequest issues real bound tokens; a serving certificate for 127.0.0.1 signed by a
   CA of the plane's, so clients verify TLS as they do in a cluster;
 - ``--authorization-mode=Node,RBAC``: the deploy's RBAC decides, not a stand-in;
+- client certificates of the plane's CA, NodeRestriction, and a client certificate of
+  the server's own for kubelets: the real node of tests/node joins as a kubelet does;
 - readiness is ``/readyz`` answering 200, then the bootstrap ClusterRoles present;
 - an audit log (JSON lines, metadata level, every request of every user but the control
   plane's own components): the real server's count of what a client asked, including
@@ -90,7 +92,18 @@ class MissingBinaries(RuntimeError):
 def binary_paths() -> dict[str, Path]:
     """Where ``scripts/k8s-bins.sh`` puts each binary (built or not)."""
     override = os.environ.get(BIN_DIR_ENV)
-    names = ("etcd", "kube-apiserver", "kube-scheduler", "kube-controller-manager", "helm")
+    names = (
+        "etcd",
+        "kube-apiserver",
+        "kube-scheduler",
+        "kube-controller-manager",
+        "helm",
+        "kubelet",  # and the real node's (tests/support/node_parts.py)
+        "containerd",
+        "containerd-shim-runc-v2",
+        "ctr",
+        "crictl",
+    )
     if override:
         return {name: Path(override) / name for name in names}
     out = subprocess.run(
@@ -152,6 +165,23 @@ def make_pki(target: Path) -> None:
         "-out", str(target / "sa.key"),
     )  # fmt: skip
     _openssl("pkey", "-in", str(target / "sa.key"), "-pubout", "-out", str(target / "sa.pub"))
+    # The API server's client certificate for kubelets (logs, exec): a real node's
+    # kubelet authenticates the server by it (tests/support/node.py).
+    sign_client_cert(target, "kubelet-client", "kube-apiserver-kubelet-client", "system:masters")
+
+
+def sign_client_cert(pki: Path, name: str, user: str, group: str) -> tuple[Path, Path]:
+    """``<pki>/<name>.crt`` and ``.key``: a client certificate of the plane's CA for
+    ``user`` in ``group`` (CN and O, as kube-apiserver's --client-ca-file reads them)."""
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    key, csr, crt = pki / f"{name}.key", pki / f"{name}.csr", pki / f"{name}.crt"
+    _openssl("req", *ec, "-keyout", str(key), "-out", str(csr), "-subj", f"/O={group}/CN={user}")
+    (pki / f"{name}.ext").write_text("extendedKeyUsage=clientAuth\n")
+    _openssl(
+        "x509", "-req", "-in", str(csr), "-CA", str(pki / "ca.crt"), "-CAkey", str(pki / "ca.key"),
+        "-CAcreateserial", "-days", "2", "-extfile", str(pki / f"{name}.ext"), "-out", str(crt),
+    )  # fmt: skip
+    return crt, key
 
 
 @dataclass(frozen=True)
@@ -194,12 +224,24 @@ class Response:
 class Process:
     """A child process with its output in ``<workdir>/<name>.log``."""
 
-    def __init__(self, name: str, argv: Sequence[str], workdir: Path) -> None:
+    def __init__(
+        self,
+        name: str,
+        argv: Sequence[str],
+        workdir: Path,
+        env: Mapping[str, str] | None = None,
+        *,
+        append: bool = False,  # a restarted process adds to its log
+    ) -> None:
         self.name = name
         self.log_path = workdir / f"{name}.log"
-        self._log = self.log_path.open("wb")
+        self._log = self.log_path.open("ab" if append else "wb")
         self.proc = subprocess.Popen(
-            list(argv), stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
+            list(argv),
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=None if env is None else dict(env),
         )
 
     def tail(self, lines: int = 30) -> str:
@@ -325,6 +367,16 @@ class ControlPlane:
                     f"--api-audiences={ISSUER}",
                     f"--token-auth-file={self.workdir / 'tokens.csv'}",
                     "--authorization-mode=Node,RBAC",
+                    # Real nodes (tests/support/node.py): kubelets authenticate with
+                    # client certificates of the plane's CA (system:node:<name>), the
+                    # Node authorizer and NodeRestriction limit them to their own node,
+                    # and the server reaches a kubelet at its InternalIP with its own
+                    # client certificate.
+                    f"--client-ca-file={self.pki / 'ca.crt'}",
+                    "--enable-admission-plugins=NodeRestriction",
+                    f"--kubelet-client-certificate={self.pki / 'kubelet-client.crt'}",
+                    f"--kubelet-client-key={self.pki / 'kubelet-client.key'}",
+                    "--kubelet-preferred-address-types=InternalIP",
                     f"--audit-policy-file={self.workdir / 'audit-policy.yaml'}",
                     f"--audit-log-path={self.audit_log}",
                     "--audit-log-format=json",
@@ -737,4 +789,5 @@ __all__ = [
     "require_binaries",
     "running",
     "service_account_user",
+    "sign_client_cert",
 ]

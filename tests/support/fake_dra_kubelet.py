@@ -49,6 +49,16 @@ class FakeDraKubelet:
             return await self.stub.NodeUnprepareResources(request)
 
     def health_stream(self, pb: ModuleType, pb_grpc: ModuleType) -> Any:
+        """The health stream of ``pb``'s version. As the real kubelet (v1.37.2), only
+        for a plugin whose GetInfo names that service (``<package>.DRAResourceHealth``):
+        kubelet opens no stream for a driver that does not (tests/node/test_node_health)."""
+        service = pb.DESCRIPTOR.services_by_name["DRAResourceHealth"].full_name
+        advertised = service.rsplit(".", 2)[-2] + ".DRAResourceHealth"
+        if advertised not in self.info.supported_versions:
+            raise AssertionError(
+                f"GetInfo names {list(self.info.supported_versions)}, not {advertised}: "
+                "a real kubelet would never open this stream"
+            )
         stub = pb_grpc.DRAResourceHealthStub(self.channel)
         return stub.NodeWatchResources(pb.NodeWatchResourcesRequest())
 

@@ -7,7 +7,8 @@ kubelet's device manager does, over unix sockets in a temporary plugin dir, with
 stubs generated from kubelet's own protos:
 
 - serve ``v1beta1.Registration`` on ``<dir>/kubelet.sock`` and record each Register;
-- for every registration dial ``<dir>/<endpoint>`` and consume ``ListAndWatch``
+- for every registration dial ``<dir>/<endpoint>``, ask ``GetDevicePluginOptions`` and
+  consume ``ListAndWatch``
   (latest device list per resource, number of updates, how the stream ended);
 - call ``GetDevicePluginOptions``, ``GetPreferredAllocation``, ``Allocate`` and
   ``PreStartContainer`` on demand;
@@ -263,6 +264,15 @@ class FakeKubelet:
     async def _list_and_watch(self, ep: PluginEndpoint) -> None:
         try:
             with ep.scope:
+                # As the real kubelet's device manager does on connecting (v1.37.2,
+                # tests/node/test_node_differential.py): the options first, then the
+                # stream. A plugin that cannot answer them is not listed.
+                try:
+                    await ep.stub.GetDevicePluginOptions(dp.Empty(), timeout=10)
+                except grpc.aio.AioRpcError as exc:
+                    ep.stream_status = exc.code()
+                    ep.stream_details = exc.details() or ""
+                    return
                 call = ep.stub.ListAndWatch(dp.Empty())
                 try:
                     async for response in call:
@@ -378,6 +388,24 @@ class FakeKubelet:
         return await self.endpoint(resource).stub.PreStartContainer(
             dp.PreStartContainerRequest(devices_ids=device_ids), timeout=timeout_s
         )
+
+    async def admit(
+        self, resource: str, count: int, *, timeout_s: float = 30.0
+    ) -> dp.AllocateResponse:
+        """One container of a new pod asking ``count`` devices of ``resource``, as the
+        real kubelet's device manager admits and starts it (v1.37.2, recorded by
+        tests/node/test_node_differential.py): GetPreferredAllocation over the healthy
+        devices when the plugin registered it available, Allocate of the devices chosen,
+        then PreStartContainer of them when the plugin registered it required."""
+        ep = self.endpoint(resource)
+        healthy = sorted(d.ID for d in self.devices(resource) if d.health == "Healthy")
+        chosen = healthy[:count]
+        if ep.registration.get_preferred_allocation_available:
+            [chosen] = await self.preferred(resource, [(healthy, [], count)], timeout_s=timeout_s)
+        answer = await self.allocate(resource, [chosen], timeout_s=timeout_s)
+        if ep.registration.pre_start_required:
+            await self.pre_start(resource, chosen, timeout_s=timeout_s)
+        return answer
 
     # --- waiting -----------------------------------------------------------------------
 

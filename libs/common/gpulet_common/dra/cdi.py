@@ -170,18 +170,22 @@ def build_spec(
     mps_root: str = "",
     control: Sequence[str] | None = None,
     driver_edits: JsonObj | None = None,
+    container_dev: str | None = None,
 ) -> JsonObj:
     """The spec's JSON document; control nodes only where ``dev_root`` has them.
+
+    A device node's ``hostPath`` is under ``host_dev``, its ``path`` in the container
+    the same name under ``container_dev`` (None: ``host_dev``, the usual node; another
+    only where the node's device files live elsewhere, as a mock dev root). A MIG
+    device's ``extra_nodes`` are host paths: one under ``host_dev`` is mapped the same way.
 
     ``control``: the names of :data:`CONTROL_DEVICES` known to exist (the caller's
     cached look-up, as the DRA plugin's); None: looked up in ``dev_root`` now."""
     if control is None:
         root = Path(dev_root)
         control = [name for name in CONTROL_DEVICES if (root / name).exists()]
-    nodes = [
-        {"path": f"{host_dev}/{name}", "hostPath": f"{host_dev}/{name}", "permissions": "rw"}
-        for name in control
-    ]
+    inside = host_dev if container_dev is None else container_dev
+    nodes = [_node(f"{host_dev}/{name}", host_dev, inside) for name in control]
     edits: JsonObj = {}
     if allocation:  # a claim of admin access only owns nothing: no allocation to name
         edits["env"] = [f"{ALLOCATION_ENV}={allocation}"]
@@ -197,7 +201,7 @@ def build_spec(
             device_edits: JsonObj = {
                 "env": env,
                 "deviceNodes": [
-                    {"path": path, "hostPath": path, "permissions": "rw"}
+                    _node(path, host_dev, inside)
                     for path in (f"{host_dev}/nvidia{d.minor}", *d.extra_nodes)
                 ],
             }
@@ -212,6 +216,14 @@ def build_spec(
         "devices": out,
         "containerEdits": edits,
     }
+
+
+def _node(host_path: str, host_dev: str, container_dev: str) -> JsonObj:
+    """A CDI device node: ``host_path``, seen at the same name under ``container_dev``."""
+    path = host_path
+    if container_dev != host_dev and host_path.startswith(host_dev.rstrip("/") + "/"):
+        path = container_dev.rstrip("/") + host_path[len(host_dev.rstrip("/")) :]
+    return {"path": path, "hostPath": host_path, "permissions": "rw"}
 
 
 def write_spec(cdi_dir: str | Path, driver: str, claim_uid: str, spec: JsonObj) -> Path:

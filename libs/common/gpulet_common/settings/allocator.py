@@ -116,6 +116,10 @@ class PluginConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     dev_root: str = "/dev"
     # The host's /dev as kubelet sees it (the paths in the device specs).
     host_dev: str = "/dev"
+    # Where those device files appear in the container (empty: host_dev). Set only where
+    # the node's device files are not in the host's /dev, as a mock dev root whose
+    # <root>/nvidia3 must be /dev/nvidia3 in the container (docs/testing.md, the real node).
+    container_dev: str = ""
     # Hand kubelet device specs for /dev/nvidiaN and the control devices that exist.
     pass_device_specs: bool = True
     # The driver's MIG capability files (gpu<minor>/mig/gi<g>[/ci<c>]/access): a MIG

@@ -10,7 +10,11 @@ uvm-tools files are often absent, which is why NVIDIA checks them one by one too
 
 ``dev_root`` is where the files are looked up (``/host/dev`` when the plugin runs in a
 container with the host's /dev mounted there, a tmp dir in tests); ``host_dev`` is
-what kubelet must be told (the host's ``/dev``).
+what kubelet must be told (the host's ``/dev``); ``container_dev`` is where the files
+appear inside the container (``/dev``). Only a node whose device files live elsewhere
+than the host's /dev has ``host_dev`` != ``container_dev``: the mock dev root of the
+real-node tests (tests/support/node.py), whose ``<root>/nvidia3`` must still be
+``/dev/nvidia3`` in the container.
 
 A MIG device also needs the capability nodes of its GPU instance and compute
 instance: the driver names them in ``<capabilities>/gpu<minor>/mig/gi<g>/access`` and
@@ -43,6 +47,7 @@ class DeviceNodes:
         dev_root: str | Path = "/dev",
         host_dev: str = "/dev",
         permissions: str = "rw",
+        container_dev: str | None = None,
         *,
         recheck_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
@@ -51,6 +56,8 @@ class DeviceNodes:
         self.capabilities = Path(capabilities)
         self.dev_root = Path(dev_root)
         self.host_dev = PurePosixPath(host_dev)
+        # None: the same as host_dev (the usual node).
+        self.container_dev = PurePosixPath(host_dev if container_dev is None else container_dev)
         self.permissions = permissions
         self._recheck_s = recheck_s
         self._clock = clock
@@ -75,8 +82,11 @@ class DeviceNodes:
             return None
         spec = self._specs.get(name)
         if spec is None:
-            path = str(self.host_dev / name)
-            spec = DeviceSpec(container_path=path, host_path=path, permissions=self.permissions)
+            spec = DeviceSpec(
+                container_path=str(self.container_dev / name),
+                host_path=str(self.host_dev / name),
+                permissions=self.permissions,
+            )
             # Only nvidiaN and the control files: bounded by the node's GPUs.
             self._specs[name] = spec
         return spec

@@ -122,7 +122,10 @@ class DevicePluginManager:
     ) -> None:
         self.config = config
         nodes = device_nodes or DeviceNodes(
-            config.dev_root, config.host_dev, capabilities=config.mig_capabilities_root
+            config.dev_root,
+            config.host_dev,
+            container_dev=config.container_dev or None,
+            capabilities=config.mig_capabilities_root,
         )
         calls = metrics or PluginMetrics()
         self.servers = [

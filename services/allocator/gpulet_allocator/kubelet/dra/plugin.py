@@ -101,6 +101,8 @@ class PluginSettings:
     checkpoint: Path
     dev_root: Path = Path("/dev")
     host_dev: str = "/dev"
+    # Where the device nodes appear in the container (None: host_dev).
+    container_dev: str | None = None
     mps_pipe_directory: str = ""
     # gpulet's per-GPU MPS control daemons (gpulet_common.mps): a share's device mounts
     # its GPU's pipe and log directories. Empty: none (or the operator's pipe directory).
@@ -161,7 +163,10 @@ class DraPlugin:
         self.checkpoint = CheckpointFile(settings.checkpoint)
         self.locks = _Locks()
         self._nodes = DeviceNodes(
-            settings.dev_root, settings.host_dev, capabilities=settings.mig_capabilities_root
+            settings.dev_root,
+            settings.host_dev,
+            container_dev=settings.container_dev,
+            capabilities=settings.mig_capabilities_root,
         )
         self._wake: anyio.Event | None = None
         self._log = RateLimitedLog(log, per_minute=10)
@@ -339,6 +344,7 @@ class DraPlugin:
             ],
             dev_root=s.dev_root,
             host_dev=s.host_dev,
+            container_dev=s.container_dev,
             mps_pipe_directory=s.mps_pipe_directory,
             mps_root=s.mps_root,
             control=self._nodes.control_names(),  # looked at once a second

@@ -4,8 +4,12 @@ Sockets (``/var/lib/kubelet`` by default, both configurable):
 
 * ``plugins_registry/<driver>-reg.sock``: ``pluginregistration.Registration``.
   kubelet's plugin watcher finds it, calls ``GetInfo`` (we answer type
-  ``DRAPlugin``, our driver name, the DRA socket's path, versions
-  ``v1.DRAPlugin``) and then ``NotifyRegistrationStatus``;
+  ``DRAPlugin``, our driver name, the DRA socket's path, the gRPC services
+  ``v1.DRAPlugin`` and ``DRAResourceHealth`` in v1, v1beta1 and v1alpha1) and
+  then ``NotifyRegistrationStatus``. kubelet opens the health stream only for a
+  driver that lists a DRAResourceHealth service there (1.37 picks the newest it knows:
+  v1, else v1alpha1; it has no v1beta1); without it the pods' ``allocatedResourcesStatus``
+  stays ``Unknown`` (tests/node/test_node_health.py, on a real kubelet);
 * ``plugins/<driver>/dra.sock``: ``k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin``
   (NodePrepareResources, NodeUnprepareResources) and ``DRAResourceHealth`` in
   v1alpha1, v1beta1 and v1.
@@ -47,7 +51,15 @@ SOCKET_MODE: Final = 0o600
 # them: exactly this, whatever the umask, as kubelet makes its own.
 SOCKET_DIR_MODE: Final = 0o750
 PLUGIN_TYPE: Final = "DRAPlugin"
-SUPPORTED_VERSIONS: Final = ("v1.DRAPlugin",)
+# The gRPC services kubelet may use, as "<package>.<service>": the DRA plugin, then every
+# health service served (kubelet picks the first of its own list that we name: 1.37
+# knows v1 and v1alpha1).
+SUPPORTED_VERSIONS: Final = (
+    "v1.DRAPlugin",
+    "v1.DRAResourceHealth",
+    "v1beta1.DRAResourceHealth",
+    "v1alpha1.DRAResourceHealth",
+)
 STOP_GRACE_S: Final = 0.5
 MAX_CLAIMS_PER_CALL: Final = 1024
 Context = grpc.aio.ServicerContext[Any, Any]

@@ -123,6 +123,8 @@ class DraPluginRunner:
             cdi_dir=Path(dra.cdi_dir),
             checkpoint=checkpoint_path(rt),
             dev_root=Path(rt.settings.allocator.plugin.dev_root),
+            host_dev=rt.settings.allocator.plugin.host_dev,
+            container_dev=rt.settings.allocator.plugin.container_dev or None,
             mig_capabilities_root=Path(rt.settings.allocator.plugin.mig_capabilities_root),
             mps_root=mps_paths.root(rt.settings) if mps_paths.managed(rt.settings) else "",
             mps_pipe_directory=rt.settings.allocator.mps.pipe_directory,

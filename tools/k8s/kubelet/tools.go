@@ -1,0 +1,6 @@
+//go:build tools
+
+// Package tools names the command this module builds, so `go mod tidy` keeps it.
+package tools
+
+import _ "k8s.io/kubernetes/cmd/kubelet"
