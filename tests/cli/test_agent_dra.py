@@ -178,41 +178,39 @@ async def test_gpulet_run_in_dra_mode_serves_claims_from_the_one_ledger(
         await anyio.to_thread.run_sync(agent.stop)
 
 
+def both_modes_agent(emu: KubeEmulator, short_dir: Path, tmp_path: Path) -> Agent:
+    """``gpulet run`` in DRA mode ``both`` on the NVLink-pairs node, its reporter and
+    DRA plugin writing to the emulator, every directory of its own."""
+    kubeconfig = emu.write_kubeconfig(tmp_path / "kubeconfig")
+    settings = {
+        "dra.mode": "both",
+        "dra.kubeconfig": kubeconfig,
+        "dra.cdi_dir": short_dir / "cdi",
+        "dra.plugins_registry": short_dir / "registry",
+        "dra.plugins_dir": short_dir / "plugins",
+        "dra.quiet_window_s": 0.05,
+        "reporter.mode": "cluster",
+        "reporter.kubeconfig": kubeconfig,
+        "reporter.request_retry_s": 0.2,
+        "allocator.plugin.plugin_dir": short_dir / "device-plugins",
+    }
+    args = [arg for key, value in settings.items() for arg in ("--set", f"{key}={value}")]
+    return Agent(tmp_path, "--nvml", "mock:nvlink-pairs-8gpu", *args, node=NODE)
+
+
+def device_plugin_tainted(emu: KubeEmulator, name: str) -> bool:
+    """The slice's device ``name`` carries the device plugin's taint."""
+    device = devices(emu).get(name, {})
+    return any(t["key"] == f"{DRIVER}/device-plugin" for t in device.get("taints", []))
+
+
 async def test_gpulet_run_in_both_modes_taints_what_the_device_plugin_holds(
     emu: KubeEmulator, short_dir: Path, tmp_path: Path
 ) -> None:
-    kubeconfig = emu.write_kubeconfig(tmp_path / "kubeconfig")
-    agent = Agent(
-        tmp_path,
-        "--nvml",
-        "mock:nvlink-pairs-8gpu",
-        "--set",
-        "dra.mode=both",
-        "--set",
-        f"dra.kubeconfig={kubeconfig}",
-        "--set",
-        f"dra.cdi_dir={short_dir / 'cdi'}",
-        "--set",
-        f"dra.plugins_registry={short_dir / 'registry'}",
-        "--set",
-        f"dra.plugins_dir={short_dir / 'plugins'}",
-        "--set",
-        "dra.quiet_window_s=0.05",
-        "--set",
-        "reporter.mode=cluster",
-        "--set",
-        f"reporter.kubeconfig={kubeconfig}",
-        "--set",
-        "reporter.request_retry_s=0.2",
-        "--set",
-        f"allocator.plugin.plugin_dir={short_dir / 'device-plugins'}",
-        node=NODE,
-    )
-    taint = f"{DRIVER}/device-plugin"
+    agent = both_modes_agent(emu, short_dir, tmp_path)
 
     def tainted(name: str) -> bool:
-        device = devices(emu).get(name, {})
-        return any(t["key"] == taint for t in device.get("taints", []))
+        return device_plugin_tainted(emu, name)
 
     try:
         await wait_until(
@@ -265,38 +263,10 @@ async def test_a_restart_never_lowers_the_device_plugin_taint(
     """Defect: a restarted reporter wrote the slice with no held GPU before the
     allocator's first ``held`` answer, and the scheduler gave the held GPU to a claim.
     The slice is sampled every 50 ms across several restarts: never untainted."""
-    kubeconfig = emu.write_kubeconfig(tmp_path / "kubeconfig")
-    agent = Agent(
-        tmp_path,
-        "--nvml",
-        "mock:nvlink-pairs-8gpu",
-        "--set",
-        "dra.mode=both",
-        "--set",
-        f"dra.kubeconfig={kubeconfig}",
-        "--set",
-        f"dra.cdi_dir={short_dir / 'cdi'}",
-        "--set",
-        f"dra.plugins_registry={short_dir / 'registry'}",
-        "--set",
-        f"dra.plugins_dir={short_dir / 'plugins'}",
-        "--set",
-        "dra.quiet_window_s=0.05",
-        "--set",
-        "reporter.mode=cluster",
-        "--set",
-        f"reporter.kubeconfig={kubeconfig}",
-        "--set",
-        "reporter.request_retry_s=0.2",
-        "--set",
-        f"allocator.plugin.plugin_dir={short_dir / 'device-plugins'}",
-        node=NODE,
-    )
-    taint = f"{DRIVER}/device-plugin"
+    agent = both_modes_agent(emu, short_dir, tmp_path)
 
     def tainted(name: str) -> bool:
-        device = devices(emu).get(name, {})
-        return any(t["key"] == taint for t in device.get("taints", []))
+        return device_plugin_tainted(emu, name)
 
     try:
         await wait_until(

@@ -82,22 +82,7 @@ def json_document(
     what: str = "document",
 ) -> Any:
     """``raw`` JSON as Python objects, or :class:`UntrustedDocumentError`."""
-    _bounded_size(raw, max_bytes, what)
-    data = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else bytes(raw)
-    try:
-        problem = nesting_problem(data, max_depth)
-        if problem is not None:
-            reason, detail = problem
-            raise UntrustedDocumentError(  # noqa: TRY301 - one except for all paths
-                reason if reason == TOO_DEEP else INVALID, f"{what}: {detail}"
-            )
-        return _json.decode(data)
-    except UntrustedDocumentError:
-        raise
-    except msgspec.DecodeError as exc:
-        raise UntrustedDocumentError(INVALID, f"{what}: not JSON: {exc}"[:300]) from None
-    except Exception as exc:  # RecursionError, MemoryError, UnicodeDecodeError, ...
-        raise UntrustedDocumentError(ERROR, f"{what}: {type(exc).__name__}: {exc}"[:300]) from None
+    return json_typed(raw, _json, max_bytes=max_bytes, max_depth=max_depth, what=what)
 
 
 def json_typed(
@@ -108,10 +93,10 @@ def json_typed(
     max_depth: int = MAX_DEPTH,
     what: str = "document",
 ) -> T:
-    """``raw`` JSON decoded by a typed ``decoder`` (a state or settings file's own
-    Struct decoder, strict or not as it was built), or :class:`UntrustedDocumentError`:
-    the same bounds as :func:`json_document` run first, because msgspec recurses while
-    it skips an unknown field as much as while it decodes an ``Any``."""
+    """``raw`` JSON decoded by ``decoder`` (a state or settings file's own Struct
+    decoder, strict or not as it was built; untyped for :func:`json_document`), or
+    :class:`UntrustedDocumentError`. The bounds run first whatever the decoder: msgspec
+    recurses while it skips an unknown field as much as while it decodes an ``Any``."""
     _bounded_size(raw, max_bytes, what)
     data = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else bytes(raw)
     try:
@@ -124,9 +109,11 @@ def json_typed(
         return decoder.decode(data)
     except UntrustedDocumentError:
         raise
-    except msgspec.DecodeError as exc:  # ValidationError included
+    except msgspec.ValidationError as exc:
         raise UntrustedDocumentError(INVALID, f"{what}: {exc}"[:300]) from None
-    except Exception as exc:  # RecursionError, MemoryError, ...
+    except msgspec.DecodeError as exc:
+        raise UntrustedDocumentError(INVALID, f"{what}: not JSON: {exc}"[:300]) from None
+    except Exception as exc:  # RecursionError, MemoryError, UnicodeDecodeError, ...
         raise UntrustedDocumentError(ERROR, f"{what}: {type(exc).__name__}: {exc}"[:300]) from None
 
 
