@@ -46,12 +46,18 @@ Checked:
   root (its ``kubelet.sock`` is a socket there), the state under the node's root;
 - the pod's device plugin registers with the real kubelet: the Node's capacity and
   allocatable show ``nvidia.com/gpu: 8`` (dgx-h100, the overlay's scenario), and the
-  plugin's socket is in kubelet's directory. A pod asking ``nvidia.com/gpu: 1`` is
-  then admitted and runs: kubelet's Allocate call was answered by the pod's plugin.
+  plugin's socket is in kubelet's directory;
+- the pod's reporter, in cluster mode with the token kubelet projected for it (the
+  RBAC and the node-restriction policy applied for real), writes the node's Device
+  with its 8 GPUs;
+- a pod asking ``nvidia.com/gpu: 1`` is then admitted and runs with one GPU of that
+  Device in ``NVIDIA_VISIBLE_DEVICES``: kubelet's Allocate was answered by the pod's
+  plugin.
 
-A mutant overlay without the device-plugins mount (or with it read-only somewhere
-else) leaves allocatable without ``nvidia.com/gpu`` and fails the registration test;
-an image that cannot start a service fails the first test with the container named.
+A mutant overlay without the device-plugins mount leaves allocatable without
+``nvidia.com/gpu`` (the pod is still Ready) and fails the mount, registration and
+GPU-pod tests; a reporter that does not write to the cluster fails the Device test; a
+container that cannot start fails the module with its name, exit code and log.
 
 Opt-in like the image tests (``IMAGE_TESTS=1``, marker ``image``): it needs podman and
 the image build.
@@ -74,6 +80,7 @@ from support.control_plane_fixtures import unique_name
 from support.deploy import KUSTOMIZE, kustomize
 from support.gpulet_on_kube import must_apply
 from support.node import Pods, RealNode, pod_manifest
+from support.node_gpulet import env_of
 from support.node_parts import DEVICE_PLUGIN_DIR
 from support.podman import (
     IMAGE,
@@ -94,6 +101,7 @@ MOCK_LABEL = "gpulet.io/mock-gpus"
 NAMESPACE = "gpulet-system"
 KUBELET_DIR = "/var/lib/kubelet"
 STATE_DIR = "/var/lib/gpulet"
+DEVICES = "/apis/scheduling.koordinator.sh/v1alpha1/devices"
 SERVICES = ("collector", "health", "nats", "reporter", "allocator", "device-plugin")
 
 pytestmark = [
@@ -393,10 +401,37 @@ async def test_the_pods_device_plugin_registers_eight_gpus_with_kubelet(
     assert socket_name("gpulet", GPU) in sockets, sockets
 
 
+def _device_gpus(real_node: RealNode) -> list[str]:
+    """The GPU ids of the node's Device (Koordinator's CRD, written by the reporter)."""
+    resp = real_node.plane.request("GET", f"{DEVICES}/{real_node.name}")
+    if not resp.ok:
+        return []
+    entries = resp.body.get("spec", {}).get("devices") or []
+    return [str(d.get("id")) for d in entries if d.get("type") == "gpu"]
+
+
+async def test_the_pods_reporter_writes_the_nodes_device_with_its_own_token(
+    real_node: RealNode, daemon_pod: JsonObj
+) -> None:
+    # In cluster mode, through the projected token kubelet issued for the pod, the RBAC
+    # and the node-restriction policy applied above: the node's own Device, 8 GPUs.
+    await wait_until(
+        lambda: len(_device_gpus(real_node)) == 8,
+        timeout_s=90,
+        interval_s=0.5,
+        what=f"the Device {real_node.name} with 8 GPUs from the pod's reporter",
+    )
+    fields = real_node.plane.must("GET", f"{DEVICES}/{real_node.name}")["metadata"]
+    managers = {m.get("manager") for m in fields.get("managedFields") or []}
+    assert "gpulet-tests" not in managers, managers
+
+
 async def test_a_gpu_pod_gets_a_gpu_from_the_pods_plugin(
     real_node: RealNode, daemon_pod: JsonObj, pods: Pods
 ) -> None:
     await wait_until(lambda: real_node.allocatable(GPU) == "8", timeout_s=90, interval_s=0.5)
+    # The GPU ids the pod's reporter published, to check the pod's GPU against.
+    await wait_until(lambda: len(_device_gpus(real_node)) == 8, timeout_s=90, interval_s=0.5)
     name = unique_name("ds-gpu")
     pods.create(pod_manifest(name, real_node.name, limits={GPU: "1"}))
     try:
@@ -407,7 +442,9 @@ async def test_a_gpu_pod_gets_a_gpu_from_the_pods_plugin(
             what=f"GPU pod {name} running",
         )
         assert pods.running(name), pods.why(name)
-        env = pods.log(name)
-        assert "NVIDIA_VISIBLE_DEVICES=GPU-" in env, env[-2000:]
+        env = env_of(pods.log(name))
+        visible = env.get("NVIDIA_VISIBLE_DEVICES", "").split(",")
+        assert len(visible) == 1, env
+        assert visible[0] in _device_gpus(real_node), (visible, _device_gpus(real_node))
     finally:
         pods.delete(name, grace_s=0)
