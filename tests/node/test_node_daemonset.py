@@ -204,28 +204,36 @@ def only(objects: list[JsonObj], kind: str) -> JsonObj:
 # --- fixtures ------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def imported(real_node: RealNode, tmp_path_factory: pytest.TempPathFactory) -> list[str]:
-    """The images ``make image`` builds, in the node's containerd."""
+@pytest.fixture(scope="module", autouse=True)
+def image_archives(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Path]]:
+    """The images ``make image`` builds, saved as docker archives: before the real
+    node's machine-wide lock is taken (autouse, so first), so that a cold build never
+    keeps the other node modules waiting."""
     for tool in ("podman", "kubectl"):
         if problem := missing_tool(tool):
             pytest.fail(problem)
     podman = Podman()
     work = tmp_path_factory.mktemp("images")
     build_images(podman, work / "build.log", BUILD_TIMEOUT_S)
-    names = []
+    archives = {}
     for image in (IMAGE, NATS_IMAGE):
-        archive = real_node.root / f"{image.replace(':', '_').replace('/', '_')}.tar"
+        archive = work / f"{image.replace(':', '_').replace('/', '_')}.tar"
         podman("save", "--format", "docker-archive", "-o", str(archive), local(image), timeout=600)
-        try:
-            real_node.ctr("images", "import", str(archive), timeout_s=600)
-        finally:
-            archive.unlink(missing_ok=True)
-        names.append(local(image))
-    listed = real_node.ctr("images", "ls", "-q")
-    for name in names:
-        assert name in listed.split(), f"{name} not in the node's containerd:\n{listed}"
-    return names
+        archives[local(image)] = archive
+    yield archives
+    for archive in archives.values():
+        archive.unlink(missing_ok=True)
+
+
+@pytest.fixture(scope="module")
+def imported(real_node: RealNode, image_archives: dict[str, Path]) -> list[str]:
+    """Those images in the node's containerd (namespace ``k8s.io``)."""
+    for archive in image_archives.values():
+        real_node.ctr("images", "import", str(archive), timeout_s=600)
+    listed = real_node.ctr("images", "ls", "-q").split()
+    for name in image_archives:
+        assert name in listed, f"{name} not in the node's containerd:\n{listed}"
+    return list(image_archives)
 
 
 @pytest.fixture(scope="module")
