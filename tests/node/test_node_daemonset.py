@@ -33,7 +33,10 @@ What the test node forces, and only that, is changed (:func:`for_test_node`):
   API server (127.0.0.1 and its port). The tests' kube-apiserver listens on 127.0.0.1
   only and no kube-proxy serves the ``kubernetes`` Service's ClusterIP, so a pod on
   the CNI bridge could not reach it; on a cluster the rendered pod reaches it by the
-  Service. The pod then uses the host's ports 4222, 8222 and 5678-5682, as rendered.
+  Service. On the host's network the fixed ports (NATS' 4222 and 8222, the sidecars'
+  metrics ports 5678-5682) may be taken on a shared machine, so each becomes a free one
+  in arguments, probes and ``ports`` alike (``support.kube_play.use_ports``, the podman
+  pod test's rule).
 
 Checked:
 
@@ -76,9 +79,11 @@ from typing import Any
 import pytest
 
 from gpulet_allocator.kubelet.deviceplugin.server import socket_name
+from gpulet_common.embedded_nats import free_port
 from support.control_plane_fixtures import unique_name
 from support.deploy import KUSTOMIZE, kustomize
 from support.gpulet_on_kube import must_apply
+from support.kube_play import fixed_ports, use_ports
 from support.node import Pods, RealNode, pod_manifest
 from support.node_gpulet import env_of
 from support.node_parts import DEVICE_PLUGIN_DIR
@@ -186,6 +191,11 @@ def for_test_node(
         if path in host_paths:
             volume["hostPath"]["path"] = host_paths[path]
     spec["hostNetwork"] = True
+    ports = {p: free_port("0.0.0.0") for p in fixed_ports(spec)}
+    for container in spec.get("initContainers", []) + spec["containers"]:
+        use_ports(container, ports, nats_server=container["name"] == "nats")
+        for port in container.get("ports", []):
+            port["containerPort"] = ports[port["containerPort"]]
     in_cluster = [
         {"name": "KUBERNETES_SERVICE_HOST", "value": "127.0.0.1"},
         {"name": "KUBERNETES_SERVICE_PORT", "value": str(api_port)},
