@@ -6,7 +6,8 @@ What runs, for real:
 
 1. ``scripts/image.sh build`` (what ``make image`` runs; layers cached), then
    ``podman save`` of both images (gpulet and the NATS sidecar) as docker archives,
-   imported into the node's containerd, namespace ``k8s.io`` (``ctr images import``).
+   both before the real node's machine-wide lock is taken; then imported into the
+   node's containerd, namespace ``k8s.io`` (``ctr images import``).
 2. ``kubectl kustomize deploy/kustomize/overlays/mock``: every object but the
    DaemonSet (Namespace, CRD, ServiceAccount, RBAC, ConfigMaps, Secret, admission
    policy) is applied to the real API server, in its namespace, and the Node gets the
@@ -46,7 +47,8 @@ Checked:
 - the hostPath mounts that containerd made (``crictl inspect``) are the real ones:
   the device-plugin container's ``/var/lib/kubelet/device-plugins`` is kubelet's
   directory, the allocator's ``/var/lib/kubelet/pod-resources`` the kubelet's under its
-  root (its ``kubelet.sock`` is a socket there), the state under the node's root;
+  root (its ``kubelet.sock`` is a socket there), the state (mounted by ``subPath``:
+  kubelet's ``volume-subpaths`` bind) the directory under the node's root;
 - the pod's device plugin registers with the real kubelet: the Node's capacity and
   allocatable show ``nvidia.com/gpu: 8`` (dgx-h100, the overlay's scenario), and the
   plugin's socket is in kubelet's directory;
