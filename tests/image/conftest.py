@@ -7,22 +7,11 @@ Every test here is opt-in (``IMAGE_TESTS=1``, see support.podman) and marked
 from __future__ import annotations
 
 import os
-import subprocess
-import time
 from typing import Any
 
 import pytest
 
-from support.podman import (
-    IMAGE,
-    IMAGE_SCRIPT,
-    NATS_IMAGE,
-    SKIP_REASON,
-    Podman,
-    enabled,
-    local,
-    missing_tool,
-)
+from support.podman import SKIP_REASON, Podman, build_images, enabled, missing_tool
 
 BUILD_TIMEOUT_S = 1800  # from scratch: debootstrap and every wheel, on a busy machine
 
@@ -49,21 +38,4 @@ def podman() -> Podman:
 @pytest.fixture(scope="session")
 def images(podman: Podman, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """``scripts/image.sh build`` (what ``make image`` runs): its time and the sizes."""
-    log = tmp_path_factory.mktemp("build") / "build.log"
-    started = time.monotonic()
-    with log.open("w") as out:
-        result = subprocess.run(
-            [str(IMAGE_SCRIPT), "build"],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            timeout=BUILD_TIMEOUT_S,
-            env={**podman.env, "IMAGE": IMAGE, "NATS_IMAGE": NATS_IMAGE},
-            check=False,
-        )
-    assert result.returncode == 0, f"scripts/image.sh build failed:\n{log.read_text()[-4000:]}"
-    return {
-        "build_s": round(time.monotonic() - started, 1),
-        "image_bytes": {
-            name: int(podman.inspect(local(name))["Size"]) for name in (IMAGE, NATS_IMAGE)
-        },
-    }
+    return build_images(podman, tmp_path_factory.mktemp("build") / "build.log", BUILD_TIMEOUT_S)

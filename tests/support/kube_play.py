@@ -109,6 +109,25 @@ def _set_env(container: JsonObj, name: str, value: str) -> None:
     container["env"] = [*env, {"name": name, "value": value}]
 
 
+def use_ports(container: JsonObj, ports: Mapping[int, int], *, nats_server: bool) -> None:
+    """Step 3 for one container on the host's network: every fixed port of
+    :func:`fixed_ports` in its arguments and probes becomes ``ports[port]``; the NATS
+    server (``nats_server``) gets ``--port``, any other container ``GPULET_NATS__URL``.
+    Its ``ports`` list is the caller's."""
+    c = container
+    c["args"] = [
+        f"{m.group(1)}{ports[int(m.group(2))]}" if (m := _PORT_ARG.match(a)) else a
+        for a in c.get("args", [])
+    ]
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        if probe in c:
+            _remap_probe(c[probe], ports)
+    if nats_server:
+        c["args"].append(f"--port={ports[NATS_CLIENT_PORT]}")
+    else:
+        _set_env(c, "GPULET_NATS__URL", f"nats://127.0.0.1:{ports[NATS_CLIENT_PORT]}")
+
+
 def pod_for_podman(
     objects: list[JsonObj],
     *,
@@ -182,18 +201,8 @@ def pod_for_podman(
         base_name = c["image"].rsplit("/", 1)[-1].split(":", 1)[0]
         c["image"] = images[base_name]
         # 3. Ports.
-        c["args"] = [
-            f"{m.group(1)}{ports[int(m.group(2))]}" if (m := _PORT_ARG.match(a)) else a
-            for a in c.get("args", [])
-        ]
+        use_ports(c, ports, nats_server=base_name == "nats" and c in spec["containers"])
         c.pop("ports", None)
-        for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
-            if probe in c:
-                _remap_probe(c[probe], ports)
-        if base_name == "nats" and c in spec["containers"]:
-            c["args"].append(f"--port={ports[NATS_CLIENT_PORT]}")
-        else:
-            _set_env(c, "GPULET_NATS__URL", f"nats://127.0.0.1:{ports[NATS_CLIENT_PORT]}")
         # 5. Environment.
         for e in c.get("env", []):
             source = e.get("valueFrom", {})

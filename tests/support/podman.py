@@ -11,6 +11,8 @@ import json
 import os
 import shutil
 import subprocess
+import time
+from pathlib import Path
 from typing import Any
 
 from support.deploy import ROOT
@@ -90,3 +92,25 @@ class Podman:
     def logs(self, container: str, lines: int = 40) -> str:
         result = self.run("logs", "--tail", str(lines), container, timeout=30)
         return (result.stdout + result.stderr)[-4000:]
+
+
+def build_images(podman: Podman, log: Path, timeout_s: float) -> dict[str, Any]:
+    """``scripts/image.sh build`` (what ``make image`` runs), its output in ``log``: the
+    build's time and the images' sizes. Fails with the end of the log when it fails."""
+    started = time.monotonic()
+    with log.open("w") as out:
+        result = subprocess.run(
+            [str(IMAGE_SCRIPT), "build"],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            timeout=timeout_s,
+            env={**podman.env, "IMAGE": IMAGE, "NATS_IMAGE": NATS_IMAGE},
+            check=False,
+        )
+    assert result.returncode == 0, f"scripts/image.sh build failed:\n{log.read_text()[-4000:]}"
+    return {
+        "build_s": round(time.monotonic() - started, 1),
+        "image_bytes": {
+            name: int(podman.inspect(local(name))["Size"]) for name in (IMAGE, NATS_IMAGE)
+        },
+    }
