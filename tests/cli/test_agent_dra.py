@@ -104,7 +104,7 @@ async def test_gpulet_run_in_dra_mode_serves_claims_from_the_one_ledger(
     try:
         # The slices: every GPU of the mock, a device of our driver.
         await wait_until(
-            lambda: len(devices(emu)) == 8, timeout_s=30, interval_s=0.05, what="8 devices"
+            lambda: len(devices(emu)) == 8, timeout_s=90, interval_s=0.05, what="8 devices"
         )
         assert {s["spec"]["driver"] for s in slices(emu)} == {DRIVER}
         gpu0 = devices(emu)["gpu-0"]
@@ -214,7 +214,7 @@ async def test_gpulet_run_in_both_modes_taints_what_the_device_plugin_holds(
 
     try:
         await wait_until(
-            lambda: len(devices(emu)) == 8, timeout_s=30, interval_s=0.05, what="8 devices"
+            lambda: len(devices(emu)) == 8, timeout_s=90, interval_s=0.05, what="8 devices"
         )
         assert not any(tainted(n) for n in devices(emu))
         uuid = devices(emu)["gpu-3"]["attributes"]["uuid"]["string"]
@@ -270,7 +270,7 @@ async def test_a_restart_never_lowers_the_device_plugin_taint(
 
     try:
         await wait_until(
-            lambda: len(devices(emu)) == 8, timeout_s=30, interval_s=0.05, what="8 devices"
+            lambda: len(devices(emu)) == 8, timeout_s=90, interval_s=0.05, what="8 devices"
         )
         uuid = devices(emu)["gpu-2"]["attributes"]["uuid"]["string"]
         settings = NatsSettings(url=agent.nats_url, request_timeout_s=5.0)
@@ -338,7 +338,7 @@ async def test_a_whole_gpu_configured_for_mps_gets_its_control_daemon(
     )
     try:
         await wait_until(
-            lambda: len(devices(emu)) == 8, timeout_s=30, interval_s=0.05, what="8 devices"
+            lambda: len(devices(emu)) == 8, timeout_s=90, interval_s=0.05, what="8 devices"
         )
         uuid = devices(emu)["gpu-1"]["attributes"]["uuid"]["string"]
         parameters = {
