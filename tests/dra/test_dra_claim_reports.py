@@ -208,21 +208,6 @@ async def test_admin_access_sees_a_busy_gpu_and_owns_nothing(
         assert "invalid cores" in answer.claims[zero].error
 
 
-def histogram_count(probe: MetricsProbe, name: str, **attributes: str) -> int:
-    data = probe.reader.get_metrics_data()
-    total = 0
-    for resource in data.resource_metrics if data is not None else []:
-        for scope in resource.scope_metrics:
-            for metric in scope.metrics:
-                if metric.name != name:
-                    continue
-                for point in metric.data.data_points:
-                    attrs = dict(point.attributes or {})
-                    if all(attrs.get(k) == v for k, v in attributes.items()):
-                        total += int(point.count)  # type: ignore[union-attr]
-    return total
-
-
 async def test_prepare_is_measured_by_result_and_reason(emu: KubeEmulator, short_dir: Path) -> None:
     probe = MetricsProbe()
     core = InMemoryCore.with_gpus(4)
@@ -237,8 +222,8 @@ async def test_prepare_is_measured_by_result_and_reason(emu: KubeEmulator, short
             ("default", pending, "pending"),
             ("default", str(uuid.uuid4()), "gone"),
         )
-        assert histogram_count(probe, "gpulet.dra.prepare_duration", result="ok") == 1
-        assert histogram_count(probe, "gpulet.dra.prepare_duration", result="error") == 3
+        assert probe.count("gpulet.dra.prepare_duration", result="ok") == 1
+        assert probe.count("gpulet.dra.prepare_duration", result="error") == 3
         assert probe.value("gpulet.dra.prepare_errors", reason="not_found") == 1
         assert probe.value("gpulet.dra.prepare_errors", reason="invalid_claim") == 1
         assert probe.value("gpulet.dra.prepare_errors", reason="insufficient_capacity") == 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 from opentelemetry import metrics
@@ -17,11 +18,16 @@ class MetricsProbe:
 
     def value(self, name: str, **attributes: Any) -> float:
         """Sum of the data points of ``name`` whose attributes include ``attributes``."""
+        return sum(float(p.value) for p in self._points(name, attributes))
+
+    def count(self, name: str, **attributes: Any) -> int:
+        """Sum of the counts of histogram ``name``'s points whose attributes include
+        ``attributes`` (how many values were recorded)."""
+        return sum(int(p.count) for p in self._points(name, attributes))
+
+    def _points(self, name: str, attributes: dict[str, Any]) -> Iterator[Any]:
         data = self.reader.get_metrics_data()
-        total = 0.0
-        if data is None:
-            return total
-        for resource in data.resource_metrics:
+        for resource in data.resource_metrics if data is not None else []:
             for scope in resource.scope_metrics:
                 for metric in scope.metrics:
                     if metric.name != name:
@@ -29,5 +35,4 @@ class MetricsProbe:
                     for point in metric.data.data_points:
                         attrs = dict(point.attributes or {})
                         if all(attrs.get(k) == v for k, v in attributes.items()):
-                            total += float(point.value)  # type: ignore[union-attr]
-        return total
+                            yield point
