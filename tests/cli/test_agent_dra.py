@@ -74,32 +74,14 @@ async def reserve_claim_requests(bus: Bus) -> int:
 async def test_gpulet_run_in_dra_mode_serves_claims_from_the_one_ledger(
     emu: KubeEmulator, short_dir: Path, tmp_path: Path, host: str
 ) -> None:
-    kubeconfig = emu.write_kubeconfig(tmp_path / "kubeconfig")
-    agent = Agent(
+    agent = dra_agent(
+        emu,
+        short_dir,
         tmp_path,
-        "--nvml",
-        "mock:nvlink-pairs-8gpu",
-        "--set",
-        "dra.mode=dra",
-        "--set",
-        f"dra.plugin_host={host}",
-        "--set",
-        f"dra.kubeconfig={kubeconfig}",
-        "--set",
-        f"dra.cdi_dir={short_dir / 'cdi'}",
-        "--set",
-        f"dra.plugins_registry={short_dir / 'registry'}",
-        "--set",
-        f"dra.plugins_dir={short_dir / 'plugins'}",
-        "--set",
-        "dra.quiet_window_s=0.05",
-        "--set",
-        "reporter.mode=cluster",
-        "--set",
-        f"reporter.kubeconfig={kubeconfig}",
-        "--set",
-        f"allocator.plugin.dev_root={short_dir / 'dev'}",
-        node=NODE,
+        "dra",
+        dra__plugin_host=host,
+        dra__quiet_window_s=0.05,
+        allocator__plugin__dev_root=short_dir / "dev",
     )
     try:
         # The slices: every GPU of the mock, a device of our driver.
@@ -178,24 +160,38 @@ async def test_gpulet_run_in_dra_mode_serves_claims_from_the_one_ledger(
         await anyio.to_thread.run_sync(agent.stop)
 
 
-def both_modes_agent(emu: KubeEmulator, short_dir: Path, tmp_path: Path) -> Agent:
-    """``gpulet run`` in DRA mode ``both`` on the NVLink-pairs node, its reporter and
-    DRA plugin writing to the emulator, every directory of its own."""
+def dra_agent(
+    emu: KubeEmulator, short_dir: Path, tmp_path: Path, mode: str, **more: object
+) -> Agent:
+    """``gpulet run`` in DRA ``mode`` on the NVLink-pairs node, its reporter and DRA
+    plugin writing to the emulator, every directory of its own; ``more`` settings
+    (``allocator__plugin__dev_root=...`` for ``allocator.plugin.dev_root``) beside."""
     kubeconfig = emu.write_kubeconfig(tmp_path / "kubeconfig")
     settings = {
-        "dra.mode": "both",
+        "dra.mode": mode,
         "dra.kubeconfig": kubeconfig,
         "dra.cdi_dir": short_dir / "cdi",
         "dra.plugins_registry": short_dir / "registry",
         "dra.plugins_dir": short_dir / "plugins",
-        "dra.quiet_window_s": 0.05,
         "reporter.mode": "cluster",
         "reporter.kubeconfig": kubeconfig,
-        "reporter.request_retry_s": 0.2,
-        "allocator.plugin.plugin_dir": short_dir / "device-plugins",
+        **{key.replace("__", "."): value for key, value in more.items()},
     }
     args = [arg for key, value in settings.items() for arg in ("--set", f"{key}={value}")]
     return Agent(tmp_path, "--nvml", "mock:nvlink-pairs-8gpu", *args, node=NODE)
+
+
+def both_modes_agent(emu: KubeEmulator, short_dir: Path, tmp_path: Path) -> Agent:
+    """:func:`dra_agent` in mode ``both``, the device plugin's socket dir of its own."""
+    return dra_agent(
+        emu,
+        short_dir,
+        tmp_path,
+        "both",
+        dra__quiet_window_s=0.05,
+        reporter__request_retry_s=0.2,
+        allocator__plugin__plugin_dir=short_dir / "device-plugins",
+    )
 
 
 def device_plugin_tainted(emu: KubeEmulator, name: str) -> bool:
@@ -313,28 +309,8 @@ async def test_a_whole_gpu_configured_for_mps_gets_its_control_daemon(
     """A claim's GpuConfig with sharing.strategy MPS on a whole GPU: while the claim is
     prepared the allocator runs that GPU's control daemon (the mock's) with the config's
     limits, the CDI spec mounts its pipe, and Unprepare ends it."""
-    kubeconfig = emu.write_kubeconfig(tmp_path / "kubeconfig")
-    agent = Agent(
-        tmp_path,
-        "--nvml",
-        "mock:nvlink-pairs-8gpu",
-        "--set",
-        "dra.mode=dra",
-        "--set",
-        f"dra.kubeconfig={kubeconfig}",
-        "--set",
-        f"dra.cdi_dir={short_dir / 'cdi'}",
-        "--set",
-        f"dra.plugins_registry={short_dir / 'registry'}",
-        "--set",
-        f"dra.plugins_dir={short_dir / 'plugins'}",
-        "--set",
-        "reporter.mode=cluster",
-        "--set",
-        f"reporter.kubeconfig={kubeconfig}",
-        "--set",
-        f"allocator.plugin.dev_root={short_dir / 'dev'}",
-        node=NODE,
+    agent = dra_agent(
+        emu, short_dir, tmp_path, "dra", allocator__plugin__dev_root=short_dir / "dev"
     )
     try:
         await wait_until(
